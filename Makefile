@@ -1,0 +1,35 @@
+# The two commands of the README do all set-up on a fresh machine:
+#   make run    the main job
+#   make test   the test suite (what CI runs)
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := build/.installed
+TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+
+.PHONY: setup run test test-py test-cpp bench clean
+
+$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu)
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-build-isolation -e .
+	@mkdir -p build && touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(PYTHON) bench/pack.py
+
+test: test-cpp test-py
+
+test-py: setup
+	$(PYTHON) -m pytest tests
+
+test-cpp: setup
+	cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" > build/cmake.log
+	cmake --build build/cmake -j2 >> build/cmake.log
+	ctest --test-dir build/cmake --output-on-failure
+
+bench: setup
+	$(PYTHON) -m pytest bench -q --benchmark-columns=median,ops
+
+clean:
+	rm -rf build *.egg-info hybridflow_comm/_C*.so

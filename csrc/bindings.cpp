@@ -1,0 +1,22 @@
+// Python bindings of the C++ core: hybridflow_comm._C
+#include <torch/extension.h>
+
+#include "flat_buffer.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hybridflow C++ core: flat parameter buffers, pack/unpack, rank plans";
+  m.def("page_size", &hybridflow::page_size);
+  m.def("alloc_paged", &hybridflow::alloc_paged, py::arg("nbytes"),
+        "1-D uint8 tensor on its own page-aligned anonymous mapping");
+  m.def("release_pages", &hybridflow::release_pages, py::arg("buffer"), py::arg("offset"),
+        py::arg("nbytes"), "Drop the whole pages inside a byte range; returns bytes released");
+  m.def("resident_bytes", &hybridflow::resident_bytes, py::arg("buffer"), py::arg("offset"),
+        py::arg("nbytes"));
+  m.def("plan_offsets", &hybridflow::plan_offsets, py::arg("nbytes"), py::arg("align"));
+  m.def("pack_into", &hybridflow::pack_into, py::arg("tensors"), py::arg("flat"),
+        py::arg("offsets"), py::call_guard<py::gil_scoped_release>());
+  m.def("unpack_from", &hybridflow::unpack_from, py::arg("flat"), py::arg("tensors"),
+        py::arg("offsets"), py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,306 @@
+"""Parallel layouts of the training and generation sides, as pure arithmetic.
+
+Nothing here touches torch.distributed: every function maps sizes and a rank to ranks or
+coordinates, so the whole module is testable without a process and two layouts can live side
+by side in one process (one per role).
+
+Training side, ``ParallelLayout(pp, tp, dp)`` (the paper's ``p-t-d``)::
+
+    rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank        # tp fastest, then pp, then dp
+
+Generation side, ``HybridLayout(train, pp_g, tp_g)`` (the paper's ``p_g-t_g-d_g-d``) on the
+same ranks.  With ``micro_tp = tp / tp_g`` and ``micro_pp = pp / pp_g`` every training
+coordinate splits in two::
+
+    tp_rank = tp_g_rank * micro_tp + micro_tp_rank
+    pp_rank = pp_g_rank * micro_pp + micro_pp_rank
+    micro_dp_rank = micro_pp_rank * micro_tp + micro_tp_rank     # in [0, micro_dp_size)
+
+Example, training 1-4-2 -> generation 1-2 (8 ranks, micro_dp_size 2)::
+
+    training TP groups   [0 1 2 3] [4 5 6 7]
+    generation TP groups [0 . 2 .] [. 1 . 3] [4 . 6 .] [. 5 . 7]     stride micro_tp = 2
+    micro-DP groups      [0 1] [2 3] [4 5] [6 7]                      consecutive ranks
+
+Shards.  Split every tensor along its partition dim into ``tp`` equal pieces and the layers into
+``pp`` equal stages; a *piece* is ``(pp_rank, tp_rank)``:
+
+* the training shard of a rank is the single piece ``(pp_rank, tp_rank)``;
+* the generation shard of a rank is every piece ``(s, t)`` with ``s // micro_pp == pp_g_rank``
+  and ``t // micro_tp == tp_g_rank``: the layers of generation stage ``pp_g_rank`` cut ``tp_g``
+  ways, i.e. ``micro_dp_size`` pieces, ordered by ``micro_dp_rank``.
+
+The rank with micro-DP rank ``k`` holds exactly piece ``k`` of its own generation shard (its
+training shard is one *slot* of its generation shard), and the ranks of one micro-DP group hold
+all ``micro_dp_size`` slots between them, each once.  So one all-gather inside each micro-DP
+group builds every generation shard with zero redundant weights.
+
+Run ``python -m hybridflow_comm.layout --train PP,TP,DP --gen PP_G,TP_G`` to print all groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+Groups = list[list[int]]
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < 1:
+            raise ValueError(f"{name} must be a positive int, got {name}={value}")
+
+
+class TrainCoords(NamedTuple):
+    pp: int
+    tp: int
+    dp: int
+
+
+class GenCoords(NamedTuple):
+    """Generation-side coordinates of one rank.
+
+    ``dp_g`` numbers the generation replicas: ``dp * micro_dp_size + micro_dp``.
+    """
+
+    pp_g: int
+    tp_g: int
+    micro_dp: int
+    dp: int
+    dp_g: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Training layout ``pp x tp x dp``; ranks ordered tp fastest, then pp, then dp."""
+
+    pp: int
+    tp: int
+    dp: int
+
+    def __post_init__(self) -> None:
+        _check_sizes(pp=self.pp, tp=self.tp, dp=self.dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError unless this layout covers exactly ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"layout pp={self.pp} x tp={self.tp} x dp={self.dp} covers {self.world_size} "
+                f"ranks but the job has world_size={world_size}"
+            )
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside [0, {self.world_size}) for {self}")
+
+    def coords(self, rank: int) -> TrainCoords:
+        """Training coordinates ``(pp, tp, dp)`` of ``rank``."""
+        self._check_rank(rank)
+        tp_rank = rank % self.tp
+        pp_rank = (rank // self.tp) % self.pp
+        dp_rank = rank // (self.tp * self.pp)
+        return TrainCoords(pp=pp_rank, tp=tp_rank, dp=dp_rank)
+
+    def rank(self, *, pp: int, tp: int, dp: int) -> int:
+        """Rank at training coordinates ``(pp, tp, dp)``."""
+        for name, value, size in (("pp", pp, self.pp), ("tp", tp, self.tp), ("dp", dp, self.dp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name}={value} is outside [0, {size}) for {self}")
+        return dp * self.pp * self.tp + pp * self.tp + tp
+
+    def tp_groups(self) -> Groups:
+        return [[self.rank(pp=s, tp=t, dp=d) for t in range(self.tp)]
+                for d in range(self.dp) for s in range(self.pp)]
+
+    def pp_groups(self) -> Groups:
+        return _sorted([[self.rank(pp=s, tp=t, dp=d) for s in range(self.pp)]
+                        for d in range(self.dp) for t in range(self.tp)])
+
+    def dp_groups(self) -> Groups:
+        return _sorted([[self.rank(pp=s, tp=t, dp=d) for d in range(self.dp)]
+                        for s in range(self.pp) for t in range(self.tp)])
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """Generation layout ``pp_g x tp_g`` on the ranks of the training layout ``train``.
+
+    Requires ``tp_g | tp`` and ``pp_g | pp``; each training replica becomes
+    ``micro_dp_size = (pp * tp) / (pp_g * tp_g)`` generation replicas.
+    """
+
+    train: ParallelLayout
+    pp_g: int
+    tp_g: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.train, ParallelLayout):
+            raise TypeError(f"train must be a ParallelLayout, got {self.train!r}")
+        _check_sizes(pp_g=self.pp_g, tp_g=self.tp_g)
+        if self.train.tp % self.tp_g:
+            raise ValueError(
+                f"tp_g={self.tp_g} must divide the training tp={self.train.tp} "
+                f"(choose tp_g from {_divisors(self.train.tp)})"
+            )
+        if self.train.pp % self.pp_g:
+            raise ValueError(
+                f"pp_g={self.pp_g} must divide the training pp={self.train.pp} "
+                f"(choose pp_g from {_divisors(self.train.pp)})"
+            )
+
+    # Derived sizes -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.train.world_size
+
+    @property
+    def micro_tp(self) -> int:
+        """Training TP shards per generation TP shard (``tp / tp_g``)."""
+        return self.train.tp // self.tp_g
+
+    @property
+    def micro_pp(self) -> int:
+        """Training stages per generation stage (``pp / pp_g``)."""
+        return self.train.pp // self.pp_g
+
+    @property
+    def micro_dp_size(self) -> int:
+        return self.micro_tp * self.micro_pp
+
+    @property
+    def dp_g(self) -> int:
+        """Number of generation replicas over the whole world (``dp * micro_dp_size``)."""
+        return self.train.dp * self.micro_dp_size
+
+    def check_world_size(self, world_size: int) -> None:
+        self.train.check_world_size(world_size)
+
+    # Coordinates ---------------------------------------------------------------------------
+    def gen_coords(self, rank: int) -> GenCoords:
+        """Generation coordinates of ``rank`` (see the module docstring)."""
+        c = self.train.coords(rank)
+        tp_g_rank, micro_tp_rank = divmod(c.tp, self.micro_tp)
+        pp_g_rank, micro_pp_rank = divmod(c.pp, self.micro_pp)
+        micro = micro_pp_rank * self.micro_tp + micro_tp_rank
+        return GenCoords(pp_g=pp_g_rank, tp_g=tp_g_rank, micro_dp=micro, dp=c.dp,
+                         dp_g=c.dp * self.micro_dp_size + micro)
+
+    def gen_rank(self, *, pp_g: int, tp_g: int, micro_dp: int, dp: int) -> int:
+        """Rank at generation coordinates (inverse of :meth:`gen_coords`)."""
+        for name, value, size in (("pp_g", pp_g, self.pp_g), ("tp_g", tp_g, self.tp_g),
+                                  ("micro_dp", micro_dp, self.micro_dp_size),
+                                  ("dp", dp, self.train.dp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name}={value} is outside [0, {size}) for {self}")
+        micro_pp_rank, micro_tp_rank = divmod(micro_dp, self.micro_tp)
+        return self.train.rank(pp=pp_g * self.micro_pp + micro_pp_rank,
+                               tp=tp_g * self.micro_tp + micro_tp_rank, dp=dp)
+
+    def slot_piece(self, rank: int, slot: int) -> tuple[int, int]:
+        """Training piece ``(pp_rank, tp_rank)`` stored in ``slot`` of ``rank``'s generation shard."""
+        g = self.gen_coords(rank)
+        return self.train.coords(self.gen_rank(pp_g=g.pp_g, tp_g=g.tp_g, micro_dp=slot,
+                                               dp=g.dp))[:2]
+
+    # Groups ---------------------------------------------------------------------------------
+    def _gen_groups(self, vary: str) -> Groups:
+        sizes = {"pp_g": self.pp_g, "tp_g": self.tp_g, "micro_dp": self.micro_dp_size,
+                 "dp": self.train.dp}
+        fixed = [k for k in sizes if k not in vary.split("+")]
+        varied = vary.split("+")
+        groups = []
+        for fixed_idx in _product([sizes[k] for k in fixed]):
+            group = []
+            for var_idx in _product([sizes[k] for k in varied]):
+                kw = dict(zip(fixed, fixed_idx)) | dict(zip(varied, var_idx))
+                group.append(self.gen_rank(**kw))
+            groups.append(sorted(group))
+        return _sorted(groups)
+
+    def gen_tp_groups(self) -> Groups:
+        """Ranks that hold one generation replica's TP shards of one stage (stride micro_tp)."""
+        return self._gen_groups("tp_g")
+
+    def gen_pp_groups(self) -> Groups:
+        """Ranks that hold one generation replica's stages (stride micro_pp * tp)."""
+        return self._gen_groups("pp_g")
+
+    def micro_dp_groups(self) -> Groups:
+        """Ranks whose training shards together make one generation shard."""
+        return self._gen_groups("micro_dp")
+
+    def gen_dp_groups(self) -> Groups:
+        """Ranks that hold the same generation shard (one per generation replica)."""
+        return self._gen_groups("micro_dp+dp")
+
+    def describe(self) -> dict:
+        """Every group family as plain lists (what the CLI prints)."""
+        t = self.train
+        return {
+            "world_size": self.world_size,
+            "micro_dp_size": self.micro_dp_size,
+            "train_tp_groups": _sorted(t.tp_groups()),
+            "train_pp_groups": t.pp_groups(),
+            "train_dp_groups": t.dp_groups(),
+            "gen_tp_groups": self.gen_tp_groups(),
+            "gen_pp_groups": self.gen_pp_groups(),
+            "gen_dp_groups": self.gen_dp_groups(),
+            "micro_dp_groups": self.micro_dp_groups(),
+        }
+
+
+def _product(sizes: list[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in sizes:
+        out = [prefix + (i,) for prefix in out for i in range(n)]
+    return out
+
+
+def _sorted(groups: Groups) -> Groups:
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_sizes(text: str, names: tuple[str, ...]) -> tuple[int, ...]:
+    """Parse ``"1,4,2"`` into ints, naming the expected fields on error."""
+    parts = text.split(",")
+    if len(parts) != len(names):
+        raise ValueError(f"expected {','.join(names).upper()} ({len(names)} ints), got {text!r}")
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected {','.join(names).upper()} as ints, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridflow_comm.layout",
+                                     description="Print the training and generation groups.")
+    parser.add_argument("--train", required=True, help="PP,TP,DP of the training layout")
+    parser.add_argument("--gen", required=True, help="PP_G,TP_G of the generation layout")
+    args = parser.parse_args(argv)
+    try:
+        pp, tp, dp = parse_sizes(args.train, ("pp", "tp", "dp"))
+        pp_g, tp_g = parse_sizes(args.gen, ("pp_g", "tp_g"))
+        layout = HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
+    except (TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(layout.describe()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Builds the packages and the C++ extension ``hybridflow_comm._C``.
+
+CUDA sources (``csrc/cuda/*.cu``) are compiled only when the installed torch was built with
+CUDA and a CUDA toolkit is present; on CPU machines the extension is C++ only.
+Install with ``pip install --no-build-isolation -e .`` (torch must already be installed).
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _with_cuda() -> bool:
+    import torch
+
+    if os.environ.get("HYBRIDFLOW_NO_CUDA") == "1":
+        return False
+    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+def _extension():
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cxx_flags = ["-O3", "-std=c++17"]
+    if _with_cuda():
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        return cpp_extension.CUDAExtension(
+            "hybridflow_comm._C", sources,
+            define_macros=[("HYBRIDFLOW_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]})
+    return cpp_extension.CppExtension("hybridflow_comm._C", sources,
+                                      extra_compile_args=cxx_flags)
+
+
+setup(
+    name="hybridflow",
+    version="0.1.0",
+    description="HybridFlow: resharding toolkit, HybridEngine and RLHF runtime",
+    packages=find_packages(include=["hybridflow_comm*", "engine*", "rlhf*"]),
+    package_data={"rlhf": ["recipes/*.yaml"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+)

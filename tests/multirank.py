@@ -1,0 +1,160 @@
+"""Run functions on N gloo ranks that are started once and reused (one pool per test module).
+
+    pool = RankPool(4)
+    results = pool.run(check_fn, arg)      # check_fn(rank, world_size, arg) on every rank
+    pool.close()
+
+``check_fn`` must be importable by module path (defined at module level).  A rank that raises
+makes ``run`` raise :class:`RankError` naming the rank, the exception and the remote traceback.
+A rank that dies, or a call that does not finish within ``timeout_s``, raises too instead of
+hanging; the pool is then restarted on the next call, since its ranks may be stuck in a
+collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import wait
+
+_CTX = mp.get_context("spawn")
+
+
+class RankError(RuntimeError):
+    """A rank of the pool failed (raised, died or timed out)."""
+
+    def __init__(self, rank: int | None, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _worker_main(rank: int, world_size: int, store_path: str, conn, threads: int,
+                 pg_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=pg_timeout_s))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+            conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks in spawned processes, reused across calls.
+
+    Args:
+        world_size: number of ranks.
+        timeout_s: default time limit of one :meth:`run`.
+        pg_timeout_s: collective timeout inside the ranks.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 180.0,
+                 pg_timeout_s: float = 60.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list = []
+        self._conns: list = []
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+
+    def _start(self) -> None:
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="hf_pool_")
+        store_path = os.path.join(self._tmpdir.name, "store")
+        threads = max(1, (os.cpu_count() or 1) // self.world_size)
+        for rank in range(self.world_size):
+            parent, child = _CTX.Pipe()
+            proc = _CTX.Process(target=_worker_main, daemon=True,
+                                args=(rank, self.world_size, store_path, child, threads,
+                                      self.pg_timeout_s))
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+
+    def run(self, fn, *args, timeout_s: float | None = None, **kwargs) -> list:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results."""
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        results: dict[int, object] = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._abort()
+                raise RankError(None, f"{fn.__name__} timed out on ranks {sorted(pending)}")
+            sentinels = {self._procs[r].sentinel: r for r in pending}
+            ready = wait(list(pending.values()) + list(sentinels), timeout=remaining)
+            for obj in ready:
+                rank = sentinels.get(obj)
+                if rank is None:
+                    rank = next(r for r, c in pending.items() if c is obj)
+                if rank not in pending:
+                    continue
+                try:
+                    msg = self._conns[rank].recv() if self._conns[rank].poll() else None
+                except EOFError:
+                    msg = None
+                if msg is None:  # the process exited without answering
+                    self._procs[rank].join(timeout=5)
+                    code = self._procs[rank].exitcode
+                    self._abort()
+                    raise RankError(rank, f"rank {rank} died (exit code {code}) in "
+                                          f"{fn.__name__}")
+                del pending[rank]
+                if msg[0] == "err":
+                    self._abort()
+                    raise RankError(rank, f"rank {rank} raised {msg[1]} in {fn.__name__}\n"
+                                          f"--- remote traceback (rank {rank}) ---\n{msg[2]}")
+                results[rank] = msg[1]
+        return [results[r] for r in range(self.world_size)]
+
+    def _abort(self) -> None:
+        """Kill every rank: after a failure the others may be stuck in a collective."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+        self._reset()
+
+    def _reset(self) -> None:
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def close(self) -> None:
+        """Stop the ranks cleanly (kill them if they do not stop in time)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._reset()
