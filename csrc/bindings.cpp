@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "flat_buffer.h"
+#include "protocol_plans.h"
 
 namespace py = pybind11;
 
@@ -19,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::call_guard<py::gil_scoped_release>());
   m.def("unpack_from", &hybridflow::unpack_from, py::arg("flat"), py::arg("tensors"),
         py::arg("offsets"), py::call_guard<py::gil_scoped_release>());
+  register_protocol_plans(m);
 }
