@@ -21,7 +21,8 @@ import torch.distributed as dist
 from hybridflow_comm.layout import HybridLayout
 
 # Fixed creation order: changing it changes which ProcessGroup every rank gets.
-FAMILIES = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp")
+FAMILIES = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp",
+            "micro_tp", "micro_pp", "train_mp")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class HybridGroups:
     gen_pp: Group
     gen_dp: Group
     micro_dp: Group
+    micro_tp: Group  # micro-DP members on this rank's training stage
+    micro_pp: Group  # micro-DP members with this rank's micro-TP rank, one per stage
+    train_mp: Group  # the whole training replica (pp x tp ranks of this dp rank)
 
     @property
     def global_rank(self) -> int:
@@ -73,6 +77,9 @@ def _family_groups(layout: HybridLayout, family: str) -> list[list[int]]:
         "gen_pp": layout.gen_pp_groups,
         "gen_dp": layout.gen_dp_groups,
         "micro_dp": layout.micro_dp_groups,
+        "micro_tp": layout.micro_tp_groups,
+        "micro_pp": layout.micro_pp_groups,
+        "train_mp": layout.model_parallel_groups,
     }[family]()
 
 

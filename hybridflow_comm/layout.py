@@ -239,6 +239,27 @@ class HybridLayout:
         """Ranks whose training shards together make one generation shard."""
         return self._gen_groups("micro_dp")
 
+    def micro_tp_groups(self) -> Groups:
+        """Ranks of one micro-DP group on the same training stage (consecutive TP ranks)."""
+        out = []
+        for g in self.micro_dp_groups():
+            for j in range(self.micro_pp):
+                out.append(g[j * self.micro_tp:(j + 1) * self.micro_tp])
+        return _sorted(out)
+
+    def micro_pp_groups(self) -> Groups:
+        """Ranks of one micro-DP group with the same micro-TP rank (one per training stage)."""
+        out = []
+        for g in self.micro_dp_groups():
+            for i in range(self.micro_tp):
+                out.append(g[i::self.micro_tp])
+        return _sorted(out)
+
+    def model_parallel_groups(self) -> Groups:
+        """Ranks of one training replica (all pp x tp ranks with the same dp rank)."""
+        t = self.train
+        return [list(range(d * t.pp * t.tp, (d + 1) * t.pp * t.tp)) for d in range(t.dp)]
+
     def gen_dp_groups(self) -> Groups:
         """Ranks that hold the same generation shard (one per generation replica)."""
         return self._gen_groups("micro_dp+dp")

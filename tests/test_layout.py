@@ -57,6 +57,12 @@ def test_groups_partition_and_zero_redundancy(hl):
     _assert_partition(d["gen_pp_groups"], world, hl.pp_g)
     _assert_partition(d["gen_dp_groups"], world, t.dp * m_t * m_p)
     _assert_partition(d["micro_dp_groups"], world, m_t * m_p)
+    _assert_partition(hl.micro_tp_groups(), world, m_t)
+    _assert_partition(hl.micro_pp_groups(), world, m_p)
+    _assert_partition(hl.model_parallel_groups(), world, t.pp * t.tp)
+    for g in hl.micro_dp_groups():  # micro-TP x micro-PP factor every micro-DP group
+        assert sorted(q for p_ in g for q in _group_of(hl.micro_tp_groups(), p_)) == sorted(g * m_t)
+        assert sorted(q for p_ in g for q in _group_of(hl.micro_pp_groups(), p_)) == sorted(g * m_p)
     # Strides stated in the paper: training TP consecutive, DP strided by p*t,
     # generation TP strided by tp/tp_g, generation PP by (pp/pp_g)*tp.
     for g in d["train_tp_groups"]:
