@@ -1,0 +1,124 @@
+"""Sequence-level Llama maths as pure functions: RMSNorm, RoPE, attention, SwiGLU, a layer.
+
+Weights come in as arguments (a mapping with the short names below), so the training model
+(flat-buffer views) and the generation engine (generation shards, stacked row-parallel slots)
+share one implementation.  Shapes use B batch, S sequence, H hidden, D head dim, and local
+head counts ``h_q = Q/t``, ``h_kv = G/t``::
+
+    LayerWeights keys       shape (one TP shard)
+    input_norm, post_norm   [H]
+    qkv                     [h_kv*(Q/G+2)*D, H]       per-query-group fused rows
+    o_proj                  [H, h_q*D]  or [m, H, h_q*D/m]
+    gate_up                 [2*F/t, H]                gate/up rows interleaved
+    down_proj               [H, F/t]    or [m, H, F/t/m]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from engine.tp_ops import column_linear, row_linear
+from hybridflow_comm.groups import Group
+
+# kv_hook(k, v) -> (k_all, v_all): lets a KV cache append the new keys/values ([B, S, h_kv, D])
+# and return everything attention should see ([B, S_kv, h_kv, D]).
+KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / rms(x)`` over the last dim, computed in float32 (as transformers)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary ``(cos, sin)``, each ``[B, S, D]``, for integer ``position_ids [B, S]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                / head_dim))
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [B, S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, S, heads, D]`` (half-split convention of transformers' Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1`` clamped at 0, ``[B, S]``."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def causal_mask(attention_mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
+    """Boolean ``[B, 1, S, S]`` (True = may attend): causal, keys restricted to real tokens.
+
+    Every query may always see itself, so a padding row is never fully masked (no NaN); its
+    output is meaningless and must be masked out of the loss by the caller.
+    """
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if attention_mask is None:
+        return causal.expand(batch, 1, seq, seq)
+    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+    return (causal & keys) | torch.eye(seq, dtype=torch.bool)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              kv_hook: KVHook | None = None) -> torch.Tensor:
+    """Grouped-query scaled dot-product attention.
+
+    Args:
+        q: ``[B, S, h_q, D]`` (RoPE applied).
+        k, v: ``[B, S, h_kv, D]``; ``h_q`` is a multiple of ``h_kv``.
+        mask: boolean ``[B, 1, S, S_kv]`` (True = attend), or None for plain causal.
+        kv_hook: optional KV-cache hook, see :data:`KVHook`.
+
+    Returns:
+        ``[B, S, h_q*D]``.
+    """
+    if kv_hook is not None:
+        k, v = kv_hook(k, v)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+    if mask is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2).flatten(2)
+
+
+def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
+                    rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                    q_per_group: int, head_dim: int, tp_group: Group | None,
+                    kv_hook: KVHook | None = None) -> torch.Tensor:
+    """``o_proj(attention(rope(qkv(x))))`` for ``x [B, S, H]`` (replicated), returns ``[B, S, H]``."""
+    qkv = column_linear(x, w["qkv"], tp_group)  # [B, S, h_kv*(qpg+2)*D]
+    qkv = qkv.unflatten(-1, (-1, q_per_group + 2, head_dim))  # [B, S, h_kv, qpg+2, D]
+    q = qkv[..., :q_per_group, :].flatten(2, 3)  # [B, S, h_q, D]
+    k, v = qkv[..., q_per_group, :], qkv[..., q_per_group + 1, :]  # [B, S, h_kv, D]
+    cos, sin = rope
+    out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask, kv_hook)
+    return row_linear(out, w["o_proj"], tp_group)
+
+
+def swiglu_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
+                 tp_group: Group | None) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with the interleaved fused gate/up weight."""
+    gu = column_linear(x, w["gate_up"], tp_group).unflatten(-1, (-1, 2))  # [B, S, F/t, 2]
+    return row_linear(F.silu(gu[..., 0]) * gu[..., 1], w["down_proj"], tp_group)
+
+
+def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
+                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                  q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
+                  kv_hook: KVHook | None = None) -> torch.Tensor:
+    """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``."""
+    h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
+                            head_dim, tp_group, kv_hook)
+    return h + swiglu_block(rms_norm(h, w["post_norm"], eps), w, tp_group)

@@ -1,0 +1,158 @@
+"""The training-side Llama model of one rank: one pipeline stage, one TP shard, flat-buffer params.
+
+Every parameter is an ``nn.Parameter`` that shares storage with
+``FlatParamBuffer.train_view(name)``; nothing is ever re-allocated, so the resharder can move
+weights in the buffer while the model keeps pointing at them::
+
+    FlatParamBuffer (one storage per dtype)
+    | embed_tokens slots | layers.0.input_norm | layers.0.qkv slots | ... |
+          ^ own slot = Parameter "embed_tokens"        ^ own slot = Parameter "layers.0.qkv"
+
+Stage ``s`` holds the layers ``[s*L/pp, (s+1)*L/pp)``; stage 0 also the embedding, the last
+stage the final norm and the head.  :meth:`ParallelLlama.stage_forward` runs this rank's part:
+token ids (first stage) or the previous stage's hidden states in, hidden states (inner stages)
+or head outputs (last stage) out.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rms_norm, \
+    rope_tables
+from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
+from engine.tp_ops import column_linear, vocab_embedding, vocab_log_prob_entropy
+from hybridflow_comm.flat_buffer import FlatParamBuffer
+from hybridflow_comm.groups import HybridGroups
+from hybridflow_comm.shard_spec import ShardSpec, slot_specs, train_shard
+
+LAYER_KEYS = ("input_norm", "qkv", "o_proj", "post_norm", "gate_up", "down_proj")
+
+
+class ParallelLlama(nn.Module):
+    """This rank's stage and TP shard of a Llama model.
+
+    Args:
+        config: architecture.
+        groups: the rank's groups (``groups.layout.train`` is the training layout).
+        head: ``"lm"`` (per-token log-probs and entropy) or ``"value"`` (per-token scalar).
+        buffer: flat buffer to live in (must hold every spec of this rank); by default one is
+            built from ``slot_specs(specs, groups.layout, groups.rank)``.
+    """
+
+    def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
+                 buffer: FlatParamBuffer | None = None) -> None:
+        super().__init__()
+        train = groups.layout.train
+        config.check_parallel(train.pp, train.tp)  # before any collective can run
+        self.config, self.groups, self.head = config, groups, head
+        self.layout = train
+        self.coords = train.coords(groups.rank)
+        self.specs: list[ShardSpec] = llama_shard_specs(config, train.pp, head)
+        if buffer is None:
+            buffer = FlatParamBuffer(slot_specs(self.specs, groups.layout, groups.rank))
+        self.buffer = buffer
+        self.stage = self.coords.pp
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == train.pp - 1
+        per_stage = config.num_layers // train.pp
+        self.layer_ids = list(range(self.stage * per_stage, (self.stage + 1) * per_stage))
+        self.head_name = head_weight_name(config, train.pp, head)
+        self.params: dict[str, nn.Parameter] = {}
+        for spec in self.local_specs:
+            p = nn.Parameter(buffer.train_view(spec.name))  # shares the buffer's storage
+            self.params[spec.name] = p
+            self.register_parameter(spec.name.replace(".", "_"), p)
+
+    @property
+    def local_specs(self) -> list[ShardSpec]:
+        """Specs of the parameters this rank trains (its stage)."""
+        return [s for s in self.specs if s.stage == self.stage]
+
+    @property
+    def tp_group(self):
+        return self.groups.train_tp
+
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        return {k: self.params[f"layers.{layer}.{k}"] for k in LAYER_KEYS}
+
+    # Forward --------------------------------------------------------------------------------
+    def stage_forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Embedding (first stage), this stage's layers, final norm (last stage).
+
+        Args:
+            inputs: token ids ``[B, S]`` on the first stage, else hidden ``[B, S, H]``.
+            attention_mask: ``[B, S]``, 1 for real tokens (left or right padding), or None.
+            position_ids: ``[B, S]``; default from the mask (or ``arange(S)``).
+
+        Returns:
+            Hidden states ``[B, S, H]`` (normalised on the last stage).
+        """
+        c = self.config
+        batch, seq = inputs.shape[:2]
+        if position_ids is None:
+            position_ids = (position_ids_from_mask(attention_mask) if attention_mask is not None
+                            else torch.arange(seq).expand(batch, seq))
+        rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype)
+        mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
+        x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
+             if self.is_first else inputs)
+        for i in self.layer_ids:
+            x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
+                              c.rms_norm_eps, self.tp_group)
+        if self.is_last:
+            x = rms_norm(x, self.params["norm"], c.rms_norm_eps)
+        return x
+
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on the last stage: ``[B, S, H]`` -> this rank's vocab slice ``[B, S, V/t]``."""
+        return column_linear(hidden, self.params[self.head_name], self.tp_group)
+
+    def head_outputs(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                     with_logits: bool = False) -> dict:
+        """Per-token outputs of the head from the last stage's hidden states.
+
+        Args:
+            hidden: ``[B, S, H]`` output of the last stage.
+            input_ids: ``[B, S]``; the targets are ``input_ids[:, 1:]``.
+            with_logits: also return this rank's vocab slice of the logits (lm head).
+
+        Returns:
+            lm head: ``log_probs`` and ``entropy`` ``[B, S-1]`` (float32) of the next token
+            at positions ``0..S-2`` (and ``logits [B, S, V/t]``); value head: ``values [B, S]``.
+        """
+        if self.head == "value":
+            values = torch.matmul(hidden, self.params["value_head"].t()).squeeze(-1)
+            return {"values": values.float()}
+        if with_logits:
+            logits = self.local_logits(hidden)  # [B, S, V/t]
+            extra = {"logits": logits}
+            logits = logits[:, :-1]
+        else:
+            logits, extra = self.local_logits(hidden[:, :-1]), {}  # [B, S-1, V/t]
+        log_probs, entropy = vocab_log_prob_entropy(logits, input_ids[:, 1:], self.tp_group)
+        return {"log_probs": log_probs, "entropy": entropy, **extra}
+
+
+def load_full_state_dict(model: ParallelLlama, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's training shard of every global tensor into the model's flat buffer.
+
+    Args:
+        model: the rank's model.
+        full: global tensors by spec name (as from :func:`engine.llama_spec.init_full_state_dict`);
+            a tied ``lm_head`` copy is taken from ``embed_tokens`` when absent.
+    """
+    for spec in model.local_specs:
+        name = spec.name
+        if name == "lm_head" and name not in full and model.config.tie_word_embeddings:
+            name = "embed_tokens"
+        if name not in full:
+            raise KeyError(f"full state dict has no tensor {name!r}")
+        if tuple(full[name].shape) != spec.shape:
+            raise ValueError(f"{name}: full tensor shape {tuple(full[name].shape)} != spec "
+                             f"shape {spec.shape}")
+        shard = train_shard(full[name], spec, model.layout, model.groups.rank)
+        with torch.no_grad():
+            model.params[spec.name].copy_(shard)

@@ -1,0 +1,205 @@
+"""Tensor-parallel building blocks as pure functions of (input, weight, group).
+
+Every function takes the TP group explicitly (a :class:`hybridflow_comm.groups.Group`, or
+None); a group of one rank has ``pg is None`` and every collective is skipped, so the same code
+runs in one process without torch.distributed.  Nothing here owns a parameter: the training
+model passes its flat-buffer views, the generation engine passes its generation shards.
+
+Weight forms accepted::
+
+    column-parallel  w  [out/t, in]                       y_local = x @ w.T   (no comm forward)
+    row-parallel     w  [out, in/t]                        y = all_reduce(x_local @ w.T)
+                     w  [m, out, in/t/m]  (stacked slots)  y = all_reduce(einsum)   no copy
+    vocab-parallel   w  [V/t, H]  rows [t_rank*V/t, (t_rank+1)*V/t) of the vocabulary
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridflow_comm.groups import Group
+
+
+def _pg(group: Group | None):
+    return None if group is None else group.pg
+
+
+def _rank(group: Group | None) -> int:
+    return 0 if group is None else group.rank
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient (input of a column-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        ctx.pg = pg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.pg)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward; identity backward (output of a row-parallel layer)."""
+
+    @staticmethod
+    def forward(ctx, x, pg):
+        x = x.contiguous()
+        dist.all_reduce(x, group=pg)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Mark ``x`` (replicated over the TP group) as input of column-parallel work."""
+    pg = _pg(group)
+    return x if pg is None else _CopyToTP.apply(x, pg)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Sum partial results over the TP group (differentiable)."""
+    pg = _pg(group)
+    return x if pg is None else _ReduceFromTP.apply(x, pg)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Column-parallel linear.
+
+    Args:
+        x: ``[..., in]`` replicated over the TP group.
+        weight: ``[out_local, in]`` (a training shard or several concatenated on dim 0).
+        group: TP group (its gradient all-reduce runs in backward).
+
+    Returns:
+        ``[..., out_local]``, this rank's slice of the output features.
+    """
+    return torch.matmul(copy_to_tp(x, group), weight.t())
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """Row-parallel linear: input features split over the TP group, output summed.
+
+    Args:
+        x: ``[..., in_local]``, this rank's slice of the input features.
+        weight: ``[out, in_local]``, or the stacked generation form ``[m, out, in_local/m]``
+            (m neighbouring training shards; read in place by an einsum, never concatenated).
+        group: TP group of the layout the weight belongs to.
+
+    Returns:
+        ``[..., out]`` replicated over the group.
+    """
+    if weight.dim() == 2:
+        y = torch.matmul(x, weight.t())
+    elif weight.dim() == 3:
+        m, _, k = weight.shape
+        if x.shape[-1] != m * k:
+            raise ValueError(f"row_linear: input has {x.shape[-1]} features but the stacked "
+                             f"weight {tuple(weight.shape)} expects {m * k}")
+        y = torch.einsum("...mk,mok->...o", x.unflatten(-1, (m, k)), weight)
+    else:
+        raise ValueError(f"row_linear: weight must be [out, in] or [m, out, in/m], got "
+                         f"{tuple(weight.shape)}")
+    return reduce_from_tp(y, group)
+
+
+def vocab_range(vocab_local: int, group: Group | None) -> tuple[int, int]:
+    """``[start, end)`` of the vocabulary rows held by this rank."""
+    start = _rank(group) * vocab_local
+    return start, start + vocab_local
+
+
+def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor,
+                    group: Group | None) -> torch.Tensor:
+    """Vocab-parallel embedding lookup.
+
+    Args:
+        ids: ``[...]`` token ids (global vocabulary).
+        weight: ``[V/t, H]`` this rank's rows.
+        group: TP group.
+
+    Returns:
+        ``[..., H]`` replicated over the group.
+    """
+    if _pg(group) is None:
+        return torch.nn.functional.embedding(ids, weight)
+    start, end = vocab_range(weight.shape[0], group)
+    outside = (ids < start) | (ids >= end)
+    local = (ids - start).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tp(out, group)
+
+
+class _VocabLogProbEntropy(torch.autograd.Function):
+    """Log-prob of the targets and entropy of softmax(logits), logits split over the vocab.
+
+    Forward: three all-reduces of ``[...]``-shaped tensors (max, sum of exp, and one stacked
+    sum of the target logit and of sum(p * z)); the ``[..., V/t]`` logits never leave the rank.
+    Backward needs no communication::
+
+        d logp / dz_j = onehot_j - p_j
+        d H    / dz_j = -p_j * (log p_j + H)
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, pg, start):
+        # logits [..., V/t] float, targets [...] global ids
+        z = logits.float()
+        zmax = z.max(dim=-1).values
+        if pg is not None:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=pg)
+        e = torch.exp(z - zmax.unsqueeze(-1))
+        sum_e = e.sum(dim=-1)
+        if pg is not None:
+            dist.all_reduce(sum_e, group=pg)
+        p = e / sum_e.unsqueeze(-1)
+        local_t = targets - start
+        inside = (local_t >= 0) & (local_t < z.shape[-1])
+        z_t = torch.gather(z, -1, local_t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        stacked = torch.stack([z_t.masked_fill(~inside, 0.0), (p * z).sum(dim=-1)])
+        if pg is not None:
+            dist.all_reduce(stacked, group=pg)
+        lse = zmax + torch.log(sum_e)
+        logp = stacked[0] - lse
+        entropy = lse - stacked[1]
+        # p is recomputed in backward from z and lse: only the logits stay alive
+        ctx.save_for_backward(z, lse, entropy, local_t, inside)
+        ctx.in_dtype = logits.dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        z, lse, entropy, local_t, inside = ctx.saved_tensors
+        log_p = z - lse.unsqueeze(-1)
+        p = torch.exp(log_p)
+        grad = torch.zeros_like(p)
+        if g_logp is not None:
+            grad -= p * g_logp.unsqueeze(-1)
+            onehot_g = (g_logp * inside).unsqueeze(-1)
+            grad.scatter_add_(-1, local_t.clamp(0, p.shape[-1] - 1).unsqueeze(-1), onehot_g)
+        if g_ent is not None:
+            grad -= p * (log_p + entropy.unsqueeze(-1)) * g_ent.unsqueeze(-1)
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_log_prob_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                           group: Group | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of ``targets`` and entropy, from vocab-parallel logits.
+
+    Args:
+        logits: ``[..., V/t]`` this rank's vocabulary slice (rows ``vocab_range``).
+        targets: ``[...]`` global token ids.
+        group: TP group over which the vocabulary is split.
+
+    Returns:
+        ``(log_probs, entropy)``, both ``[...]`` float32, replicated over the group.
+    """
+    start, _ = vocab_range(logits.shape[-1], group)
+    return _VocabLogProbEntropy.apply(logits, targets, _pg(group), start)

@@ -1,0 +1,260 @@
+"""Training step: micro-batches through the pipeline, bucketed DP gradient reduction, clipping,
+AdamW; and forward-only inference (log-probs / values).
+
+Gradients live in one flat buffer per dtype holding this rank's training parameters, each
+``param.grad`` a view at a fixed offset (autograd accumulates into it in place)::
+
+    GradBuffer[float32]   (no padding; parameter order = forward order of the stage)
+    | embed_tokens | layers.0.input_norm | layers.0.qkv | ... | norm | lm_head |
+    |<-- bucket 0 (bucket_numel) -->|<-- bucket 1 -->|<-- ...   -->|<- last ->|
+
+After the last backward of a step every bucket is all-reduced over the DP group (async, one
+collective per bucket, never one per tensor), then divided by ``dp``.
+
+Loss convention: ``loss_fn`` returns the mean loss of one micro-batch; the step minimises the
+mean over all micro-batches of all DP ranks, so with the same micro-batches a layout
+``(pp, tp, dp)`` computes the same gradients as one process that runs them all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.model import ParallelLlama
+from engine.pipeline import SCHEDULES, PipelineExecutor, make_schedule
+
+LossFn = Callable[[dict, dict], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and gradient settings of one model."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam moment decay rates."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay of matrices (norms are never decayed)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm (over TP, PP and DP) to this; None disables clipping."""
+    bucket_numel: int = 1 << 20
+    """Elements per DP all-reduce bucket of the flat gradient buffer."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not self.eps > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr={self.lr} and eps={self.eps} must be > 0 and weight_decay="
+                             f"{self.weight_decay} >= 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must be in [0, 1)")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm} must be > 0 or None")
+        if self.bucket_numel < 1:
+            raise ValueError(f"bucket_numel={self.bucket_numel} must be >= 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
+
+
+class GradBuffer:
+    """One flat gradient storage per dtype; ``param.grad`` of every parameter is a view of it."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        self.flat: dict[torch.dtype, torch.Tensor] = {}
+        self.offsets: dict[str, int] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for name, p in params.items():
+            self.offsets[name] = sizes.get(p.dtype, 0)
+            sizes[p.dtype] = self.offsets[name] + p.numel()
+        for dtype, n in sizes.items():
+            self.flat[dtype] = torch.zeros(n, dtype=dtype)
+        for name, p in params.items():
+            off = self.offsets[name]
+            p.grad = self.flat[p.dtype][off:off + p.numel()].view_as(p)
+
+    def zero_(self) -> None:
+        for t in self.flat.values():
+            t.zero_()
+
+    def buckets(self, bucket_numel: int) -> list[torch.Tensor]:
+        """Contiguous slices of at most ``bucket_numel`` elements covering every buffer."""
+        return [t[i:i + bucket_numel] for t in self.flat.values()
+                for i in range(0, t.numel(), bucket_numel)]
+
+
+def _check_micro_batches(micro_batches: list[dict]) -> None:
+    if not micro_batches:
+        raise ValueError("train_step needs at least one micro-batch, got 0")
+    shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"every micro-batch needs input_ids of one shape [B, S], got {shapes}")
+    for mb in micro_batches:
+        mask = mb.get("attention_mask")
+        if mask is not None and tuple(mask.shape) != tuple(mb["input_ids"].shape):
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape "
+                             f"{tuple(mb['input_ids'].shape)}")
+
+
+class TrainEngine:
+    """Training and inference of one :class:`ParallelLlama` on its layout.
+
+    Args:
+        model: the rank's model (its parameters are the flat-buffer views).
+        optim: optimiser, clipping, bucketing and schedule settings.
+
+    Every rank of the layout calls the same methods with its own DP share of the
+    micro-batches (all ranks of one TP x PP replica pass the same micro-batches).
+    """
+
+    def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None) -> None:
+        self.model = model
+        self.optim_cfg = optim or OptimConfig()
+        self.groups = model.groups
+        self.grads = GradBuffer(model.params)
+        decay = [p for p in model.params.values() if p.dim() > 1]
+        no_decay = [p for p in model.params.values() if p.dim() <= 1]
+        c = self.optim_cfg
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": c.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=c.lr, betas=c.betas, eps=c.eps, foreach=True)
+        self.step_count = 0
+
+    # Pipeline --------------------------------------------------------------------------------
+    def _executor(self, micro_batches: list[dict]) -> PipelineExecutor:
+        cfg = self.model.config
+        b, s = micro_batches[0]["input_ids"].shape
+        return PipelineExecutor(self.groups.train_pp, lambda i: (b, s, cfg.hidden_size),
+                                cfg.dtype)
+
+    def _forward_fn(self, micro_batches: list[dict], with_logits: bool = False):
+        model = self.model
+
+        def forward(i: int, x: torch.Tensor | None):
+            mb = micro_batches[i]
+            inputs = mb["input_ids"] if model.is_first else x
+            hidden = model.stage_forward(inputs, mb.get("attention_mask"),
+                                         mb.get("position_ids"))
+            if not model.is_last:
+                return hidden
+            return model.head_outputs(hidden, mb["input_ids"], with_logits)
+
+        return forward
+
+    def train_step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict[str, float]:
+        """One optimiser step over this rank's micro-batches.
+
+        Args:
+            micro_batches: dicts with ``input_ids [B, S]``, optional ``attention_mask``,
+                ``position_ids`` and anything ``loss_fn`` needs; same ``[B, S]`` for all.
+            loss_fn: ``loss_fn(outputs, micro_batch) -> scalar`` mean loss of the micro-batch;
+                ``outputs`` as :meth:`ParallelLlama.head_outputs`.
+
+        Returns:
+            ``loss`` (mean over all micro-batches of all DP ranks), ``grad_norm`` (before
+            clipping), ``lr``; identical on every rank.
+        """
+        _check_micro_batches(micro_batches)
+        model, n = self.model, len(micro_batches)
+        self.grads.zero_()
+        losses: list[torch.Tensor] = []
+
+        def loss_of(i: int, outputs: dict) -> torch.Tensor:
+            loss = loss_fn(outputs, micro_batches[i])
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            losses.append(loss.detach())
+            return loss / n
+
+        actions = make_schedule(self.optim_cfg.schedule, model.layout.pp, model.stage, n)
+        self._executor(micro_batches).run(actions, self._forward_fn(micro_batches), loss_of)
+        self._sync_tied_embedding()
+        self._reduce_dp()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.step_count += 1
+        loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
+        loss = self._all_stages_mean(loss_sum.float(), n)
+        return {"loss": loss, "grad_norm": grad_norm, "lr": self.optim_cfg.lr}
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[dict], with_logits: bool = False) -> list[dict] | None:
+        """Inference: head outputs of every micro-batch (``compute_log_prob``/``compute_values``).
+
+        Args:
+            micro_batches: as for :meth:`train_step`.
+            with_logits: lm head: also return this rank's vocab slice ``logits [B, S, V/t]``.
+
+        Returns:
+            On the last stage the per-micro-batch outputs (replicated over TP); None elsewhere.
+        """
+        _check_micro_batches(micro_batches)
+        n = len(micro_batches)
+        out = self._executor(micro_batches).run([("F", i) for i in range(n)],
+                                                self._forward_fn(micro_batches, with_logits))
+        return [out[i] for i in range(n)] if self.model.is_last else None
+
+    # Gradients -------------------------------------------------------------------------------
+    def _sync_tied_embedding(self) -> None:
+        """pp > 1 with tied embeddings: sum the grads of embed_tokens (stage 0) and its copy."""
+        m = self.model
+        if not (m.config.tie_word_embeddings and m.head == "lm" and m.layout.pp > 1):
+            return
+        name = "embed_tokens" if m.is_first else "lm_head" if m.is_last else None
+        if name is not None:
+            g = m.params[name].grad
+        else:  # inner stages take part in the PP all-reduce with zeros
+            g = torch.zeros(m.config.vocab_size // m.layout.tp, m.config.hidden_size,
+                            dtype=m.config.dtype)
+        dist.all_reduce(g, group=self.groups.train_pp.pg)
+
+    def _reduce_dp(self) -> None:
+        dp = self.groups.train_dp
+        if dp.pg is None:
+            return
+        works = [dist.all_reduce(b, group=dp.pg, async_op=True)
+                 for b in self.grads.buckets(self.optim_cfg.bucket_numel)]
+        for w in works:
+            w.wait()
+        for t in self.grads.flat.values():
+            t.div_(dp.size)
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of all gradients of the model, each global element counted once."""
+        m = self.model
+        sq = torch.zeros((), dtype=torch.float64)
+        for spec in m.local_specs:
+            replicated = spec.partition_dim is None and m.coords.tp != 0
+            tied_copy = spec.name == "lm_head" and m.config.tie_word_embeddings
+            if not (replicated or tied_copy):
+                sq += m.params[spec.name].grad.double().pow(2).sum()
+        for group in (self.groups.train_tp, self.groups.train_pp):
+            if group.pg is not None:
+                dist.all_reduce(sq, group=group.pg)
+        return math.sqrt(sq.item())
+
+    def _clip(self) -> float:
+        norm = self.global_grad_norm()
+        max_norm = self.optim_cfg.max_grad_norm
+        if max_norm is not None:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for t in self.grads.flat.values():
+                    t.mul_(coef)
+        return norm
+
+    def _all_stages_mean(self, loss_sum: torch.Tensor, n: int) -> float:
+        """Mean loss from the last stage, averaged over DP, known on every rank."""
+        g = self.groups
+        for group in (g.train_pp, g.train_dp):  # inner stages contribute 0 to the PP sum
+            if group.pg is not None:
+                dist.all_reduce(loss_sum, group=group.pg)
+        return loss_sum.item() / (n * g.train_dp.size)
