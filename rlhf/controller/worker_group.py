@@ -1,0 +1,203 @@
+"""Worker groups: the controller's handle on the workers of one role.
+
+A group is made from a worker class, a resource pool (ascending global ranks) and the role's
+HybridLayout.  Roles may share ranks (colocated: each keeps its own worker object, layout and
+process groups on those ranks) or sit on disjoint pools::
+
+    actor  = ctl.group(Actor,  HybridLayout(ParallelLayout(1, 2, 2), 1, 1), pool=[0, 1, 2, 3])
+    critic = ctl.group(Critic, HybridLayout(ParallelLayout(1, 1, 2), 1, 1), pool=[2, 3])
+    out = actor.generate_sequences(prompts)           # Future, returned at once
+    values = critic.compute_values(out)               # ranks 2, 3 pull rows from the actor ranks
+
+``group.m(...)`` is short for ``group.call(WorkerCls.m, ...)``: attribute access resolves only
+to methods of the worker class that carry a protocol (the decorator), so what a group can do is
+exactly what a reader sees on the worker class.
+
+Distribution (controller side, before anything is sent, so bad input raises ValueError and
+never reaches a collective): split arguments are padded and cut by the protocol plan; a future
+argument becomes per-rank :class:`~rlhf.controller.worker.Fetch` row plans plus
+:class:`~rlhf.controller.worker.Send` orders to its producer ranks, from ``_C.transfer_segments``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+from hybridflow_comm import _C
+from hybridflow_comm.groups import check_pool
+from hybridflow_comm.layout import HybridLayout
+from rlhf.controller.batch import PAD_KEY, Batch
+from rlhf.controller.futures import Future
+from rlhf.controller.protocols import PER_RANK, SPLIT, WHOLE, Plan, protocol_of
+from rlhf.controller.worker import Fetch, Send, Worker
+
+if TYPE_CHECKING:
+    from rlhf.controller.controller import Controller
+
+W = TypeVar("W", bound=Worker)
+
+
+class WorkerGroup(Generic[W]):
+    """Handle on the workers of one role.
+
+    Args:
+        controller: the controller.
+        worker_cls: a :class:`Worker` subclass importable by module path.
+        layout: the role's layout (its world size = the pool size).
+        pool: ascending global ranks (default: every rank of the job).
+        name: role name used in messages (default: the class name).
+        args, kwargs: passed to ``worker_cls.__init__`` on every rank of the pool.
+    """
+
+    def __init__(self, controller: Controller, worker_cls: type[W], layout: HybridLayout,
+                 pool: list[int] | None = None, name: str | None = None, args: tuple = (),
+                 kwargs: dict | None = None) -> None:
+        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
+            raise TypeError(f"worker_cls must be a Worker subclass, got {worker_cls!r}")
+        if not isinstance(layout, HybridLayout):
+            raise TypeError(f"layout must be a HybridLayout, got {layout!r}")
+        self.pool = check_pool(layout, pool, controller.world_size)
+        self._ctl = controller
+        self.worker_cls = worker_cls
+        self.layout = layout
+        self.name = name or worker_cls.__name__
+        self.gid = controller.next_id()
+        cid = controller.next_id()
+        # Every rank builds the role's process groups (new_group is collective over the job).
+        msgs = {r: ("create", cid, self.gid, worker_cls, layout, self.pool, self.name,
+                    tuple(args), dict(kwargs or {})) for r in range(controller.world_size)}
+        controller.wait(controller.issue(f"{self.name}.__init__", msgs))
+
+    def __getattr__(self, name: str) -> Callable[..., Future]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        method = getattr(self.worker_cls, name, None)
+        if method is None or protocol_of(method) is None:
+            raise AttributeError(
+                f"{self.worker_cls.__name__}.{name} is not a worker method with a transfer "
+                f"protocol (decorate it with @protocol(...))")
+        return functools.partial(self.call, method)
+
+    def call(self, method: Callable, *args: Any, **kwargs: Any) -> Future:
+        """Run ``method`` on the group's workers by its protocol; returns a Future at once."""
+        proto = protocol_of(method)
+        name = getattr(method, "__name__", repr(method))
+        if proto is None or getattr(self.worker_cls, name, None) is not method:
+            raise ValueError(f"{name} is not a protocol-decorated method of "
+                             f"{self.worker_cls.__name__}")
+        plan = proto.plan(self.layout)
+        what = f"{self.name}.{name}"
+        per_rank, sends, rows_in, padded_in = _distribute(self._ctl, plan, self.pool, args,
+                                                          kwargs, what)
+        cid = self._ctl.next_id()
+        collect = tuple(self.pool[r] for r in plan.collect_ranks)
+        msgs: dict[int, tuple] = {}
+        for r, (a, kw) in per_rank.items():
+            msgs[r] = ("call", cid, self.gid, name, a, kw, r in collect, False,
+                       tuple(sends.pop(r, ())), self._ctl.take_frees(r))
+        for r, s in sends.items():  # producers outside this group's called ranks
+            msgs[r] = ("send", cid, tuple(s), self._ctl.take_frees(r))
+        state = self._ctl.issue(what, msgs)
+        return Future(self._ctl, state, plan, collect, rows_in, padded_in)
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.name}, pool={list(self.pool)}, layout={self.layout})"
+
+
+def _distribute(ctl: Controller, plan: Plan, pool: tuple[int, ...], args: tuple, kwargs: dict,
+                what: str) -> tuple[dict[int, tuple[tuple, dict]], dict[int, list[Send]],
+                                    int | None, int | None]:
+    """Per called global rank its (args, kwargs); producer sends; rows before/after padding."""
+    called = [(pool[r], c) for r, c in enumerate(plan.chunk_of_rank) if c >= 0]
+    sends: dict[int, list[Send]] = defaultdict(list)
+    keys = list(range(len(args))) + list(kwargs)
+    values = list(args) + list(kwargs.values())
+    if plan.distribute == PER_RANK:
+        for k, v in zip(keys, values):
+            if not isinstance(v, (list, tuple)) or len(v) != plan.num_chunks:
+                raise ValueError(f"{what}: argument {k!r} must be a list of {plan.num_chunks} "
+                                 f"items (one per rank), got {_short(v)}")
+        per = {g: [v[c] for v in values] for g, c in called}
+        return {g: _split_back(keys, vals) for g, vals in per.items()}, {}, None, None
+    _check_futures(values, what)
+    sized = [(k, v) for k, v in zip(keys, values) if isinstance(v, (Batch, Future))]
+    rows_in = padded_in = None
+    offsets = [0, 0]
+    if plan.distribute == SPLIT and sized:
+        sizes = {k: len(v) for k, v in sized}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"{what}: split arguments have different sizes {sizes}")
+        rows_in = next(iter(sizes.values()))
+        if rows_in == 0:
+            raise ValueError(f"{what}: cannot split an empty batch over {plan.num_chunks} ranks")
+        offsets = _C.chunk_offsets(rows_in, plan.num_chunks)
+        padded_in = offsets[-1]
+    per_chunk: dict[int, list] = {}
+    chunks = sorted({c for _, c in called})
+    for c in chunks:
+        per_chunk[c] = []
+    for k, v in zip(keys, values):
+        for c in chunks:
+            if plan.distribute == SPLIT and isinstance(v, Batch) and padded_in is not None:
+                piece = _batch_rows(v, offsets[c], offsets[c + 1])
+            elif isinstance(v, Future):
+                start, end = (offsets[c], offsets[c + 1]) if padded_in is not None else (0, len(v))
+                piece = (v, start, end)  # resolved per consumer rank below
+            else:
+                piece = v
+            per_chunk[c].append(piece)
+    out: dict[int, tuple[tuple, dict]] = {}
+    for g, c in called:
+        vals = [_fetch_for(ctl, p, g, sends) if isinstance(p, tuple) and len(p) == 3
+                and isinstance(p[0], Future) else p for p in per_chunk[c]]
+        out[g] = _split_back(keys, vals)
+    return out, sends, rows_in, padded_in
+
+
+def _check_futures(values: list, what: str) -> None:
+    for v in values:
+        if isinstance(v, Future):
+            v.counts()  # waits for the producer; ValueError unless a concatenated Batch output
+
+
+def _batch_rows(b: Batch, start: int, end: int) -> Batch:
+    """Rows [start, end) of ``b`` padded cyclically from its start (views when no padding)."""
+    n = len(b)
+    out = b.rows(slice(start, end)) if end <= n else b.rows([i % n for i in range(start, end)])
+    out.meta.pop(PAD_KEY, None)
+    return out
+
+
+def _fetch_for(ctl: Controller, piece: tuple, consumer: int,
+               sends: dict[int, list[Send]]) -> Fetch:
+    """Row plan of one consumer rank for rows [start, end) of a future; adds producer sends."""
+    fut, start, end = piece
+    counts = fut.counts()
+    segs = _C.transfer_segments(counts, len(fut), start, end)
+    by_src: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    segments = []
+    for src_idx, a, b in segs:
+        src = fut.collect_ranks[src_idx]
+        by_src[src].append((a, b))
+        segments.append((src, a, b))
+    tags = []
+    for src, ranges in by_src.items():
+        tag = ctl.next_tag()
+        tags.append((src, tag))
+        if src != consumer:
+            sends[src].append(Send(consumer, fut.oid, tuple(ranges), tag))
+    return Fetch(fut.oid, tuple(segments), tuple(tags))
+
+
+def _split_back(keys: list, vals: list) -> tuple[tuple, dict]:
+    args = tuple(v for k, v in zip(keys, vals) if isinstance(k, int))
+    kwargs = {k: v for k, v in zip(keys, vals) if not isinstance(k, int)}
+    return args, kwargs
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return f"a {type(v).__name__} of {len(v)} items"
+    return f"{type(v).__name__}"
