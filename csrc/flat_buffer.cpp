@@ -225,3 +225,74 @@ void unpack_from(const at::Tensor& flat, std::vector<at::Tensor>& tensors,
 }
 
 }  // namespace hybridflow
+
+namespace hybridflow {
+
+void copy_bytes(const at::Tensor& src, at::Tensor& dst, const std::vector<int64_t>& src_offsets,
+                const std::vector<int64_t>& dst_offsets, const std::vector<int64_t>& lengths) {
+  TORCH_CHECK(src.device().is_cpu() && dst.device().is_cpu() && src.is_contiguous() &&
+                  dst.is_contiguous(),
+              "copy_bytes needs contiguous CPU tensors");
+  TORCH_CHECK(src_offsets.size() == lengths.size() && dst_offsets.size() == lengths.size(),
+              "copy_bytes needs equal-length offset and length lists");
+  const auto src_n = static_cast<int64_t>(src.nbytes());
+  const auto dst_n = static_cast<int64_t>(dst.nbytes());
+  std::vector<const uint8_t*> s;
+  std::vector<uint8_t*> d;
+  const auto* sb = static_cast<const uint8_t*>(src.const_data_ptr());
+  auto* db = static_cast<uint8_t*>(dst.data_ptr());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    TORCH_CHECK(lengths[i] >= 0 && src_offsets[i] >= 0 && dst_offsets[i] >= 0 &&
+                    src_offsets[i] + lengths[i] <= src_n && dst_offsets[i] + lengths[i] <= dst_n,
+                "copy_bytes: region ", i, " (src ", src_offsets[i], ", dst ", dst_offsets[i],
+                ", ", lengths[i], " bytes) is out of bounds (", src_n, ", ", dst_n, ")");
+    s.push_back(sb + src_offsets[i]);
+    d.push_back(db + dst_offsets[i]);
+  }
+  copy_regions(s, d, lengths);
+}
+
+int64_t checksum(const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous(),
+              "checksum needs a contiguous CPU tensor");
+  const auto* p = static_cast<const uint8_t*>(tensor.const_data_ptr());
+  const int64_t n = static_cast<int64_t>(tensor.nbytes());
+  const int64_t words = n / 8;
+  // sum_i word_i * (2i + 1) mod 2^64: addition commutes, so threads can split the range.
+  const uint64_t total = at::parallel_reduce(
+      0, words, 1 << 16, uint64_t{0},
+      [&](int64_t b, int64_t e, uint64_t acc) {
+        for (int64_t i = b; i < e; ++i) {
+          uint64_t w;
+          std::memcpy(&w, p + i * 8, 8);
+          acc += w * (2 * static_cast<uint64_t>(i) + 1);
+        }
+        return acc;
+      },
+      [](uint64_t a, uint64_t b) { return a + b; });
+  uint64_t tail = 0;
+  for (int64_t i = words * 8; i < n; ++i) tail = tail * 131 + p[i];
+  uint64_t h = total ^ (tail * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(n);
+  return static_cast<int64_t>(h);
+}
+
+std::vector<std::pair<int64_t, int64_t>> plan_buckets(const std::vector<int64_t>& nbytes,
+                                                      int64_t bucket_bytes) {
+  TORCH_CHECK(bucket_bytes > 0, "bucket_bytes=", bucket_bytes, " must be positive");
+  std::vector<std::pair<int64_t, int64_t>> buckets;
+  int64_t start = 0, filled = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(nbytes.size()); ++i) {
+    if (i > start && filled + nbytes[i] > bucket_bytes) {
+      buckets.emplace_back(start, i);
+      start = i;
+      filled = 0;
+    }
+    filled += nbytes[i];
+  }
+  if (start < static_cast<int64_t>(nbytes.size())) {
+    buckets.emplace_back(start, static_cast<int64_t>(nbytes.size()));
+  }
+  return buckets;
+}
+
+}  // namespace hybridflow

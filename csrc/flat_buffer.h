@@ -43,3 +43,21 @@ void copy_regions(const std::vector<const uint8_t*>& src, const std::vector<uint
                   const std::vector<int64_t>& nbytes);
 
 }  // namespace hybridflow
+
+namespace hybridflow {
+
+// Copies `lengths[i]` bytes from `src` at `src_offsets[i]` to `dst` at `dst_offsets[i]`
+// (offsets relative to each tensor's first byte; both contiguous CPU tensors), in parallel.
+void copy_bytes(const at::Tensor& src, at::Tensor& dst, const std::vector<int64_t>& src_offsets,
+                const std::vector<int64_t>& dst_offsets, const std::vector<int64_t>& lengths);
+
+// Position-dependent 64-bit checksum of a contiguous CPU tensor's bytes (order-sensitive,
+// computed in parallel). Equal bytes give equal sums on every rank and every thread count.
+int64_t checksum(const at::Tensor& tensor);
+
+// Greedy buckets over consecutive items: [start, end) index ranges whose byte sizes add up to
+// at most `bucket_bytes` (an item larger than that gets a bucket of its own).
+std::vector<std::pair<int64_t, int64_t>> plan_buckets(const std::vector<int64_t>& nbytes,
+                                                      int64_t bucket_bytes);
+
+}  // namespace hybridflow

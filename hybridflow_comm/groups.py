@@ -22,7 +22,7 @@ from hybridflow_comm.layout import HybridLayout
 
 # Fixed creation order: changing it changes which ProcessGroup every rank gets.
 FAMILIES = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp",
-            "micro_tp", "micro_pp", "train_mp")
+            "micro_tp", "micro_pp", "train_mp", "world")
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class HybridGroups:
     micro_tp: Group  # micro-DP members on this rank's training stage
     micro_pp: Group  # micro-DP members with this rank's micro-TP rank, one per stage
     train_mp: Group  # the whole training replica (pp x tp ranks of this dp rank)
+    world: Group  # every rank of the layout (the pool)
 
     @property
     def global_rank(self) -> int:
@@ -80,6 +81,7 @@ def _family_groups(layout: HybridLayout, family: str) -> list[list[int]]:
         "micro_tp": layout.micro_tp_groups,
         "micro_pp": layout.micro_pp_groups,
         "train_mp": layout.model_parallel_groups,
+        "world": lambda: [list(range(layout.world_size))],
     }[family]()
 
 

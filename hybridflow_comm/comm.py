@@ -1,0 +1,92 @@
+"""The one instrumented path for every collective of the toolkit.
+
+Each call records, for this rank, the payload bytes it sends and receives, counted as if the
+collective moved data directly between members (the algorithm the backend picks does not
+change the count): an all-gather of ``S`` bytes per member over ``n`` members sends and
+receives ``(n - 1) * S``; a broadcast of ``S`` bytes receives ``S`` on every non-root and sends
+``(n - 1) * S`` from the root.  Groups of one rank skip the collective and record nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybridflow_comm.groups import Group
+
+
+@dataclass
+class CommLedger:
+    """Bytes and calls of this rank, per label (e.g. ``"reshard"``, ``"meta"``)."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, label: str, sent: int, received: int) -> None:
+        self.sent[label] += sent
+        self.received[label] += received
+        self.calls[label] += 1
+
+    def snapshot(self, label: str) -> tuple[int, int, int]:
+        """``(sent, received, calls)`` recorded so far under ``label``."""
+        return self.sent[label], self.received[label], self.calls[label]
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: CommLedger,
+                    label: str) -> None:
+    """``out[k * inp.numel():(k + 1) * inp.numel()] = inp of member k`` (``out`` 1-D)."""
+    n = group.size
+    if out.numel() != n * inp.numel():
+        raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected "
+                         f"{n} x {inp.numel()}")
+    if n == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp.reshape(-1))
+        return
+    dist.all_gather_into_tensor(out, inp, group=group.pg)
+    ledger.record(label, (n - 1) * inp.nbytes, (n - 1) * inp.nbytes)
+
+
+def broadcast_(tensor: torch.Tensor, root: int, group: Group, ledger: CommLedger,
+               label: str) -> None:
+    """Broadcast ``tensor`` in place from group rank ``root``."""
+    n = group.size
+    if n == 1:
+        return
+    dist.broadcast(tensor, src=group.ranks[root], group=group.pg)
+    if group.rank == root:
+        ledger.record(label, (n - 1) * tensor.nbytes, 0)
+    else:
+        ledger.record(label, 0, tensor.nbytes)
+
+
+def all_gather_tensor(inp: torch.Tensor, group: Group, ledger: CommLedger,
+                      label: str) -> torch.Tensor:
+    """``[n, *inp.shape]`` stack of every member's ``inp``."""
+    out = torch.empty((group.size * inp.numel(),), dtype=inp.dtype)
+    all_gather_into(out, inp.contiguous().reshape(-1), group, ledger, label)
+    return out.view(group.size, *inp.shape)
+
+
+def all_reduce_max(value: int, group: Group, ledger: CommLedger, label: str) -> int:
+    """Max of an int over the group."""
+    if group.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+    ledger.record(label, (group.size - 1) * 8, (group.size - 1) * 8)
+    return int(t.item())
+
+
+def all_gather_object(obj: object, group: Group, ledger: CommLedger, label: str) -> list:
+    """Every member's picklable ``obj`` (used only on error paths and for metadata)."""
+    if group.size == 1:
+        return [obj]
+    out: list = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    ledger.record(label, 0, 0)
+    return out

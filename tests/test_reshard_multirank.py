@@ -1,0 +1,229 @@
+"""Resharding on gloo ranks: bit-exact, zero-copy, and the paper's byte counts (ranks started
+once for the module; layouts of world size 1-4 run on sub-pools of 4 ranks)."""
+
+import pytest
+import torch
+
+from hybridflow_comm.flat_buffer import FlatParamBuffer
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.reshard import METHODS, Resharder
+from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec, slot_specs, stacked_to_logical
+from tests.test_layout import all_hybrid_layouts
+
+LAYOUTS = [h for h in all_hybrid_layouts(4)]
+
+
+def rich_specs(pp):
+    """Every tensor kind, spread over the stages (balanced is not required here)."""
+    specs = [ShardSpec("embed", (48, 8), partition_dim=0, stage=0, hf_names=("model.embed_tokens.weight",))]
+    for layer in range(pp):
+        p = f"layers.{layer}."
+        specs += [
+            ShardSpec(p + "qkv", ((24 + 2 * 12) * 2, 8), partition_dim=0, stage=layer,
+                      fusion=QKVFusion(num_heads=24, num_kv_heads=12, head_dim=2),
+                      hf_names=(p + "q", p + "k", p + "v")),
+            ShardSpec(p + "o", (8, 48), partition_dim=1, stage=layer),
+            ShardSpec(p + "gate_up", (2 * 12, 8), partition_dim=0, stage=layer, fusion=GateUpFusion()),
+            ShardSpec(p + "down", (8, 12), partition_dim=1, stage=layer, dtype=torch.bfloat16),
+            ShardSpec(p + "norm", (8,), stage=layer),
+            ShardSpec(p + "bias", (12,), partition_dim=0, stage=layer, dtype=torch.float64),
+        ]
+    specs += [ShardSpec("final_norm", (8,), stage=pp - 1),
+              ShardSpec("head", (48, 8), partition_dim=0, stage=pp - 1)]
+    return specs
+
+
+def balanced_specs(pp):
+    """Partitioned tensors only, identical per stage: the paper's formulas hold exactly."""
+    out = []
+    for layer in range(pp):
+        out += [ShardSpec(f"l{layer}.col", (24, 24), partition_dim=0, stage=layer),
+                ShardSpec(f"l{layer}.row", (24, 24), partition_dim=1, stage=layer)]
+    return out
+
+
+def full_tensors(specs, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g).to(s.dtype) for s in specs}
+
+
+def expected_gen(full, spec, hl, rank):
+    """Independent reference: cut the full tensor by the generation coordinates read off the
+    generation groups."""
+    gpp = next(g for g in hl.gen_pp_groups() if rank in g).index(rank)
+    gtp = next(g for g in hl.gen_tp_groups() if rank in g).index(rank)
+    stages_per_gen = hl.train.pp // hl.pp_g
+    if spec.stage // stages_per_gen != gpp:
+        return None
+    if spec.partition_dim is None:
+        return full
+    return full.chunk(hl.tp_g, dim=spec.partition_dim)[gtp]
+
+
+def expected_train(full, spec, train, rank):
+    tp_rank = rank % train.tp
+    pp_rank = (rank // train.tp) % train.pp
+    if spec.stage != pp_rank:
+        return None
+    return full if spec.partition_dim is None else full.chunk(train.tp, dim=spec.partition_dim)[tp_rank]
+
+
+def _hl(key):
+    (pp, tp, dp), (pp_g, tp_g) = key
+    return HybridLayout(ParallelLayout(pp, tp, dp), pp_g=pp_g, tp_g=tp_g)
+
+
+def _key(hl):
+    return ((hl.train.pp, hl.train.tp, hl.train.dp), (hl.pp_g, hl.tp_g))
+
+
+def check_reshard_all(rank, world, keys, methods):
+    """Every layout x method on a sub-pool; returns per-case observations for the parent."""
+    report = []
+    for key in keys:
+        hl = _hl(key)
+        pool = list(range(hl.world_size))
+        groups = build_hybrid_groups(hl, pool=pool)
+        for method in methods:
+            for kind in ("rich", "balanced"):
+                if groups is None:
+                    continue
+                specs = (rich_specs if kind == "rich" else balanced_specs)(hl.train.pp)
+                full = full_tensors(specs, seed=1)
+                rs = Resharder(specs, groups, method=method, bucket_bytes=1024)
+                buf = rs.buffer
+                for s in specs:
+                    shard = expected_train(full[s.name], s, hl.train, rank)
+                    if shard is not None:
+                        buf.train_view(s.name).copy_(shard)
+                ptrs = {n: t.data_ptr() for n, t in buf.train_views().items()}
+                storage = {d: buf.storage(d).untyped_storage().data_ptr() for d in buf.dtypes}
+                for cycle in range(2):
+                    stats = rs.to_generation()
+                    gen = rs.generation_params()
+                    for s in specs:
+                        want = expected_gen(full[s.name], s, hl, rank)
+                        if want is None:
+                            assert s.name not in gen, (key, s.name)
+                            continue
+                        got = stacked_to_logical(buf.gen_view(s.name), s)
+                        assert torch.equal(got, want), (key, method, s.name, cycle)
+                        assert gen[s.name].untyped_storage().data_ptr() == storage[s.dtype]
+                    for n, t in buf.train_views().items():
+                        assert t.data_ptr() == ptrs[n]  # training shard never moved
+                    rs.verify()
+                    rs.to_training()
+                    # Simulate an optimizer step on the training shards, then go again.
+                    for s in specs:
+                        full[s.name] = full[s.name] + 1
+                        shard = expected_train(full[s.name], s, hl.train, rank)
+                        if shard is not None:
+                            buf.train_view(s.name).copy_(shard)
+                report.append((key, method, kind, stats.received_bytes, stats.sent_bytes,
+                               stats.redundant_bytes, stats.peak_weight_bytes, stats.version,
+                               buf.gen_nbytes, buf.train_nbytes))
+    return report
+
+
+def _partitioned_bytes(specs):
+    return sum(s.nbytes for s in specs)
+
+
+def test_reshard_bit_exact_and_paper_bytes(pool4):
+    keys = [_key(h) for h in LAYOUTS]
+    reports = pool4.run(check_reshard_all, keys, METHODS, timeout_s=600)
+    seen = 0
+    for rank, report in enumerate(reports):
+        for key, method, kind, recv, sent, redundant, peak, version, gen_b, train_b in report:
+            seen += 1
+            assert version == 2
+            hl = _hl(key)
+            if method == "hybridflow":
+                assert redundant == 0
+                assert recv == gen_b - train_b or kind == "rich"
+            if kind != "balanced":
+                continue
+            m = _partitioned_bytes(balanced_specs(hl.train.pp))
+            t, p, d = hl.train.tp, hl.train.pp, hl.train.dp
+            formula = {"ds_chat": (t * p * d - 1) * m / (t * p * d),
+                       "hybridflow_v": (t * p - 1) * m / (t * p),
+                       "hybridflow": (t * p - hl.tp_g * hl.pp_g) * m / (hl.tp_g * hl.pp_g * t * p)}[method]
+            assert recv == formula, (key, method, rank, recv, formula)
+            if method != "hybridflow":
+                assert peak >= m  # a whole-model copy at the peak
+    assert seen == sum(h.world_size for h in LAYOUTS) * len(METHODS) * 2
+
+
+def check_mismatch(rank, world):
+    hl = _hl(((1, 2, 2), (1, 1)))
+    groups = build_hybrid_groups(hl)
+    specs = rich_specs(1)
+    if rank == 2:
+        specs[1] = ShardSpec(specs[1].name, (specs[1].shape[0], 10), partition_dim=0, stage=0)
+    try:
+        Resharder(specs, groups)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def check_corruption(rank, world):
+    hl = _hl(((1, 4, 1), (1, 2)))
+    groups = build_hybrid_groups(hl)
+    specs = balanced_specs(1)
+    rs = Resharder(specs, groups)
+    for s in specs:
+        rs.buffer.train_view(s.name).normal_()
+    rs.to_generation()
+    rs.verify()
+    if rank == 1:
+        rs.buffer.slot_view("l0.row", 0).view(-1)[3] += 1.0  # a silent partial update
+    try:
+        rs.verify()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_spec_mismatch_raises_everywhere(pool4):
+    msgs = pool4.run(check_mismatch, timeout_s=60)
+    for m in msgs:
+        assert "shard specs differ" in m and "layers.0.qkv" in m and "rank 2" in m
+
+
+def test_verify_names_corrupted_parameter_everywhere(pool4):
+    msgs = pool4.run(check_corruption, timeout_s=60)
+    for m in msgs:
+        assert "rank 1: parameter 'l0.row' slot 0" in m
+
+
+def test_single_process_world_one():
+    hl = _hl(((1, 1, 1), (1, 1)))
+    specs = rich_specs(1)
+    rs = Resharder(specs, build_hybrid_groups(hl))
+    full = full_tensors(specs, 3)
+    for s in specs:
+        rs.buffer.train_view(s.name).copy_(full[s.name])
+    stats = rs.to_generation()
+    assert stats.received_bytes == 0 and stats.calls == 0
+    named = dict(rs.named_generation_weights())
+    q, k, v = specs[1].fusion.split(full["layers.0.qkv"])
+    assert torch.equal(named["layers.0.q"], q) and torch.equal(named["layers.0.v"], v)
+    assert torch.equal(named["model.embed_tokens.weight"], full["embed"])
+    with pytest.raises(RuntimeError, match="to_generation\\(\\) called in generation mode"):
+        rs.to_generation()
+
+
+def test_bad_arguments():
+    hl = _hl(((1, 1, 1), (1, 1)))
+    groups = build_hybrid_groups(hl)
+    with pytest.raises(ValueError, match="method='nccl_magic'"):
+        Resharder(rich_specs(1), groups, method="nccl_magic")
+    with pytest.raises(ValueError, match="bucket_bytes=10"):
+        Resharder(rich_specs(1), groups, bucket_bytes=10)
+    with pytest.raises(ValueError, match="cannot be split over tp=64"):
+        rich_specs(1)[0].check_layout(ParallelLayout(1, 64, 1))
+    other = FlatParamBuffer(slot_specs(balanced_specs(1), hl, 0))
+    with pytest.raises(ValueError, match="not built from slot_specs"):
+        Resharder(rich_specs(1), groups, buffer=other)
