@@ -20,5 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::call_guard<py::gil_scoped_release>());
   m.def("unpack_from", &hybridflow::unpack_from, py::arg("flat"), py::arg("tensors"),
         py::arg("offsets"), py::call_guard<py::gil_scoped_release>());
+  m.def("copy_bytes", &hybridflow::copy_bytes, py::arg("src"), py::arg("dst"),
+        py::arg("src_offsets"), py::arg("dst_offsets"), py::arg("lengths"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("checksum", &hybridflow::checksum, py::arg("tensor"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("plan_buckets", &hybridflow::plan_buckets, py::arg("nbytes"), py::arg("bucket_bytes"));
   register_protocol_plans(m);
 }
