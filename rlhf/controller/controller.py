@@ -60,6 +60,7 @@ class CallState:
     what: str  # "role.method" for messages
     ranks: frozenset[int]
     replies: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # rank -> (meta, value)
+    error: Exception | None = None
 
     @property
     def done(self) -> bool:
@@ -152,7 +153,9 @@ class Controller:
 
     def wait(self, state: CallState) -> CallState:
         """Block until every rank of ``state`` answered; raise the first error."""
-        self.pump(lambda: state.done)
+        self.pump(lambda: state.done or state.error is not None)
+        if state.error is not None:
+            raise state.error
         return state
 
     def pump(self, until: Callable[[], bool], timeout_s: float | None = None) -> None:
@@ -191,11 +194,14 @@ class Controller:
         if kind == "bye":
             self._calls[0].replies[src] = (None, None)
             return
-        state = self._calls[cid]
+        state = self._calls.get(cid)
+        if state is None:
+            return  # a late reply to a call that already failed on another rank
         if kind == "error":
             role, _, method = state.what.partition(".")
             self._calls.pop(cid, None)
-            raise WorkerError(src, role, method, msg[3], msg[4])
+            state.error = WorkerError(src, role, method, msg[3], msg[4])
+            raise state.error
         state.replies[src] = (msg[3], msg[4])
         if state.done:
             self._calls.pop(cid, None)
