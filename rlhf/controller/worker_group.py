@@ -121,7 +121,7 @@ def _distribute(ctl: Controller, plan: Plan, pool: tuple[int, ...], args: tuple,
                                  f"items (one per rank), got {_short(v)}")
         per = {g: [v[c] for v in values] for g, c in called}
         return {g: _split_back(keys, vals) for g, vals in per.items()}, {}, None, None
-    _check_futures(values, what)
+    _check_futures(keys, values, what)
     sized = [(k, v) for k, v in zip(keys, values) if isinstance(v, (Batch, Future))]
     rows_in = padded_in = None
     offsets = [0, 0]
@@ -156,10 +156,14 @@ def _distribute(ctl: Controller, plan: Plan, pool: tuple[int, ...], args: tuple,
     return out, sends, rows_in, padded_in
 
 
-def _check_futures(values: list, what: str) -> None:
-    for v in values:
+def _check_futures(keys: list, values: list, what: str) -> None:
+    for k, v in zip(keys, values):
         if isinstance(v, Future):
-            v.counts()  # waits for the producer; ValueError unless a concatenated Batch output
+            try:
+                v.counts()  # waits for the producer; ValueError unless concatenated Batches
+            except ValueError as exc:
+                raise ValueError(f"{what}: argument {k!r} is a future that cannot be split: "
+                                 f"{exc}") from None
 
 
 def _batch_rows(b: Batch, start: int, end: int) -> Batch:
