@@ -110,8 +110,8 @@ class Future:
         else:
             got = {}
         for r in self.collect_ranks:
-            inline = self._state.replies[r][1]
-            values.append(got[r] if r in got else inline)
+            inline = self._state.replies[r][1]  # (value,) when sent with the reply
+            values.append(got[r] if r in got else inline[0])
         self._value = self._combine(values)
         self._has_value = True
         return self._value
@@ -121,6 +121,8 @@ class Future:
             return values
         if self.plan.collect != CONCAT:
             return values[0]
+        if all(v is None for v in values):
+            return None  # methods run for their effect: nothing to concatenate
         pad = self.pad_rows()
         if all(isinstance(v, Batch) for v in values):
             out = Batch.concat(values)

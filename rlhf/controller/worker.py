@@ -154,7 +154,7 @@ class WorkerRuntime:
         out = getattr(self.workers[gid], method)(*args, **kwargs)
         if keep:
             self.store[cid] = out
-        return ("done", cid, self.rank, describe(out), out if inline and keep else None)
+        return ("done", cid, self.rank, describe(out), (out,) if inline and keep else None)
 
     def _op_send(self, cid: int, sends: tuple[Send, ...], frees: tuple[int, ...]) -> tuple:
         self._free(frees)

@@ -82,6 +82,17 @@ class WorkerGroup(Generic[W]):
 
     def call(self, method: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run ``method`` on the group's workers by its protocol; returns a Future at once."""
+        return self._issue(method, args, kwargs, inline=False)
+
+    def execute(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` and return its collected value (blocking, one round trip).
+
+        The program asks for the value up front, so the collect ranks send their outputs with
+        their replies instead of waiting for a fetch (what :meth:`Future.get` would do).
+        """
+        return self._issue(method, args, kwargs, inline=True).get()
+
+    def _issue(self, method: Callable, args: tuple, kwargs: dict, inline: bool) -> Future:
         proto = protocol_of(method)
         name = getattr(method, "__name__", repr(method))
         if proto is None or getattr(self.worker_cls, name, None) is not method:
@@ -95,7 +106,7 @@ class WorkerGroup(Generic[W]):
         collect = tuple(self.pool[r] for r in plan.collect_ranks)
         msgs: dict[int, tuple] = {}
         for r, (a, kw) in per_rank.items():
-            msgs[r] = ("call", cid, self.gid, name, a, kw, r in collect, False,
+            msgs[r] = ("call", cid, self.gid, name, a, kw, r in collect, inline,
                        tuple(sends.pop(r, ())), self._ctl.take_frees(r))
         for r, s in sends.items():  # producers outside this group's called ranks
             msgs[r] = ("send", cid, tuple(s), self._ctl.take_frees(r))
