@@ -1,11 +1,14 @@
 """Load and save transformers ``LlamaForCausalLM`` checkpoints (save_pretrained folders,
 safetensors) into and from a :class:`ParallelLlama` of any layout.
 
-Loading: every rank reads only the tensors of its own pipeline stage (``safe_open``, one
-tensor at a time), fuses q/k/v and gate/up into the stored layout, and copies its training
-shard into the flat buffer.  Saving: the DP-rank-0 replica all-gathers each tensor over its TP
-group; inner stages send whole tensors to layout rank 0, which writes ``config.json`` and
-``model.safetensors`` (so rank 0 holds the full model while saving).
+Loading: every rank reads only its own training shard of the tensors of its own pipeline stage
+(``safe_open`` slices).  Fused tensors need no full read either: TP shard ``t`` of the fused
+QKV (gate/up) is the fusion of chunk ``t`` of q, k and v (gate and up), because the stored
+layout is per query group (interleaved rows), so each part's chunk is one contiguous slice.
+
+Saving: the DP-rank-0 replica all-gathers each tensor over its TP group; inner stages send
+whole tensors to layout rank 0, which writes ``config.json`` and ``model.safetensors`` (so
+rank 0 holds the full model while saving).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from safetensors.torch import save_file
 
 from engine.llama_spec import LlamaConfig
 from engine.model import ParallelLlama
-from hybridflow_comm.shard_spec import ShardSpec, train_shard
+from hybridflow_comm.shard_spec import ShardSpec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,15 +85,23 @@ def _tensor_files(folder: str) -> dict[str, str]:
         return {k: path for k in f.keys()}
 
 
-def _read(files: dict[str, str], name: str) -> torch.Tensor:
+def _read_shard(files: dict[str, str], name: str, dim: int | None, index: int,
+                parts: int) -> torch.Tensor:
+    """Tensor ``name``, or only chunk ``index`` of ``parts`` along ``dim`` (reads the chunk)."""
     if name not in files:
         raise KeyError(f"checkpoint has no tensor {name!r}")
     with safe_open(files[name], framework="pt") as f:
-        return f.get_tensor(name)
+        if dim is None or parts == 1:
+            return f.get_tensor(name)
+        sl = f.get_slice(name)
+        size = sl.get_shape()[dim] // parts
+        key = [slice(None)] * len(sl.get_shape())
+        key[dim] = slice(index * size, (index + 1) * size)
+        return sl[tuple(key)]
 
 
 def hf_full_tensor(spec: ShardSpec, parts: list[torch.Tensor]) -> torch.Tensor:
-    """The global tensor of ``spec`` in stored layout from its HF parts (fused if needed)."""
+    """``spec``'s tensor in stored layout from its HF parts (or from one TP chunk of each)."""
     return spec.fusion.fuse(*parts) if spec.fusion is not None else parts[0]
 
 
@@ -108,13 +119,14 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
         raise ValueError(f"checkpoint {folder} does not match the model config "
                          f"(model, checkpoint): {diff}")
     files = _tensor_files(folder)
+    tp, tp_rank = model.layout.tp, model.coords.tp
     for spec in model.local_specs:
         if spec.name == "value_head" and spec.hf_names[0] not in files:
             continue  # a causal-LM checkpoint has no value head: keep the initialised one
-        full = hf_full_tensor(spec, [_read(files, n) for n in spec.hf_names])
-        shard = train_shard(full.to(spec.dtype), spec, model.layout, model.groups.rank)
+        parts = [_read_shard(files, n, spec.partition_dim, tp_rank, tp) for n in spec.hf_names]
+        shard = hf_full_tensor(spec, parts)  # fuse() works on TP shards as on full tensors
         with torch.no_grad():
-            model.params[spec.name].copy_(shard)
+            model.params[spec.name].copy_(shard.to(spec.dtype))
 
 
 def gather_full_state_dict(model: ParallelLlama) -> dict[str, torch.Tensor] | None:

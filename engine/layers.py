@@ -97,7 +97,7 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                     rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                     q_per_group: int, head_dim: int, tp_group: Group | None,
                     kv_hook: KVHook | None = None) -> torch.Tensor:
-    """``o_proj(attention(rope(qkv(x))))`` for ``x [B, S, H]`` (replicated), returns ``[B, S, H]``."""
+    """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``."""
     qkv = column_linear(x, w["qkv"], tp_group)  # [B, S, h_kv*(qpg+2)*D]
     qkv = qkv.unflatten(-1, (-1, q_per_group + 2, head_dim))  # [B, S, h_kv, qpg+2, D]
     q = qkv[..., :q_per_group, :].flatten(2, 3)  # [B, S, h_q, D]

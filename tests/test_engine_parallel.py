@@ -120,7 +120,8 @@ def check_layout(rank: int, world_size: int, layout, variant: str, ref: dict) ->
         for i, o in enumerate(out):
             for k, v in o.items():
                 exp = ref["outputs"][model.coords.dp * per_dp + i][k]
-                torch.testing.assert_close(v, exp, atol=ATOL, rtol=0, msg=lambda m: f"{layout} {k} mb{i}: {m}")
+                torch.testing.assert_close(v, exp, atol=ATOL, rtol=0,
+                                           msg=lambda m: f"{layout} {k} mb{i}: {m}")
                 checks += 1
     ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in model.params.items()}
     for step in range(STEPS):
@@ -182,11 +183,13 @@ def hf_layouts(rank: int, world_size: int, layouts, folder: str, ids, hf_logits,
             v_local = CFG.vocab_size // layout[1]
             start = model.coords.tp * v_local
             torch.testing.assert_close(outs[0]["logits"], hf_logits[..., start:start + v_local],
-                                       atol=ATOL, rtol=1e-5, msg=lambda m: f"{layout} logits: {m}")
+                                       atol=ATOL, rtol=1e-5,
+                                       msg=lambda m: f"{layout} logits: {m}")
             ref_lp = torch.log_softmax(hf_logits[:, :-1], -1)
             torch.testing.assert_close(outs[0]["log_probs"],
                                        ref_lp.gather(-1, ids[:, 1:, None]).squeeze(-1),
-                                       atol=ATOL, rtol=1e-5, msg=lambda m: f"{layout} log_probs: {m}")
+                                       atol=ATOL, rtol=1e-5,
+                                       msg=lambda m: f"{layout} log_probs: {m}")
             checks += 2
         if layout == (2, 2, 1):
             save_hf_checkpoint(model, out_folder)
