@@ -206,3 +206,36 @@ def test_single_process_storage_identity_and_step():
     assert torch.equal(gathered["layers.1.gate_up"], model.params["layers.1.gate_up"])
     with pytest.raises(ValueError, match="at least one micro-batch"):
         eng.train_step([], lambda o, mb: o)
+
+
+def test_layer_functions_read_generation_forms_in_place():
+    """A tp=2 training layout regrouped to tp_g=1: the generation region of one rank holds both
+    training shards; the layer functions consume it as is (column weights concatenated on dim
+    0, row weights stacked ``[m, out, in/m]``) and match the full weights."""
+    from engine.layers import decoder_layer, rope_tables
+    from engine.model import LAYER_KEYS
+    from hybridflow_comm.flat_buffer import FlatParamBuffer
+    from hybridflow_comm.shard_spec import slot_specs, train_shard
+
+    hybrid = HybridLayout(ParallelLayout(1, 2, 1), pp_g=1, tp_g=1)
+    specs = llama_shard_specs(CFG, 1)
+    full = init_full_state_dict(CFG, seed=2)
+    buf = FlatParamBuffer(slot_specs(specs, hybrid, rank=0))
+    for spec in specs:  # what the micro-DP all-gather leaves in the region
+        region = buf.gen_view(spec.name)
+        for slot in range(region.shape[0]):
+            region[slot].copy_(train_shard(full[spec.name], spec, hybrid.train, rank=slot))
+    gen_w, full_w = {}, {}
+    for k in LAYER_KEYS:
+        spec = next(s for s in specs if s.name == f"layers.1.{k}")
+        region = buf.gen_view(spec.name)  # [m, *shard]
+        gen_w[k] = region[0] if spec.partition_dim is None else (
+            region.flatten(0, 1) if spec.partition_dim == 0 else region)
+        full_w[k] = full[spec.name]
+    assert gen_w["o_proj"].dim() == 3 and gen_w["o_proj"].data_ptr() == \
+        buf.gen_view("layers.1.o_proj").data_ptr()
+    x = torch.randn(2, 6, CFG.hidden_size, generator=torch.Generator().manual_seed(0))
+    rope = rope_tables(torch.arange(6).expand(2, 6), CFG.head_dim, CFG.rope_theta)
+    args = (rope, None, CFG.q_per_group, CFG.head_dim, CFG.rms_norm_eps, None)
+    torch.testing.assert_close(decoder_layer(x, gen_w, *args), decoder_layer(x, full_w, *args),
+                               atol=1e-6, rtol=1e-5)
