@@ -121,6 +121,12 @@ class Probe(Worker):
                 f.write(str(os.getpid()))
             time.sleep(120)
 
+    @protocol(ONE_TO_ALL)
+    def unmatched_all_reduce(self) -> None:
+        # Only layout rank 1 enters the TP collective: it must time out, not hang.
+        if self.rank == 1:
+            torch.distributed.all_reduce(torch.ones(1), group=self.groups.train_tp.pg)
+
     def not_a_worker_method(self) -> None:
         pass
 
@@ -290,6 +296,14 @@ def check_inputs_and_errors(ctl: Controller, out: dict) -> None:
     except WorkerError as exc:
         out["worker_error"] = {"got": [exc.rank, exc.role, exc.method, exc.remote_traceback],
                                "expected": None}
+    slow = ctl.group(Probe, _layout((1, 2, 2)), name="slow", collective_timeout_s=2.0)
+    t0 = time.monotonic()
+    try:
+        slow.unmatched_all_reduce().get()
+        out["collective_timeout"] = {"got": "no error", "expected": None}
+    except WorkerError as exc:
+        out["collective_timeout"] = {"got": [exc.rank, exc.method, exc.error,
+                                             time.monotonic() - t0], "expected": None}
     # The job is still usable after bad input and a caught worker error.
     out["still_alive"] = {"got": group.square([5, 6, 7, 8]).get(),
                           "expected": [(r, (r + 5) ** 2) for r in range(4)]}

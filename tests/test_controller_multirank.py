@@ -75,3 +75,10 @@ def test_worker_error_names_rank_role_method_and_traceback(checks):
     rank, role, method, tb = checks["worker_error"]["got"]
     assert (rank, role, method) == (2, "probe", "fail_on_rank_2")
     assert "deliberate failure on rank 2" in tb and "controller_jobs.py" in tb
+
+
+def test_collective_timeout_is_configurable_per_role(checks):
+    rank, method, error, elapsed = checks["collective_timeout"]["got"]
+    assert (rank, method) == (1, "unmatched_all_reduce")
+    assert "timed out" in error.lower() or "timeout" in error.lower(), error
+    assert 1.5 < elapsed < 30  # the role's 2 s timeout, not the job's 60 s

@@ -133,8 +133,10 @@ class WorkerRuntime:
 
     # Commands ---------------------------------------------------------------------------------
     def _op_create(self, cid: int, gid: int, cls: type, layout: HybridLayout,
-                   pool: tuple[int, ...], role: str, args: tuple, kwargs: dict) -> tuple:
-        groups = build_hybrid_groups(layout, list(pool), timeout_s=self.collective_timeout_s)
+                   pool: tuple[int, ...], role: str, args: tuple, kwargs: dict,
+                   timeout_s: float | None) -> tuple:
+        groups = build_hybrid_groups(layout, list(pool),
+                                     timeout_s=timeout_s or self.collective_timeout_s)
         if groups is not None:
             worker = cls.__new__(cls)
             worker.role, worker.layout, worker.pool = role, layout, tuple(pool)

@@ -49,11 +49,14 @@ class WorkerGroup(Generic[W]):
         pool: ascending global ranks (default: every rank of the job).
         name: role name used in messages (default: the class name).
         args, kwargs: passed to ``worker_cls.__init__`` on every rank of the pool.
+        collective_timeout_s: timeout of the role's process groups (default: the job's).
     """
 
     def __init__(self, controller: Controller, worker_cls: type[W], layout: HybridLayout,
                  pool: list[int] | None = None, name: str | None = None, args: tuple = (),
-                 kwargs: dict | None = None) -> None:
+                 kwargs: dict | None = None, collective_timeout_s: float | None = None) -> None:
+        if collective_timeout_s is not None and not collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
             raise TypeError(f"worker_cls must be a Worker subclass, got {worker_cls!r}")
         if not isinstance(layout, HybridLayout):
@@ -67,7 +70,8 @@ class WorkerGroup(Generic[W]):
         cid = controller.next_id()
         # Every rank builds the role's process groups (new_group is collective over the job).
         msgs = {r: ("create", cid, self.gid, worker_cls, layout, self.pool, self.name,
-                    tuple(args), dict(kwargs or {})) for r in range(controller.world_size)}
+                    tuple(args), dict(kwargs or {}), collective_timeout_s)
+                for r in range(controller.world_size)}
         controller.wait(controller.issue(f"{self.name}.__init__", msgs))
 
     def __getattr__(self, name: str) -> Callable[..., Future]:
