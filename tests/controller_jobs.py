@@ -20,9 +20,9 @@ import torch
 
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.controller import (ALL_TO_ALL, DP_COMPUTE, DP_PROTO, ONE_TO_ALL, THREE_D_PROTO,
-                             Batch, Controller, Plan, Worker, WorkerError, get_protocol,
+                             Batch, Controller, Plan, Worker, WorkerError,
                              protocol, register_protocol, run)
-from rlhf.controller.protocols import CONCAT, LIST, SPLIT
+from rlhf.controller.protocols import CONCAT, SPLIT
 
 N_ROWS = 7  # uneven on purpose: padding must be added and removed again
 WIDE = 1 << 16  # floats per row of the wide payload (256 KiB per row)

@@ -30,7 +30,7 @@ from hybridflow_comm.groups import check_pool
 from hybridflow_comm.layout import HybridLayout
 from rlhf.controller.batch import PAD_KEY, Batch
 from rlhf.controller.futures import Future
-from rlhf.controller.protocols import PER_RANK, SPLIT, WHOLE, Plan, protocol_of
+from rlhf.controller.protocols import PER_RANK, SPLIT, Plan, protocol_of
 from rlhf.controller.worker import Fetch, Send, Worker
 
 if TYPE_CHECKING:
