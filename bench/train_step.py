@@ -4,8 +4,9 @@ against the single-process step on the same global batch, measured in one run.
     python bench/train_step.py [--hidden 256] [--layers 4] [--seq 128] [--micro 8] [--json PATH]
 
 Every layout runs the same global batch (``--micro`` micro-batches of ``--batch`` x ``--seq``
-tokens) with the same weights; the ratio column is layout tokens/s over single-process
-tokens/s.  Each process gets ``cores / ranks`` intra-op threads (1 process: all cores).
+tokens) with the same weights; the ratio column is layout tokens/s over the faster of the single-process runs
+(1 thread and all cores: on a loaded machine a multi-threaded step can be much slower than a
+single-threaded one).  Each of the 4 ranks gets ``cores / 4`` intra-op threads (at least 1).
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ def run(args) -> list[dict]:
     import torch
 
     tokens = args.micro * args.batch * args.seq
-    torch.set_num_threads(os.cpu_count() or 1)
-    t_single = _time_steps((1, 1, 1), _config(args), args, _batches(args))
-    rows = [{"layout": "1-1-1 (1 process)", "step_s": t_single, "tokens_s": tokens / t_single,
-             "ratio": 1.0}]
+    singles = {}
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        singles[threads] = _time_steps((1, 1, 1), _config(args), args, _batches(args))
+    t_single = min(singles.values())  # the baseline is the faster thread count
+    rows = [{"layout": f"1-1-1 (1 proc, {n} thr)", "step_s": t, "tokens_s": tokens / t,
+             "ratio": t_single / t} for n, t in singles.items()]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,9 +122,9 @@ def main() -> None:
     rows = run(args)
     print(f"cores={os.cpu_count()} hidden={args.hidden} layers={args.layers} "
           f"tokens/step={args.micro * args.batch * args.seq}")
-    print(f"{'layout p-t-d':<20}{'step s':>10}{'tokens/s':>12}{'vs 1 proc':>11}")
+    print(f"{'layout p-t-d':<24}{'step s':>10}{'tokens/s':>12}{'vs 1 proc':>11}")
     for r in rows:
-        print(f"{r['layout']:<20}{r['step_s']:>10.3f}{r['tokens_s']:>12.0f}{r['ratio']:>11.2f}")
+        print(f"{r['layout']:<24}{r['step_s']:>10.3f}{r['tokens_s']:>12.0f}{r['ratio']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
