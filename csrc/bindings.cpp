@@ -26,5 +26,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("checksum", &hybridflow::checksum, py::arg("tensor"),
         py::call_guard<py::gil_scoped_release>());
   m.def("plan_buckets", &hybridflow::plan_buckets, py::arg("nbytes"), py::arg("bucket_bytes"));
+  py::class_<hybridflow::StridedBucket>(m, "StridedBucket")
+      .def_readonly("start", &hybridflow::StridedBucket::start)
+      .def_readonly("count", &hybridflow::StridedBucket::count)
+      .def_readonly("stride", &hybridflow::StridedBucket::stride)
+      .def("__repr__", [](const hybridflow::StridedBucket& b) {
+        return "StridedBucket(start=" + std::to_string(b.start) + ", count=" +
+               std::to_string(b.count) + ", stride=" + std::to_string(b.stride) + ")";
+      });
+  m.def("plan_strided_buckets", &hybridflow::plan_strided_buckets, py::arg("kinds"),
+        py::arg("offsets"), py::arg("nbytes"), py::arg("bucket_bytes"));
   register_protocol_plans(m);
 }

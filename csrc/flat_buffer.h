@@ -61,3 +61,23 @@ std::vector<std::pair<int64_t, int64_t>> plan_buckets(const std::vector<int64_t>
                                                       int64_t bucket_bytes);
 
 }  // namespace hybridflow
+
+namespace hybridflow {
+
+// One coalesced collective over `count` equally spaced regions: items [start, start + count),
+// region i at `first_offset + i * stride` bytes.
+struct StridedBucket {
+  int64_t start;
+  int64_t count;
+  int64_t stride;
+};
+
+// Groups consecutive items with equal `kinds[i]` whose offsets are equally spaced into
+// strided buckets of at most `bucket_bytes` (item size `nbytes[i]`; an item larger than that
+// gets its own bucket). Each bucket can then be described by one strided view per slot.
+std::vector<StridedBucket> plan_strided_buckets(const std::vector<int64_t>& kinds,
+                                                const std::vector<int64_t>& offsets,
+                                                const std::vector<int64_t>& nbytes,
+                                                int64_t bucket_bytes);
+
+}  // namespace hybridflow

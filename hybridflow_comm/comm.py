@@ -36,6 +36,9 @@ class CommLedger:
         return self.sent[label], self.received[label], self.calls[label]
 
 
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: CommLedger,
                     label: str) -> None:
     """``out[k * inp.numel():(k + 1) * inp.numel()] = inp of member k`` (``out`` 1-D)."""
@@ -47,8 +50,23 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: 
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp.reshape(-1))
         return
-    dist.all_gather_into_tensor(out, inp, group=group.pg)
+    _all_gather_flat(out, inp, group=group.pg)
     ledger.record(label, (n - 1) * inp.nbytes, (n - 1) * inp.nbytes)
+
+
+def all_gather_views(outputs: list[torch.Tensor], group: Group, ledger: CommLedger,
+                     label: str) -> None:
+    """``outputs[k] = outputs[k] of member k`` for views of any strides (gloo packs and unpacks
+    them itself, so strided views of a flat buffer gather with no staging of ours).  The own
+    view is the input; it is written back with its own, identical bytes."""
+    n = group.size
+    if len(outputs) != n:
+        raise ValueError(f"all_gather_views: {len(outputs)} outputs for a group of {n}")
+    if n == 1:
+        return
+    dist.all_gather(outputs, outputs[group.rank], group=group.pg)
+    nbytes = outputs[group.rank].numel() * outputs[group.rank].element_size()
+    ledger.record(label, (n - 1) * nbytes, (n - 1) * nbytes)
 
 
 def broadcast_(tensor: torch.Tensor, root: int, group: Group, ledger: CommLedger,

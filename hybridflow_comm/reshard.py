@@ -6,15 +6,15 @@ layout ``p-t-d`` and the generation layout ``p_g-t_g-d_g-d`` of a :class:`Hybrid
 ``to_generation()`` with ``method="hybridflow"``, in two phases that never copy the training
 shard (it is already slot ``micro_tp_rank`` of its generation region):
 
-1. micro-TP all-gather: for the parameters of this rank's training stage, one
-   ``all_gather_into_tensor`` per bucket inside the micro-TP group.  The bucket's own slots are
-   packed (C++, parallel) into this rank's section of one staging buffer, gathered, and the
-   other members' sections are scattered into their slots::
+1. micro-TP all-gather: for the parameters of this rank's training stage, one all-gather per
+   bucket inside the micro-TP group.  The buffer lays regions of one kind (say every layer's
+   ``o_proj``) out equally spaced, so slot ``k`` of a whole bucket of them is a single strided
+   view; the C++ planner cuts the kinds into such buckets and the all-gather takes the views
+   directly, with no staging buffer of ours::
 
-       staging [m_t, S]   | member 0: p1 p2 p3 | member 1: p1 p2 p3 |     S = bucket bytes
-       region p1          | slot 0 | slot 1 |      <- copy_bytes from the staging sections
-
-   Scratch is bounded by ``micro_tp * bucket_bytes``, whatever the model size.
+       region l0.o | slot 0 | slot 1 |pad| region l1.o | slot 0 | slot 1 |pad| ...
+       member 0's view: [count, slot] stride R  ->  slot 0 of every region in the bucket
+       member 1's view: the same, offset by one slot
 2. micro-PP broadcast (only when ``pp_g < pp``): the finished regions of each training stage
    are broadcast in place, straight from and into the flat storage, inside the micro-PP group.
 
@@ -178,46 +178,27 @@ class Resharder:
         return self.buffer.release_generation_slots() if release else 0
 
     def _micro_tp_gather(self) -> int:
-        """Phase 1; returns the staging bytes used."""
+        """Phase 1; returns the staging bytes used (none: gloo packs strided views itself)."""
         group = self.groups.micro_tp
         m = group.size
         if m == 1:
             return 0
         own = [s for s in self.buffer.specs if s.own_slot is not None and s.num_slots > 1]
-        staging_bytes = 0
-        for dtype in self.buffer.dtypes:
-            params = [s for s in own if s.dtype == dtype]
-            if not params:
-                continue
-            raw = self.buffer.byte_storage(dtype)
-            sizes = [s.slot_nbytes for s in params]
-            buckets = _C.plan_buckets(sizes, self.bucket_bytes)
-            biggest = max(sum(sizes[a:b]) for a, b in buckets)
-            staging = torch.empty(m * biggest, dtype=torch.uint8)
-            staging_bytes = max(staging_bytes, staging.numel())
-            for a, b in buckets:
-                bucket = params[a:b]
-                size = sum(sizes[a:b])
-                offs = [0]
-                for s in bucket[:-1]:
-                    offs.append(offs[-1] + s.slot_nbytes)
-                lens = [s.slot_nbytes for s in bucket]
-                me = group.rank
-                out = staging[:m * size]
-                section = out[me * size:(me + 1) * size]
-                _C.copy_bytes(raw, out, [self.buffer.byte_offset(s.name, s.own_slot) for s in bucket],
-                              [me * size + o for o in offs], lens)
-                comm.all_gather_into(out, section, group, self.ledger, LABEL)
-                src, dst, n = [], [], []
-                for k in range(m):
-                    if k == me:
-                        continue
-                    for s, o in zip(bucket, offs):
-                        src.append(k * size + o)
-                        dst.append(self.buffer.byte_offset(s.name, k))
-                        n.append(s.slot_nbytes)
-                _C.copy_bytes(out, raw, src, dst, n)
-        return staging_bytes
+        kinds = {}
+        plan = _C.plan_strided_buckets(
+            [kinds.setdefault((str(s.dtype), s.slot_shape), len(kinds)) for s in own],
+            [self.buffer.byte_offset(s.name) for s in own], [s.slot_nbytes for s in own],
+            self.bucket_bytes)
+        for b in plan:
+            first = own[b.start]
+            storage = self.buffer.storage(first.dtype)
+            item = storage.element_size()
+            base = self.buffer.byte_offset(first.name) // item
+            # Slot k of the bucket's b.count regions: [count, slot_numel] with stride b.stride.
+            views = [storage.as_strided((b.count, first.slot_numel), (b.stride // item, 1),
+                                        base + k * first.slot_numel) for k in range(m)]
+            comm.all_gather_views(views, group, self.ledger, LABEL)
+        return 0
 
     def _micro_pp_broadcast(self) -> None:
         """Phase 2: each training stage's finished regions, broadcast in place."""

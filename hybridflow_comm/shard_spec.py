@@ -192,7 +192,9 @@ def slot_specs(specs: list[ShardSpec], hybrid: HybridLayout, rank: int) -> list[
         else:
             out.append(SlotSpec(s.name, s.dtype, s.shard_shape(hybrid.train.tp), hybrid.micro_tp,
                                 c.tp % hybrid.micro_tp if mine else None))
-    return out
+    stage = {s.name: s.stage for s in specs}
+    return sorted(out, key=lambda ss: (stage[ss.name], str(ss.dtype), ss.num_slots,
+                                       ss.slot_shape))
 
 
 def train_shard(full: torch.Tensor, spec: ShardSpec, train: ParallelLayout,
