@@ -1,0 +1,370 @@
+"""Every estimator, loss and KL estimator against a reference written here with python loops
+over rows and tokens (no shared vectorised code), on random masked inputs, several seeds."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from rlhf import algos
+
+SEEDS = [0, 1, 2]
+B, T = 6, 7
+
+
+def _inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    for b in range(B):
+        length = int(torch.randint(1, T + 1, (1,), generator=g))
+        mask[b, length:] = False                      # right padding
+    mask[1, 1] = False                                 # a hole inside a response
+    mask[B - 1, :] = False                             # an empty response
+    rnd = lambda: torch.randn(B, T, generator=g, dtype=torch.float64)  # noqa: E731
+    return g, mask, rnd
+
+
+def _valid(mask, b):
+    return [t for t in range(mask.shape[1]) if mask[b, t]]
+
+
+def _ref_whiten(x, mask):
+    vals = [x[b][t] for b in range(len(x)) for t in _valid(mask, b)]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return [[(x[b][t] - mean) / math.sqrt(var + 1e-8) if mask[b, t] else 0.0
+             for t in range(mask.shape[1])] for b in range(len(x))]
+
+
+def _close(actual: torch.Tensor, expected, tol=1e-9):
+    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64),
+                               atol=tol, rtol=tol)
+
+
+# Advantage estimators ------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("whiten", [False, True])
+def test_gae(seed, whiten):
+    _, mask, rnd = _inputs(seed)
+    r, v = rnd(), rnd()
+    gamma, lam = 0.9, 0.8
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        idx = _valid(mask, b)
+        a_next = 0.0
+        for k in reversed(range(len(idx))):
+            t = idx[k]
+            v_next = float(v[b, idx[k + 1]]) if k + 1 < len(idx) else 0.0
+            delta = float(r[b, t]) + gamma * v_next - float(v[b, t])
+            a_next = delta + gamma * lam * a_next
+            adv[b][t] = a_next
+            ret[b][t] = a_next + float(v[b, t])
+    expected_adv = _ref_whiten(adv, mask) if whiten else adv
+    a, R = algos.gae(r, v, mask, gamma, lam, whiten=whiten)
+    _close(a, expected_adv, 1e-7)
+    _close(R, ret)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_remax(seed):
+    g, mask, rnd = _inputs(seed)
+    r = rnd()
+    base = torch.randn(B, generator=g, dtype=torch.float64)
+    adv = [[0.0] * T for _ in range(B)]
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in _valid(mask, b):
+            ret[b][t] = sum(float(r[b, u]) for u in _valid(mask, b) if u >= t)
+            adv[b][t] = ret[b][t] - float(base[b])
+    a, R = algos.remax(r, base, mask)
+    _close(a, adv)
+    _close(R, ret)
+
+
+def _groups(seed):
+    # groups of unequal size, including a group of one, not contiguous
+    return ["a", "b", "a", "c", "b", "a"] if seed % 2 == 0 else [3, 3, 1, 1, 1, 7]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo(seed, norm_by_std):
+    _, mask, rnd = _inputs(seed)
+    r = rnd()
+    uid = _groups(seed)
+    score = [sum(float(r[b, t]) for t in _valid(mask, b)) for b in range(B)]
+    adv = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        members = [score[j] for j in range(B) if uid[j] == uid[b]]
+        if len(members) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean, std = statistics.mean(members), statistics.stdev(members)
+        a = (score[b] - mean) / (std + 1e-6) if norm_by_std else score[b] - mean
+        for t in _valid(mask, b):
+            adv[b][t] = a
+    a, R = algos.grpo(r, mask, uid, norm_by_std=norm_by_std)
+    _close(a, adv, 1e-7)
+    _close(R, adv, 1e-7)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rloo(seed):
+    _, mask, rnd = _inputs(seed)
+    r = rnd()
+    uid = torch.tensor([0, 1, 0, 2, 1, 0]) if seed % 2 else _groups(seed)
+    ids = uid.tolist() if isinstance(uid, torch.Tensor) else uid
+    score = [sum(float(r[b, t]) for t in _valid(mask, b)) for b in range(B)]
+    adv = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        others = [score[j] for j in range(B) if ids[j] == ids[b] and j != b]
+        a = score[b] - sum(others) / len(others) if others else score[b]
+        for t in _valid(mask, b):
+            adv[b][t] = a
+    a, _ = algos.rloo(r, mask, uid)
+    _close(a, adv)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reinforce_pp(seed):
+    _, mask, rnd = _inputs(seed)
+    r = rnd()
+    gamma = 0.95
+    ret = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in _valid(mask, b):
+            later = [u for u in _valid(mask, b) if u >= t]
+            ret[b][t] = sum(gamma ** k * float(r[b, u]) for k, u in enumerate(later))
+    a, R = algos.reinforce_pp(r, mask, gamma)
+    _close(R, ret)
+    _close(a, _ref_whiten(ret, mask), 1e-7)
+
+
+# Losses -------------------------------------------------------------------------------------
+def _ref_agg(loss, mask, mode):
+    if mode == "token-mean":
+        vals = [loss[b][t] for b in range(B) for t in _valid(mask, b)]
+        return sum(vals) / len(vals)
+    per_seq = []
+    for b in range(B):
+        vals = [loss[b][t] for t in _valid(mask, b)]
+        s = sum(vals)
+        per_seq.append(s if mode == "seq-mean-token-sum" else (s / len(vals) if vals else 0.0))
+    return sum(per_seq) / B
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_agg_loss(seed, mode):
+    _, mask, rnd = _inputs(seed)
+    x = rnd()
+    got = algos.agg_loss(x, mask, mode)
+    assert math.isclose(float(got), _ref_agg(x.tolist(), mask, mode), rel_tol=1e-12, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+@pytest.mark.parametrize("clip", [(0.2, None, None, None), (0.2, 0.2, 0.28, None),
+                                  (0.2, None, None, 3.0)])
+def test_policy_loss(seed, mode, clip):
+    g, mask, rnd = _inputs(seed)
+    eps, lo, hi, c = clip
+    old = rnd() * 0.3 - 1.0
+    logp = (old + rnd() * 1.5).requires_grad_(True)
+    A = rnd()
+    eps_lo = eps if lo is None else lo
+    eps_hi = eps if hi is None else hi
+    per_tok = [[None] * T for _ in range(B)]
+    n_clip = n_lower = n = 0
+    kl = 0.0
+    for b in range(B):
+        for t in _valid(mask, b):
+            ratio = torch.exp(logp[b, t] - old[b, t])          # scalar autograd graph per token
+            a = float(A[b, t])
+            l1 = -a * ratio
+            l2 = -a * torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi)
+            f1, f2 = float(l1.detach()), float(l2.detach())
+            l = l1 if f1 >= f2 else l2
+            n_clip += f2 > f1
+            if c is not None and a < 0 and max(f1, f2) > -a * c:
+                l = torch.tensor(-a * c, dtype=torch.float64)
+                n_lower += 1
+            per_tok[b][t] = l
+            kl += float(old[b, t] - logp[b, t].detach())
+            n += 1
+    for b in range(B):
+        for t in range(T):
+            if per_tok[b][t] is None:
+                per_tok[b][t] = torch.tensor(0.0, dtype=torch.float64)
+    ref = _ref_agg(per_tok, mask, mode)
+    ref.backward()
+    ref_grad = logp.grad.clone()
+    logp.grad = None
+    loss, m = algos.policy_loss(logp, old, A, mask, clip_ratio=eps, clip_ratio_low=lo,
+                                clip_ratio_high=hi, clip_ratio_c=c, loss_agg_mode=mode)
+    loss.backward()
+    assert math.isclose(float(loss), float(ref), rel_tol=1e-10, abs_tol=1e-12)
+    torch.testing.assert_close(logp.grad, ref_grad, atol=1e-12, rtol=1e-10)
+    assert math.isclose(float(m["clipfrac"]), n_clip / n, abs_tol=1e-12)
+    assert math.isclose(float(m["clipfrac_lower"]), n_lower / n, abs_tol=1e-12)
+    assert math.isclose(float(m["approx_kl"]), kl / n, rel_tol=1e-10, abs_tol=1e-12)
+    if c is not None:
+        assert n_lower > 0  # the dual clip was exercised
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("clip_range", [0.2, None])
+def test_value_loss(seed, clip_range):
+    _, mask, rnd = _inputs(seed)
+    old, ret = rnd(), rnd()
+    vals = old + rnd() * 0.5
+    per_tok = [[0.0] * T for _ in range(B)]
+    n_clip = n = 0
+    for b in range(B):
+        for t in _valid(mask, b):
+            v, o, R = float(vals[b, t]), float(old[b, t]), float(ret[b, t])
+            l1 = (v - R) ** 2
+            if clip_range is None:
+                per_tok[b][t] = l1
+            else:
+                vc = o + min(max(v - o, -clip_range), clip_range)
+                l2 = (vc - R) ** 2
+                per_tok[b][t] = max(l1, l2)
+                n_clip += l2 > l1
+            n += 1
+    loss, m = algos.value_loss(vals, old, ret, mask, clip_range)
+    assert math.isclose(float(loss), 0.5 * _ref_agg(per_tok, mask, "token-mean"), rel_tol=1e-10)
+    assert math.isclose(float(m["vf_clipfrac"]), n_clip / n, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_entropy(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 4, 5, generator=g, dtype=torch.float64) * 2
+    h = algos.entropy_from_logits(logits)
+    for i in range(3):
+        for j in range(4):
+            z = [float(x) for x in logits[i, j]]
+            zs = sum(math.exp(x) for x in z)
+            p = [math.exp(x) / zs for x in z]
+            assert math.isclose(float(h[i, j]), -sum(q * math.log(q) for q in p), rel_tol=1e-10)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    loss, m = algos.entropy_loss(h, mask, coeff=0.01)
+    mean = sum(float(h[i, j]) for i in range(3) for j in range(4) if mask[i, j]) / 6
+    assert math.isclose(float(m["entropy"]), mean, rel_tol=1e-12)
+    assert math.isclose(float(loss), -0.01 * mean, rel_tol=1e-12)
+
+
+# KL ----------------------------------------------------------------------------------------
+def _ref_k(x, est):
+    return {"k1": x, "k2": 0.5 * x * x, "k3": math.exp(-x) - 1 + x}[est]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("est", algos.KL_ESTIMATORS)
+def test_kl_estimators_and_penalty(seed, est):
+    g, mask, rnd = _inputs(seed)
+    logp, ref = rnd() - 1, rnd() - 1
+    k = algos.kl_estimate(logp, ref, est)
+    for b in range(B):
+        for t in range(T):
+            assert math.isclose(float(k[b, t]), _ref_k(float(logp[b, t] - ref[b, t]), est),
+                                rel_tol=1e-10, abs_tol=1e-12)
+    scores = torch.randn(B, generator=g, dtype=torch.float64)
+    tok_scores = algos.scores_to_token_rewards(scores, mask)
+    beta = 0.05
+    rewards, m = algos.kl_penalty_rewards(tok_scores, logp, ref, mask, beta, est)
+    expected = [[0.0] * T for _ in range(B)]
+    seq_kl = []
+    for b in range(B):
+        idx = _valid(mask, b)
+        ks = [_ref_k(float(logp[b, t] - ref[b, t]), est) for t in idx]
+        for t, kv in zip(idx, ks):
+            expected[b][t] = (float(scores[b]) if t == idx[-1] else 0.0) - beta * kv
+        seq_kl.append(sum(ks) / len(ks) if ks else 0.0)
+    _close(rewards, expected)
+    assert math.isclose(float(m["kl"]), sum(seq_kl) / B, rel_tol=1e-10, abs_tol=1e-12)
+    loss, _ = algos.kl_loss(logp, ref, mask, est, "seq-mean-token-mean")
+    ref_mat = [[_ref_k(float(logp[b, t] - ref[b, t]), est) for t in range(T)] for b in range(B)]
+    assert math.isclose(float(loss), _ref_agg(ref_mat, mask, "seq-mean-token-mean"), rel_tol=1e-10)
+
+
+def test_k3_is_nonnegative_and_unbiased():
+    # E_{a ~ p}[k1] = E[k3] = KL(p || q) on a small categorical; k3 >= 0 pointwise
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
+    kl = sum(float(p[i] * math.log(p[i] / q[i])) for i in range(3))
+    for est in ("k1", "k3"):
+        k = algos.kl_estimate(p.log(), q.log(), est)
+        assert math.isclose(float((p * k).sum()), kl, rel_tol=1e-12)
+    assert (algos.kl_estimate(p.log(), q.log(), "k3") >= 0).all()
+
+
+def test_kl_controllers():
+    ctl = algos.make_kl_controller("adaptive", 0.1, target_kl=1.0, horizon=100.0)
+    beta = 0.1
+    for kl in [0.5, 1.1, 3.0, 0.0]:
+        err = min(max(kl / 1.0 - 1, -0.2), 0.2)
+        beta = beta * (1 + err * 10 / 100.0)
+        assert math.isclose(ctl.update(kl, 10), beta, rel_tol=1e-12)
+    state = ctl.state_dict()
+    other = algos.make_kl_controller("adaptive", 0.5, target_kl=2.0, horizon=1.0)
+    other.load_state_dict(state)
+    assert other.value == ctl.value and other.target == 1.0
+    fixed = algos.make_kl_controller("fixed", 0.2)
+    assert fixed.update(100.0, 10) == 0.2
+    with pytest.raises(ValueError, match="kind='pid'"):
+        algos.make_kl_controller("pid", 0.1)
+    with pytest.raises(ValueError, match="'k4'"):
+        algos.kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
+
+
+# Safe-RLHF ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", SEEDS)
+def test_safe_rlhf(seed):
+    _, mask, rnd = _inputs(seed)
+    r, v, c, cv = rnd(), rnd(), rnd().abs(), rnd()
+    lag = algos.LagrangeMultiplier(init=0.5, lr=0.2, cost_limit=0.3, max_value=2.0)
+    value = 0.5
+    for mean_cost in [1.0, 0.0, 0.0, 0.0, 5.0, 20.0]:
+        value = min(max(0.0, value + 0.2 * (mean_cost - 0.3)), 2.0)
+        assert math.isclose(lag.update(mean_cost), value, rel_tol=1e-12)
+    lag.value = 0.7
+    out = algos.safe_rlhf_advantages(r, v, c, cv, mask, lag.value, gamma=1.0, lam=0.9)
+    a_r, _ = algos.gae(r, v, mask, 1.0, 0.9)
+    a_c, _ = algos.gae(c, cv, mask, 1.0, 0.9)
+    for b in range(B):
+        for t in range(T):
+            want = (float(a_r[b, t]) - 0.7 * float(a_c[b, t])) / 1.7
+            assert math.isclose(float(out["advantages"][b, t]), want, rel_tol=1e-10, abs_tol=1e-12)
+
+
+# Dispatcher --------------------------------------------------------------------------------
+def test_compute_advantage_dispatch():
+    from rlhf.controller import Batch
+
+    _, mask, rnd = _inputs(0)
+    r, v = rnd(), rnd()
+    batch = Batch(tensors={"token_level_rewards": r, "response_mask": mask, "values": v,
+                           "reward_baselines": torch.zeros(B, dtype=torch.float64),
+                           "token_level_costs": r, "cost_values": v},
+                  non_tensors={"uid": _groups(0)})
+    direct = {"ppo": algos.gae(r, v, mask, 1.0, 0.95)[0],
+              "remax": algos.remax(r, torch.zeros(B, dtype=torch.float64), mask)[0],
+              "grpo": algos.grpo(r, mask, _groups(0))[0],
+              "rloo": algos.rloo(r, mask, _groups(0))[0],
+              "reinforce_pp": algos.reinforce_pp(r, mask)[0]}
+    for name, want in direct.items():
+        torch.testing.assert_close(algos.compute_advantage(batch, name)["advantages"], want)
+    out = algos.compute_advantage(batch, "safe_rlhf", lagrange=0.0)
+    torch.testing.assert_close(out["advantages"], direct["ppo"])
+    with pytest.raises(ValueError, match="'values'"):
+        algos.compute_advantage({"token_level_rewards": r, "response_mask": mask}, "ppo")
+    with pytest.raises(ValueError, match="algo='dpo'"):
+        algos.compute_advantage(batch, "dpo")
+    with pytest.raises(ValueError, match="lagrange"):
+        algos.compute_advantage(batch, "safe_rlhf")
+    with pytest.raises(ValueError, match=r"shape \(6, 6\)"):
+        algos.gae(r[:, :6], v[:, :6], mask, 1.0, 0.9)
