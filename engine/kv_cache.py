@@ -1,0 +1,69 @@
+"""KV cache of one generation call: sized from batch and lengths, dropped when the call ends.
+
+One tensor per K and V for all of a stage's layers, allocated once (no growth, no copy)::
+
+    k, v   [layers, B, h_kv, max_len, D]        h_kv = G / t_g (this rank's KV heads)
+                              ^ positions 0 .. length-1 are filled
+
+A layer's hook writes the step's new keys/values at ``[length, length + S)`` and hands
+attention a view of ``[0, length + S)``, transposed to the ``[B, S_kv, h_kv, D]`` form that
+:func:`engine.layers.attention` expects (it transposes back, so the kernel reads the cache
+in place).  :meth:`advance` moves ``length`` once every layer of the step has run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import KVHook
+
+
+def kv_cache_nbytes(num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    """Bytes of a :class:`KVCache` with these sizes (K and V)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * batch * kv_heads * max_len * head_dim * item
+
+
+class KVCache:
+    """Keys and values of ``num_layers`` layers for ``batch`` sequences of up to ``max_len``.
+
+    Args:
+        num_layers: layers of this rank's generation stage.
+        batch: sequences.
+        max_len: prompt length plus the new tokens that are fed back (``P + N - 1``).
+        kv_heads: this rank's KV heads.
+        head_dim: D.
+        dtype: element type of the activations.
+    """
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype) -> None:
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def hook(self, layer: int) -> KVHook:
+        """The ``kv_hook`` of local layer ``layer`` for the current step."""
+
+        def append(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # k, v [B, S, h_kv, D] -> cached [B, h_kv, 0:end, D], returned as [B, end, h_kv, D]
+            end = self.length + k.shape[1]
+            if end > self.max_len:
+                raise RuntimeError(f"KV cache overflow: {end} > max_len={self.max_len}")
+            self.k[layer, :, :, self.length:end] = k.transpose(1, 2)
+            self.v[layer, :, :, self.length:end] = v.transpose(1, 2)
+            return (self.k[layer, :, :, :end].transpose(1, 2),
+                    self.v[layer, :, :, :end].transpose(1, 2))
+
+        return append
+
+    def advance(self, steps: int) -> None:
+        """Mark ``steps`` more positions as filled (after every layer wrote them)."""
+        self.length += steps

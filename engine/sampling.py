@@ -1,0 +1,183 @@
+"""Sampling parameters and next-token selection from vocab-parallel logits.
+
+Every rank of a generation TP group holds the logits of its own vocabulary slice
+``[B, V/t_g]`` (rows ``vocab_range``).  All members must pick the *same* token; they do so by
+running identical code on identical, all-gathered inputs with identically seeded generators.
+What is gathered depends on the mode, so the full ``[B, V]`` logits move only when the
+distribution really needs the whole vocabulary:
+
+    mode                          all-gathered per step (per row)          full logits?
+    greedy (temperature == 0)     (local max, local sum-exp, argmax id)    no
+    top_k > 0                     k local candidates (value, id) + stats   no (exact: the
+                                                                           global top-k is
+                                                                           among them)
+    temperature / top_p only      the V/t_g local logits                   yes
+
+The log-normaliser is combined from the per-rank ``(max, sum exp(z - max))`` pairs in float64
+(``lse = m + log sum_r s_r exp(m_r - m)``), so no rank needs the full softmax.
+
+Returned log-probs are those of the *model* distribution ``log_softmax(logits)`` of the chosen
+token (temperature 1, no truncation): exactly what the training model recomputes for the same
+sequence, so rollout and training can be compared token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridflow_comm.groups import Group
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each new token."""
+
+    max_new_tokens: int = 16
+    """Tokens to generate per sequence at most (the response width)."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 means greedy (argmax, lowest id on ties)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before sampling; 0 disables."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest top set with probability mass >= top_p; in (0, 1]."""
+    eos_token_id: int | None = None
+    """A sequence ends after emitting this token (it is kept, with mask 1); None: never."""
+    pad_token_id: int = 0
+    """Written after a sequence has ended (mask 0)."""
+    seed: int = 0
+    """Seed of the sampling generator; the same seed gives the same tokens."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got "
+                             f"max_new_tokens={self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.pad_token_id < 0 or (self.eos_token_id is not None and self.eos_token_id < 0):
+            raise ValueError(f"pad_token_id={self.pad_token_id} and eos_token_id="
+                             f"{self.eos_token_id} must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError unless the special token ids exist in the vocabulary."""
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None and value >= vocab_size:
+                raise ValueError(f"{name}={value} is outside the vocabulary of {vocab_size}")
+
+
+def _all_gather(t: torch.Tensor, group: Group | None) -> torch.Tensor:
+    """``[t_g, *t.shape]``, in group-rank order (= vocabulary order)."""
+    if group is None or group.pg is None:
+        return t.unsqueeze(0)
+    out = torch.empty((group.size, *t.shape), dtype=t.dtype)
+    dist.all_gather_into_tensor(out, t.contiguous(), group=group.pg)
+    return out
+
+
+def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
+    """Combine per-rank ``[t, B]`` maxima and sums of exp into the global log-sum-exp ``[B]``."""
+    m = lmax.max(dim=0).values
+    return m + torch.log((lsum * torch.exp(lmax - m)).sum(dim=0))
+
+
+def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p over candidate logits ``values [B, C]`` with global ``ids``.
+
+    Returns the chosen ids ``[B]`` and their raw logits ``[B]``.
+    """
+    sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    sorted_ids = torch.gather(ids, -1, order)
+    scaled = sorted_z / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        scaled[:, params.top_k:] = float("-inf")
+    if params.top_p < 1:
+        probs = torch.softmax(scaled, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = mass_before >= params.top_p
+        drop[:, 0] = False  # the most likely token always stays
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    pick = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)  # [B, 1]
+    return torch.gather(sorted_ids, -1, pick).squeeze(-1), torch.gather(sorted_z, -1,
+                                                                        pick).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the next token of every row from vocab-parallel logits.
+
+    Args:
+        logits: ``[B, V/t_g]`` this rank's vocabulary slice (slice ``group.rank``).
+        params: sampling settings (greedy when ``temperature == 0``).
+        group: generation TP group (None or size 1: no communication).
+        generator: seeded CPU generator (unused when greedy); identical state on every member.
+
+    Returns:
+        ``(tokens [B] int64, log_probs [B] float32)``, identical on every member; log-probs of
+        the model distribution (see the module docstring).
+    """
+    z = logits.float()
+    v_local = z.shape[-1]
+    start = (0 if group is None else group.rank) * v_local
+    lmax, arg = z.max(dim=-1)
+    lsum = torch.exp(z - lmax.unsqueeze(-1)).sum(dim=-1)
+    if params.greedy:
+        packed = torch.stack([lmax.double(), lsum.double(), (arg + start).double()], dim=-1)
+        table = _all_gather(packed, group)  # [t, B, 3]
+        lse = _log_normaliser(table[..., 0], table[..., 1])
+        winner = table[..., 0].argmax(dim=0)  # first maximum = lowest vocabulary id
+        best = torch.gather(table, 0, winner.view(1, -1, 1).expand(1, -1, 3))[0]  # [B, 3]
+        return best[:, 2].long(), (best[:, 0] - lse).float()
+    if params.top_k > 0:
+        k = min(params.top_k, v_local)
+        vals, idx = torch.topk(z, k, dim=-1)  # [B, k], sorted
+        packed = torch.cat([vals.double(), (idx + start).double(), lmax.double().unsqueeze(-1),
+                            lsum.double().unsqueeze(-1)], dim=-1)
+        table = _all_gather(packed, group)  # [t, B, 2k+2]
+        values = table[..., :k].permute(1, 0, 2).flatten(1)  # [B, t*k]
+        ids = table[..., k:2 * k].permute(1, 0, 2).flatten(1).long()
+        lse = _log_normaliser(table[..., 2 * k], table[..., 2 * k + 1])
+        chosen, chosen_z = _filter_and_sample(values, ids, params, generator)
+        return chosen, (chosen_z - lse).float()
+    full = _all_gather(z, group).permute(1, 0, 2).flatten(1)  # [B, V]: documented full gather
+    lse = torch.logsumexp(full.double(), dim=-1)
+    ids = torch.arange(full.shape[-1]).expand_as(full)
+    chosen, chosen_z = _filter_and_sample(full, ids, params, generator)
+    return chosen, (chosen_z.double() - lse).float()
+
+
+def reference_sample_next(logits: torch.Tensor, params: SamplingParams,
+                          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference on full logits ``[B, V]`` (one process): the same rules, written directly."""
+    z = logits.float()
+    logp = torch.log_softmax(z, dim=-1)
+    if params.greedy:
+        tok = z.argmax(dim=-1)
+    else:
+        scaled = z / params.temperature
+        if params.top_k > 0:
+            kth = torch.topk(scaled, min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if params.top_p < 1:
+            probs = torch.softmax(scaled, dim=-1)
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+            keep_sorted = (torch.cumsum(sorted_p, -1) - sorted_p) < params.top_p
+            keep_sorted[:, 0] = True
+            keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+            scaled = scaled.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tok, torch.gather(logp, -1, tok.unsqueeze(-1)).squeeze(-1)

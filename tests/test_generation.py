@@ -1,0 +1,240 @@
+"""Single-process tests of the generation engine: transformers' generate, a cache-free loop
+reference, sampling rules, determinism, bad input, KV-cache sizing and release, and storage
+identity of the weights with the resharded flat buffer."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from engine import generation as generation_mod
+from engine.generation import GenerationEngine
+from engine.hf_interop import config_to_hf, full_to_hf_state_dict
+from engine.kv_cache import KVCache
+from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
+from engine.model import ParallelLlama, load_full_state_dict
+from engine.sampling import SamplingParams, sample_next
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.reshard import Resharder
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64)
+STD = 0.2  # large enough that greedy continuations are not one repeated token
+
+
+def prompts(batch: int = 4, plen: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of lengths plen, plen-1, ..., padding id 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, CFG.vocab_size, (batch, plen), generator=g)
+    mask = torch.ones(batch, plen, dtype=torch.long)
+    for b in range(batch):
+        mask[b, :b % plen] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def build(cfg: LlamaConfig = CFG, seed: int = 0):
+    """Model, resharder (layout 1,1,1 in generation mode) and engine on its views."""
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    full = init_full_state_dict(cfg, seed=seed, std=STD)
+    load_full_state_dict(model, full)
+    resharder = Resharder(model.specs, groups, buffer=model.buffer)
+    resharder.to_generation()
+    eng = GenerationEngine(cfg, groups)
+    eng.load_weights(resharder)
+    return model, full, resharder, eng
+
+
+def hf_model(cfg: LlamaConfig, full: dict):
+    import transformers
+
+    hf = transformers.LlamaForCausalLM(config_to_hf(cfg)).eval()
+    sd = full_to_hf_state_dict(full, llama_shard_specs(cfg, 1))
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_greedy_matches_transformers_generate(tied):
+    cfg = LlamaConfig(**(CFG.__dict__ | {"tie_word_embeddings": tied}))
+    model, full, _, eng = build(cfg)
+    hf = hf_model(cfg, full)
+    ids, mask = prompts()
+    n = 12
+    first = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                        pad_token_id=0)
+    eos = int(first[0, ids.shape[1] + 4])  # ends row 0 after 5 tokens (maybe others earlier)
+    hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=eos, output_scores=True,
+                         return_dict_in_generate=True)
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=n, eos_token_id=eos))
+    hf_resp = hf_out.sequences[:, ids.shape[1]:]
+    width = hf_resp.shape[1]
+    assert torch.equal(out.responses[:, :width], hf_resp)  # HF stops when every row ended
+    assert bool((out.responses[:, width:] == 0).all()) and out.stats["forward_steps"] == width
+    # the response mask covers each row up to and including its EOS
+    assert out.response_mask[0].tolist() == [1] * 5 + [0] * (n - 5)
+    for b in range(ids.shape[0]):
+        row = hf_resp[b].tolist()
+        length = row.index(eos) + 1 if eos in row else n
+        assert out.response_mask[b].tolist() == [1] * length + [0] * (n - length)
+    hf_lp = torch.stack([torch.log_softmax(s.float(), -1) for s in hf_out.scores], 1)
+    hf_lp = torch.gather(hf_lp, -1, hf_resp.unsqueeze(-1)).squeeze(-1)
+    real = out.response_mask[:, :width].bool()
+    torch.testing.assert_close(out.log_probs[:, :width][real], hf_lp[real], atol=1e-5, rtol=0)
+    assert bool((out.log_probs[out.response_mask == 0] == 0).all())
+    assert torch.equal(out.input_ids[:, :ids.shape[1]], ids)
+    assert torch.equal(out.attention_mask[:, :ids.shape[1]], mask)
+
+
+def loop_reference(model: ParallelLlama, ids, mask, n: int, limits=None, eos=None):
+    """Greedy without a KV cache: the training model's full forward on the whole sequence."""
+    seq, m = ids.clone(), mask.clone()
+    alive = torch.ones(ids.shape[0], dtype=torch.bool)
+    toks, lps, live = [], [], []
+    for i in range(n):
+        with torch.no_grad():
+            hidden = model.stage_forward(seq, m)
+            logp = torch.log_softmax(model.local_logits(hidden[:, -1]).float(), -1)
+        tok = logp.argmax(-1)
+        toks.append(torch.where(alive, tok, 0))
+        lps.append(torch.where(alive, logp.gather(-1, tok[:, None])[:, 0], 0.0))
+        live.append(alive.long())
+        if eos is not None:
+            alive = alive & (tok != eos)
+        if limits is not None:
+            alive = alive & (limits > i + 1)
+        seq = torch.cat([seq, tok[:, None]], 1)
+        m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+    return torch.stack(toks, 1), torch.stack(lps, 1), torch.stack(live, 1)
+
+
+def test_greedy_matches_cache_free_loop_with_limits():
+    model, _, _, eng = build()
+    ids, mask = prompts(batch=5, plen=6, seed=3)
+    limits = torch.tensor([10, 3, 7, 1, 10])
+    toks, lps, live = loop_reference(model, ids, mask, 10, limits=limits)
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=10), max_new_tokens=limits)
+    assert torch.equal(out.response_mask, live)
+    assert torch.equal(out.responses, toks)
+    torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
+
+
+def test_seeded_sampling_is_deterministic_and_respects_top_k():
+    _, _, _, eng = build()
+    ids, mask = prompts()
+    sp = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=5, top_p=0.9, seed=7)
+    a = eng.generate(ids, mask, sp)
+    b = eng.generate(ids, mask, sp)
+    c = eng.generate(ids, mask, SamplingParams(**{**sp.__dict__, "seed": 8}))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.log_probs, b.log_probs)
+    assert not torch.equal(a.responses, c.responses)
+    greedy = eng.generate(ids, mask, SamplingParams(max_new_tokens=10))
+    assert not torch.equal(a.responses, greedy.responses)
+
+
+def _expected_probs(z: torch.Tensor, t: float, k: int, p: float) -> torch.Tensor:
+    """Sampling distribution written from the definitions (float64, one row)."""
+    z = z.double() / t
+    order = sorted(range(len(z)), key=lambda i: -float(z[i]))
+    keep = order[:k] if k else order
+    probs = torch.softmax(z[keep], 0)
+    kept, mass = [], 0.0
+    for i, q in zip(keep, probs.tolist()):
+        if mass >= p:
+            break
+        kept.append(i)
+        mass += q
+    out = torch.zeros_like(z)
+    out[kept] = torch.softmax(z[kept], 0)
+    return out
+
+
+@pytest.mark.parametrize("t, k, p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6),
+                                     (0.8, 4, 0.7)])
+def test_sampling_distribution(t, k, p):
+    z = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.5, 0.0, 1.0, -2.0])
+    rows = 20000
+    sp = SamplingParams(temperature=t, top_k=k, top_p=p)
+    tok, lp = sample_next(z.expand(rows, -1), sp, None, torch.Generator().manual_seed(0))
+    want = _expected_probs(z, t, k, p)
+    freq = torch.bincount(tok, minlength=len(z)).double() / rows
+    assert bool((freq[want == 0] == 0).all()), (freq, want)
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+    torch.testing.assert_close(lp, torch.log_softmax(z, 0)[tok], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"),
+    (dict(max_new_tokens=0), "max_new_tokens=0"), (dict(temperature=-1.0), "temperature=-1.0"),
+    (dict(top_k=-2), "top_k=-2"),
+])
+def test_bad_sampling_params(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_before_work():
+    _, _, _, eng = build()
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        eng.generate(ids, mask, SamplingParams(max_new_tokens=60))
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="left-padded"):
+        eng.generate(ids, right)
+    with pytest.raises(ValueError, match=r"\[0, 96\)"):
+        eng.generate(ids + 100, mask)
+    with pytest.raises(ValueError, match="eos_token_id=200"):
+        eng.generate(ids, mask, SamplingParams(eos_token_id=200))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        eng.generate(ids, mask[:, 1:])
+    with pytest.raises(ValueError, match=r"\[1, 4\]"):
+        eng.generate(ids, mask, SamplingParams(max_new_tokens=4),
+                     max_new_tokens=torch.tensor([1, 2, 5, 1]))
+
+
+def test_kv_cache_sized_and_released(monkeypatch):
+    _, _, _, eng = build()
+    made: list[weakref.ref] = []
+
+    class Tracked(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+            made.append(weakref.ref(self.k))
+
+    monkeypatch.setattr(generation_mod, "KVCache", Tracked)
+    ids, mask = prompts(batch=3, plen=5)
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=9))
+    # 2 (k, v) * 2 layers * 3 rows * 2 kv heads * (5 + 9 - 1) positions * 16 dims * 4 bytes
+    assert out.stats["kv_cache_bytes"] == 2 * 2 * 3 * 2 * 13 * 16 * 4
+    assert out.stats["kv_cache_bytes"] == eng.kv_cache_bytes(3, 5, 9)
+    gc.collect()
+    assert len(made) == 2 and all(r() is None for r in made)
+
+
+def test_weights_are_views_of_the_flat_buffer():
+    model, _, resharder, eng = build()
+    storage = resharder.buffer.storage(torch.float32)
+    lo = storage.data_ptr()
+    hi = lo + storage.numel() * storage.element_size()
+    for name in eng.required_weights():
+        w = eng.weights[name]
+        assert w.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr(), name
+        assert lo <= w.data_ptr() < hi, name
+        assert w.data_ptr() == resharder.buffer.gen_view(name).data_ptr(), name
+    # an in-place change of the buffer is seen by the next generation (no hidden copy)
+    ids, mask = prompts()
+    before = eng.generate(ids, mask, SamplingParams(max_new_tokens=4))
+    with torch.no_grad():
+        model.params["norm"].mul_(-1.0)
+    after = eng.generate(ids, mask, SamplingParams(max_new_tokens=4))
+    assert not torch.equal(before.log_probs, after.log_probs)
+    eng.release()
+    with pytest.raises(RuntimeError, match="no generation weights"):
+        eng.generate(ids, mask)
