@@ -1,0 +1,159 @@
+"""The built-in verifiable task: multi-digit addition, ``"12+345="`` -> ``"357"``.
+
+Every example is a pure function of ``(seed, split, index)`` (a ``random.Random`` seeded with
+that string), so any slice of the data can be regenerated from a checkpointed position, and the
+splits (``train``, ``eval``, ``sft``, ``pref``, ``cost``) never share a random stream.
+
+Cost rule of the Safe-RLHF variant (:class:`CostRule`): a response is "unsafe" in proportion to
+
+    cost(response) = (# of occurrences of the forbidden digit)
+                     + max(0, len(response) - max_answer_len)    (length term only if set)
+
+So a correct answer can be costly (e.g. ``"357"`` with forbidden digit ``7``): reward and cost
+pull in different directions, which is what the Lagrange multiplier arbitrates.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+DIGITS = "0123456789"
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    """Question text, e.g. ``"12+345="``."""
+    answer: str
+    """Correct answer text, e.g. ``"357"`` (the response the policy should produce)."""
+
+
+@dataclass(frozen=True)
+class AdditionTask:
+    """Deterministic addition problems; difficulty set by the operand digit counts."""
+
+    min_digits: int = 1
+    """Fewest digits of an operand (>= 1)."""
+    max_digits: int = 3
+    """Most digits of an operand (>= min_digits, <= 18)."""
+    num_operands: int = 2
+    """Operands per problem (>= 2): ``a+b`` or ``a+b+c`` ..."""
+    seed: int = 0
+    """Data seed; with ``split`` and ``index`` it fixes every example."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits <= 18:
+            raise ValueError(f"need 1 <= min_digits <= max_digits <= 18, got min_digits="
+                             f"{self.min_digits}, max_digits={self.max_digits}")
+        if self.num_operands < 2:
+            raise ValueError(f"num_operands={self.num_operands} must be >= 2")
+
+    def _rng(self, split: str, index: int) -> random.Random:
+        if index < 0:
+            raise ValueError(f"example index={index} must be >= 0")
+        return random.Random(f"addition:{self.seed}:{split}:{index}")
+
+    def example(self, index: int, split: str = "train") -> Example:
+        rng = self._rng(split, index)
+        ops = []
+        for _ in range(self.num_operands):
+            n = rng.randint(self.min_digits, self.max_digits)
+            ops.append(rng.randint(0 if n == 1 else 10 ** (n - 1), 10 ** n - 1))
+        return Example("+".join(map(str, ops)) + "=", str(sum(ops)))
+
+    def examples(self, start: int, count: int, split: str = "train") -> list[Example]:
+        return [self.example(i, split) for i in range(start, start + count)]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.num_operands * (self.max_digits + 1)
+
+    @property
+    def max_answer_chars(self) -> int:
+        return len(str(self.num_operands * (10 ** self.max_digits - 1)))
+
+    # Training data for the warm start and the reward / cost models -------------------------
+    def sft_records(self, count: int, start: int = 0) -> list[dict]:
+        """``{"prompt", "answer"}`` records with the correct answer (split ``sft``)."""
+        return [{"prompt": e.prompt, "answer": e.answer}
+                for e in self.examples(start, count, "sft")]
+
+    def preference_pairs(self, count: int, start: int = 0) -> list[dict]:
+        """``{"prompt", "chosen", "rejected"}``: the correct answer vs a corrupted one."""
+        out = []
+        for i in range(start, start + count):
+            e = self.example(i, "pref")
+            rng = self._rng("pref-corrupt", i)
+            out.append({"prompt": e.prompt, "chosen": e.answer,
+                        "rejected": corrupt_answer(e.answer, rng)})
+        return out
+
+    def cost_pairs(self, count: int, rule: "CostRule", start: int = 0) -> list[dict]:
+        """``{"prompt", "safer", "unsafer", "safer_cost", "unsafer_cost"}`` with
+        ``safer_cost < unsafer_cost`` under ``rule`` (split ``cost``).
+
+        ``safer`` is the answer with every forbidden digit replaced by its neighbour digit;
+        ``unsafer`` is ``safer`` with one to two forbidden digits written over or inserted.
+        """
+        out = []
+        for i in range(start, start + count):
+            e = self.example(i, "cost")
+            rng = self._rng("cost-corrupt", i)
+            safer = rule.scrub(e.answer)
+            unsafer = safer
+            for _ in range(rng.randint(1, 2)):
+                pos = rng.randrange(len(unsafer) + 1)
+                if rng.random() < 0.5 and pos < len(unsafer):
+                    unsafer = unsafer[:pos] + rule.forbidden_digit + unsafer[pos + 1:]
+                else:
+                    unsafer = unsafer[:pos] + rule.forbidden_digit + unsafer[pos:]
+            out.append({"prompt": e.prompt, "safer": safer, "unsafer": unsafer,
+                        "safer_cost": rule.cost(safer), "unsafer_cost": rule.cost(unsafer)})
+        return out
+
+
+def corrupt_answer(answer: str, rng: random.Random) -> str:
+    """A wrong answer near ``answer``: change, drop or add one digit, or be off by a carry."""
+    for _ in range(100):
+        kind = rng.randrange(4)
+        if kind == 0:
+            pos = rng.randrange(len(answer))
+            cand = answer[:pos] + rng.choice(DIGITS) + answer[pos + 1:]
+        elif kind == 1 and len(answer) > 1:
+            pos = rng.randrange(len(answer))
+            cand = answer[:pos] + answer[pos + 1:]
+        elif kind == 2:
+            pos = rng.randrange(len(answer) + 1)
+            cand = answer[:pos] + rng.choice(DIGITS) + answer[pos:]
+        else:
+            cand = str(int(answer) + rng.choice((-10, -1, 1, 10)))
+        cand = cand.lstrip("0") or "0"
+        if cand != answer and not cand.startswith("-"):
+            return cand
+    raise AssertionError(f"could not corrupt {answer!r}")
+
+
+@dataclass(frozen=True)
+class CostRule:
+    """The Safe-RLHF cost of a response (see the module docstring)."""
+
+    forbidden_digit: str = "7"
+    """The digit whose every occurrence costs 1."""
+    max_answer_len: int | None = None
+    """If set, every character beyond this length costs 1."""
+
+    def __post_init__(self) -> None:
+        if len(self.forbidden_digit) != 1 or self.forbidden_digit not in DIGITS:
+            raise ValueError(f"forbidden_digit={self.forbidden_digit!r} must be one digit")
+        if self.max_answer_len is not None and self.max_answer_len < 1:
+            raise ValueError(f"max_answer_len={self.max_answer_len} must be >= 1 or None")
+
+    def cost(self, response: str) -> float:
+        extra = 0 if self.max_answer_len is None else max(0, len(response) - self.max_answer_len)
+        return float(response.count(self.forbidden_digit) + extra)
+
+    def scrub(self, response: str) -> str:
+        """``response`` with the forbidden digit replaced by the next digit (mod 10)."""
+        repl = DIGITS[(DIGITS.index(self.forbidden_digit) + 1) % 10]
+        return response.replace(self.forbidden_digit, repl)
