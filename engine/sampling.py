@@ -30,6 +30,9 @@ import torch.distributed as dist
 
 from hybridflow_comm.groups import Group
 
+# torch renamed all_gather_into_tensor (deprecated) to all_gather_single
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -81,9 +84,9 @@ def _all_gather(t: torch.Tensor, group: Group | None) -> torch.Tensor:
     """``[t_g, *t.shape]``, in group-rank order (= vocabulary order)."""
     if group is None or group.pg is None:
         return t.unsqueeze(0)
-    out = torch.empty((group.size, *t.shape), dtype=t.dtype)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group.pg)
-    return out
+    out = torch.empty(group.size * t.numel(), dtype=t.dtype)
+    _all_gather_flat(out, t.contiguous().view(-1), group=group.pg)
+    return out.view(group.size, *t.shape)
 
 
 def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
