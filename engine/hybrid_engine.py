@@ -1,0 +1,153 @@
+"""The actor's 3D-HybridEngine: one model, trained on ``p-t-d`` and generating on ``p_g-t_g``.
+
+:class:`HybridEngine` owns the training model (:class:`TrainEngine`), its :class:`Resharder`
+(both on one flat buffer) and a rollout engine (the native :class:`GenerationEngine` by
+default, or any object with the :class:`Rollout` methods, e.g. the vLLM adapter).  One
+iteration of the paper's workflow::
+
+    with engine.generation_mode() as stats:         # (1) micro-DP all-gather of the weights
+        out = engine.generate_sequences(prompts)    # (2) each generation replica generates its
+                                                    #     share, (3) all-gather inside the
+                                                    #     micro-DP group -> training data layout
+    # leaving the block: (4) back to training; the training shard never moved
+    engine.train.train_step(...)                    # (5) losses and update
+
+Data layout of step (2)-(3) for one training DP rank with ``B`` prompts and micro-DP size m::
+
+    prompts of DP rank d   [B, P]   (the same on every rank of the training replica)
+    generation replica k   rows [k*B/m, (k+1)*B/m)        k = micro-DP rank
+    after the all-gather   [B, P+N] on every rank of the replica, rows in prompt order
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+
+from engine.generation import GenerationEngine, GenerationOutput, check_prompts
+from engine.model import ParallelLlama
+from engine.sampling import SamplingParams, _all_gather_flat
+from engine.train import OptimConfig, TrainEngine
+from hybridflow_comm.reshard import Resharder, TransitionStats
+
+
+class Rollout(Protocol):
+    """What :class:`HybridEngine` needs from a generation backend."""
+
+    def load_weights(self, resharder: Resharder) -> None:
+        """Take the new generation weights (the resharder is in generation mode)."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 sampling: SamplingParams) -> GenerationOutput:
+        """Generate for this generation replica's prompts."""
+
+    def release(self) -> None:
+        """Drop every reference to the generation weights and caches."""
+
+
+class HybridEngine:
+    """Training and generation of the actor on the same ranks and the same flat buffer.
+
+    Args:
+        model: this rank's training model (its buffer becomes the resharder's).
+        optim: optimiser settings of the training engine.
+        rollout: generation backend (default: :class:`GenerationEngine` on the layout).
+        method: transition method of the resharder (``"hybridflow"`` by default).
+        verify: checksum-verify the generation weights after every transition.
+
+    Construction is collective over the layout's ranks (the resharder exchanges specs).
+    """
+
+    def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None,
+                 rollout: Rollout | None = None, method: str = "hybridflow",
+                 verify: bool = False) -> None:
+        self.model = model
+        self.groups = model.groups
+        self.layout = model.groups.layout
+        self.train = TrainEngine(model, optim)
+        self.resharder = Resharder(model.specs, model.groups, method=method,
+                                   verify_every=verify, buffer=model.buffer)
+        self.rollout = rollout if rollout is not None else GenerationEngine(model.config,
+                                                                            model.groups)
+        self.last_transition: TransitionStats | None = None
+        self._generating = False
+
+    @property
+    def version(self) -> int:
+        return self.resharder.version
+
+    @contextmanager
+    def generation_mode(self):
+        """Reshard to the generation layout for the block; back to training on exit.
+
+        Yields the :class:`TransitionStats` of the transition (``time_s``, ``version``...).
+        """
+        if self._generating:
+            raise RuntimeError("generation_mode() is already active")
+        before = self.resharder.version
+        stats = self.resharder.to_generation()
+        if stats.version != before + 1:
+            raise RuntimeError(f"weight version went from {before} to {stats.version}, "
+                               f"expected {before + 1}")
+        self.last_transition = stats
+        self._generating = True
+        try:
+            self.rollout.load_weights(self.resharder)
+            yield stats
+        finally:
+            self.rollout.release()
+            self._generating = False
+            self.resharder.to_training()
+
+    def generate_sequences(self, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor | None = None,
+                           sampling: SamplingParams | None = None) -> GenerationOutput:
+        """Generate for this training DP rank's prompts; returns them all, on every rank.
+
+        Args:
+            input_ids: ``[B, P]`` left-padded prompts of this DP rank (the same on every rank
+                of the training replica); ``B`` must be divisible by the micro-DP size.
+            attention_mask: ``[B, P]`` (default all ones).
+            sampling: settings; generation replica ``dp_g`` samples with ``seed + dp_g``.
+
+        Returns:
+            The :class:`GenerationOutput` of all ``B`` rows in prompt order (training data
+            layout); ``stats`` are this rank's generation stats plus ``gather_time_s``.
+        """
+        if not self._generating:
+            raise RuntimeError("generate_sequences() must run inside generation_mode()")
+        sampling = sampling or SamplingParams()
+        mask = check_prompts(input_ids, attention_mask, self.model.config, sampling)
+        group = self.groups.micro_dp
+        m, k = group.size, group.rank
+        batch = input_ids.shape[0]
+        if batch % m:
+            raise ValueError(f"{batch} prompts cannot be split over the micro-DP size {m} "
+                             f"(training {self.layout.train} -> generation pp_g="
+                             f"{self.layout.pp_g}, tp_g={self.layout.tp_g})")
+        coords = self.layout.gen_coords(self.groups.rank)
+        assert k == coords.micro_dp, (k, coords)  # group order = micro-DP coordinate
+        rows = slice(k * batch // m, (k + 1) * batch // m)
+        mine = self.rollout.generate(
+            input_ids[rows], mask[rows],
+            SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + coords.dp_g}))
+        t0 = time.perf_counter()
+        gathered = GenerationOutput(
+            input_ids=_all_gather_rows(mine.input_ids, group),
+            attention_mask=_all_gather_rows(mine.attention_mask, group),
+            log_probs=_all_gather_rows(mine.log_probs, group),
+            prompt_length=mine.prompt_length,
+            stats={**mine.stats, "gather_time_s": time.perf_counter() - t0})
+        return gathered
+
+
+def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every member's ``[b, ...]`` rows in group-rank order."""
+    if group.pg is None:
+        return t
+    out = torch.empty(group.size * t.numel(), dtype=t.dtype)
+    _all_gather_flat(out, t.contiguous().view(-1), group=group.pg)
+    return out.view(group.size * t.shape[0], *t.shape[1:])
