@@ -1,0 +1,763 @@
+"""Run configuration: dataclasses with one docstring per field, YAML recipes, ``key=value``
+overrides, and :func:`validate_for_world`, which checks every size against the world before any
+rank starts work.
+
+Loading::
+
+    cfg = load_config(["algo=grpo", "actor.lr=1e-5", "data.prompts_per_iter=32"])
+    plan = validate_for_world(cfg, world_size=4)     # ValueError naming the values and the fix
+    plan.roles["actor"].layout, plan.roles["actor"].pool
+
+``algo=NAME`` picks the shipped recipe ``rlhf/recipes/NAME.yaml`` (default ``ppo``);
+``recipe=PATH`` picks any YAML file.  Every other argument is a dotted key into the config.
+
+Batch sizes, one meaning each (all counted in sequences except ``prompts_per_iter``)::
+
+    rollout_batch_size = prompts_per_iter * samples_per_prompt     sequences generated per iteration
+    mini_batch_size    = sequences per optimizer step (global, all DP ranks together)
+    micro_batch_size   = sequences per forward/backward on one DP rank
+    grad_accum         = mini_batch_size / (dp * micro_batch_size)  per trained role (derived)
+    optimizer steps per iteration = epochs * rollout_batch_size / mini_batch_size
+
+Placement of the roles on the ranks ``0..W-1`` (pools are consecutive rank ranges)::
+
+    colocated   every role on all W ranks (default)
+    split       pool "actor" = actor + reference, pool "critic" = every other role;
+                sizes in placement.pool_sizes = {actor: a, critic: c}, a + c = W
+    standalone  one pool per active role, sizes in placement.pool_sizes = {role: n}, sum = W
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+ALGOS = ("ppo", "remax", "safe_rlhf", "grpo", "rloo", "reinforce_pp")
+PLACEMENTS = ("colocated", "split", "standalone")
+ROLES = ("actor", "critic", "cost_critic", "reference", "reward_model", "cost_model")
+TRAINED_ROLES = ("actor", "critic", "cost_critic")
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+
+
+def _positive(**values: int | float) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not v > 0:
+            raise ValueError(f"{name}={v!r} must be > 0")
+
+
+def _one_of(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {choices}")
+
+
+# Sections ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama model (see :class:`engine.llama_spec.LlamaConfig`)."""
+
+    vocab_size: int = 24
+    """Token count; must equal the tokenizer's (24 for the built-in addition tokenizer)."""
+    hidden_size: int = 64
+    """Model width."""
+    intermediate_size: int = 128
+    """SwiGLU width; divisible by every tp used for this model."""
+    num_layers: int = 2
+    """Decoder layers; divisible by every pp used for this model."""
+    num_heads: int = 4
+    """Query heads; divides hidden_size."""
+    num_kv_heads: int = 2
+    """Key/value heads; divides num_heads and is divisible by tp."""
+    max_seq_len: int = 64
+    """Longest prompt + response the model handles."""
+    tie_word_embeddings: bool = False
+    """Share the embedding with the LM head."""
+    init_from: str | None = None
+    """Folder of an HF-format checkpoint to start from (e.g. the SFT warm start); None = random."""
+
+    def __post_init__(self) -> None:
+        _positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                  intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                  num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                  max_seq_len=self.max_seq_len)
+
+    def llama(self):
+        """The engine's :class:`LlamaConfig` (validates heads, divisibility)."""
+        from engine.llama_spec import LlamaConfig
+
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           tie_word_embeddings=self.tie_word_embeddings,
+                           max_position_embeddings=self.max_seq_len)
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Parallel layout of one role inside its pool (the paper's ``p-t-d``, ``p_g-t_g``)."""
+
+    pp: int = 1
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor shards."""
+    dp: int = 0
+    """Data replicas; 0 = fill the pool (pool size / (pp * tp))."""
+    gen_pp: int = 0
+    """Generation pipeline stages (actor only); 0 = pp.  Must divide pp."""
+    gen_tp: int = 0
+    """Generation tensor shards (actor only); 0 = tp.  Must divide tp."""
+
+    def __post_init__(self) -> None:
+        _positive(pp=self.pp, tp=self.tp)
+        for name in ("dp", "gen_pp", "gen_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}={v!r} must be >= 0 (0 = derive it)")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One model role: its architecture, layout and optimizer."""
+
+    model: ModelConfig | None = None
+    """Architecture; None = the actor's (the reference must match the actor)."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """Parallel layout inside the role's pool."""
+    lr: float = 1e-4
+    """AdamW learning rate (trained roles only)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Global gradient-norm clip; None disables it."""
+
+    def __post_init__(self) -> None:
+        _positive(lr=self.lr)
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+        if self.max_grad_norm is not None:
+            _positive(max_grad_norm=self.max_grad_norm)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts and every batch size (see the module docstring for their meaning)."""
+
+    dataset: str | None = None
+    """A jsonl/parquet file with prompt/answer fields; None = the built-in addition task."""
+    min_digits: int = 1
+    """Addition task: fewest digits per operand."""
+    max_digits: int = 2
+    """Addition task: most digits per operand."""
+    num_operands: int = 2
+    """Addition task: operands per problem."""
+    prompts_per_iter: int = 16
+    """Prompts drawn per iteration."""
+    samples_per_prompt: int = 1
+    """Responses sampled per prompt (>= 2 for grpo and rloo)."""
+    mini_batch_size: int = 8
+    """Sequences per optimizer step, over all DP ranks."""
+    micro_batch_size: int = 2
+    """Sequences per forward/backward on one DP rank."""
+    max_prompt_len: int = 8
+    """Prompt tokens (left-padded to this)."""
+    max_response_len: int = 6
+    """Generated tokens per response at most."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts."""
+    seed: int = 0
+    """Seed of the prompt order and of the task's examples."""
+    rollout_batch_size: int = field(init=False)
+    """Derived: prompts_per_iter * samples_per_prompt."""
+    num_mini_batches: int = field(init=False)
+    """Derived: rollout_batch_size / mini_batch_size (optimizer steps per epoch)."""
+
+    def __post_init__(self) -> None:
+        _positive(prompts_per_iter=self.prompts_per_iter,
+                  samples_per_prompt=self.samples_per_prompt,
+                  mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size,
+                  max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
+                  temperature=self.temperature)
+        if not 1 <= self.min_digits <= self.max_digits or self.num_operands < 2:
+            raise ValueError(f"need 1 <= min_digits={self.min_digits} <= max_digits="
+                             f"{self.max_digits} and num_operands={self.num_operands} >= 2")
+        rollout = self.prompts_per_iter * self.samples_per_prompt
+        if rollout % self.mini_batch_size:
+            raise ValueError(
+                f"rollout batch prompts_per_iter={self.prompts_per_iter} x samples_per_prompt="
+                f"{self.samples_per_prompt} = {rollout} is not a multiple of mini_batch_size="
+                f"{self.mini_batch_size}; choose mini_batch_size from {_divisors(rollout)}")
+        if self.mini_batch_size % self.micro_batch_size:
+            raise ValueError(f"mini_batch_size={self.mini_batch_size} is not a multiple of "
+                             f"micro_batch_size={self.micro_batch_size}; choose micro_batch_size "
+                             f"from {_divisors(self.mini_batch_size)}")
+        object.__setattr__(self, "rollout_batch_size", rollout)
+        object.__setattr__(self, "num_mini_batches", rollout // self.mini_batch_size)
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """Algorithm and its hyper-parameters (fields unused by an algorithm are ignored)."""
+
+    name: str = "ppo"
+    """One of ppo, remax, safe_rlhf, grpo, rloo, reinforce_pp."""
+    epochs: int = 1
+    """Passes over each rollout batch."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Whiten GAE advantages over the batch (ppo, safe_rlhf)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon (DAPO); None = clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound (> 1) for negative advantages; None disables it."""
+    value_clip: float | None = 0.2
+    """Critic value clip range; None disables it."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    kl_mode: str = "reward"
+    """Where the KL to the reference goes: reward (penalty), loss, or none."""
+    kl_estimator: str = "k1"
+    """k1, k2 or k3 (Schulman)."""
+    kl_coef: float = 0.05
+    """KL coefficient (initial value if adaptive)."""
+    kl_ctrl: str = "fixed"
+    """fixed or adaptive (Ziegler et al.; kl_mode=reward only)."""
+    kl_target: float = 6.0
+    """Adaptive controller: target KL."""
+    kl_horizon: float = 10000.0
+    """Adaptive controller: horizon in samples."""
+    cost_limit: float = 0.0
+    """Safe-RLHF: the constraint E[cost] <= cost_limit."""
+    lagrange_init: float = 1.0
+    """Safe-RLHF: initial multiplier (>= 0)."""
+    lagrange_lr: float = 0.1
+    """Safe-RLHF: multiplier step size."""
+    lagrange_max: float | None = None
+    """Safe-RLHF: upper bound of the multiplier; None = unbounded."""
+
+    def __post_init__(self) -> None:
+        from rlhf.algos import KL_ESTIMATORS, LOSS_AGG_MODES
+
+        _one_of("algo.name", self.name, ALGOS)
+        _one_of("algo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _one_of("algo.kl_mode", self.kl_mode, ("reward", "loss", "none"))
+        _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _one_of("algo.kl_ctrl", self.kl_ctrl, ("fixed", "adaptive"))
+        _positive(epochs=self.epochs, kl_target=self.kl_target, kl_horizon=self.kl_horizon,
+                  lagrange_lr=self.lagrange_lr)
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")
+        for name in ("clip_ratio", "clip_ratio_low"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"algo.{name}={v} must be in (0, 1)")
+        if self.clip_ratio_high is not None and not self.clip_ratio_high > 0:
+            raise ValueError(f"algo.clip_ratio_high={self.clip_ratio_high} must be > 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"algo.clip_ratio_c={self.clip_ratio_c} must be > 1 (or null)")
+        if self.kl_coef < 0 or self.lagrange_init < 0 or self.entropy_coeff < 0:
+            raise ValueError(f"kl_coef={self.kl_coef}, lagrange_init={self.lagrange_init} and "
+                             f"entropy_coeff={self.entropy_coeff} must be >= 0")
+        if self.kl_ctrl == "adaptive" and self.kl_mode != "reward":
+            raise ValueError(f"algo.kl_ctrl='adaptive' needs algo.kl_mode='reward', got "
+                             f"kl_mode={self.kl_mode!r}")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Where rewards (and Safe-RLHF costs) come from."""
+
+    kind: str = "rule"
+    """rule (rule-based functions), model (reward model), or both (summed)."""
+    rule_weights: dict[str, float] = field(default_factory=lambda: {"exact": 1.0})
+    """Weights of the built-in rule functions: exact, partial, format."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score when kind=both."""
+    cost_kind: str = "rule"
+    """Safe-RLHF cost source: rule (:class:`rlhf.task.CostRule`) or model (cost model)."""
+    forbidden_digit: str = "7"
+    """Cost rule: every occurrence of this digit in a response costs 1."""
+    max_answer_len: int | None = None
+    """Cost rule: every character beyond this length costs 1; None = no length term."""
+
+    def __post_init__(self) -> None:
+        from rlhf.task.rewards import REWARD_FUNCTIONS
+
+        _one_of("reward.kind", self.kind, ("rule", "model", "both"))
+        _one_of("reward.cost_kind", self.cost_kind, ("rule", "model"))
+        unknown = sorted(set(self.rule_weights) - set(REWARD_FUNCTIONS))
+        if unknown:
+            raise ValueError(f"reward.rule_weights has unknown components {unknown}; valid: "
+                             f"{sorted(REWARD_FUNCTIONS)}")
+        if self.kind != "model" and not any(self.rule_weights.values()):
+            raise ValueError(f"reward.kind={self.kind!r} but every rule weight is 0: "
+                             f"{self.rule_weights}")
+        if self.forbidden_digit not in "0123456789" or len(self.forbidden_digit) != 1:
+            raise ValueError(f"reward.forbidden_digit={self.forbidden_digit!r} must be one digit")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """How the roles share the ranks (see the module docstring)."""
+
+    mode: str = "colocated"
+    """colocated, split or standalone."""
+    pool_sizes: dict[str, int] = field(default_factory=dict)
+    """split: {actor: a, critic: c}; standalone: {role: n} per active role; colocated: unused."""
+
+    def __post_init__(self) -> None:
+        _one_of("placement.mode", self.mode, PLACEMENTS)
+        for k, v in self.pool_sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"placement.pool_sizes.{k}={v!r} must be a positive int")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Metrics and progress output."""
+
+    run_name: str = "run"
+    """Name of the run; output goes to ``<runs_dir>/<run_name>/``."""
+    runs_dir: str = "runs"
+    """Parent folder of all runs."""
+    tensorboard: bool = True
+    """Write TensorBoard event files beside metrics.jsonl."""
+    progress: bool = True
+    """Show a progress bar with reward and tokens/s."""
+    plot: bool = True
+    """Write reward and timing curves to a PNG at the end."""
+
+    def __post_init__(self) -> None:
+        if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
+            raise ValueError(f"log.run_name={self.run_name!r} must be a plain folder name")
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.runs_dir, self.run_name)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Atomic checkpoints and resume."""
+
+    save_every: int = 0
+    """Save every this many iterations; 0 = only at the end."""
+    keep_last: int = 2
+    """Complete checkpoints to keep (older ones are deleted); 0 = keep all."""
+    resume: str = "auto"
+    """auto (latest complete checkpoint, if any), never, or the path of one checkpoint."""
+    dir: str | None = None
+    """Checkpoint root; None = ``<run_dir>/checkpoints``."""
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0 or self.keep_last < 0:
+            raise ValueError(f"checkpoint.save_every={self.save_every} and keep_last="
+                             f"{self.keep_last} must be >= 0")
+        if not self.resume:
+            raise ValueError("checkpoint.resume must be 'auto', 'never' or a checkpoint path")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Algorithm and hyper-parameters."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and batch sizes."""
+    actor: RoleConfig = field(default_factory=lambda: RoleConfig(model=ModelConfig()))
+    """The policy (trained; generates with the HybridEngine)."""
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    """Value model (ppo, safe_rlhf)."""
+    cost_critic: RoleConfig = field(default_factory=RoleConfig)
+    """Cost value model (safe_rlhf)."""
+    reference: RoleConfig = field(default_factory=RoleConfig)
+    """Frozen initial policy for the KL term (unless algo.kl_mode=none)."""
+    reward_model: RoleConfig = field(default_factory=RoleConfig)
+    """Reward model (reward.kind = model or both)."""
+    cost_model: RoleConfig = field(default_factory=RoleConfig)
+    """Cost model (safe_rlhf with reward.cost_kind = model)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward and cost sources."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Role placement on the ranks."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Metrics output."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
+    iterations: int = 20
+    """RL iterations (one rollout batch each)."""
+    seed: int = 0
+    """Seed of model init and sampling (the data has its own, data.seed)."""
+    roles: tuple[str, ...] = field(init=False)
+    """Derived: the roles this algorithm and reward setup use, in ROLES order."""
+
+    def __post_init__(self) -> None:
+        _positive(iterations=self.iterations)
+        if self.actor.model is None:   # a recipe that omits it gets the default architecture
+            object.__setattr__(self, "actor", dataclasses.replace(self.actor, model=ModelConfig()))
+        a = self.algo.name
+        if a in ("grpo", "rloo") and self.data.samples_per_prompt < 2:
+            raise ValueError(f"algo={a} compares samples of one prompt: set "
+                             f"data.samples_per_prompt >= 2 (got {self.data.samples_per_prompt})")
+        if self.reference.model not in (None, self.actor.model):
+            raise ValueError("reference.model must equal actor.model (leave it null)")
+        active = {"actor"}
+        if self.algo.kl_mode != "none":
+            active.add("reference")
+        if a in ("ppo", "safe_rlhf"):
+            active.add("critic")
+        if a == "safe_rlhf":
+            active.add("cost_critic")
+            if self.reward.cost_kind == "model":
+                active.add("cost_model")
+        if self.reward.kind in ("model", "both"):
+            active.add("reward_model")
+        object.__setattr__(self, "roles", tuple(r for r in ROLES if r in active))
+
+    def role(self, name: str) -> RoleConfig:
+        if name not in ROLES:
+            raise ValueError(f"role={name!r} is not one of {ROLES}")
+        return getattr(self, name)
+
+    def model_of(self, name: str) -> ModelConfig:
+        """The architecture of role ``name`` (the actor's unless the role sets its own)."""
+        return self.role(name).model or self.actor.model
+
+    def to_dict(self) -> dict:
+        """Plain nested dict of the init fields (loads back with :func:`config_from_dict`)."""
+        return _to_dict(self)
+
+
+# Dict <-> dataclass ------------------------------------------------------------------------
+def _to_dict(obj) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, dict):
+        return {k: _to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return list(obj)
+    return obj
+
+
+def _init_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _unknown_key(key: str, section: str, valid: list[str]) -> ValueError:
+    where = f"section {section!r}" if section else "the top level"
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"unknown config key {key!r}{hint}; valid keys of {where}: "
+                      f"{', '.join(valid)}")
+
+
+def _build(cls, data: Any, path: str):
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path or 'root'!r} must be a mapping, got {data!r}")
+    valid = _init_fields(cls)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in valid:
+            raise _unknown_key(full, path, valid)
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+        raise ValueError(errors[0] if len(errors) == 1 else f"{key}={value!r}: {errors}")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, {} if value is None else value, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={value!r} must be a mapping")
+        return {str(k): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError(f"{key}={value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{key}={value!r} must be an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)   # YAML reads 1e-5 (no dot) as a string
+            except ValueError:
+                pass
+        raise ValueError(f"{key}={value!r} must be a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{key}={value!r} must be a string")
+    raise TypeError(f"{key}: unsupported field type {tp!r}")  # internal: a new field type
+
+
+def config_from_dict(data: dict) -> Config:
+    """Build and validate a :class:`Config` from a nested dict (YAML layout)."""
+    return _build(Config, data, "")
+
+
+# Recipes and overrides ---------------------------------------------------------------------
+def recipe_names() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".yaml"))
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("null", "~"):            # as in YAML: "none" stays a string (kl_mode=none)
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    if text[:1] in "[{":
+        return yaml.safe_load(text)
+    return text
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for i, p in enumerate(parts[:-1]):
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ValueError(f"cannot set {key!r}: {'.'.join(parts[:i + 1])!r} is a value "
+                             f"({child!r}), not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["a.b=1", ...]`` -> ``{"a.b": 1}``; ValueError for an argument without ``=``."""
+    out = {}
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        if not sep or not key:
+            raise ValueError(f"argument {arg!r} is not key=value (e.g. actor.lr=1e-5)")
+        out[key.strip()] = _parse_value(text.strip())
+    return out
+
+
+def load_config(args: list[str] | None = None) -> Config:
+    """Recipe + overrides -> validated Config.
+
+    Args:
+        args: ``key=value`` strings.  ``algo=NAME`` selects ``recipes/NAME.yaml`` (default
+            ppo), ``recipe=PATH`` a YAML file; the rest are dotted keys such as
+            ``actor.lr=1e-5`` or ``data.prompts_per_iter=32``.
+    """
+    overrides = parse_overrides(args or [])
+    recipe = overrides.pop("recipe", None)
+    algo = overrides.pop("algo", None)
+    if recipe is None:
+        name = algo or "ppo"
+        if name not in recipe_names():
+            raise ValueError(f"algo={name!r} has no recipe; shipped recipes: {recipe_names()} "
+                             f"(or pass recipe=PATH)")
+        recipe = os.path.join(RECIPES_DIR, f"{name}.yaml")
+    if not os.path.isfile(str(recipe)):
+        raise ValueError(f"recipe={recipe!r} is not a file")
+    with open(recipe, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if algo is not None:
+        _set_dotted(data, "algo.name", algo)
+    for key, value in overrides.items():
+        _set_dotted(data, key, value)
+    return config_from_dict(data)
+
+
+def save_config(config: Config, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+
+
+# World checks ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RolePlan:
+    """Where one role runs, resolved against the world."""
+
+    pool: tuple[int, ...]
+    """Global ranks of the role's pool (layout rank i = pool[i])."""
+    pp: int
+    """Training pipeline stages."""
+    tp: int
+    """Training tensor shards."""
+    dp: int
+    """Training data replicas (resolved, never 0)."""
+    gen_pp: int
+    """Generation pipeline stages (= pp except for the actor)."""
+    gen_tp: int
+    """Generation tensor shards (= tp except for the actor)."""
+    grad_accum: int
+    """Micro-batches per optimizer step on one DP rank (trained roles; 0 otherwise)."""
+
+    @property
+    def layout(self):
+        """The role's :class:`hybridflow_comm.layout.HybridLayout`."""
+        from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+        return HybridLayout(ParallelLayout(self.pp, self.tp, self.dp), self.gen_pp, self.gen_tp)
+
+    @property
+    def dp_g(self) -> int:
+        """Generation replicas: dp * (pp * tp) / (gen_pp * gen_tp)."""
+        return self.dp * (self.pp * self.tp) // (self.gen_pp * self.gen_tp)
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    """Every active role resolved against the world (from :func:`validate_for_world`)."""
+
+    world_size: int
+    """Ranks of the job."""
+    pools: dict[str, tuple[int, ...]]
+    """Pool name -> global ranks."""
+    roles: dict[str, RolePlan]
+    """Active role -> its plan."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pools(config: Config, world_size: int) -> tuple[dict[str, int], dict[str, str]]:
+    """(pool name -> size, role -> pool name)."""
+    mode, sizes, roles = config.placement.mode, config.placement.pool_sizes, config.roles
+    if mode == "colocated":
+        return {"all": world_size}, {r: "all" for r in roles}
+    if mode == "split":
+        of_role = {r: "actor" if r in ("actor", "reference") else "critic" for r in roles}
+        names = ["actor", "critic"]
+        if "critic" not in of_role.values():
+            raise ValueError(f"placement.mode='split' needs a role besides actor/reference; "
+                             f"algo={config.algo.name} uses {list(roles)}: use colocated")
+    else:
+        of_role = {r: r for r in roles}
+        names = list(roles)
+    if sorted(sizes) != sorted(names):
+        raise ValueError(f"placement.mode={mode!r} needs placement.pool_sizes with keys "
+                         f"{names}, got {sizes}")
+    if sum(sizes.values()) != world_size:
+        raise ValueError(f"placement.pool_sizes={sizes} sum to {sum(sizes.values())} but "
+                         f"world_size={world_size}; make them sum to {world_size}")
+    return {n: sizes[n] for n in names}, of_role
+
+
+def validate_for_world(config: Config, world_size: int) -> WorldPlan:
+    """Check every layout and batch size of ``config`` against ``world_size``; resolve pools,
+    ``dp`` (when 0) and the generation layout.  Call it before any rank starts work.
+
+    Raises:
+        ValueError naming the offending values and a fix.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    pool_sizes, of_role = _pools(config, world_size)
+    pools, start = {}, 0
+    for name, size in pool_sizes.items():
+        pools[name] = tuple(range(start, start + size))
+        start += size
+    d = config.data
+    plans = {}
+    for role in config.roles:
+        lay = config.role(role).layout
+        size = pool_sizes[of_role[role]]
+        mp = lay.pp * lay.tp
+        if size % mp:
+            raise ValueError(f"{role}.layout pp={lay.pp} x tp={lay.tp} = {mp} does not divide "
+                             f"its pool of {size} ranks; choose pp*tp from {_divisors(size)}")
+        dp = lay.dp or size // mp
+        if mp * dp != size:
+            raise ValueError(f"{role}.layout pp={lay.pp} x tp={lay.tp} x dp={lay.dp} = "
+                             f"{mp * dp} ranks but its pool has {size}; set {role}.layout.dp="
+                             f"{size // mp} (or 0 to fill the pool)")
+        try:
+            config.model_of(role).llama().check_parallel(lay.pp, lay.tp)
+        except ValueError as e:
+            raise ValueError(f"{role}: {e}") from None
+        gen_pp, gen_tp = (lay.gen_pp or lay.pp, lay.gen_tp or lay.tp) if role == "actor" \
+            else (lay.pp, lay.tp)
+        try:
+            _ = RolePlan(pools[of_role[role]], lay.pp, lay.tp, dp, gen_pp, gen_tp, 0).layout
+        except ValueError as e:
+            raise ValueError(f"{role}.layout: {e}") from None
+        accum = 0
+        if role in TRAINED_ROLES:
+            per_step = dp * d.micro_batch_size
+            if d.mini_batch_size % per_step:
+                raise ValueError(
+                    f"{role}: mini_batch_size={d.mini_batch_size} must be a multiple of dp={dp} "
+                    f"x micro_batch_size={d.micro_batch_size} = {per_step}; change "
+                    f"data.micro_batch_size or data.mini_batch_size (or the {role} layout)")
+            accum = d.mini_batch_size // per_step
+        if d.rollout_batch_size % dp:
+            raise ValueError(f"{role}: rollout batch {d.rollout_batch_size} does not split over "
+                             f"dp={dp} replicas; make prompts_per_iter x samples_per_prompt a "
+                             f"multiple of {dp}")
+        plans[role] = RolePlan(pools[of_role[role]], lay.pp, lay.tp, dp, gen_pp, gen_tp, accum)
+    dp_g = plans["actor"].dp_g
+    if d.rollout_batch_size % dp_g:
+        raise ValueError(f"actor: rollout batch {d.rollout_batch_size} does not split over "
+                         f"{dp_g} generation replicas; make prompts_per_iter x "
+                         f"samples_per_prompt a multiple of {dp_g} (or change gen_tp/gen_pp)")
+    if config.algo.name == "remax" and d.prompts_per_iter % dp_g:
+        raise ValueError(f"remax: the greedy baseline batch prompts_per_iter={d.prompts_per_iter}"
+                         f" does not split over {dp_g} generation replicas; use a multiple of "
+                         f"{dp_g}")
+    need = d.max_prompt_len + d.max_response_len
+    for role in config.roles:
+        if config.model_of(role).max_seq_len < need:
+            raise ValueError(f"{role}: model max_seq_len={config.model_of(role).max_seq_len} < "
+                             f"max_prompt_len + max_response_len = {need}")
+    return WorldPlan(world_size, pools, plans)

@@ -1,0 +1,151 @@
+"""Config dataclasses, recipes, key=value overrides and validate_for_world."""
+
+import ast
+import inspect
+
+import pytest
+
+from rlhf import config as C
+from rlhf.config import load_config, validate_for_world
+
+
+@pytest.mark.parametrize("name", C.recipe_names())
+def test_recipes_load_validate_and_roundtrip(name, tmp_path):
+    cfg = load_config([f"algo={name}"])
+    assert cfg.algo.name == name
+    for world in (2, 4):                               # CI on 2 ranks, the main job on 4
+        plan = validate_for_world(cfg, world)
+        assert set(plan.roles) == set(cfg.roles)
+        for rp in plan.roles.values():
+            assert rp.layout.world_size == len(rp.pool)
+    path = tmp_path / "c.yaml"
+    C.save_config(cfg, str(path))
+    assert load_config([f"recipe={path}"]) == cfg
+    assert C.config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_shipped_recipes_and_roles():
+    assert set(C.recipe_names()) >= set(C.ALGOS)
+    assert load_config([]).algo.name == "ppo"           # default recipe
+    assert load_config(["algo=ppo"]).roles == ("actor", "critic", "reference")
+    assert load_config(["algo=remax"]).roles == ("actor", "reference")
+    assert load_config(["algo=safe_rlhf"]).roles == ("actor", "critic", "cost_critic", "reference")
+    assert "reward_model" in load_config(["reward.kind=both"]).roles
+    assert "reference" not in load_config(["algo=grpo", "algo.kl_mode=none"]).roles
+
+
+def test_overrides_and_derived_sizes():
+    cfg = load_config(["algo=ppo", "actor.lr=1e-5", "data.prompts_per_iter=32",
+                       "data.samples_per_prompt=2", "algo.clip_ratio_c=3",
+                       "reward.rule_weights.format=0.5", "critic.model.hidden_size=32",
+                       "log.tensorboard=false", "algo.lagrange_max=null"])
+    assert cfg.actor.lr == 1e-5 and isinstance(cfg.actor.lr, float)
+    assert cfg.data.rollout_batch_size == 64 and cfg.data.num_mini_batches == 8
+    assert cfg.algo.clip_ratio_c == 3.0 and cfg.reward.rule_weights["format"] == 0.5
+    assert cfg.model_of("critic").hidden_size == 32 and cfg.model_of("reference") == cfg.actor.model
+    assert cfg.log.tensorboard is False and cfg.algo.lagrange_max is None
+    plan = validate_for_world(cfg, 4)
+    assert plan.roles["actor"].grad_accum == 8 // (2 * 2)
+
+
+def test_unknown_keys_and_bad_values():
+    with pytest.raises(ValueError, match=r"unknown config key 'actor.lrr' \(did you mean 'lr'\?\)"
+                                         r".*valid keys of section 'actor': model, layout, lr"):
+        load_config(["actor.lrr=1"])
+    with pytest.raises(ValueError, match="unknown config key 'iters'.*iterations"):
+        load_config(["iters=3"])
+    with pytest.raises(ValueError, match=r"data.prompts_per_iter='many' must be an integer"):
+        load_config(["data.prompts_per_iter=many"])
+    with pytest.raises(ValueError, match="'actor.lr' is a value"):
+        load_config(["actor.lr.x=1"])
+    with pytest.raises(ValueError, match="not key=value"):
+        load_config(["actor.lr"])
+    with pytest.raises(ValueError, match="algo='dpo' has no recipe"):
+        load_config(["algo=dpo"])
+    with pytest.raises(ValueError, match=r"placement.mode='everywhere' must be one of"):
+        load_config(["placement.mode=everywhere"])
+    with pytest.raises(ValueError, match=r"algo.kl_estimator='k9'"):
+        load_config(["algo.kl_estimator=k9"])
+    with pytest.raises(ValueError, match=r"unknown components \['bleu'\]"):
+        load_config(["reward.rule_weights.bleu=1"])
+
+
+def test_batch_size_errors_name_values_and_fix():
+    with pytest.raises(ValueError, match=r"16 x samples_per_prompt=1 = 16 is not a multiple of "
+                                         r"mini_batch_size=5; choose mini_batch_size from \[1, 2, 4, 8, 16\]"):
+        load_config(["data.mini_batch_size=5"])
+    with pytest.raises(ValueError, match="mini_batch_size=8 is not a multiple of micro_batch_size=3"):
+        load_config(["data.micro_batch_size=3"])
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        load_config(["algo=grpo", "data.samples_per_prompt=1", "data.mini_batch_size=8"])
+    cfg = load_config(["data.micro_batch_size=4"])
+    with pytest.raises(ValueError, match=r"critic: mini_batch_size=8 must be a multiple of dp=4 "
+                                         r"x micro_batch_size=4 = 16"):
+        validate_for_world(cfg, 4)
+    cfg = load_config(["algo=rloo", "data.prompts_per_iter=3", "data.samples_per_prompt=2",
+                       "data.mini_batch_size=6", "data.micro_batch_size=1"])
+    with pytest.raises(ValueError, match="reference: rollout batch 6 does not split over dp=4"):
+        validate_for_world(cfg, 4)
+    cfg = load_config(["algo=rloo", "data.prompts_per_iter=3", "data.samples_per_prompt=2",
+                       "data.mini_batch_size=6", "data.micro_batch_size=1",
+                       "reference.layout.tp=2"])
+    with pytest.raises(ValueError, match="actor: rollout batch 6 does not split over 4 "
+                                         "generation replicas"):
+        validate_for_world(cfg, 4)
+    cfg = load_config(["algo=remax", "data.prompts_per_iter=2", "data.samples_per_prompt=4",
+                       "data.mini_batch_size=8"])
+    with pytest.raises(ValueError, match="remax: the greedy baseline batch prompts_per_iter=2"):
+        validate_for_world(cfg, 4)
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match=r"actor.layout pp=1 x tp=2 = 2 does not divide its pool "
+                                         r"of 3 ranks"):
+        validate_for_world(load_config([]), 3)
+    with pytest.raises(ValueError, match=r"dp=3 = 6 ranks but its pool has 4; set "
+                                         r"actor.layout.dp=2"):
+        validate_for_world(load_config(["actor.layout.dp=3"]), 4)
+    with pytest.raises(ValueError, match="actor: tp=4 must divide num_kv_heads=2"):
+        validate_for_world(load_config(["actor.layout.tp=4"]), 4)
+    with pytest.raises(ValueError, match="actor.layout: tp_g=3 must divide the training tp=2"):
+        validate_for_world(load_config(["actor.layout.gen_tp=3"]), 4)
+    with pytest.raises(ValueError, match="max_seq_len=10 < max_prompt_len"):
+        validate_for_world(load_config(["actor.model.max_seq_len=10"]), 4)
+    with pytest.raises(ValueError, match="world_size=0"):
+        validate_for_world(load_config([]), 0)
+
+
+def test_placements():
+    cfg = load_config(["placement.mode=split", "placement.pool_sizes={actor: 2, critic: 2}"])
+    plan = validate_for_world(cfg, 4)
+    assert plan.pools == {"actor": (0, 1), "critic": (2, 3)}
+    assert plan.roles["reference"].pool == (0, 1) and plan.roles["critic"].pool == (2, 3)
+    assert plan.roles["actor"].dp == 1 and plan.roles["critic"].dp == 2
+    with pytest.raises(ValueError, match=r"sum to 3 but world_size=4"):
+        validate_for_world(load_config(["placement.mode=split",
+                                        "placement.pool_sizes.actor=2",
+                                        "placement.pool_sizes.critic=1"]), 4)
+    with pytest.raises(ValueError, match="needs a role besides actor/reference"):
+        validate_for_world(load_config(["algo=grpo", "placement.mode=split"]), 4)
+    cfg = load_config(["placement.mode=standalone", "actor.layout.gen_tp=2",
+                       "placement.pool_sizes={actor: 2, critic: 1, reference: 1}"])
+    plan = validate_for_world(cfg, 4)
+    assert [plan.roles[r].pool for r in cfg.roles] == [(0, 1), (2,), (3,)]
+    with pytest.raises(ValueError, match=r"needs placement.pool_sizes with keys \['actor', "
+                                         r"'critic', 'reference'\]"):
+        validate_for_world(load_config(["placement.mode=standalone"]), 4)
+
+
+def test_every_config_field_has_a_docstring():
+    tree = ast.parse(inspect.getsource(C))
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)
+               and any(getattr(d, "func", d).__dict__.get("id") == "dataclass"
+                       for d in n.decorator_list)]
+    assert len(classes) >= 10
+    for cls in classes:
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                ok = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                assert ok, f"{cls.name}.{node.target.id} has no docstring"
