@@ -1,0 +1,199 @@
+"""Per-iteration metrics: ``runs/<name>/metrics.jsonl``, TensorBoard events beside it, a
+progress bar with reward and tokens/s, and a PNG of the reward curve and per-phase timing.
+
+One line of metrics.jsonl per iteration::
+
+    {"step": 3, "reward/mean": 0.41, "timing_s/gen": 1.2, ..., "memory/peak_rss_gb": 0.9}
+
+Resume: a logger opened with ``start_step=k`` keeps only the lines with ``step < k`` (lines of
+iterations that ran after the checkpoint are dropped), and TensorBoard purges events from
+step ``k`` on, so a resumed run's files equal those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+def peak_rss_gb() -> float:
+    """Peak resident set size of this process in GiB (``ru_maxrss``: KiB on Linux, bytes on
+    macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
+
+
+class PhaseTimer:
+    """Wall time per phase of an iteration; a phase entered twice accumulates.
+
+    ::
+
+        timer = PhaseTimer()
+        with timer("gen"):
+            ...
+        timer.metrics()   # {"timing_s/gen": 1.23}
+    """
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if not phase or "/" in phase:
+            raise ValueError(f"phase={phase!r} must be a non-empty name without '/'")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.times.items()}
+
+    def reset(self) -> None:
+        self.times.clear()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (a torn last line, from a kill, is skipped)."""
+    out = []
+    if not os.path.isfile(path):
+        return out
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+class MetricsLogger:
+    """Writes one record per iteration to jsonl (+ TensorBoard, + progress bar).
+
+    Args:
+        run_dir: ``runs/<name>``; created if missing.
+        total_steps: iterations of the run (progress bar length).
+        start_step: first step this process will log (0, or the resumed step).
+        tensorboard, progress: enable the event files / the progress bar.
+    """
+
+    def __init__(self, run_dir: str, total_steps: int | None = None, start_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True) -> None:
+        if start_step < 0:
+            raise ValueError(f"start_step={start_step} must be >= 0")
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        kept = [r for r in read_metrics(self.path) if r.get("step", math.inf) < start_step]
+        with open(self.path, "w", encoding="utf-8") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=run_dir, purge_step=start_step or None)
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="rlhf", unit="it",
+                             dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Write one iteration's metrics; adds ``step`` and ``memory/peak_rss_gb``.
+
+        Returns:
+            The record as written.
+        """
+        record = {"step": int(step), **{k: _plain(k, v) for k, v in metrics.items()}}
+        record.setdefault("memory/peak_rss_gb", peak_rss_gb())
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, global_step=step)
+        if self._bar is not None:
+            post = {}
+            if "reward/mean" in record:
+                post["reward"] = f"{record['reward/mean']:.3f}"
+            if "perf/throughput_tokens_per_s" in record:
+                post["tok/s"] = f"{record['perf/throughput_tokens_per_s']:.0f}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+        return record
+
+    def close(self, plot: bool = True) -> str | None:
+        """Flush and close everything; write the PNG if ``plot``.  Returns the PNG path."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+        if plot:
+            return plot_metrics(self.path, os.path.join(self.run_dir, PLOT_FILE))
+        return None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._file.closed:
+            self.close(plot=False)
+
+
+def _plain(key: str, v: Any) -> Any:
+    if hasattr(v, "item") and callable(v.item):    # 0-d torch / numpy values
+        v = v.item()
+    if isinstance(v, (bool, int, float, str)) or v is None:
+        return v
+    raise ValueError(f"metric {key!r}={v!r} is not a number or string")
+
+
+def plot_metrics(jsonl_path: str, png_path: str) -> str:
+    """Reward curve (left) and stacked per-phase time per iteration (right) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(jsonl_path)
+    steps = [r["step"] for r in records]
+    fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({k for r in records for k in r if k.startswith("reward/")}):
+        pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax_r.plot(*zip(*pts), label=key, lw=2 if key == "reward/mean" else 1)
+    ax_r.set_xlabel("iteration")
+    ax_r.set_ylabel("reward")
+    ax_r.set_title("reward")
+    if ax_r.lines:
+        ax_r.legend(fontsize=7)
+    phases = sorted({k for r in records for k in r
+                     if k.startswith("timing_s/") and k != "timing_s/step"})
+    bottom = [0.0] * len(records)
+    for key in phases:
+        vals = [float(r.get(key, 0.0)) for r in records]
+        ax_t.bar(steps, vals, bottom=bottom, label=key.split("/", 1)[1])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax_t.set_xlabel("iteration")
+    ax_t.set_ylabel("seconds")
+    ax_t.set_title("time per phase")
+    if phases:
+        ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
