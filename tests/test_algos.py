@@ -205,7 +205,7 @@ def test_policy_loss(seed, mode, clip):
     loss, m = algos.policy_loss(logp, old, A, mask, clip_ratio=eps, clip_ratio_low=lo,
                                 clip_ratio_high=hi, clip_ratio_c=c, loss_agg_mode=mode)
     loss.backward()
-    assert math.isclose(float(loss), float(ref), rel_tol=1e-10, abs_tol=1e-12)
+    assert math.isclose(float(loss.detach()), float(ref.detach()), rel_tol=1e-10, abs_tol=1e-12)
     torch.testing.assert_close(logp.grad, ref_grad, atol=1e-12, rtol=1e-10)
     assert math.isclose(float(m["clipfrac"]), n_clip / n, abs_tol=1e-12)
     assert math.isclose(float(m["clipfrac_lower"]), n_lower / n, abs_tol=1e-12)
@@ -368,3 +368,29 @@ def test_compute_advantage_dispatch():
         algos.compute_advantage(batch, "safe_rlhf")
     with pytest.raises(ValueError, match=r"shape \(6, 6\)"):
         algos.gae(r[:, :6], v[:, :6], mask, 1.0, 0.9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_actor_loss_is_the_sum_of_its_terms(seed):
+    g, mask, rnd = _inputs(seed)
+    old, ref, A = rnd() - 1, rnd() - 1, rnd()
+    logp = old + 0.3 * rnd()
+    logits = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
+    H = algos.entropy_from_logits(logits)
+    loss, m = algos.actor_loss(logp, old, A, mask, ref_log_prob=ref, kl_loss_coef=0.1,
+                               kl_estimator="k2", entropy=H, entropy_coeff=0.01,
+                               loss_agg_mode="seq-mean-token-sum", clip_ratio=0.2,
+                               clip_ratio_high=0.3)
+    # each term from the loop references above
+    pg = _ref_agg([[max(-float(A[b, t]) * math.exp(float(logp[b, t] - old[b, t])),
+                        -float(A[b, t]) * min(max(math.exp(float(logp[b, t] - old[b, t])), 0.8),
+                                              1.3)) for t in range(T)] for b in range(B)],
+                  mask, "seq-mean-token-sum")
+    kl = _ref_agg([[_ref_k(float(logp[b, t] - ref[b, t]), "k2") for t in range(T)]
+                   for b in range(B)], mask, "seq-mean-token-sum")
+    ent = _ref_agg(H.tolist(), mask, "seq-mean-token-sum")
+    assert math.isclose(float(loss), pg + 0.1 * kl - 0.01 * ent, rel_tol=1e-10, abs_tol=1e-12)
+    assert {"pg_loss", "clipfrac", "approx_kl", "kl_loss", "entropy"} <= set(m)
+    plain, m2 = algos.actor_loss(logp, old, A, mask, loss_agg_mode="seq-mean-token-sum",
+                                 clip_ratio=0.2, clip_ratio_high=0.3)
+    assert math.isclose(float(plain), pg, rel_tol=1e-10) and "kl_loss" not in m2

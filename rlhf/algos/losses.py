@@ -124,3 +124,36 @@ def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float,
     check_same_shape(mask, entropy=entropy)
     h = agg_loss(entropy, mask, loss_agg_mode)
     return -coeff * h, {"entropy": h.detach()}
+
+
+def actor_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor, *, ref_log_prob: torch.Tensor | None = None,
+               kl_loss_coef: float = 0.0, kl_estimator: str = "k3",
+               entropy: torch.Tensor | None = None, entropy_coeff: float = 0.0,
+               loss_agg_mode: str = "token-mean", **clip) -> tuple[torch.Tensor,
+                                                                   dict[str, torch.Tensor]]:
+    """The actor's whole loss for one micro-batch::
+
+        L = L_pg + kl_loss_coef * agg(k(log_prob, ref_log_prob)) - entropy_coeff * agg(H)
+
+    The KL term is added only when ``ref_log_prob`` is given (KL as a loss, GRPO style), the
+    entropy term only when ``entropy`` (``[B, T]``) is given.  ``clip`` goes to
+    :func:`policy_loss` (clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c).
+
+    Returns:
+        ``(loss, metrics)`` with the :func:`policy_loss` metrics plus ``kl_loss`` and
+        ``entropy`` when those terms are present.
+    """
+    from rlhf.algos.kl import kl_loss
+
+    loss, metrics = policy_loss(log_prob, old_log_prob, advantages, mask,
+                                loss_agg_mode=loss_agg_mode, **clip)
+    if ref_log_prob is not None:
+        kl, m = kl_loss(log_prob, ref_log_prob, mask, kl_estimator, loss_agg_mode)
+        loss = loss + kl_loss_coef * kl
+        metrics.update(m)
+    if entropy is not None:
+        ent, m = entropy_loss(entropy, mask, entropy_coeff, loss_agg_mode)
+        loss = loss + ent
+        metrics.update(m)
+    return loss, metrics
