@@ -6,6 +6,12 @@
 
 namespace py = pybind11;
 
+#ifdef HYBRIDFLOW_WITH_CUDA
+namespace hybridflow {
+void swap_leading_dims_cuda(const at::Tensor& src, at::Tensor& dst);
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hybridflow C++ core: flat parameter buffers, pack/unpack, rank plans";
   m.def("page_size", &hybridflow::page_size);
@@ -36,5 +42,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       });
   m.def("plan_strided_buckets", &hybridflow::plan_strided_buckets, py::arg("kinds"),
         py::arg("offsets"), py::arg("nbytes"), py::arg("bucket_bytes"));
+  m.def("unstack_to_logical", &hybridflow::unstack_to_logical, py::arg("stacked"),
+        py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("stack_from_logical", &hybridflow::stack_from_logical, py::arg("logical"),
+        py::arg("stacked"), py::call_guard<py::gil_scoped_release>());
+#ifdef HYBRIDFLOW_WITH_CUDA
+  m.def("has_cuda", []() { return true; });
+  m.def("swap_leading_dims_cuda", &hybridflow::swap_leading_dims_cuda, py::arg("src"),
+        py::arg("dst"));
+#else
+  m.def("has_cuda", []() { return false; });
+#endif
   register_protocol_plans(m);
 }

@@ -342,3 +342,40 @@ std::vector<StridedBucket> plan_strided_buckets(const std::vector<int64_t>& kind
 }
 
 }  // namespace hybridflow
+
+namespace hybridflow {
+namespace {
+
+void swap_leading_dims(const at::Tensor& src, at::Tensor& dst) {
+  TORCH_CHECK(src.device().is_cpu() && dst.device().is_cpu() && src.is_contiguous() &&
+                  dst.is_contiguous() && src.scalar_type() == dst.scalar_type(),
+              "unstack/stack need contiguous CPU tensors of one dtype");
+  TORCH_CHECK(src.dim() == 3 && dst.dim() == 3 && src.size(0) == dst.size(1) &&
+                  src.size(1) == dst.size(0) && src.size(2) == dst.size(2),
+              "unstack/stack: shapes ", src.sizes(), " and ", dst.sizes(),
+              " are not [m, A, L] and [A, m, L]");
+  const int64_t d0 = src.size(0), d1 = src.size(1);
+  const int64_t row = src.size(2) * static_cast<int64_t>(src.element_size());
+  const auto* s = static_cast<const uint8_t*>(src.const_data_ptr());
+  auto* d = static_cast<uint8_t*>(dst.data_ptr());
+  // dst[j, i, :] = src[i, j, :]; parallel over rows of the destination.
+  at::parallel_for(0, d0 * d1, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(row, 1)),
+                   [&](int64_t b, int64_t e) {
+                     for (int64_t r = b; r < e; ++r) {
+                       const int64_t j = r / d0, i = r % d0;
+                       std::memcpy(d + r * row, s + (i * d1 + j) * row, static_cast<size_t>(row));
+                     }
+                   });
+}
+
+}  // namespace
+
+void unstack_to_logical(const at::Tensor& stacked, at::Tensor& out) {
+  swap_leading_dims(stacked, out);
+}
+
+void stack_from_logical(const at::Tensor& logical, at::Tensor& stacked) {
+  swap_leading_dims(logical, stacked);
+}
+
+}  // namespace hybridflow

@@ -81,3 +81,15 @@ std::vector<StridedBucket> plan_strided_buckets(const std::vector<int64_t>& kind
                                                 int64_t bucket_bytes);
 
 }  // namespace hybridflow
+
+namespace hybridflow {
+
+// Stacked generation form -> logical form for a non-leading partition dim.
+// `stacked` is [m, A, L] (m training shards, A = product of the dims before the partition
+// dim, L = partition size x product of the dims after it); `out` is [A, m, L]:
+//     out[a, k, :] = stacked[k, a, :]
+// Contiguous CPU tensors of one dtype. `stack_from_logical` is the inverse.
+void unstack_to_logical(const at::Tensor& stacked, at::Tensor& out);
+void stack_from_logical(const at::Tensor& logical, at::Tensor& stacked);
+
+}  // namespace hybridflow

@@ -5,12 +5,17 @@ collective moved data directly between members (the algorithm the backend picks 
 change the count): an all-gather of ``S`` bytes per member over ``n`` members sends and
 receives ``(n - 1) * S``; a broadcast of ``S`` bytes receives ``S`` on every non-root and sends
 ``(n - 1) * S`` from the root.  Groups of one rank skip the collective and record nothing.
+
+The data movement itself goes through a backend: ``TorchBackend`` (torch.distributed on the
+group's ProcessGroup: gloo here, NCCL on GPUs) by default, or any object with the same three
+methods, such as :class:`hybridflow_comm.gpu.nccl_cupy.CupyNcclBackend`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,8 +44,34 @@ class CommLedger:
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class Backend(Protocol):
+    """How bytes move for a group (the ledger counts them either way)."""
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> None: ...
+
+    def all_gather_views(self, outputs: list[torch.Tensor], group: Group) -> None: ...
+
+    def broadcast_(self, tensor: torch.Tensor, root: int, group: Group) -> None: ...
+
+
+class TorchBackend:
+    """torch.distributed on the group's ProcessGroup."""
+
+    def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+        _all_gather_flat(out, inp, group=group.pg)
+
+    def all_gather_views(self, outputs: list[torch.Tensor], group: Group) -> None:
+        dist.all_gather(outputs, outputs[group.rank], group=group.pg)
+
+    def broadcast_(self, tensor: torch.Tensor, root: int, group: Group) -> None:
+        dist.broadcast(tensor, src=group.ranks[root], group=group.pg)
+
+
+TORCH = TorchBackend()
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: CommLedger,
-                    label: str) -> None:
+                    label: str, backend: Backend = TORCH) -> None:
     """``out[k * inp.numel():(k + 1) * inp.numel()] = inp of member k`` (``out`` 1-D)."""
     n = group.size
     if out.numel() != n * inp.numel():
@@ -50,12 +81,12 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: 
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp.reshape(-1))
         return
-    _all_gather_flat(out, inp, group=group.pg)
+    backend.all_gather_into(out, inp, group)
     ledger.record(label, (n - 1) * inp.nbytes, (n - 1) * inp.nbytes)
 
 
 def all_gather_views(outputs: list[torch.Tensor], group: Group, ledger: CommLedger,
-                     label: str) -> None:
+                     label: str, backend: Backend = TORCH) -> None:
     """``outputs[k] = outputs[k] of member k`` for views of any strides (gloo packs and unpacks
     them itself, so strided views of a flat buffer gather with no staging of ours).  The own
     view is the input; it is written back with its own, identical bytes."""
@@ -64,18 +95,18 @@ def all_gather_views(outputs: list[torch.Tensor], group: Group, ledger: CommLedg
         raise ValueError(f"all_gather_views: {len(outputs)} outputs for a group of {n}")
     if n == 1:
         return
-    dist.all_gather(outputs, outputs[group.rank], group=group.pg)
+    backend.all_gather_views(outputs, group)
     nbytes = outputs[group.rank].numel() * outputs[group.rank].element_size()
     ledger.record(label, (n - 1) * nbytes, (n - 1) * nbytes)
 
 
 def broadcast_(tensor: torch.Tensor, root: int, group: Group, ledger: CommLedger,
-               label: str) -> None:
+               label: str, backend: Backend = TORCH) -> None:
     """Broadcast ``tensor`` in place from group rank ``root``."""
     n = group.size
     if n == 1:
         return
-    dist.broadcast(tensor, src=group.ranks[root], group=group.pg)
+    backend.broadcast_(tensor, root, group)
     if group.rank == root:
         ledger.record(label, (n - 1) * tensor.nbytes, 0)
     else:

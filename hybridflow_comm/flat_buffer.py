@@ -92,9 +92,13 @@ class FlatParamBuffer:
         specs: the parameters, in the order their regions are laid out.
         align_bytes: alignment of every region start (power of two, at least the largest
             element size).
+        device: ``"cpu"`` (page-aligned mappings whose pages can be released) or a CUDA
+            device (one ``torch.empty`` per dtype; page release there would need CUDA virtual
+            memory management and is not done: :meth:`release_generation_slots` returns 0).
     """
 
-    def __init__(self, specs: list[SlotSpec], align_bytes: int = 64) -> None:
+    def __init__(self, specs: list[SlotSpec], align_bytes: int = 64,
+                 device: str | torch.device = "cpu") -> None:
         names = [s.name for s in specs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -102,6 +106,7 @@ class FlatParamBuffer:
         if align_bytes < 16 or align_bytes & (align_bytes - 1):
             raise ValueError(f"align_bytes={align_bytes} must be a power of two >= 16")
         self.align_bytes = align_bytes
+        self.device = torch.device(device)
         self.specs = list(specs)
         self._regions: dict[str, _Region] = {}
         self._bytes: dict[torch.dtype, torch.Tensor] = {}  # uint8 view of each storage
@@ -109,7 +114,8 @@ class FlatParamBuffer:
         for dtype in dict.fromkeys(s.dtype for s in specs):
             group = [s for s in specs if s.dtype == dtype]
             offsets = _C.plan_offsets([s.num_slots * s.slot_nbytes for s in group], align_bytes)
-            raw = _C.alloc_paged(offsets[-1])
+            raw = (_C.alloc_paged(offsets[-1]) if self.device.type == "cpu" else
+                   torch.zeros(offsets[-1], dtype=torch.uint8, device=self.device))
             self._bytes[dtype] = raw
             self._typed[dtype] = raw.view(dtype)
             for spec, off in zip(group, offsets):
@@ -201,6 +207,8 @@ class FlatParamBuffer:
         transition writes them.  Returns the bytes released.
         """
         released = 0
+        if self.device.type != "cpu":
+            return 0
         for dtype, raw in self._bytes.items():
             cursor = 0
             for start, end in self._keep_ranges(dtype) + [(raw.numel(), raw.numel())]:
@@ -211,6 +219,8 @@ class FlatParamBuffer:
 
     def resident_nbytes(self) -> int:
         """Bytes of all storages whose pages are resident in RAM (whole pages)."""
+        if self.device.type != "cpu":
+            return self.nbytes
         return sum(_C.resident_bytes(raw, 0, raw.numel()) for raw in self._bytes.values())
 
 

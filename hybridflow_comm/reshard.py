@@ -90,6 +90,7 @@ class Resharder:
         verify_every: run :meth:`verify` after every transition (debug setting).
         ledger: where bytes are recorded (a new one by default).
         buffer: an existing flat buffer built from ``slot_specs(specs, layout, rank)``.
+        backend: how bytes move (torch.distributed by default; see :mod:`hybridflow_comm.comm`).
 
     Construction is collective over the layout's ranks: they exchange a digest of their specs
     and raise ValueError on every rank when any rank differs.
@@ -97,7 +98,8 @@ class Resharder:
 
     def __init__(self, specs: list[ShardSpec], groups: HybridGroups, method: str = "hybridflow",
                  bucket_bytes: int = 32 << 20, verify_every: bool = False,
-                 ledger: CommLedger | None = None, buffer: FlatParamBuffer | None = None) -> None:
+                 ledger: CommLedger | None = None, buffer: FlatParamBuffer | None = None,
+                 backend: comm.Backend = comm.TORCH) -> None:
         if method not in METHODS:
             raise ValueError(f"method={method!r} is not one of {METHODS}")
         if bucket_bytes < 1024:
@@ -110,11 +112,15 @@ class Resharder:
         self.bucket_bytes = bucket_bytes
         self.verify_every = verify_every
         self.ledger = ledger if ledger is not None else CommLedger()
+        self.backend = backend
         mine = slot_specs(self.specs, self.layout, groups.rank)
         if buffer is None:
             buffer = FlatParamBuffer(mine)
         elif buffer.specs != mine:
             raise ValueError("the flat buffer was not built from slot_specs(specs, layout, rank)")
+        if buffer.device.type != "cpu" and method != "hybridflow":
+            raise ValueError(f"method={method!r} runs on CPU buffers only; the buffer is on "
+                             f"{buffer.device}")
         self.buffer = buffer
         self.version = 0
         self.mode = "training"
@@ -197,7 +203,7 @@ class Resharder:
             # Slot k of the bucket's b.count regions: [count, slot_numel] with stride b.stride.
             views = [storage.as_strided((b.count, first.slot_numel), (b.stride // item, 1),
                                         base + k * first.slot_numel) for k in range(m)]
-            comm.all_gather_views(views, group, self.ledger, LABEL)
+            comm.all_gather_views(views, group, self.ledger, LABEL, self.backend)
         return 0
 
     def _micro_pp_broadcast(self) -> None:
@@ -216,7 +222,7 @@ class Resharder:
                 for lo, hi in runs:
                     for start in range(lo, hi, self.bucket_bytes):
                         chunk = raw[start:min(hi, start + self.bucket_bytes)]
-                        comm.broadcast_(chunk, root, group, self.ledger, LABEL)
+                        comm.broadcast_(chunk, root, group, self.ledger, LABEL, self.backend)
 
     # Checks -----------------------------------------------------------------------------------
     def verify(self) -> None:
@@ -230,7 +236,7 @@ class Resharder:
         mine[-1] = self.version
         for i, s in enumerate(self.buffer.specs):
             if s.own_slot is not None:
-                mine[i] = _C.checksum(self.buffer.train_view(s.name))
+                mine[i] = _checksum(self.buffer.train_view(s.name))
         group = self.groups.micro_dp
         table = comm.all_gather_tensor(mine, group, self.ledger, "verify")  # [m, n + 1]
         errors = []
@@ -241,7 +247,7 @@ class Resharder:
             stage_slot = (self._spec_by_name[s.name].stage % self.layout.micro_pp) * m_t
             for k in range(s.num_slots):
                 want = int(table[stage_slot + k, i])
-                got = _C.checksum(self.buffer.slot_view(s.name, k))
+                got = _checksum(self.buffer.slot_view(s.name, k))
                 if got != want:
                     errors.append(f"parameter {s.name!r} slot {k} (owner rank "
                                   f"{group.ranks[stage_slot + k]}) differs from the owner's "
@@ -282,6 +288,10 @@ class Resharder:
                 yield from zip(spec.hf_names, spec.fusion.split(logical))
             else:
                 yield spec.hf_names[0], logical
+
+
+def _checksum(t: torch.Tensor) -> int:
+    return _C.checksum(t if t.device.type == "cpu" else t.cpu())
 
 
 def _contiguous_runs(regions: list[tuple[int, int]]) -> list[tuple[int, int]]:

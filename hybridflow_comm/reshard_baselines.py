@@ -81,7 +81,7 @@ def gather_full_then_slice(resharder: Resharder, method: str) -> int:
                 n.append(hi - lo)
         _C.copy_bytes(raw, scratch, src, dst, n)
     comm.all_gather_into(scratch, scratch[section_start:section_start + part], group,
-                         resharder.ledger, "reshard")
+                         resharder.ledger, "reshard", resharder.backend)
 
     # Take every generation slot out of the gathered streams.
     g = layout.gen_coords(groups.rank)

@@ -227,6 +227,6 @@ def stacked_to_logical(stacked: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """
     if spec.partition_dim in (None, 0):
         return stacked.flatten(0, 1) if spec.partition_dim == 0 else stacked[0]
-    d = spec.partition_dim
-    moved = stacked.movedim(0, d)  # [..., m, shard_d, ...]
-    return moved.reshape(*moved.shape[:d], -1, *moved.shape[d + 2:])
+    from hybridflow_comm.strided import logical_from_stacked
+
+    return logical_from_stacked(stacked, spec.partition_dim)

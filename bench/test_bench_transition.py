@@ -1,0 +1,21 @@
+"""pytest-benchmark cases for the transition (``make bench``; not part of ``make test``).
+
+Each case starts its own 4 ranks and reports every method's median time and the ratios in
+``extra_info``; the benchmarked call is one whole run of ``bench/transition.py``.
+"""
+
+import pytest
+
+from bench.transition import run
+
+CASES = [((1, 4, 1), (1, 2)), ((1, 2, 2), (1, 1)), ((2, 2, 1), (1, 1))]
+
+
+@pytest.mark.parametrize("train, gen", CASES, ids=lambda c: ",".join(map(str, c)))
+def test_transition(benchmark, train, gen):
+    result = benchmark.pedantic(run, args=(4, train, gen, 64.0, 3), rounds=1, iterations=1)
+    for name, m in result["methods"].items():
+        benchmark.extra_info[f"{name}_time_s"] = m["time_s"]
+        benchmark.extra_info[f"{name}_ratio_vs_ds_chat"] = m["ratio_vs_ds_chat"]
+        assert m["comm_bytes_per_rank"] > 0
+    benchmark.extra_info["raw_allgather_time_s"] = result["raw_allgather_time_s"]
