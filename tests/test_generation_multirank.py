@@ -119,3 +119,32 @@ def test_generation_layouts_match_single_process(pool4, references, train, gen):
                 assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (name, other)
         sampled = results[0]["modes"][name][0][:, ids.shape[1]:]
         assert not torch.equal(sampled, ref.responses), name  # it really sampled
+
+
+def hf_stream(rank: int, world_size: int, train: tuple, gen: tuple, full: dict) -> dict | None:
+    from engine.vllm_rollout import full_hf_weights
+
+    built = engine_on(TIED if train[0] > 1 else CFG, train, gen, full)
+    if built is None:
+        return None
+    _, resharder, eng = built
+    return {name: t.clone() for name, t in full_hf_weights(resharder, eng.groups.gen_tp)}
+
+
+@pytest.mark.parametrize("train, gen", [((1, 4, 1), (1, 2)), ((2, 2, 1), (2, 2))])
+def test_vllm_weight_stream_is_full_hf_tensors(pool4, references, train, gen):
+    """What the vLLM adapter feeds ``load_weights``: the HF state dict of the stage's layers,
+    gathered over the generation TP group."""
+    from engine.hf_interop import full_to_hf_state_dict
+    from engine.llama_spec import llama_shard_specs
+
+    cfg = TIED if train[0] > 1 else CFG
+    full = references["tied" if train[0] > 1 else "untied"][0]
+    want = full_to_hf_state_dict(full, llama_shard_specs(cfg, 1))
+    results = pool4.run(hf_stream, train, gen, full)
+    covered = set()
+    for r in results:
+        for name, t in r.items():
+            assert torch.equal(t, want[name]), name
+        covered |= r.keys()
+    assert covered == want.keys()
