@@ -100,8 +100,8 @@ def transformer_config(config: LlamaConfig, layout: ParallelLayout):
         hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=True,
-        params_dtype=config.dtype, tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp)
+        params_dtype=config.dtype, pipeline_dtype=config.dtype,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
 
 
 class MegatronActor:

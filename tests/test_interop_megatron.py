@@ -141,8 +141,51 @@ def check_bad_inputs(rank, world):
             errors.append("no error")
         except ValueError as exc:
             errors.append(str(exc))
+    errors.append(_check_stock_glu(rank))
     ps.destroy_model_parallel()
     return errors
+
+
+def _mlp(interleaved):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hybridflow_comm.interop.megatron import InterleavedSwiGLU
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1,
+                            ffn_hidden_size=F, gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                            bias_activation_fusion=False, use_te_activation_func=interleaved,
+                            use_cpu_initialization=True)
+    act = ModuleSpec(module=InterleavedSwiGLU) if interleaved else None
+    return MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                  linear_fc2=RowParallelLinear, activation_func=act))
+
+
+def _check_stock_glu(rank):
+    """A stock megatron SwiGLU fc1 ([gate; up] per rank, stride 2) is refused by name; the
+    same weights converted by fc1_to_interleaved give the same output in an interleaved MLP,
+    whose fc1 gets a GateUpFusion spec."""
+    from hybridflow_comm.interop.megatron import fc1_to_interleaved, stage_specs_from_megatron
+    from hybridflow_comm.shard_spec import GateUpFusion
+
+    train = ParallelLayout(1, 4, 1)
+    stock, inter = _mlp(False), _mlp(True)
+    with torch.no_grad():
+        inter.linear_fc1.weight.copy_(fc1_to_interleaved(stock.linear_fc1.weight))
+        inter.linear_fc2.weight.copy_(stock.linear_fc2.weight)
+    x = torch.randn(3, 2, H, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(stock(x)[0], inter(x)[0], atol=1e-6)
+    specs, _ = stage_specs_from_megatron(inter, train, rank)
+    fc1 = next(s for s in specs if s.name == "linear_fc1.weight")
+    assert fc1.fusion == GateUpFusion() and fc1.shape == (2 * F, H), fc1
+    try:
+        stage_specs_from_megatron(stock, train, rank)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_megatron_linear_reshard_and_generation_forward(pool4):
@@ -155,6 +198,7 @@ def test_megatron_linear_reshard_and_generation_forward(pool4):
 
 
 def test_megatron_bad_inputs_raise_value_error(pool4):
-    for tp_msg, stride_msg in pool4.run(check_bad_inputs, timeout_s=120):
+    for tp_msg, stride_msg, glu_msg in pool4.run(check_bad_inputs, timeout_s=120):
+        assert glu_msg.startswith("linear_fc1.weight: partition_stride=2 ([gate; up]"), glu_msg
         assert "col.weight" in tp_msg and "megatron TP group has size 4" in tp_msg, tp_msg
         assert "row.weight" in stride_msg and "partition_stride=2" in stride_msg, stride_msg

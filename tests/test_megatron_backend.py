@@ -111,3 +111,50 @@ def test_megatron_actor_matches_reference_and_reshards(pool4):
     for r in reports:
         # micro-TP gather: tp 4 -> tp_g 2 receives 1 shard per tensor, tp 4 -> 1 receives 3.
         assert 0 < r[1][2] and 3 * r[1][2] == r[2][2], r
+
+
+def check_backend_pp(rank, world, gen_layouts):
+    """pp = 2: each stage names its layers globally; the micro-PP broadcast builds the
+    generation shards of the whole model (no forward: pp > 1 forward is not wired)."""
+    from engine.megatron_backend import MegatronActor
+
+    train = ParallelLayout(2, 2, 1)
+    full = init_full_state_dict(CONFIG, seed=5)
+    ref_sd = full_to_hf_state_dict(full, llama_shard_specs(CONFIG, 1))
+    actor = MegatronActor(CONFIG, train, seed=0)
+    actor.load_full_state_dict(full)
+    names = sorted(actor.named_parameters())
+    out = [names]
+    for pp_g, tp_g in gen_layouts:
+        hl = HybridLayout(train, pp_g=pp_g, tp_g=tp_g)
+        rs = actor.resharder(build_hybrid_groups(hl))
+        rs.to_generation()
+        gen = dict(rs.named_generation_weights(hf_names=True))
+        g = hl.gen_coords(rank)
+        for name, w in ref_sd.items():
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            stage = (layer if layer is not None else
+                     0 if "embed" in name else CONFIG.num_layers - 1) // (2 // pp_g)
+            if stage != g.pp_g:
+                assert name not in gen, name
+                continue
+            d = _hf_dim(name)
+            assert torch.equal(gen[name], w if d is None else w.chunk(tp_g, d)[g.tp_g]), name
+        rs.verify()
+        out.append(len(gen))
+    return out
+
+
+def test_megatron_actor_pipeline_stages_reshard(pool4):
+    reports = pool4.run(check_backend_pp, [(1, 1), (1, 2), (2, 1)], timeout_s=300)
+    assert reports[0][0] == [
+        "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_proj.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight", "embedding.word_embeddings.weight"]
+    stage1 = reports[2][0]  # stage 1 names its only layer by its global index
+    assert any(n.startswith("decoder.layers.1.") for n in stage1), stage1
+    assert not any(n.startswith("decoder.layers.0.") for n in stage1), stage1
+    assert "output_layer.weight" in reports[2][0]
+    n_hf = 3 + CONFIG.num_layers * 9
+    assert all(r[1] == n_hf and r[2] == n_hf for r in reports)  # pp_g = 1: the whole model
