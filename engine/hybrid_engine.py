@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -133,7 +134,7 @@ class HybridEngine:
         rows = slice(k * batch // m, (k + 1) * batch // m)
         mine = self.rollout.generate(
             input_ids[rows], mask[rows],
-            SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + coords.dp_g}))
+            replace(sampling, seed=sampling.seed + coords.dp_g))
         t0 = time.perf_counter()
         gathered = GenerationOutput(
             input_ids=_all_gather_rows(mine.input_ids, group),
