@@ -223,7 +223,7 @@ class GenerationEngine:
         elapsed = time.perf_counter() - t0
         new_tokens = int(out_mask.sum())
         return GenerationOutput(
-            input_ids=torch.cat([step_in_prompt(input_ids, mask, sampling), out_ids], dim=1),
+            input_ids=torch.cat([_padded_prompt(input_ids, mask, sampling), out_ids], dim=1),
             attention_mask=torch.cat([mask, out_mask], dim=1), log_probs=out_lp,
             prompt_length=plen,
             stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": steps,
@@ -268,7 +268,7 @@ class GenerationEngine:
         return packed[0].long(), packed[1].float()
 
 
-def step_in_prompt(input_ids: torch.Tensor, mask: torch.Tensor,
+def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,
                    sampling: SamplingParams) -> torch.Tensor:
     """The prompt as returned: padding positions hold ``pad_token_id``."""
     return input_ids.long().masked_fill(mask == 0, sampling.pad_token_id)
