@@ -161,26 +161,3 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     chosen, chosen_z = _filter_and_sample(full, ids, params, generator)
     return chosen, (chosen_z.double() - lse).float()
 
-
-def reference_sample_next(logits: torch.Tensor, params: SamplingParams,
-                          generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference on full logits ``[B, V]`` (one process): the same rules, written directly."""
-    z = logits.float()
-    logp = torch.log_softmax(z, dim=-1)
-    if params.greedy:
-        tok = z.argmax(dim=-1)
-    else:
-        scaled = z / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(scaled, min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if params.top_p < 1:
-            probs = torch.softmax(scaled, dim=-1)
-            sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-            keep_sorted = (torch.cumsum(sorted_p, -1) - sorted_p) < params.top_p
-            keep_sorted[:, 0] = True
-            keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-            scaled = scaled.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tok, torch.gather(logp, -1, tok.unsqueeze(-1)).squeeze(-1)
