@@ -227,3 +227,27 @@ def test_bad_arguments():
     other = FlatParamBuffer(slot_specs(balanced_specs(1), hl, 0))
     with pytest.raises(ValueError, match="not built from slot_specs"):
         Resharder(rich_specs(1), groups, buffer=other)
+
+
+@pytest.mark.slow
+def test_reshard_world_8_slow():
+    """Every layout of 8 ranks (run with ``pytest -m slow``; CI keeps world sizes <= 4)."""
+    from tests.multirank import RankPool
+
+    layouts = [h for h in all_hybrid_layouts(8) if h.world_size == 8]
+    pool = RankPool(8, timeout_s=1800)
+    try:
+        reports = pool.run(check_reshard_all, [_key(h) for h in layouts], METHODS, timeout_s=1800)
+    finally:
+        pool.close()
+    for rank, report in enumerate(reports):
+        for key, method, kind, recv, sent, redundant, peak, version, gen_b, train_b in report:
+            hl = _hl(key)
+            assert version == 2
+            if method == "hybridflow":
+                assert redundant == 0
+            if kind == "balanced":
+                m = _partitioned_bytes(balanced_specs(hl.train.pp))
+                t, p = hl.train.tp, hl.train.pp
+                if method == "hybridflow":
+                    assert recv == (t * p - hl.tp_g * hl.pp_g) * m / (hl.tp_g * hl.pp_g * t * p)
