@@ -18,18 +18,19 @@ gathered back); tokens/s = batch * new tokens / slowest rank's time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.ranks import launch, max_over_ranks  # noqa: E402
 from engine.generation import GenerationEngine
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict
 from engine.hybrid_engine import HybridEngine
@@ -94,16 +95,9 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
             "threads": torch.get_num_threads(), "reference": r_ours}
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+def _rank_main(rank: int, world: int, cfg: dict):
     full = init_full_state_dict(CFG, seed=SEED, std=STD)
     ids, mask = make_prompts(cfg["batch"])
     sp = SamplingParams(max_new_tokens=cfg["new_tokens"])
@@ -119,8 +113,8 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, queue) -> None:
             with engine.generation_mode() as stats:
                 t0 = time.perf_counter()
                 out = engine.generate_sequences(ids, mask, sp)
-                times.append(_max_over_ranks(time.perf_counter() - t0))
-            reshard.append(_max_over_ranks(stats.time_s))
+                times.append(max_over_ranks(time.perf_counter() - t0))
+            reshard.append(max_over_ranks(stats.time_s))
         t = statistics.median(times[1:])
         results[f"1,{tp_g}"] = {
             "tokens_per_s": cfg["batch"] * cfg["new_tokens"] / t, "time_s": t,
@@ -128,16 +122,9 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, queue) -> None:
             "micro_dp_size": groups.layout.micro_dp_size,
             "matches_single_process": bool(torch.equal(out.responses, cfg["reference"])),
         }
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def multi_rank(nproc: int, batch: int, new_tokens: int, repeat: int,
@@ -145,10 +132,7 @@ def multi_rank(nproc: int, batch: int, new_tokens: int, repeat: int,
     tp_gs = [d for d in range(1, nproc + 1) if nproc % d == 0]
     cfg = {"batch": batch, "new_tokens": new_tokens, "repeat": repeat, "tp_gs": tp_gs,
            "reference": reference}
-    queue = mp.get_context("spawn").Queue()
-    mp.start_processes(_rank_main, args=(nproc, _free_port(), cfg, queue), nprocs=nproc,
-                       join=True, start_method="spawn")
-    return {"train": [1, nproc, 1], "gen": queue.get(timeout=60)}
+    return {"train": [1, nproc, 1], "gen": launch(_rank_main, nproc, cfg)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,18 +12,19 @@ slowest rank's, median over repeats.  ``raw_allgather_time_s`` is one single-buc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.ranks import launch, max_over_ranks  # noqa: E402
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout, parse_sizes
 from hybridflow_comm.reshard import METHODS, Resharder
@@ -69,16 +70,9 @@ def formula_bytes(method: str, hl: HybridLayout, model_bytes: int) -> float:
             "hybridflow": (t * p - tg * pg) / (tg * pg * t * p)}[method] * model_bytes
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
-def _rank_main(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+def _rank_main(rank: int, world: int, cfg: dict):
     hl = HybridLayout(ParallelLayout(*cfg["train"]), pp_g=cfg["gen"][0], tp_g=cfg["gen"][1])
     groups = build_hybrid_groups(hl)
     specs = llama_like_specs(cfg["size_mb"], hl.train.pp)
@@ -93,15 +87,15 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         for it in range(cfg["repeat"] + 1):
             dist.barrier()
             stats = rs.to_generation()
-            times.append(_max_over_ranks(stats.time_s))
+            times.append(max_over_ranks(stats.time_s))
             if it == 0:
                 rs.verify()
             rs.to_training(release=not cfg["keep_pages"])
         out["methods"][method] = {
-            "comm_bytes_per_rank": _max_over_ranks(stats.received_bytes),
-            "peak_weight_bytes": _max_over_ranks(stats.peak_weight_bytes),
-            "redundant_bytes": _max_over_ranks(stats.redundant_bytes),
-            "scratch_bytes": _max_over_ranks(stats.scratch_bytes),
+            "comm_bytes_per_rank": max_over_ranks(stats.received_bytes),
+            "peak_weight_bytes": max_over_ranks(stats.peak_weight_bytes),
+            "redundant_bytes": max_over_ranks(stats.redundant_bytes),
+            "scratch_bytes": max_over_ranks(stats.scratch_bytes),
             "collective_calls": stats.calls,
             "time_s": statistics.median(times[1:]),
         }
@@ -117,19 +111,12 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         t0 = time.perf_counter()
         if groups.micro_dp.pg is not None:
             dist.all_gather_into_tensor(outbuf, inp, group=groups.micro_dp.pg)
-        raw.append(_max_over_ranks(time.perf_counter() - t0))
+        raw.append(max_over_ranks(time.perf_counter() - t0))
     out["raw_allgather_time_s"] = statistics.median(raw[1:])
     out["model_bytes"] = sum(s.nbytes for s in specs)
-    if rank == 0:
-        queue.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(nproc: int, train: tuple[int, int, int], gen: tuple[int, int], size_mb: float,
@@ -139,11 +126,7 @@ def run(nproc: int, train: tuple[int, int, int], gen: tuple[int, int], size_mb: 
     hl.check_world_size(nproc)
     cfg = {"train": train, "gen": gen, "size_mb": size_mb, "repeat": repeat,
            "bucket_mb": bucket_mb, "keep_pages": keep_pages}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.start_processes(_rank_main, args=(nproc, _free_port(), cfg, queue), nprocs=nproc,
-                       join=True, start_method="spawn")
-    out = queue.get(timeout=60)
+    out = launch(_rank_main, nproc, cfg)
     ds = out["methods"]["ds_chat"]["time_s"]
     for name, m in out["methods"].items():
         m["formula_bytes_per_rank"] = formula_bytes(name, hl, out["model_bytes"])

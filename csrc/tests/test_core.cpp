@@ -5,15 +5,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "check.h"
 #include "../flat_buffer.h"
 
-#define CHECK(cond)                                                     \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                     \
-    }                                                                   \
-  } while (0)
 
 int main() {
   using namespace hybridflow;
@@ -44,6 +38,29 @@ int main() {
   CHECK(resident_bytes(buf, 0, 8 * page) == 5 * page);  // before reading maps zero pages
   CHECK(buf[99].item<uint8_t>() == 3 && buf[page].item<uint8_t>() == 0);
   CHECK(buf[4 * page + 100].item<uint8_t>() == 3);
+  // Strided buckets: equal kinds at equal spacing merge until the byte budget is reached.
+  auto sb = plan_strided_buckets({0, 0, 0, 1, 1, 0}, {0, 100, 200, 300, 350, 400},
+                                 {10, 10, 10, 20, 20, 10}, 25);
+  CHECK(sb.size() == 5 && sb[0].start == 0 && sb[0].count == 2 && sb[0].stride == 100);
+  auto sb2 = plan_strided_buckets({0, 0, 0}, {0, 64, 192}, {8, 8, 8}, 1000);  // uneven spacing
+  CHECK(sb2.size() == 2 && sb2[0].count == 2 && sb2[1].start == 2);
+
+  // Checksums: equal bytes agree, a swapped pair of words does not.
+  at::Tensor a = at::arange(1000, at::kLong);
+  at::Tensor b = a.clone();
+  CHECK(checksum(a) == checksum(b));
+  b[3] = 4;
+  b[4] = 3;
+  CHECK(checksum(a) != checksum(b));
+
+  // Stacked <-> logical swap against at::transpose.
+  at::Tensor st = at::randn({3, 4, 5});
+  at::Tensor lg = at::empty({4, 3, 5});
+  unstack_to_logical(st, lg);
+  CHECK(at::equal(lg, st.transpose(0, 1)));
+  at::Tensor back = at::empty_like(st);
+  stack_from_logical(lg, back);
+  CHECK(at::equal(back, st));
   std::printf("hybridflow core: all checks passed\n");
   return 0;
 }

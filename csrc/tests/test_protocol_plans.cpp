@@ -5,15 +5,9 @@
 #include <stdexcept>
 #include <vector>
 
+#include "check.h"
 #include "../protocol_plans.h"
 
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      std::fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 int main() {
   using namespace hybridflow;
