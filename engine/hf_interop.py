@@ -129,8 +129,14 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
             model.params[spec.name].copy_(shard.to(spec.dtype))
 
 
-def gather_full_state_dict(model: ParallelLlama) -> dict[str, torch.Tensor] | None:
+def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] | None = None
+                           ) -> dict[str, torch.Tensor] | None:
     """Global tensors by spec name on layout rank 0 (None on every other rank).
+
+    Args:
+        model: the rank's model.
+        local: tensors shaped like this rank's training shards, by spec name (e.g. Adam
+            moments); default the model's parameters.
 
     Collective over the DP-rank-0 replica (other DP ranks return at once).  The tied
     ``lm_head`` copy of a pp > 1 model is left out (it equals ``embed_tokens``).
@@ -148,11 +154,11 @@ def gather_full_state_dict(model: ParallelLlama) -> dict[str, torch.Tensor] | No
                 dist.recv(t, src=g.train_pp.ranks[spec.stage], group=g.train_pp.pg)
                 out[spec.name] = t
             continue
-        local = model.params[spec.name].detach()
-        full = local
+        local_t = (model.params if local is None else local)[spec.name].detach()
+        full = local_t
         if spec.partition_dim is not None and g.train_tp.pg is not None:
-            pieces = [torch.empty_like(local) for _ in range(g.train_tp.size)]
-            dist.all_gather(pieces, local.contiguous(), group=g.train_tp.pg)
+            pieces = [torch.empty_like(local_t) for _ in range(g.train_tp.size)]
+            dist.all_gather(pieces, local_t.contiguous(), group=g.train_tp.pg)
             full = torch.cat(pieces, dim=spec.partition_dim)
         if c.tp == 0:
             if c.pp == 0:

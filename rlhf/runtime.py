@@ -1,0 +1,164 @@
+"""The training loop on the controller: prompts, one program call per iteration, metrics,
+checkpoints and resume.
+
+Checkpoint contents (one folder per save, see :mod:`rlhf.checkpoint`)::
+
+    <role>.safetensors              full (unsharded) weights of every role, by spec name
+    <role>.exp_avg/.exp_avg_sq      full Adam moments of the trained roles
+    state.pt                        next step, prompt-stream position, KL controller, Lagrange
+                                    multiplier, optimizer step counts, controller RNG
+
+Everything is layout-free (global tensors), so a run resumes on another world size or
+layout: each worker cuts its own shards out of the full tensors.  Sampling seeds are a pure
+function of (seed, step), so a resumed run repeats an uninterrupted run exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from rlhf.algos import LagrangeMultiplier, make_kl_controller
+from rlhf.builders import Roles, build_roles, check_task, sampling_of, task_of
+from rlhf.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
+                             restore_rng_state, save_checkpoint)
+from rlhf.config import Config, WorldPlan, save_config
+from rlhf.controller import Batch, Controller
+from rlhf.metrics import MetricsLogger, PhaseTimer
+from rlhf.programs import PROGRAMS, Iteration
+from rlhf.task import CharTokenizer, Example, PromptStream, read_dataset
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class RunState:
+    """Controller-side state that a checkpoint must restore."""
+
+    def __init__(self, cfg: Config) -> None:
+        a = cfg.algo
+        source = read_dataset(cfg.data.dataset) if cfg.data.dataset else task_of(cfg)
+        self.step = 0
+        self.stream = PromptStream(source, seed=cfg.data.seed)
+        self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
+        self.lagrange = LagrangeMultiplier(a.lagrange_init, a.lagrange_lr, a.cost_limit,
+                                           a.lagrange_max)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "stream": self.stream.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(), "lagrange": self.lagrange.state_dict(),
+                "rng": capture_rng_state()}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.step = int(s["step"])
+        self.stream.load_state_dict(s["stream"])
+        self.kl_ctrl.load_state_dict(s["kl_ctrl"])
+        self.lagrange.load_state_dict(s["lagrange"])
+        restore_rng_state(s["rng"])
+
+
+def encode_prompts(examples: list[Example], tok: CharTokenizer, width: int, samples: int,
+                   first_uid: int) -> Batch:
+    """Left-padded ``<bos> prompt`` ids, each prompt repeated ``samples`` times (same uid)."""
+    ids = [tok.encode(e.prompt, add_bos=True) for e in examples]
+    too_long = [e.prompt for e, i in zip(examples, ids) if len(i) > width]
+    if too_long:
+        raise ValueError(f"prompts {too_long[:3]} are longer than data.max_prompt_len={width}")
+    input_ids, mask = tok.pad_batch(ids, "left", width)
+    b = Batch({"input_ids": input_ids, "attention_mask": mask.long()},
+              {"answer": [e.answer for e in examples],
+               "uid": list(range(first_uid, first_uid + len(examples)))})
+    return b.repeat(samples) if samples > 1 else b
+
+
+def save(roles: Roles, state: RunState, root: str, keep_last: int) -> str:
+    tensors, extra = {}, {}
+    for name, group in roles.checkpointed().items():
+        full = next((s for s in group.full_state().get() if s is not None), None)
+        if full is None:
+            continue  # a rule-only reward or cost has no weights
+        tensors[name] = full["weights"]
+        if "exp_avg" in full:
+            for k in ADAM_KEYS:
+                tensors[f"{name}.{k}"] = full[k]
+            extra[name] = full["optim_step"]
+    return save_checkpoint(root, state.step, tensors, state.state_dict() | {"optim": extra},
+                           keep_last)
+
+
+def restore(roles: Roles, state: RunState, path: str) -> None:
+    _, tensors, s = load_checkpoint(path)
+    for name, group in roles.checkpointed().items():
+        if name not in tensors:
+            continue
+        full = {"weights": tensors[name]}
+        if name in s["optim"]:
+            full |= {k: tensors[f"{name}.{k}"] for k in ADAM_KEYS}
+            full["optim_step"] = s["optim"][name]
+        group.load_state(full).wait()
+    state.load_state_dict(s)
+
+
+def iteration_of(cfg: Config, state: RunState, tok: CharTokenizer, timer: PhaseTimer
+                 ) -> Iteration:
+    a = cfg.algo
+    return Iteration(a.name, sampling_of(cfg, state.step, tok),
+                     sampling_of(cfg, state.step, tok, greedy=True), timer, state.kl_ctrl,
+                     a.kl_mode, a.kl_estimator, a.gamma, a.lam, a.whiten_advantages,
+                     a.norm_adv_by_std, state.lagrange)
+
+
+def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
+    """Run ``cfg`` on the controller's job; returns the metric records this process logged."""
+    tok = CharTokenizer.build()
+    check_task(cfg, tok)
+    run_dir = cfg.log.run_dir
+    root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    resume_from = resolve_resume(cfg.checkpoint.resume, root)
+    roles = build_roles(ctl, cfg, plan)
+    state = RunState(cfg)
+    if resume_from:
+        restore(roles, state, resume_from)
+        print(f"[rlhf] resumed from {resume_from} at step {state.step}", flush=True)
+    os.makedirs(run_dir, exist_ok=True)
+    save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    program, d, records = PROGRAMS[cfg.algo.name], cfg.data, []
+    logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
+                           tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
+    while state.step < cfg.iterations:
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+        first_uid = state.stream.position
+        prompts = encode_prompts(state.stream.next_batch(d.prompts_per_iter), tok,
+                                 d.max_prompt_len, d.samples_per_prompt, first_uid)
+        batch, metrics = program(roles, prompts, iteration_of(cfg, state, tok, timer))
+        step_s = time.perf_counter() - t0
+        tokens = int(batch["attention_mask"].sum())
+        metrics |= _task_metrics(batch) | timer.metrics() | {
+            "timing_s/reshard": float(batch.meta.get("reshard_s", 0.0)),
+            "timing_s/step": step_s, "perf/throughput_tokens_per_s": tokens / step_s,
+            "perf/tokens": tokens}
+        records.append(logger.log(state.step, metrics))
+        state.step += 1
+        every = cfg.checkpoint.save_every
+        if (every and state.step % every == 0) or state.step == cfg.iterations:
+            save(roles, state, root, cfg.checkpoint.keep_last)
+    logger.close(plot=cfg.log.plot)
+    return records
+
+
+def _task_metrics(batch: Batch) -> dict[str, float]:
+    out = {"reward/mean": float(batch["scores"].mean()),
+           "response/length_mean": float(batch["response_mask"].float().sum(1).mean())}
+    for k, v in batch.tensors.items():
+        if k.startswith("reward/"):
+            out[f"{k}/mean"] = float(v.float().mean())
+    if "advantages" in batch.tensors:
+        m = batch["response_mask"].float()
+        out["adv/mean"] = float((batch["advantages"] * m).sum() / m.sum().clamp(min=1))
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)

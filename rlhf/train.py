@@ -1,0 +1,46 @@
+"""Entry point of an RLHF run::
+
+    torchrun --nproc_per_node=4 -m rlhf.train algo=ppo [key=value ...]
+    python -m rlhf.train algo=grpo iterations=2        # one process (CPU development)
+
+Every rank loads and validates the config against the world size before any process group
+exists, so a bad value stops the job with a message naming it; then rank 0 runs the
+controller program (:func:`rlhf.runtime.train`) and every rank serves its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from rlhf.config import load_config, validate_for_world
+from rlhf.controller import run
+from rlhf.runtime import train
+
+
+def _single_process_env() -> None:
+    """Without torchrun: a world of one on a free local port."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(argv)
+        plan = validate_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[rlhf] invalid configuration: {e}", file=sys.stderr, flush=True)
+        return 2
+    _single_process_env()
+    return run(lambda ctl: train(ctl, cfg, plan))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,114 @@
+"""Pieces every role worker shares: building a model from plain arguments, full-state
+checkpoint I/O through the toolkit, and the sequence layout of a rollout batch.
+
+Rollout batch (rows = sequences; P = prompt width, N = response width, S = P + N)::
+
+    input_ids       [B, S]  | pad .. pad  prompt | response  pad .. pad |
+    attention_mask  [B, S]  | 0 ..  0    1 .. 1 | 1 .. 1    0 ..  0    |
+    response_mask   [B, N]                       | 1 .. 1    0 ..  0    |
+
+A model forward gives per-position outputs ``[B, S-1]`` (log-prob of token ``t+1`` at
+position ``t``) or ``[B, S]`` (values).  The response token ``j`` is predicted at position
+``P - 1 + j``, so both are cut to ``[:, P-1 : P-1+N]`` (:func:`response_slice`): the value of
+the state before each action, the log-prob of each action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint
+from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.model import ParallelLlama, load_full_state_dict
+from hybridflow_comm.groups import HybridGroups
+from hybridflow_comm.shard_spec import train_shard
+from rlhf.controller import Batch
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What a worker needs to build its model (plain values; built from the run config)."""
+
+    config: LlamaConfig
+    """Architecture."""
+    head: str = "lm"
+    """``"lm"`` (actor, reference) or ``"value"`` (critic, reward and cost models)."""
+    init_from: str | None = None
+    """HF-format folder to load; None = :func:`init_full_state_dict` with ``seed``."""
+    seed: int = 0
+    """Initialisation seed (also of a value head missing from ``init_from``)."""
+
+
+def build_model(args: ModelArgs, groups: HybridGroups) -> ParallelLlama:
+    """This rank's :class:`ParallelLlama`, initialised from ``args`` (deterministic)."""
+    model = ParallelLlama(args.config, groups, head=args.head)
+    load_full_state_dict(model, init_full_state_dict(args.config, args.seed, args.head))
+    if args.init_from:
+        load_hf_checkpoint(model, args.init_from)
+    return model
+
+
+def response_slice(t: torch.Tensor, prompt_len: int, resp_len: int) -> torch.Tensor:
+    """Per-position outputs ``[B, >= P-1+N]`` -> the response positions ``[B, N]``."""
+    return t[:, prompt_len - 1:prompt_len - 1 + resp_len]
+
+
+def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def split_micro(batch: Batch, micro: int) -> list[Batch]:
+    """Consecutive micro-batches of ``micro`` rows (the last may be shorter)."""
+    return [batch.rows(slice(i, i + micro)) for i in range(0, len(batch), micro)]
+
+
+def prompt_width(batch: Batch) -> int:
+    return batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` index of the last real token of each row (right padding after it)."""
+    pos = torch.arange(attention_mask.shape[1]).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), pos, torch.zeros_like(pos)).max(dim=1).values
+
+
+# Full-state checkpoints ----------------------------------------------------------------------
+def _adam_state(engine, model: ParallelLlama, key: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.params.items():
+        st = engine.optimizer.state.get(p, {})
+        out[name] = st[key] if key in st else torch.zeros_like(p)
+    return out
+
+
+def gather_full_state(model: ParallelLlama, engine=None) -> dict | None:
+    """Global weights (and Adam moments) of a role on its layout rank 0, None elsewhere.
+
+    Collective over the role.  Layout-free: spec names and global shapes only, so a
+    checkpoint loads into any ``(pp, tp, dp)`` (see :func:`load_full_state`).
+    """
+    out = {"weights": gather_full_state_dict(model)}
+    if engine is not None:
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = gather_full_state_dict(model, _adam_state(engine, model, key))
+        out["optim_step"] = engine.step_count
+    return out if out["weights"] is not None else None
+
+
+def load_full_state(model: ParallelLlama, state: dict, engine=None) -> None:
+    """Cut this rank's shards out of a :func:`gather_full_state` result (any source layout)."""
+    load_full_state_dict(model, state["weights"])
+    if engine is None or "exp_avg" not in state:
+        return
+    n = int(state["optim_step"])
+    engine.step_count = n
+    if n == 0:
+        return
+    for spec in model.local_specs:
+        p = model.params[spec.name]
+        engine.optimizer.state[p] = {
+            "step": torch.tensor(float(n)),
+            **{k: train_shard(state[k][spec.name], spec, model.layout, model.groups.rank)
+               .clone() for k in ("exp_avg", "exp_avg_sq")}}

@@ -1,0 +1,109 @@
+"""Reward and cost workers: a scalar model (value head read at the last real token) and/or
+rule functions of the decoded response, summed.
+
+    score = model_weight * RM(prompt + response)[last token]  +  sum_k w_k * rule_k(text, answer)
+
+Rule components are returned per row (``reward/<name>``) so the controller logs each one.
+Without a model the worker is CPU arithmetic on its DP share of the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.train import TrainEngine
+from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
+from rlhf.task import CharTokenizer, CompositeReward, CostRule
+from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, last_token_index,
+                                 load_full_state, model_inputs, prompt_width)
+
+
+@dataclass(frozen=True)
+class ScoreArgs:
+    """Where a score comes from (plain values, from the run config)."""
+
+    model: ModelArgs | None = None
+    """Scalar model (reward or cost model); None = rules only."""
+    model_weight: float = 1.0
+    """Weight of the model's score."""
+    rule_weights: dict[str, float] = field(default_factory=dict)
+    """Reward rules by name (``exact``, ``partial``, ``format``); empty = none."""
+    cost_rule: CostRule | None = None
+    """Cost rule (cost worker)."""
+
+
+def model_scores(engine: TrainEngine, batch: Batch) -> torch.Tensor | None:
+    """``[B]`` value-head output at the last real token of each sequence (None off the last
+    pipeline stage)."""
+    outs = engine.forward([model_inputs(batch)])
+    if outs is None:
+        return None
+    idx = last_token_index(batch["attention_mask"])
+    return outs[0]["values"].gather(1, idx[:, None]).squeeze(1)
+
+
+class _ScoreWorker(Worker):
+    key = "scores"
+
+    def __init__(self, args: ScoreArgs) -> None:
+        self.args = args
+        self.tokenizer = CharTokenizer.build()
+        self.model = build_model(args.model, self.groups) if args.model else None
+        self.engine = TrainEngine(self.model) if self.model is not None else None
+        self.rules = CompositeReward.from_weights(args.rule_weights) \
+            if any(args.rule_weights.values()) else None
+
+    def _texts(self, batch: Batch) -> list[str]:
+        plen = prompt_width(batch)
+        return [self.tokenizer.decode_response(r) for r in batch["input_ids"][:, plen:]]
+
+    def _score(self, batch: Batch) -> Batch | None:
+        total = torch.zeros(len(batch))
+        out: dict[str, torch.Tensor] = {}
+        if self.engine is not None:
+            s = model_scores(self.engine, batch)
+            if s is None:
+                return None
+            out[f"{self.key}_model"] = s
+            total += self.args.model_weight * s
+        texts = self._texts(batch)
+        if self.rules is not None:
+            r = self.rules(texts, batch["answer"])
+            for name, v in r.components.items():
+                out[f"reward/{name}"] = v
+            total += r.total
+        if self.args.cost_rule is not None:
+            total += torch.tensor([self.args.cost_rule.cost(t) for t in texts])
+        out[self.key] = total
+        return Batch(out)
+
+    @protocol(ONE_TO_ALL)
+    def full_state(self) -> dict | None:
+        return gather_full_state(self.model) if self.model is not None else None
+
+    @protocol(ONE_TO_ALL)
+    def load_state(self, state: dict) -> None:
+        if self.model is not None:
+            load_full_state(self.model, state)
+
+
+class RewardWorker(_ScoreWorker):
+    """``compute_reward``: ``scores [B]`` (+ ``reward/<rule>`` components)."""
+
+    key = "scores"
+
+    @protocol(THREE_D_PROTO)
+    def compute_reward(self, batch: Batch) -> Batch | None:
+        return self._score(batch)
+
+
+class CostWorker(_ScoreWorker):
+    """``compute_cost``: Safe-RLHF ``costs [B]`` from a cost model or the cost rule."""
+
+    key = "costs"
+
+    @protocol(THREE_D_PROTO)
+    def compute_cost(self, batch: Batch) -> Batch | None:
+        return self._score(batch)
