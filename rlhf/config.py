@@ -25,6 +25,8 @@ Placement of the roles on the ranks ``0..W-1`` (pools are consecutive rank range
     split       pool "actor" = actor + reference, pool "critic" = every other role;
                 sizes in placement.pool_sizes = {actor: a, critic: c}, a + c = W
     standalone  one pool per active role, sizes in placement.pool_sizes = {role: n}, sum = W
+    auto        chosen by the planner: rlhf.planner.config_bridge.resolve_config(cfg, W)
+                replaces it (and every layout) with one of the above before validate_for_world
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import yaml
 from rlhf.dataclass_io import build_dataclass, parse_overrides, set_dotted, to_plain_dict
 
 ALGOS = ("ppo", "remax", "safe_rlhf", "grpo", "rloo", "reinforce_pp")
-PLACEMENTS = ("colocated", "split", "standalone")
+PLACEMENTS = ("colocated", "split", "standalone", "auto")
 ROLES = ("actor", "critic", "cost_critic", "reference", "reward_model", "cost_model")
 TRAINED_ROLES = ("actor", "critic", "cost_critic")
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -317,9 +319,11 @@ class PlacementConfig:
     """How the roles share the ranks (see the module docstring)."""
 
     mode: str = "colocated"
-    """colocated, split or standalone."""
+    """colocated, split, standalone, or auto (the planner picks one and every layout)."""
     pool_sizes: dict[str, int] = field(default_factory=dict)
     """split: {actor: a, critic: c}; standalone: {role: n} per active role; colocated: unused."""
+    profile: str = "cpu"
+    """auto: device profile of the planner's simulator (shipped name or JSON path)."""
 
     def __post_init__(self) -> None:
         _one_of("placement.mode", self.mode, PLACEMENTS)
@@ -543,6 +547,9 @@ def _pools(config: Config, world_size: int) -> tuple[dict[str, int], dict[str, s
     mode, sizes, roles = config.placement.mode, config.placement.pool_sizes, config.roles
     if mode == "colocated":
         return {"all": world_size}, {r: "all" for r in roles}
+    if mode == "auto":
+        raise ValueError("placement.mode='auto' must be resolved before validate_for_world: "
+                         "cfg = rlhf.planner.config_bridge.resolve_config(cfg, world_size)")
     if mode == "split":
         of_role = {r: "actor" if r in ("actor", "reference") else "critic" for r in roles}
         names = ["actor", "critic"]

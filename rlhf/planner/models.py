@@ -1,0 +1,123 @@
+"""Model size descriptions for the planner: Llama shapes, parameter and FLOP counts, presets.
+
+Parameter count of a Llama decoder (``V`` vocab, ``H`` hidden, ``F`` SwiGLU width, ``L`` layers,
+``Q`` query heads, ``G`` KV heads, ``D = H / Q`` head dim)::
+
+    embedding             V * H
+    per layer             H * (Q + 2G) * D   (qkv)  +  Q * D * H  (o_proj)
+                          + 3 * H * F        (gate, up, down)  +  2 * H  (norms)
+    final norm            H
+    head                  V * H   (lm head, untied)   or   H   (value head: critic, reward, cost)
+
+Presets: ``llama-7b``, ``llama-13b``, ``llama-34b``, ``llama-70b`` (published Llama-2 /
+CodeLlama shapes) and ``tiny``, ``tiny-4l`` (this project's CPU models; ``tiny`` is the default
+architecture of :class:`rlhf.config.ModelConfig` and the shipped recipes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Architecture of one model as the planner sees it."""
+
+    name: str
+    """Label used in plans and cache keys (e.g. ``llama-7b``)."""
+    vocab_size: int
+    """Tokens V."""
+    hidden_size: int
+    """Width H."""
+    intermediate_size: int
+    """SwiGLU width F."""
+    num_layers: int
+    """Decoder layers L."""
+    num_heads: int
+    """Query heads Q."""
+    num_kv_heads: int
+    """Key/value heads G."""
+    value_head: bool = False
+    """True for critic/reward/cost models: a scalar head ``[1, H]`` instead of the LM head."""
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model {self.name!r}: {f}={v!r} must be a positive int")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name!r}: num_heads={self.num_heads} must divide "
+                             f"hidden_size={self.hidden_size} and be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def params(self) -> int:
+        """Total parameters."""
+        h = self.hidden_size
+        head = h if self.value_head else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * self.layer_params + h + head
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (everything but embedding, norms)."""
+        h = self.hidden_size
+        head = h if self.value_head else self.vocab_size * h
+        return self.num_layers * (self.layer_params - 2 * h) + head
+
+    def kv_elems_per_token(self) -> int:
+        """K and V elements cached per token over all layers: ``2 * L * G * D``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def forward_flops(self, tokens: float, context: float) -> float:
+        """FLOPs of a forward pass over ``tokens`` tokens that attend to ``context`` tokens on
+        average: ``2 * matmul_params`` per token plus ``4 * L * H * context`` for QK^T and AV."""
+        return tokens * (2.0 * self.matmul_params
+                         + 4.0 * self.num_layers * self.hidden_size * context)
+
+    def check_parallel(self, pp: int, tp: int) -> bool:
+        """Whether the model splits into ``pp`` stages x ``tp`` shards (the engine's rules:
+        tp divides KV heads, SwiGLU width and vocab; pp divides the layers)."""
+        return (self.num_kv_heads % tp == 0 and self.intermediate_size % tp == 0
+                and self.vocab_size % tp == 0 and self.num_layers % pp == 0)
+
+    def as_value_model(self) -> ModelShape:
+        """The same shape with a scalar value head (critic, reward and cost models)."""
+        return replace(self, value_head=True)
+
+
+PRESETS: dict[str, ModelShape] = {
+    "llama-7b": ModelShape("llama-7b", 32000, 4096, 11008, 32, 32, 32),
+    "llama-13b": ModelShape("llama-13b", 32000, 5120, 13824, 40, 40, 40),
+    "llama-34b": ModelShape("llama-34b", 32000, 8192, 22016, 48, 64, 8),
+    "llama-70b": ModelShape("llama-70b", 32000, 8192, 28672, 80, 64, 8),
+    "tiny": ModelShape("tiny", 24, 64, 128, 2, 4, 2),
+    "tiny-4l": ModelShape("tiny-4l", 24, 128, 256, 4, 4, 2),
+}
+
+
+def model_shape(name: str) -> ModelShape:
+    """A preset by name (``llama-7b`` ... ``tiny``); also accepts ``7b``, ``13b`` ..."""
+    key = name.lower()
+    if key not in PRESETS and f"llama-{key}" in PRESETS:
+        key = f"llama-{key}"
+    if key not in PRESETS:
+        raise ValueError(f"model={name!r} is not a preset; choose from {sorted(PRESETS)}")
+    return PRESETS[key]
+
+
+def shape_from_model_config(model, name: str = "model") -> ModelShape:
+    """A :class:`ModelShape` from an :class:`rlhf.config.ModelConfig`."""
+    return ModelShape(name, model.vocab_size, model.hidden_size, model.intermediate_size,
+                      model.num_layers, model.num_heads, model.num_kv_heads)

@@ -1,0 +1,79 @@
+"""Per-model parallel strategies: training ``(pp, tp, dp)`` and generation ``(pp_g, tp_g)``.
+
+On ``n`` devices a model runs ``pp * tp * dp = n``; a generating model (the actor) also picks
+``pp_g | pp`` and ``tp_g | tp`` (the 3D-HybridEngine's requirement), giving
+``dp_g = n / (pp_g * tp_g)`` generation replicas.  Models that do not generate keep
+``pp_g = pp``, ``tp_g = tp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rlhf.planner.models import ModelShape
+
+
+@dataclass(frozen=True, order=True)
+class Strategy:
+    """One model's parallel layout on its devices."""
+
+    pp: int
+    tp: int
+    dp: int
+    pp_g: int
+    tp_g: int
+
+    def __post_init__(self) -> None:
+        if min(self.pp, self.tp, self.dp, self.pp_g, self.tp_g) < 1:
+            raise ValueError(f"every size of {self} must be >= 1")
+        if self.pp % self.pp_g or self.tp % self.tp_g:
+            raise ValueError(f"{self}: pp_g={self.pp_g} must divide pp={self.pp} and "
+                             f"tp_g={self.tp_g} must divide tp={self.tp}")
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def dp_g(self) -> int:
+        """Generation replicas."""
+        return self.devices // (self.pp_g * self.tp_g)
+
+    @property
+    def micro_dp(self) -> int:
+        """Generation replicas per training replica (the micro-DP group size)."""
+        return (self.pp * self.tp) // (self.pp_g * self.tp_g)
+
+    def short(self) -> str:
+        train = f"{self.pp}-{self.tp}-{self.dp}"
+        if (self.pp_g, self.tp_g) == (self.pp, self.tp):
+            return train
+        return f"{train} -> {self.pp_g}-{self.tp_g}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_strategies(shape: ModelShape, n: int, generates: bool,
+                         max_tp: int | None = None) -> Iterator[Strategy]:
+    """Every valid strategy of ``shape`` on ``n`` devices.
+
+    Args:
+        shape: the model (its head, layer and width counts decide which splits are valid).
+        n: devices of the model's set.
+        generates: also enumerate ``(pp_g, tp_g)``; otherwise they equal ``(pp, tp)``.
+        max_tp: largest tensor-parallel size (a node's device count; None = no limit).
+    """
+    for pp in _divisors(n):
+        for tp in _divisors(n // pp):
+            if (max_tp and tp > max_tp) or not shape.check_parallel(pp, tp):
+                continue
+            dp = n // (pp * tp)
+            if not generates:
+                yield Strategy(pp, tp, dp, pp, tp)
+                continue
+            for pp_g in _divisors(pp):
+                for tp_g in _divisors(tp):
+                    yield Strategy(pp, tp, dp, pp_g, tp_g)
