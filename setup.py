@@ -40,7 +40,7 @@ setup(
     version="0.1.0",
     description="HybridFlow: resharding toolkit, HybridEngine and RLHF runtime",
     packages=find_packages(include=["hybridflow_comm*", "engine*", "rlhf*"]),
-    package_data={"rlhf": ["recipes/*.yaml"]},
+    package_data={"rlhf": ["recipes/*.yaml", "planner/profiles/*.json"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
