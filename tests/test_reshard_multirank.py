@@ -20,14 +20,14 @@ def rich_specs(pp):
     for layer in range(pp):
         p = f"layers.{layer}."
         specs += [
-            ShardSpec(p + "qkv", ((24 + 2 * 12) * 2, 8), partition_dim=0, stage=layer,
-                      fusion=QKVFusion(num_heads=24, num_kv_heads=12, head_dim=2),
+            ShardSpec(p + "qkv", ((48 + 2 * 24) * 1, 8), partition_dim=0, stage=layer,
+                      fusion=QKVFusion(num_heads=48, num_kv_heads=24, head_dim=1),
                       hf_names=(p + "q", p + "k", p + "v")),
             ShardSpec(p + "o", (8, 48), partition_dim=1, stage=layer),
-            ShardSpec(p + "gate_up", (2 * 12, 8), partition_dim=0, stage=layer, fusion=GateUpFusion()),
-            ShardSpec(p + "down", (8, 12), partition_dim=1, stage=layer, dtype=torch.bfloat16),
+            ShardSpec(p + "gate_up", (2 * 24, 8), partition_dim=0, stage=layer, fusion=GateUpFusion()),
+            ShardSpec(p + "down", (8, 24), partition_dim=1, stage=layer, dtype=torch.bfloat16),
             ShardSpec(p + "norm", (8,), stage=layer),
-            ShardSpec(p + "bias", (12,), partition_dim=0, stage=layer, dtype=torch.float64),
+            ShardSpec(p + "bias", (24,), partition_dim=0, stage=layer, dtype=torch.float64),
         ]
     specs += [ShardSpec("final_norm", (8,), stage=pp - 1),
               ShardSpec("head", (48, 8), partition_dim=0, stage=pp - 1)]
