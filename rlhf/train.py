@@ -19,7 +19,7 @@ from rlhf.controller import run
 from rlhf.runtime import train
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """Without torchrun: a world of one on a free local port."""
     if "RANK" in os.environ:
         return
@@ -38,8 +38,13 @@ def main(argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"[rlhf] invalid configuration: {e}", file=sys.stderr, flush=True)
         return 2
-    _single_process_env()
-    return run(lambda ctl: train(ctl, cfg, plan))
+    single_process_env()
+    code = run(lambda ctl: train(ctl, cfg, plan))
+    # Exit without interpreter teardown: destroying live gloo groups at exit can abort
+    # ("terminate called without an active exception") after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
