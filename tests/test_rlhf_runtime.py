@@ -183,3 +183,20 @@ def test_resume_on_other_world_size_and_layout(tmp_path):
     b = read_metrics(str(tmp_path / "dst" / "metrics.jsonl"))
     assert [r["step"] for r in b] == [2, 3]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in b)
+
+
+# Reward / cost model training (one process) --------------------------------------------------
+def test_train_cost_model_bradley_terry(tmp_path):
+    from engine.hf_interop import read_hf_config
+    from engine.llama_spec import LlamaConfig
+    from rlhf.task import AdditionTask, CharTokenizer, CostRule
+    from rlhf.train_rm import train_rm
+    from rlhf.workers.common import ModelArgs
+
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=32)
+    res = train_rm(ModelArgs(cfg, "value"), "cost", AdditionTask(1, 2), CostRule("7"),
+                   CharTokenizer.build(), str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
+                   width=14)
+    assert res["accuracy_after"] > 0.9 > res["accuracy_before"]
+    assert read_hf_config(str(tmp_path / "cm")) == cfg
