@@ -51,9 +51,9 @@ def main(argv: list[str]) -> int:
     records = read_metrics(os.path.join("runs", "main_ppo", "metrics.jsonl"))
     first = [r["reward/mean"] for r in records[:10]]
     last = [r["reward/mean"] for r in records[-10:]]
-    f, l = sum(first) / len(first), sum(last) / len(last)
-    print(f"[main_job] reward/mean first 10 iterations {f:.3f} -> last 10 {l:.3f} "
-          f"({l - f:+.3f}); SFT {t_sft:.0f} s, total {time.perf_counter() - t0:.0f} s; "
+    head, tail = sum(first) / len(first), sum(last) / len(last)
+    print(f"[main_job] reward/mean first 10 iterations {head:.3f} -> last 10 {tail:.3f} "
+          f"({tail - head:+.3f}); SFT {t_sft:.0f} s, total {time.perf_counter() - t0:.0f} s; "
           f"plot runs/main_ppo/metrics.png", flush=True)
     return 0
 

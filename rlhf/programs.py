@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from engine.sampling import SamplingParams
 from rlhf.algos import (LagrangeMultiplier, compute_advantage, kl_estimate, kl_penalty_rewards,
                         masked_mean, scores_to_token_rewards)

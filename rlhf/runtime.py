@@ -18,8 +18,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
 from rlhf.algos import LagrangeMultiplier, make_kl_controller
 from rlhf.builders import Roles, build_roles, check_task, sampling_of, task_of
 from rlhf.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
@@ -158,7 +156,3 @@ def _task_metrics(batch: Batch) -> dict[str, float]:
         m = batch["response_mask"].float()
         out["adv/mean"] = float((batch["advantages"] * m).sum() / m.sum().clamp(min=1))
     return out
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)

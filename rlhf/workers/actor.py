@@ -20,7 +20,8 @@ from engine.train import OptimConfig, TrainEngine
 from rlhf.algos import actor_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, load_full_state,
-                                 model_inputs, prompt_width, response_slice, split_micro)
+                                 mean_row, minibatches, model_inputs, prompt_width,
+                                 response_slice)
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,6 @@ class PolicyLossArgs:
     kl_loss_coef: float | None = None
     """KL-as-loss coefficient; None = no KL loss term (KL in the reward or none)."""
     kl_estimator: str = "k3"
-
-
-def _minibatches(batch: Batch, rows: int, micro: int) -> list[list[dict]]:
-    """Mini-batches of ``rows`` rows, each a list of equal micro-batch dicts."""
-    return [[{k: v for k, v in mb.tensors.items()} for mb in split_micro(batch.rows(
-        slice(i, i + rows)), micro)] for i in range(0, len(batch), rows)]
-
-
-def _mean_rows(records: list[dict[str, float]]) -> Batch:
-    """One row of per-key means (what the controller averages over DP replicas)."""
-    keys = sorted({k for r in records for k in r})
-    return Batch({k: torch.tensor([sum(r[k] for r in records if k in r)
-                                   / max(1, sum(k in r for r in records))]) for k in keys})
 
 
 class ActorWorker(Worker):
@@ -80,21 +68,15 @@ class ActorWorker(Worker):
                      {"reshard_s": stats.time_s, "gen_s": time.perf_counter() - t0,
                       "prompt_len": plen})
 
-    def _log_probs(self, batch: Batch, engine: TrainEngine) -> Batch | None:
-        outs = engine.forward([model_inputs(batch)])
-        if outs is None:
-            return None
-        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
-        return Batch({"log_probs": response_slice(outs[0]["log_probs"], plen, n),
-                      "entropy": response_slice(outs[0]["entropy"], plen, n)})
-
     @protocol(THREE_D_PROTO)
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy."""
-        out = self._log_probs(batch, self.engine.train)
-        if out is None:
-            return None
-        return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+        outs = self.engine.train.forward([model_inputs(batch)])
+        if outs is None:
+            return None  # not the last pipeline stage: not collected
+        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
+        return Batch({"old_log_probs": response_slice(outs[0]["log_probs"], plen, n),
+                      "entropy": response_slice(outs[0]["entropy"], plen, n)})
 
     @protocol(THREE_D_PROTO)
     def update_actor(self, batch: Batch) -> Batch | None:
@@ -123,12 +105,12 @@ class ActorWorker(Worker):
 
         grad_norms = []
         for _ in range(a.epochs):
-            for mbs in _minibatches(data, a.mini_batch_rows, a.micro_batch_size):
+            for mbs in minibatches(data, a.mini_batch_rows, a.micro_batch_size):
                 grad_norms.append(self.engine.train.train_step(mbs, loss_fn)["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
-        return _mean_rows(records)
+        return mean_row(records)
 
     @protocol(ONE_TO_ALL)
     def full_state(self) -> dict | None:

@@ -64,6 +64,19 @@ def split_micro(batch: Batch, micro: int) -> list[Batch]:
     return [batch.rows(slice(i, i + micro)) for i in range(0, len(batch), micro)]
 
 
+def minibatches(batch: Batch, rows: int, micro: int) -> list[list[dict]]:
+    """Mini-batches of ``rows`` rows, each a list of equal micro-batch dicts."""
+    return [[{k: v for k, v in mb.tensors.items()} for mb in split_micro(batch.rows(
+        slice(i, i + rows)), micro)] for i in range(0, len(batch), rows)]
+
+
+def mean_row(records: list[dict[str, float]]) -> Batch:
+    """One row of per-key means (what the controller averages over DP replicas)."""
+    keys = sorted({k for r in records for k in r})
+    return Batch({k: torch.tensor([sum(r[k] for r in records if k in r)
+                                   / max(1, sum(k in r for r in records))]) for k in keys})
+
+
 def prompt_width(batch: Batch) -> int:
     return batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
 

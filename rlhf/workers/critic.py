@@ -13,9 +13,9 @@ import torch
 from engine.train import OptimConfig, TrainEngine
 from rlhf.algos import value_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
-from rlhf.workers.actor import _mean_rows, _minibatches
 from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, load_full_state,
-                                 model_inputs, prompt_width, response_slice)
+                                 mean_row, minibatches, model_inputs, prompt_width,
+                                 response_slice)
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,12 @@ class CriticWorker(Worker):
 
         norms = []
         for _ in range(a.epochs):
-            for mbs in _minibatches(data, a.mini_batch_rows, a.micro_batch_size):
+            for mbs in minibatches(data, a.mini_batch_rows, a.micro_batch_size):
                 norms.append(self.engine.train_step(mbs, loss_fn)["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})
-        return _mean_rows(records)
+        return mean_row(records)
 
     @protocol(ONE_TO_ALL)
     def full_state(self) -> dict | None:
