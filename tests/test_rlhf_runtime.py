@@ -120,6 +120,26 @@ KILL_RUN = ["algo=ppo", "iterations=6", "checkpoint.save_every=2", "checkpoint.k
             *TINY]
 
 
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(_torchrun(2, "-m", "rlhf.train", *args), cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _kill_when(proc: subprocess.Popen, cond, timeout: float = 120) -> bool:
+    """SIGKILL the launcher and every rank as soon as ``cond()`` holds; False if the job
+    ended first."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if cond():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.0005)
+    proc.wait()
+    return False
+
+
 def test_kill_and_resume_exact(tmp_path):
     ref_args = [*KILL_RUN, f"log.runs_dir={tmp_path}", "log.run_name=ref"]
     _run(_torchrun(2, "-m", "rlhf.train", *ref_args))
@@ -127,26 +147,26 @@ def test_kill_and_resume_exact(tmp_path):
     assert len(ref) == 6
 
     args = [*KILL_RUN, f"log.runs_dir={tmp_path}", "log.run_name=killed"]
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    proc = subprocess.Popen(_torchrun(2, "-m", "rlhf.train", *args), cwd=ROOT, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while len(read_metrics(str(metrics))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank, mid-training
-    proc.wait()
-    assert 3 <= len(read_metrics(str(metrics))) < 6
+    metrics = str(tmp_path / "killed" / "metrics.jsonl")
     ckpt = tmp_path / "killed" / "checkpoints"
-    # What a kill during a save leaves: a temporary folder of a dead process and a step folder
-    # without a complete meta.json.  Neither may be picked up.
-    (ckpt / ".tmp-step_00000004-999999-deadbeef").mkdir(parents=True)
+    # 1. kill -9 mid-training (after the third iteration was logged)
+    assert _kill_when(_start(args), lambda: len(read_metrics(metrics)) >= 3)
+    assert 3 <= len(read_metrics(metrics)) < 6
+    # 2. resume, kill -9 the moment a save's temporary folder appears (the kill can land
+    #    just after its rename: either way the resume below must be exact)
+    before = set(os.listdir(ckpt))
+    assert _kill_when(_start(args), lambda: any(
+        n.startswith(".tmp-") and n not in before for n in os.listdir(ckpt)))
+    assert len(read_metrics(metrics)) < 6
+    # What a torn save leaves: a temporary folder of a dead process and a step folder without
+    # a complete meta.json.  Neither may be picked up.
+    (ckpt / ".tmp-step_00000004-999999-deadbeef").mkdir(exist_ok=True)
     (ckpt / "step_00000099").mkdir()
     (ckpt / "step_00000099" / "actor.safetensors").write_bytes(b"torn")
-
+    # 3. resume to the end: every metric except timings equals the uninterrupted run's
     res = _run(_torchrun(2, "-m", "rlhf.train", *args))
     assert "resumed from" in res.stdout
-    got = read_metrics(str(metrics))
+    got = read_metrics(metrics)
     assert [r["step"] for r in got] == list(range(6))
     assert [_exact(r) for r in got] == [_exact(r) for r in ref]
 
