@@ -16,6 +16,7 @@ critic's pool (or the actor's when there is no critic), one DP rank per pool ran
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
@@ -49,8 +50,14 @@ def task_of(cfg: Config) -> AdditionTask:
     return AdditionTask(d.min_digits, d.max_digits, d.num_operands, d.seed)
 
 
-def check_task(cfg: Config, tokenizer: CharTokenizer) -> None:
-    """ValueError naming the values unless the task fits the model and the lengths."""
+def check_run(cfg: Config, tokenizer: CharTokenizer) -> None:
+    """ValueError naming the values unless the task fits the model and the lengths and every
+    ``init_from`` folder exists (run on every rank before any process group exists)."""
+    for role in cfg.roles:
+        init = model_args(cfg, role, "lm").init_from
+        if init and not os.path.isfile(os.path.join(init, "config.json")):
+            raise ValueError(f"{role}: model init_from={init!r} is not an HF-format folder "
+                             f"(no config.json); create it with rlhf.sft / rlhf.train_rm")
     vocab = cfg.actor.model.vocab_size
     if vocab != tokenizer.vocab_size:
         raise ValueError(f"actor.model.vocab_size={vocab} but the task tokenizer has "

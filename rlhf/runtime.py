@@ -19,7 +19,7 @@ import os
 import time
 
 from rlhf.algos import LagrangeMultiplier, make_kl_controller
-from rlhf.builders import Roles, build_roles, check_task, sampling_of, task_of
+from rlhf.builders import Roles, build_roles, check_run, sampling_of, task_of
 from rlhf.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
                              restore_rng_state, save_checkpoint)
 from rlhf.config import Config, WorldPlan, save_config
@@ -110,7 +110,7 @@ def iteration_of(cfg: Config, state: RunState, tok: CharTokenizer, timer: PhaseT
 def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     """Run ``cfg`` on the controller's job; returns the metric records this process logged."""
     tok = CharTokenizer.build()
-    check_task(cfg, tok)
+    check_run(cfg, tok)
     run_dir = cfg.log.run_dir
     root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.checkpoint.resume, root)

@@ -14,9 +14,11 @@ import os
 import socket
 import sys
 
+from rlhf.builders import check_run
 from rlhf.config import load_config, validate_for_world
 from rlhf.controller import run
 from rlhf.runtime import train
+from rlhf.task import CharTokenizer
 
 
 def single_process_env() -> None:
@@ -34,6 +36,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         plan = validate_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_run(cfg, CharTokenizer.build())
     except ValueError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"[rlhf] invalid configuration: {e}", file=sys.stderr, flush=True)
