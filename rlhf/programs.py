@@ -76,7 +76,17 @@ def advantages(batch: Batch, it: Iteration, **extra) -> Batch:
 
 
 def _ref(r: Roles, gen: Future) -> Future | None:
-    return r.reference.compute_ref_log_prob(gen).wait() if r.reference is not None else None
+    return r.reference.compute_ref_log_prob(gen) if r.reference is not None else None
+
+
+def _wait(timer: PhaseTimer, **calls: Future | None) -> None:
+    """Wait for calls issued together, in order, timing each wait as its phase.  Colocated
+    roles run them one after the other (each phase = its own time); on disjoint pools they
+    overlap, and a phase shows only the time it added to the iteration."""
+    for phase, fut in calls.items():
+        with timer(phase):
+            if fut is not None:
+                fut.wait()
 
 
 # PPO -------------------------------------------------------------------------------------------
@@ -84,22 +94,16 @@ def ppo(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     with t("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
-    with t("old_log_prob"):
-        old = r.actor.compute_log_prob(gen).wait()
-    with t("ref"):
-        ref = _ref(r, gen)
-    with t("values"):
-        values = r.critic.compute_values(gen).wait()
-    with t("reward"):
-        scores = r.reward.compute_reward(gen).wait()
+    # Issued together: roles on disjoint pools (split, standalone) compute at the same time.
+    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    values, scores = r.critic.compute_values(gen), r.reward.compute_reward(gen)
+    _wait(t, old_log_prob=old, ref=ref, values=values, reward=scores)
     with t("adv"):
         batch, m = shape_rewards(gather(gen, old, ref, values, scores), it)
         batch = advantages(batch, it)
-    with t("update_critic"):
-        critic = r.critic.update_critic(batch).get()
-    with t("update_actor"):
-        actor = r.actor.update_actor(batch).get()
-    return batch, m | _means("actor", actor) | _means("critic", critic)
+    critic, actor = r.critic.update_critic(batch), r.actor.update_actor(batch)
+    _wait(t, update_critic=critic, update_actor=actor)
+    return batch, m | _means("actor", actor.get()) | _means("critic", critic.get())
 
 
 # Safe-RLHF: PPO + a cost model, a cost critic and the Lagrange multiplier -------------------------
@@ -107,29 +111,22 @@ def safe_rlhf(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     with t("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
-    with t("old_log_prob"):
-        old = r.actor.compute_log_prob(gen).wait()
-    with t("ref"):
-        ref = _ref(r, gen)
-    with t("values"):
-        values = r.critic.compute_values(gen).wait()
-        cost_values = r.cost_critic.compute_values(gen).wait()
-    with t("reward"):
-        scores = r.reward.compute_reward(gen).wait()
-        costs = r.cost.compute_cost(gen).wait()
+    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    values, cost_values = r.critic.compute_values(gen), r.cost_critic.compute_values(gen)
+    scores, costs = r.reward.compute_reward(gen), r.cost.compute_cost(gen)
+    _wait(t, old_log_prob=old, ref=ref, values=values, cost_values=cost_values, reward=scores,
+          cost=costs)
     with t("adv"):
         batch, m = shape_rewards(gather(gen, old, ref, values, cost_values, scores, costs), it)
         batch = advantages(batch, it, lagrange=it.lagrange.value)
         mean_cost = float(batch["costs"].mean())
         m |= {"cost/mean": mean_cost, "cost/lagrange": it.lagrange.value}
         it.lagrange.update(mean_cost)
-    with t("update_critic"):
-        critic = r.critic.update_critic(batch).get()
-        cost_critic = r.cost_critic.update_critic(batch).get()
-    with t("update_actor"):
-        actor = r.actor.update_actor(batch).get()
-    return batch, (m | _means("actor", actor) | _means("critic", critic)
-                   | _means("cost_critic", cost_critic))
+    critic, cost_critic = r.critic.update_critic(batch), r.cost_critic.update_critic(batch)
+    actor = r.actor.update_actor(batch)
+    _wait(t, update_critic=critic, update_cost_critic=cost_critic, update_actor=actor)
+    return batch, (m | _means("actor", actor.get()) | _means("critic", critic.get())
+                   | _means("cost_critic", cost_critic.get()))
 
 
 # ReMax: a greedy response per prompt is the baseline; no critic ---------------------------------
@@ -140,13 +137,11 @@ def remax(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
         greedy = r.actor.generate_sequences(prompts.rows(slice(0, len(prompts), n)),
                                             it.greedy).wait()
-    with t("old_log_prob"):
-        old = r.actor.compute_log_prob(gen).wait()
-    with t("ref"):
-        ref = _ref(r, gen)
+    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    scores, base = r.reward.compute_reward(gen), r.reward.compute_reward(greedy)
+    _wait(t, old_log_prob=old, ref=ref, reward=scores)
     with t("reward"):
-        scores = r.reward.compute_reward(gen).wait()
-        baseline = r.reward.compute_reward(greedy).get()["scores"]
+        baseline = base.get()["scores"]
     with t("adv"):
         batch, m = shape_rewards(gather(gen, old, ref, scores), it)
         batch.tensors["reward_baselines"] = baseline.repeat_interleave(n)
@@ -162,12 +157,9 @@ def critic_free(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     with t("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
-    with t("old_log_prob"):
-        old = r.actor.compute_log_prob(gen).wait()
-    with t("ref"):
-        ref = _ref(r, gen)
-    with t("reward"):
-        scores = r.reward.compute_reward(gen).wait()
+    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    scores = r.reward.compute_reward(gen)
+    _wait(t, old_log_prob=old, ref=ref, reward=scores)
     with t("adv"):
         batch, m = shape_rewards(gather(gen, old, ref, scores), it)
         batch = advantages(batch, it)
