@@ -18,38 +18,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.llama_spec import LlamaConfig
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture of one model as the planner sees it."""
+    """Architecture of one model as the planner sees it: the engine's :class:`LlamaConfig`
+    (which validates it) plus a name and which head it carries."""
 
     name: str
     """Label used in plans and cache keys (e.g. ``llama-7b``)."""
-    vocab_size: int
-    """Tokens V."""
-    hidden_size: int
-    """Width H."""
-    intermediate_size: int
-    """SwiGLU width F."""
-    num_layers: int
-    """Decoder layers L."""
-    num_heads: int
-    """Query heads Q."""
-    num_kv_heads: int
-    """Key/value heads G."""
+    config: LlamaConfig
+    """The architecture, exactly as the engine builds it."""
     value_head: bool = False
     """True for critic/reward/cost models: a scalar head ``[1, H]`` instead of the LM head."""
 
-    def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"model {self.name!r}: {f}={v!r} must be a positive int")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name!r}: num_heads={self.num_heads} must divide "
-                             f"hidden_size={self.hidden_size} and be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads}")
+    vocab_size = property(lambda self: self.config.vocab_size)
+    hidden_size = property(lambda self: self.config.hidden_size)
+    intermediate_size = property(lambda self: self.config.intermediate_size)
+    num_layers = property(lambda self: self.config.num_layers)
+    num_heads = property(lambda self: self.config.num_heads)
+    num_kv_heads = property(lambda self: self.config.num_kv_heads)
 
     @property
     def head_dim(self) -> int:
@@ -97,13 +86,18 @@ class ModelShape:
         return replace(self, value_head=True)
 
 
+def _shape(name: str, v: int, h: int, f: int, layers: int, heads: int, kv: int) -> ModelShape:
+    return ModelShape(name, LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=f,
+                                        num_layers=layers, num_heads=heads, num_kv_heads=kv))
+
+
 PRESETS: dict[str, ModelShape] = {
-    "llama-7b": ModelShape("llama-7b", 32000, 4096, 11008, 32, 32, 32),
-    "llama-13b": ModelShape("llama-13b", 32000, 5120, 13824, 40, 40, 40),
-    "llama-34b": ModelShape("llama-34b", 32000, 8192, 22016, 48, 64, 8),
-    "llama-70b": ModelShape("llama-70b", 32000, 8192, 28672, 80, 64, 8),
-    "tiny": ModelShape("tiny", 24, 64, 128, 2, 4, 2),
-    "tiny-4l": ModelShape("tiny-4l", 24, 128, 256, 4, 4, 2),
+    "llama-7b": _shape("llama-7b", 32000, 4096, 11008, 32, 32, 32),
+    "llama-13b": _shape("llama-13b", 32000, 5120, 13824, 40, 40, 40),
+    "llama-34b": _shape("llama-34b", 32000, 8192, 22016, 48, 64, 8),
+    "llama-70b": _shape("llama-70b", 32000, 8192, 28672, 80, 64, 8),
+    "tiny": _shape("tiny", 24, 64, 128, 2, 4, 2),
+    "tiny-4l": _shape("tiny-4l", 24, 128, 256, 4, 4, 2),
 }
 
 
@@ -119,5 +113,5 @@ def model_shape(name: str) -> ModelShape:
 
 def shape_from_model_config(model, name: str = "model") -> ModelShape:
     """A :class:`ModelShape` from an :class:`rlhf.config.ModelConfig`."""
-    return ModelShape(name, model.vocab_size, model.hidden_size, model.intermediate_size,
-                      model.num_layers, model.num_heads, model.num_kv_heads)
+    return _shape(name, model.vocab_size, model.hidden_size, model.intermediate_size,
+                  model.num_layers, model.num_heads, model.num_kv_heads)
