@@ -6,7 +6,8 @@
 Same tiny Llama (the GRPO recipe's actor: 2 layers, hidden 64, 24-token character vocabulary,
 seeded weights saved to a local HF folder, nothing downloaded), same addition prompts,
 16 prompts x 4 samples by default, responses up to 6 tokens, temperature 1, exact-match reward, KL to a
-reference model as a loss (k3, coefficient 0.01), one optimizer step per iteration, and the
+reference model as a loss (k3, coefficient 0.01), one optimizer step per iteration, the
+rollout's own log-probs as the old policy's (TRL takes them from its loss forward), and the
 same 2 cores: ours as ``--nproc`` gloo ranks of one thread each (actor training tp
 ``--tp``, the rest data parallel), TRL as one process with ``--nproc`` threads.  Tokens/s = (prompt + response tokens, padding excluded) / wall time of
 one iteration (generation, reference, reward, update), median over the iterations after the
@@ -63,7 +64,7 @@ def ours(folder: str, nproc: int, steps: int, work: str, tp: int, prompts: int,
             f"data.mini_batch_size={prompts * samples}",
             f"data.micro_batch_size={prompts * samples // nproc * tp}",
             f"data.max_response_len={RESPONSE_LEN}", f"data.max_prompt_len={PROMPT_LEN}",
-            f"actor.layout.tp={tp}", "algo.kl_mode=loss", "algo.kl_estimator=k3", f"algo.kl_coef={KL_COEF}",
+            f"actor.layout.tp={tp}", "algo.recompute_log_prob=false", "algo.kl_mode=loss", "algo.kl_estimator=k3", f"algo.kl_coef={KL_COEF}",
             f"actor.lr={LR}", f"log.runs_dir={work}", "log.run_name=ours",
             "checkpoint.resume=never", "checkpoint.save_every=1000000", "log.progress=false",
             "log.tensorboard=false", "log.plot=false"]

@@ -209,6 +209,10 @@ class AlgoConfig:
     """One of ppo, remax, safe_rlhf, grpo, rloo, reinforce_pp."""
     epochs: int = 1
     """Passes over each rollout batch."""
+    recompute_log_prob: bool = True
+    """Recompute the rollout's log-probs with a training forward (compute_log_prob); False
+    uses the generation engine's own (the same weights, equal to ~1e-6 with the native
+    engine; keep True for a backend with other numerics, e.g. vLLM)."""
     gamma: float = 1.0
     """Discount (GAE, REINFORCE++)."""
     lam: float = 0.95

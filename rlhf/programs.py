@@ -35,6 +35,7 @@ class Iteration:
     lam: float
     whiten: bool
     norm_adv_by_std: bool
+    recompute_log_prob: bool = True
     lagrange: LagrangeMultiplier | None = None
 
 
@@ -52,6 +53,9 @@ def gather(*futures: Future | None) -> Batch:
 def shape_rewards(batch: Batch, it: Iteration) -> tuple[Batch, dict]:
     """Token rewards: the sequence score on the last response token, minus the KL penalty
     when ``kl_mode == "reward"`` (the adaptive controller then takes the measured KL)."""
+    if "old_log_probs" not in batch.tensors:  # not recomputed: the generation's own
+        batch = Batch({**batch.tensors, "old_log_probs": batch["rollout_log_probs"]},
+                      batch.non_tensors, batch.meta)
     mask = batch["response_mask"].float()
     token = scores_to_token_rewards(batch["scores"], mask)
     metrics = {}
@@ -75,6 +79,11 @@ def advantages(batch: Batch, it: Iteration, **extra) -> Batch:
     return Batch({**batch.tensors, **adv}, batch.non_tensors, batch.meta)
 
 
+def _old(r: Roles, gen: Future, it: Iteration) -> Future | None:
+    """The rollout policy's log-probs: a training forward, or (None) the generation's own."""
+    return r.actor.compute_log_prob(gen) if it.recompute_log_prob else None
+
+
 def _ref(r: Roles, gen: Future) -> Future | None:
     return r.reference.compute_ref_log_prob(gen) if r.reference is not None else None
 
@@ -95,7 +104,7 @@ def ppo(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     with t("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
     # Issued together: roles on disjoint pools (split, standalone) compute at the same time.
-    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    old, ref = _old(r, gen, it), _ref(r, gen)
     values, scores = r.critic.compute_values(gen), r.reward.compute_reward(gen)
     _wait(t, old_log_prob=old, ref=ref, values=values, reward=scores)
     with t("adv"):
@@ -111,7 +120,7 @@ def safe_rlhf(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     with t("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
-    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    old, ref = _old(r, gen, it), _ref(r, gen)
     values, cost_values = r.critic.compute_values(gen), r.cost_critic.compute_values(gen)
     scores, costs = r.reward.compute_reward(gen), r.cost.compute_cost(gen)
     _wait(t, old_log_prob=old, ref=ref, values=values, cost_values=cost_values, reward=scores,
@@ -137,7 +146,7 @@ def remax(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
         greedy = r.actor.generate_sequences(prompts.rows(slice(0, len(prompts), n)),
                                             it.greedy).wait()
-    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    old, ref = _old(r, gen, it), _ref(r, gen)
     scores, base = r.reward.compute_reward(gen), r.reward.compute_reward(greedy)
     _wait(t, old_log_prob=old, ref=ref, reward=scores)
     with t("reward"):
@@ -157,7 +166,7 @@ def critic_free(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     with t("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
-    old, ref = r.actor.compute_log_prob(gen), _ref(r, gen)
+    old, ref = _old(r, gen, it), _ref(r, gen)
     scores = r.reward.compute_reward(gen)
     _wait(t, old_log_prob=old, ref=ref, reward=scores)
     with t("adv"):

@@ -104,7 +104,7 @@ def iteration_of(cfg: Config, state: RunState, tok: CharTokenizer, timer: PhaseT
     return Iteration(a.name, sampling_of(cfg, state.step, tok),
                      sampling_of(cfg, state.step, tok, greedy=True), timer, state.kl_ctrl,
                      a.kl_mode, a.kl_estimator, a.gamma, a.lam, a.whiten_advantages,
-                     a.norm_adv_by_std, state.lagrange)
+                     a.norm_adv_by_std, a.recompute_log_prob, state.lagrange)
 
 
 def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:

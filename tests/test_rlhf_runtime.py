@@ -56,7 +56,7 @@ RUNS = {
             "log.tensorboard=true", "log.plot=true"],
     "remax": ["algo=remax"],
     "safe_rlhf": ["algo=safe_rlhf", "reward.cost_kind=model"],
-    "grpo": ["algo=grpo"],
+    "grpo": ["algo=grpo", "algo.recompute_log_prob=false"],
     "rloo": ["algo=rloo"],
     "reinforce_pp": ["algo=reinforce_pp"],
     "ppo_split": ["algo=ppo", "placement.mode=split", "placement.pool_sizes={actor: 1, critic: 1}",
