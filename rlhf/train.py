@@ -17,6 +17,7 @@ import sys
 from rlhf.builders import check_run
 from rlhf.config import load_config, validate_for_world
 from rlhf.controller import run
+from rlhf.planner.config_bridge import resolve_config
 from rlhf.runtime import train
 from rlhf.task import CharTokenizer
 
@@ -34,8 +35,10 @@ def single_process_env() -> None:
 
 def main(argv: list[str]) -> int:
     try:
-        cfg = load_config(argv)
-        plan = validate_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # placement.mode=auto: the planner picks placement and layouts (same on every rank)
+        cfg = resolve_config(load_config(argv), world)
+        plan = validate_for_world(cfg, world)
         check_run(cfg, CharTokenizer.build())
     except ValueError as e:
         if os.environ.get("RANK", "0") == "0":

@@ -21,6 +21,7 @@ import traceback
 
 from rlhf.config import load_config, validate_for_world
 from rlhf.controller import Controller, run
+from rlhf.planner.config_bridge import resolve_config
 from rlhf.builders import build_roles
 from rlhf.runtime import RunState, restore, save, train
 from rlhf.train import single_process_env
@@ -36,7 +37,7 @@ def main(spec_path: str, out_path: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plans = {}
     for name, overrides in spec.items():  # every rank validates every run before any work
-        cfg = load_config(TINY + overrides)
+        cfg = resolve_config(load_config(TINY + overrides), world)
         plans[name] = (cfg, validate_for_world(cfg, world))
 
     def program(ctl: Controller) -> None:

@@ -61,6 +61,7 @@ RUNS = {
     "reinforce_pp": ["algo=reinforce_pp"],
     "ppo_split": ["algo=ppo", "placement.mode=split", "placement.pool_sizes={actor: 1, critic: 1}",
                   "actor.layout.tp=1"],
+    "ppo_auto": ["algo=ppo", "placement.mode=auto"],
     "grpo_standalone": ["algo=grpo", "placement.mode=standalone", "actor.layout.tp=1",
                         "placement.pool_sizes={actor: 1, reference: 1}"],
 }
