@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from engine.hf_interop import read_hf_config
 from engine.sampling import SamplingParams
 from engine.train import OptimConfig
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -54,10 +55,17 @@ def check_run(cfg: Config, tokenizer: CharTokenizer) -> None:
     """ValueError naming the values unless the task fits the model and the lengths and every
     ``init_from`` folder exists (run on every rank before any process group exists)."""
     for role in cfg.roles:
-        init = model_args(cfg, role, "lm").init_from
-        if init and not os.path.isfile(os.path.join(init, "config.json")):
-            raise ValueError(f"{role}: model init_from={init!r} is not an HF-format folder "
-                             f"(no config.json); create it with rlhf.sft / rlhf.train_rm")
+        args = model_args(cfg, role, "lm")
+        if not args.init_from:
+            continue
+        if not os.path.isfile(os.path.join(args.init_from, "config.json")):
+            raise ValueError(f"{role}: model init_from={args.init_from!r} is not an HF-format "
+                             f"folder (no config.json); create it with rlhf.sft / rlhf.train_rm")
+        mine, theirs = args.config.to_dict(), read_hf_config(args.init_from).to_dict()
+        diff = {k: (mine[k], theirs[k]) for k in mine if k != "dtype" and mine[k] != theirs[k]}
+        if diff:
+            raise ValueError(f"{role}: model init_from={args.init_from!r} has another "
+                             f"architecture, (config, checkpoint): {diff}")
     vocab = cfg.actor.model.vocab_size
     if vocab != tokenizer.vocab_size:
         raise ValueError(f"actor.model.vocab_size={vocab} but the task tokenizer has "

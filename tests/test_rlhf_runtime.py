@@ -221,3 +221,19 @@ def test_train_cost_model_bradley_terry(tmp_path):
                    width=14)
     assert res["accuracy_after"] > 0.9 > res["accuracy_before"]
     assert read_hf_config(str(tmp_path / "cm")) == cfg
+
+
+def test_init_from_checked_before_launch(tmp_path):
+    from engine.hf_interop import config_to_hf
+    from rlhf.builders import check_run
+    from rlhf.config import load_config
+    from rlhf.task import CharTokenizer
+
+    with pytest.raises(ValueError, match="init_from='/nonexistent' is not an HF-format folder"):
+        check_run(load_config(["actor.model.init_from=/nonexistent"]), CharTokenizer.build())
+    other = load_config(["actor.model.hidden_size=32"]).actor.model.llama()
+    config_to_hf(other).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"another architecture.*'hidden_size': \(64, 32\)"):
+        check_run(load_config([f"actor.model.init_from={tmp_path}"]), CharTokenizer.build())
+    with pytest.raises(ValueError, match="vocab_size=32 but the task tokenizer has 24"):
+        check_run(load_config(["actor.model.vocab_size=32"]), CharTokenizer.build())
