@@ -7,7 +7,9 @@
    it to ``runs/cache/sft-main`` -- reused on later runs with the same settings.
 2. ``torchrun --nproc_per_node 4 -m rlhf.train algo=ppo ...``: actor (train 1-2-2, generation
    tp 1: micro-DP 2), critic, reference and the rule-based exact-match reward, colocated on
-   all 4 ranks.  Output in ``runs/main_ppo/`` (metrics.jsonl, TensorBoard, metrics.png).
+   all 4 ranks.  Output in ``runs/main_ppo/`` (metrics.jsonl, TensorBoard, metrics.png,
+   checkpoints every 50 iterations); the folder is replaced by each run unless a
+   ``checkpoint.resume=...`` override is given.
 3. Prints the mean reward of the first and last 10 iterations and the wall time.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from rlhf import sft
 from rlhf.metrics import read_metrics
 
 SFT_DIR = os.path.join("runs", "cache", "sft-main")
+RUN_DIR = os.path.join("runs", "main_ppo")
 SFT_ARGS = ["--steps", "1500", "--noise", "0.3"]
 PPO_OVERRIDES = [
     "algo=ppo", "iterations=250", "log.run_name=main_ppo", "checkpoint.resume=never",
@@ -40,6 +44,8 @@ def main(argv: list[str]) -> int:
     if sft.main(["--out", SFT_DIR, *SFT_ARGS]) != 0:
         return 1
     t_sft = time.perf_counter() - t0
+    if not any(o.startswith("checkpoint.resume=") for o in a.overrides):
+        shutil.rmtree(RUN_DIR, ignore_errors=True)  # a fresh run: no stale event files
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={a.nproc}", "-m", "rlhf.train", *PPO_OVERRIDES, *a.overrides]
     print("[main_job]", " ".join(cmd[2:]), flush=True)
@@ -48,7 +54,7 @@ def main(argv: list[str]) -> int:
     if code != 0:
         print(f"[main_job] PPO job failed with exit code {code}", file=sys.stderr)
         return code
-    records = read_metrics(os.path.join("runs", "main_ppo", "metrics.jsonl"))
+    records = read_metrics(os.path.join(RUN_DIR, "metrics.jsonl"))
     first = [r["reward/mean"] for r in records[:10]]
     last = [r["reward/mean"] for r in records[-10:]]
     head, tail = sum(first) / len(first), sum(last) / len(last)
