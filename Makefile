@@ -15,9 +15,9 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.c
 
 setup: $(STAMP)
 
-# Until the RLHF runtime lands, the main job is the transition benchmark on its defaults.
+# The main job: SFT warm start (cached under runs/cache) + PPO on 4 ranks (rlhf/main_job.py).
 run: setup
-	$(PYTHON) bench/transition.py
+	$(PYTHON) -m rlhf.main_job
 
 test: test-cpp test-py
 
