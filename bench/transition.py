@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -70,8 +71,6 @@ def formula_bytes(method: str, hl: HybridLayout, model_bytes: int) -> float:
             "hybridflow": (t * p - tg * pg) / (tg * pg * t * p)}[method] * model_bytes
 
 
-
-
 def _rank_main(rank: int, world: int, cfg: dict):
     hl = HybridLayout(ParallelLayout(*cfg["train"]), pp_g=cfg["gen"][0], tp_g=cfg["gen"][1])
     groups = build_hybrid_groups(hl)
@@ -79,10 +78,13 @@ def _rank_main(rank: int, world: int, cfg: dict):
     out = {"methods": {}}
     for method in METHODS:
         rs = Resharder(specs, groups, method=method, bucket_bytes=cfg["bucket_mb"] << 20)
-        for slot in rs.buffer.specs:  # replicated tensors must agree across ranks
+        tp_rank = hl.train.coords(groups.rank).tp
+        for slot in rs.buffer.specs:  # DP replicas (and TP ranks, for replicated) must agree
             if slot.own_slot is not None:
+                piece = tp_rank if slot.num_slots > 1 else 0
+                seed = zlib.crc32(f"{slot.name}:{piece}".encode())
                 view = rs.buffer.train_view(slot.name)
-                view.fill_(1.0) if slot.num_slots == 1 else view.normal_()
+                view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(seed)))
         times = []
         for it in range(cfg["repeat"] + 1):
             dist.barrier()
@@ -100,9 +102,12 @@ def _rank_main(rank: int, world: int, cfg: dict):
             "time_s": statistics.median(times[1:]),
         }
         del rs
-    # The practical limit: one all_gather_into_tensor of this rank's training shard bytes.
-    train_bytes = sum(s.nbytes // (hl.train.tp if s.partition_dim is not None else 1)
-                      for s in specs if s.stage == hl.train.coords(groups.rank).pp)
+    # The practical limit: one all_gather_into_tensor of the training shard bytes in the same
+    # micro-DP groups (stages differ slightly in size: every rank sends the largest).
+    t = hl.train
+    stage_bytes = [sum(s.nbytes // (t.tp if s.partition_dim is not None else 1)
+                       for s in specs if s.stage == stage) for stage in range(t.pp)]
+    train_bytes = max(stage_bytes)
     inp = torch.ones(train_bytes, dtype=torch.uint8)
     outbuf = torch.empty(groups.micro_dp.size * train_bytes, dtype=torch.uint8)
     raw = []
