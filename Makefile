@@ -25,6 +25,7 @@ test-py: setup
 	$(PYTHON) -m pytest tests
 
 test-cpp: setup
+	@command -v cmake > /dev/null || $(PIP) install -q cmake==3.31.10
 	cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" > build/cmake.log
 	cmake --build build/cmake -j2 >> build/cmake.log
 	ctest --test-dir build/cmake --output-on-failure
