@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -33,6 +31,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.timing import median_time  # noqa: E402
 from hybridflow_comm.layout import HybridLayout, ParallelLayout  # noqa: E402
 from rlhf.controller import Batch, Controller, Worker, get_protocol, protocol, run  # noqa: E402
 
@@ -68,15 +67,8 @@ for _p in PROTOCOLS:
     setattr(Bench, f"echo_{_key}", _method(f"echo_{_key}", _p, _echo))
 
 
-def _median_ms(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _median_ms(fn, iters: int) -> float:
+    return median_time(fn, iters, warmup=5)[0] * 1e3
 
 
 def _program(out_path: str, iters: int):

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
+from bench.timing import median_time  # noqa: E402
 from engine.generation import GenerationEngine
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict
 from engine.hybrid_engine import HybridEngine
@@ -55,13 +56,6 @@ def make_prompts(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def _median_time(fn, repeat: int) -> tuple[float, object]:
-    out, times = fn(), []  # warm-up
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
@@ -87,8 +81,8 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[:, ids.shape[1]:]
 
-    t_ours, r_ours = _median_time(ours, repeat)
-    t_hf, r_hf = _median_time(theirs, repeat)
+    t_ours, r_ours = median_time(ours, repeat)
+    t_hf, r_hf = median_time(theirs, repeat)
     tokens = batch * new_tokens
     return {"ours_tokens_per_s": tokens / t_ours, "hf_tokens_per_s": tokens / t_hf,
             "ratio": t_hf / t_ours, "greedy_match": bool(torch.equal(r_ours, r_hf)),

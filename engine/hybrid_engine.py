@@ -30,8 +30,9 @@ import torch
 
 from engine.generation import GenerationEngine, GenerationOutput, check_prompts
 from engine.model import ParallelLlama
-from engine.sampling import SamplingParams, _all_gather_flat
+from engine.sampling import SamplingParams
 from engine.train import OptimConfig, TrainEngine
+from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.reshard import Resharder, TransitionStats
 
 
@@ -147,8 +148,4 @@ class HybridEngine:
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every member's ``[b, ...]`` rows in group-rank order."""
-    if group.pg is None:
-        return t
-    out = torch.empty(group.size * t.numel(), dtype=t.dtype)
-    _all_gather_flat(out, t.contiguous().view(-1), group=group.pg)
-    return out.view(group.size * t.shape[0], *t.shape[1:])
+    return all_gather_tensor(t, group).flatten(0, 1)

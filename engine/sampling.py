@@ -26,12 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import Group
-
-# torch renamed all_gather_into_tensor (deprecated) to all_gather_single
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -82,11 +79,9 @@ class SamplingParams:
 
 def _all_gather(t: torch.Tensor, group: Group | None) -> torch.Tensor:
     """``[t_g, *t.shape]``, in group-rank order (= vocabulary order)."""
-    if group is None or group.pg is None:
+    if group is None:
         return t.unsqueeze(0)
-    out = torch.empty(group.size * t.numel(), dtype=t.dtype)
-    _all_gather_flat(out, t.contiguous().view(-1), group=group.pg)
-    return out.view(group.size, *t.shape)
+    return all_gather_tensor(t, group)
 
 
 def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,13 @@ class TorchBackend:
 TORCH = TorchBackend()
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: CommLedger,
-                    label: str, backend: Backend = TORCH) -> None:
-    """``out[k * inp.numel():(k + 1) * inp.numel()] = inp of member k`` (``out`` 1-D)."""
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
+                    ledger: CommLedger | None = None, label: str = "",
+                    backend: Backend = TORCH) -> None:
+    """``out[k * inp.numel():(k + 1) * inp.numel()] = inp of member k`` (``out`` 1-D).
+
+    Bytes are recorded under ``label`` when a ledger is given (the toolkit always gives one).
+    """
     n = group.size
     if out.numel() != n * inp.numel():
         raise ValueError(f"all_gather_into: out has {out.numel()} elements, expected "
@@ -82,7 +86,8 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group, ledger: 
             out.copy_(inp.reshape(-1))
         return
     backend.all_gather_into(out, inp, group)
-    ledger.record(label, (n - 1) * inp.nbytes, (n - 1) * inp.nbytes)
+    if ledger is not None:
+        ledger.record(label, (n - 1) * inp.nbytes, (n - 1) * inp.nbytes)
 
 
 def all_gather_views(outputs: list[torch.Tensor], group: Group, ledger: CommLedger,
@@ -113,9 +118,12 @@ def broadcast_(tensor: torch.Tensor, root: int, group: Group, ledger: CommLedger
         ledger.record(label, 0, tensor.nbytes)
 
 
-def all_gather_tensor(inp: torch.Tensor, group: Group, ledger: CommLedger,
-                      label: str) -> torch.Tensor:
-    """``[n, *inp.shape]`` stack of every member's ``inp``."""
+def all_gather_tensor(inp: torch.Tensor, group: Group, ledger: CommLedger | None = None,
+                      label: str = "") -> torch.Tensor:
+    """``[n, *inp.shape]`` stack of every member's ``inp``, in group-rank order (a view of
+    ``inp`` for a group of one)."""
+    if group.size == 1:
+        return inp.unsqueeze(0)
     out = torch.empty((group.size * inp.numel(),), dtype=inp.dtype)
     all_gather_into(out, inp.contiguous().reshape(-1), group, ledger, label)
     return out.view(group.size, *inp.shape)
