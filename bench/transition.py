@@ -97,7 +97,6 @@ def _rank_main(rank: int, world: int, cfg: dict):
             "comm_bytes_per_rank": max_over_ranks(stats.received_bytes),
             "peak_weight_bytes": max_over_ranks(stats.peak_weight_bytes),
             "redundant_bytes": max_over_ranks(stats.redundant_bytes),
-            "scratch_bytes": max_over_ranks(stats.scratch_bytes),
             "collective_calls": stats.calls,
             "time_s": statistics.median(times[1:]),
         }

@@ -31,7 +31,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("checksum", &hybridflow::checksum, py::arg("tensor"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("plan_buckets", &hybridflow::plan_buckets, py::arg("nbytes"), py::arg("bucket_bytes"));
   py::class_<hybridflow::StridedBucket>(m, "StridedBucket")
       .def_readonly("start", &hybridflow::StridedBucket::start)
       .def_readonly("count", &hybridflow::StridedBucket::count)

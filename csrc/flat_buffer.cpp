@@ -237,9 +237,6 @@ void unpack_from(const at::Tensor& flat, std::vector<at::Tensor>& tensors,
   copy_regions(src, dst, n);
 }
 
-}  // namespace hybridflow
-
-namespace hybridflow {
 
 void copy_bytes(const at::Tensor& src, at::Tensor& dst, const std::vector<int64_t>& src_offsets,
                 const std::vector<int64_t>& dst_offsets, const std::vector<int64_t>& lengths) {
@@ -289,28 +286,6 @@ int64_t checksum(const at::Tensor& tensor) {
   return static_cast<int64_t>(h);
 }
 
-std::vector<std::pair<int64_t, int64_t>> plan_buckets(const std::vector<int64_t>& nbytes,
-                                                      int64_t bucket_bytes) {
-  TORCH_CHECK(bucket_bytes > 0, "bucket_bytes=", bucket_bytes, " must be positive");
-  std::vector<std::pair<int64_t, int64_t>> buckets;
-  int64_t start = 0, filled = 0;
-  for (int64_t i = 0; i < static_cast<int64_t>(nbytes.size()); ++i) {
-    if (i > start && filled + nbytes[i] > bucket_bytes) {
-      buckets.emplace_back(start, i);
-      start = i;
-      filled = 0;
-    }
-    filled += nbytes[i];
-  }
-  if (start < static_cast<int64_t>(nbytes.size())) {
-    buckets.emplace_back(start, static_cast<int64_t>(nbytes.size()));
-  }
-  return buckets;
-}
-
-}  // namespace hybridflow
-
-namespace hybridflow {
 
 std::vector<StridedBucket> plan_strided_buckets(const std::vector<int64_t>& kinds,
                                                 const std::vector<int64_t>& offsets,
@@ -341,9 +316,6 @@ std::vector<StridedBucket> plan_strided_buckets(const std::vector<int64_t>& kind
   return out;
 }
 
-}  // namespace hybridflow
-
-namespace hybridflow {
 namespace {
 
 void swap_leading_dims(const at::Tensor& src, at::Tensor& dst) {

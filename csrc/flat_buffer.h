@@ -42,10 +42,6 @@ void unpack_from(const at::Tensor& flat, std::vector<at::Tensor>& tensors,
 void copy_regions(const std::vector<const uint8_t*>& src, const std::vector<uint8_t*>& dst,
                   const std::vector<int64_t>& nbytes);
 
-}  // namespace hybridflow
-
-namespace hybridflow {
-
 // Copies `lengths[i]` bytes from `src` at `src_offsets[i]` to `dst` at `dst_offsets[i]`
 // (offsets relative to each tensor's first byte; both contiguous CPU tensors), in parallel.
 void copy_bytes(const at::Tensor& src, at::Tensor& dst, const std::vector<int64_t>& src_offsets,
@@ -54,15 +50,6 @@ void copy_bytes(const at::Tensor& src, at::Tensor& dst, const std::vector<int64_
 // Position-dependent 64-bit checksum of a contiguous CPU tensor's bytes (order-sensitive,
 // computed in parallel). Equal bytes give equal sums on every rank and every thread count.
 int64_t checksum(const at::Tensor& tensor);
-
-// Greedy buckets over consecutive items: [start, end) index ranges whose byte sizes add up to
-// at most `bucket_bytes` (an item larger than that gets a bucket of its own).
-std::vector<std::pair<int64_t, int64_t>> plan_buckets(const std::vector<int64_t>& nbytes,
-                                                      int64_t bucket_bytes);
-
-}  // namespace hybridflow
-
-namespace hybridflow {
 
 // One coalesced collective over `count` equally spaced regions: items [start, start + count),
 // region i at `first_offset + i * stride` bytes.
@@ -79,10 +66,6 @@ std::vector<StridedBucket> plan_strided_buckets(const std::vector<int64_t>& kind
                                                 const std::vector<int64_t>& offsets,
                                                 const std::vector<int64_t>& nbytes,
                                                 int64_t bucket_bytes);
-
-}  // namespace hybridflow
-
-namespace hybridflow {
 
 // Stacked generation form -> logical form for a non-leading partition dim.
 // `stacked` is [m, A, L] (m training shards, A = product of the dims before the partition

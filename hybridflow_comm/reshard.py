@@ -62,9 +62,8 @@ class TransitionStats:
         sent_bytes / received_bytes: payload bytes through the instrumented path.
         calls: collective calls issued.
         peak_weight_bytes: weight bytes held at once at the peak (generation regions plus any
-            gathered model copy; bounded staging is counted in ``scratch_bytes``).
+            gathered model copy).
         redundant_bytes: ``peak_weight_bytes`` minus this rank's generation shard.
-        scratch_bytes: bounded staging used for packing buckets.
         time_s: wall time of the transition on this rank.
     """
 
@@ -75,7 +74,6 @@ class TransitionStats:
     calls: int
     peak_weight_bytes: int
     redundant_bytes: int
-    scratch_bytes: int
     time_s: float
 
 
@@ -126,6 +124,9 @@ class Resharder:
         self.mode = "training"
         self.last_stats: TransitionStats | None = None
         self._spec_by_name = {s.name: s for s in self.specs}
+        # The transfer plans depend only on specs and layout: made once, replayed per transition.
+        self._tp_plan = self._plan_micro_tp()
+        self._pp_plan = self._plan_micro_pp()
         self._exchange_specs()
 
     # Spec agreement --------------------------------------------------------------------------
@@ -155,14 +156,13 @@ class Resharder:
         sent0, recv0, calls0 = self.ledger.snapshot(LABEL)
         t0 = time.perf_counter()
         if self.method == "hybridflow":
-            scratch = self._micro_tp_gather()
+            self._micro_tp_gather()
             self._micro_pp_broadcast()
             peak = self.buffer.gen_nbytes
         else:
             from hybridflow_comm.reshard_baselines import gather_full_then_slice
 
-            peak_copy = gather_full_then_slice(self, self.method)
-            peak, scratch = self.buffer.gen_nbytes + peak_copy, 0
+            peak = self.buffer.gen_nbytes + gather_full_then_slice(self, self.method)
         elapsed = time.perf_counter() - t0
         self.version += 1
         self.mode = "generation"
@@ -170,8 +170,7 @@ class Resharder:
         self.last_stats = TransitionStats(
             method=self.method, version=self.version, sent_bytes=sent1 - sent0,
             received_bytes=recv1 - recv0, calls=calls1 - calls0, peak_weight_bytes=peak,
-            redundant_bytes=peak - self.buffer.gen_nbytes, scratch_bytes=scratch,
-            time_s=elapsed)
+            redundant_bytes=peak - self.buffer.gen_nbytes, time_s=elapsed)
         if self.verify_every:
             self.verify()
         return self.last_stats
@@ -183,46 +182,57 @@ class Resharder:
         self.mode = "training"
         return self.buffer.release_generation_slots() if release else 0
 
-    def _micro_tp_gather(self) -> int:
-        """Phase 1; returns the staging bytes used (none: gloo packs strided views itself)."""
-        group = self.groups.micro_tp
-        m = group.size
-        if m == 1:
-            return 0
+    def _plan_micro_tp(self) -> list[tuple[torch.dtype, int, int, int, int]]:
+        """Phase 1 buckets as ``(dtype, first element, count, slot numel, stride)``: slot ``k``
+        of a bucket's ``count`` equally spaced regions is one strided view (C++ planner)."""
+        if self.groups.micro_tp.size == 1:
+            return []
         own = [s for s in self.buffer.specs if s.own_slot is not None and s.num_slots > 1]
-        kinds = {}
+        kinds: dict[tuple, int] = {}
         plan = _C.plan_strided_buckets(
             [kinds.setdefault((str(s.dtype), s.slot_shape), len(kinds)) for s in own],
             [self.buffer.byte_offset(s.name) for s in own], [s.slot_nbytes for s in own],
             self.bucket_bytes)
+        out = []
         for b in plan:
             first = own[b.start]
-            storage = self.buffer.storage(first.dtype)
-            item = storage.element_size()
-            base = self.buffer.byte_offset(first.name) // item
-            # Slot k of the bucket's b.count regions: [count, slot_numel] with stride b.stride.
-            views = [storage.as_strided((b.count, first.slot_numel), (b.stride // item, 1),
-                                        base + k * first.slot_numel) for k in range(m)]
-            comm.all_gather_views(views, group, self.ledger, LABEL, self.backend)
-        return 0
+            item = self.buffer.storage(first.dtype).element_size()
+            out.append((first.dtype, self.buffer.byte_offset(first.name) // item, b.count,
+                        first.slot_numel, b.stride // item))
+        return out
 
-    def _micro_pp_broadcast(self) -> None:
-        """Phase 2: each training stage's finished regions, broadcast in place."""
-        group = self.groups.micro_pp
-        if group.size == 1:
-            return
+    def _micro_tp_gather(self) -> None:
+        """Phase 1: one all-gather of strided views per bucket; no staging of ours."""
+        group = self.groups.micro_tp
+        for dtype, base, count, numel, stride in self._tp_plan:
+            storage = self.buffer.storage(dtype)
+            views = [storage.as_strided((count, numel), (stride, 1), base + k * numel)
+                     for k in range(group.size)]  # [count, slot] each
+            comm.all_gather_views(views, group, self.ledger, LABEL, self.backend)
+
+    def _plan_micro_pp(self) -> list[tuple[torch.dtype, int, int, int]]:
+        """Phase 2 chunks as ``(dtype, root, lo, hi)`` byte ranges: each training stage's
+        regions, merged where they touch (no padding sent), cut at ``bucket_bytes``."""
+        if self.groups.micro_pp.size == 1:
+            return []
         micro_pp = self.layout.micro_pp
+        out = []
         for dtype in self.buffer.dtypes:
-            raw = self.buffer.byte_storage(dtype)
-            for root in range(group.size):
+            for root in range(micro_pp):
                 runs = _contiguous_runs(
                     [(self.buffer.byte_offset(s.name), s.num_slots * s.slot_nbytes)
                      for s in self.buffer.specs
                      if s.dtype == dtype and self._spec_by_name[s.name].stage % micro_pp == root])
-                for lo, hi in runs:
-                    for start in range(lo, hi, self.bucket_bytes):
-                        chunk = raw[start:min(hi, start + self.bucket_bytes)]
-                        comm.broadcast_(chunk, root, group, self.ledger, LABEL, self.backend)
+                out += [(dtype, root, start, min(hi, start + self.bucket_bytes))
+                        for lo, hi in runs for start in range(lo, hi, self.bucket_bytes)]
+        return out
+
+    def _micro_pp_broadcast(self) -> None:
+        """Phase 2: each training stage's finished regions, broadcast in place."""
+        group = self.groups.micro_pp
+        for dtype, root, lo, hi in self._pp_plan:
+            chunk = self.buffer.byte_storage(dtype)[lo:hi]
+            comm.broadcast_(chunk, root, group, self.ledger, LABEL, self.backend)
 
     # Checks -----------------------------------------------------------------------------------
     def verify(self) -> None:
