@@ -37,7 +37,7 @@ HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 1024, 16, 8, 2816, 8192
 def llama_like_specs(size_mb: float, pp: int, dtype=torch.bfloat16) -> list[ShardSpec]:
     """A Llama-shaped parameter set of about ``size_mb`` MiB whose layers split over ``pp``."""
     hd = HIDDEN // HEADS
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     layer_numel = ((HEADS + 2 * KV_HEADS) * hd * HIDDEN + HIDDEN * HIDDEN + 3 * FFN * HIDDEN
                    + 2 * HIDDEN)
     edge_numel = 2 * VOCAB * HIDDEN + HIDDEN

@@ -76,7 +76,7 @@ class SlotSpec:
 
     @property
     def slot_nbytes(self) -> int:
-        return self.slot_numel * _itemsize(self.dtype)
+        return self.slot_numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class FlatParamBuffer:
         r = self._region(name)
         if not 0 <= slot < r.spec.num_slots:
             raise ValueError(f"{name}: slot={slot} is outside [0, {r.spec.num_slots})")
-        start = r.byte_offset // _itemsize(r.spec.dtype) + slot * r.spec.slot_numel
+        start = r.byte_offset // r.spec.dtype.itemsize + slot * r.spec.slot_numel
         flat = self._typed[r.spec.dtype][start:start + r.spec.slot_numel]
         return flat.view(r.spec.slot_shape)
 
@@ -150,7 +150,7 @@ class FlatParamBuffer:
     def gen_view(self, name: str) -> torch.Tensor:
         """The whole region of ``name``: shape ``[num_slots, *slot_shape]``."""
         r = self._region(name)
-        start = r.byte_offset // _itemsize(r.spec.dtype)
+        start = r.byte_offset // r.spec.dtype.itemsize
         n = r.spec.num_slots * r.spec.slot_numel
         return self._typed[r.spec.dtype][start:start + n].view(r.spec.num_slots,
                                                                *r.spec.slot_shape)
@@ -222,7 +222,3 @@ class FlatParamBuffer:
         if self.device.type != "cpu":
             return self.nbytes
         return sum(_C.resident_bytes(raw, 0, raw.numel()) for raw in self._bytes.values())
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -19,6 +19,7 @@ longest one, so the counts match the paper's formulas exactly when stages are ba
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,18 +36,10 @@ def _stream_offsets(resharder: Resharder) -> tuple[dict[int, dict[str, tuple[int
     offsets: dict[int, dict[str, tuple[int, int]]] = {s: {} for s in range(t.pp)}
     cursor = dict.fromkeys(range(t.pp), 0)
     for spec in resharder.specs:
-        item = torch.empty((), dtype=spec.dtype).element_size()
-        n = item * _numel(spec.shard_shape(t.tp))
+        n = math.prod(spec.shard_shape(t.tp)) * spec.dtype.itemsize
         offsets[spec.stage][spec.name] = (cursor[spec.stage], n)
         cursor[spec.stage] += n
     return offsets, max(cursor.values())
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def gather_full_then_slice(resharder: Resharder, method: str) -> int:

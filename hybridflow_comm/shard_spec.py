@@ -142,7 +142,7 @@ class ShardSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def check_layout(self, train: ParallelLayout) -> None:
         """Raise ValueError unless ``train`` can shard this parameter."""
