@@ -64,10 +64,6 @@ class HybridGroups:
     train_mp: Group  # the whole training replica (pp x tp ranks of this dp rank)
     world: Group  # every rank of the layout (the pool)
 
-    @property
-    def global_rank(self) -> int:
-        return self.pool[self.rank]
-
 
 def _family_groups(layout: HybridLayout, family: str) -> list[list[int]]:
     return {

@@ -41,6 +41,7 @@ Run ``python -m hybridflow_comm.layout --train PP,TP,DP --gen PP_G,TP_G`` to pri
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -206,22 +207,16 @@ class HybridLayout:
         return self.train.rank(pp=pp_g * self.micro_pp + micro_pp_rank,
                                tp=tp_g * self.micro_tp + micro_tp_rank, dp=dp)
 
-    def slot_piece(self, rank: int, slot: int) -> tuple[int, int]:
-        """Training piece ``(pp_rank, tp_rank)`` stored in ``slot`` of ``rank``'s generation shard."""
-        g = self.gen_coords(rank)
-        return self.train.coords(self.gen_rank(pp_g=g.pp_g, tp_g=g.tp_g, micro_dp=slot,
-                                               dp=g.dp))[:2]
-
     # Groups ---------------------------------------------------------------------------------
     def _gen_groups(self, vary: str) -> Groups:
         sizes = {"pp_g": self.pp_g, "tp_g": self.tp_g, "micro_dp": self.micro_dp_size,
                  "dp": self.train.dp}
-        fixed = [k for k in sizes if k not in vary.split("+")]
         varied = vary.split("+")
+        fixed = [k for k in sizes if k not in varied]
         groups = []
-        for fixed_idx in _product([sizes[k] for k in fixed]):
+        for fixed_idx in itertools.product(*(range(sizes[k]) for k in fixed)):
             group = []
-            for var_idx in _product([sizes[k] for k in varied]):
+            for var_idx in itertools.product(*(range(sizes[k]) for k in varied)):
                 kw = dict(zip(fixed, fixed_idx)) | dict(zip(varied, var_idx))
                 group.append(self.gen_rank(**kw))
             groups.append(sorted(group))
@@ -279,12 +274,6 @@ class HybridLayout:
             "micro_dp_groups": self.micro_dp_groups(),
         }
 
-
-def _product(sizes: list[int]) -> list[tuple[int, ...]]:
-    out: list[tuple[int, ...]] = [()]
-    for n in sizes:
-        out = [prefix + (i,) for prefix in out for i in range(n)]
-    return out
 
 
 def _sorted(groups: Groups) -> Groups:
