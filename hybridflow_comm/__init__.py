@@ -2,11 +2,22 @@
 
 The low-level toolkit of HybridFlow. Pure layout maths lives in :mod:`.layout`; the C++ core
 (``hybridflow_comm._C``) owns page-aligned flat storages and multi-threaded pack/unpack.
+
+The names below are imported on first use, so that ``python -m hybridflow_comm.layout`` does
+not find its own module already imported by the package.
 """
 
-from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec
-from hybridflow_comm.groups import Group, HybridGroups, build_hybrid_groups
-from hybridflow_comm.layout import HybridLayout, ParallelLayout
+import importlib
 
-__all__ = ["FlatParamBuffer", "SlotSpec", "Group", "HybridGroups", "build_hybrid_groups",
-           "HybridLayout", "ParallelLayout"]
+_EXPORTS = {
+    "FlatParamBuffer": "flat_buffer", "SlotSpec": "flat_buffer",
+    "Group": "groups", "HybridGroups": "groups", "build_hybrid_groups": "groups",
+    "HybridLayout": "layout", "ParallelLayout": "layout",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hybridflow_comm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hybridflow_comm.{_EXPORTS[name]}"), name)

@@ -18,11 +18,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hybridflow_comm.layout import HybridLayout
+from hybridflow_comm.layout import FAMILIES, HybridLayout
 
-# Fixed creation order: changing it changes which ProcessGroup every rank gets.
-FAMILIES = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp",
-            "micro_tp", "micro_pp", "train_mp", "world")
+# FAMILIES fixes the creation order: changing it changes which ProcessGroup every rank gets.
 
 
 @dataclass(frozen=True)
@@ -65,21 +63,6 @@ class HybridGroups:
     world: Group  # every rank of the layout (the pool)
 
 
-def _family_groups(layout: HybridLayout, family: str) -> list[list[int]]:
-    return {
-        "train_tp": layout.train.tp_groups,
-        "train_pp": layout.train.pp_groups,
-        "train_dp": layout.train.dp_groups,
-        "gen_tp": layout.gen_tp_groups,
-        "gen_pp": layout.gen_pp_groups,
-        "gen_dp": layout.gen_dp_groups,
-        "micro_dp": layout.micro_dp_groups,
-        "micro_tp": layout.micro_tp_groups,
-        "micro_pp": layout.micro_pp_groups,
-        "train_mp": layout.model_parallel_groups,
-        "world": lambda: [list(range(layout.world_size))],
-    }[family]()
-
 
 def check_pool(layout: HybridLayout, pool: list[int] | tuple[int, ...] | None,
                world_size: int) -> tuple[int, ...]:
@@ -121,7 +104,7 @@ def build_hybrid_groups(layout: HybridLayout, pool: list[int] | None = None,
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     mine: dict[str, Group] = {}
     for family in FAMILIES:
-        for group in _family_groups(layout, family):
+        for group in layout.family_groups(family):
             ranks = tuple(pool[r] for r in sorted(group))
             pg = dist.new_group(list(ranks), **kwargs) if len(ranks) > 1 else None
             if my_global in ranks:

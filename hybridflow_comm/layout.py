@@ -49,6 +49,10 @@ from typing import NamedTuple
 
 Groups = list[list[int]]
 
+# Every group family, in the fixed order in which process groups are created.
+FAMILIES = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp",
+            "micro_tp", "micro_pp", "train_mp", "world")
+
 
 def _check_sizes(**sizes: int) -> None:
     for name, value in sizes.items():
@@ -259,20 +263,26 @@ class HybridLayout:
         """Ranks that hold the same generation shard (one per generation replica)."""
         return self._gen_groups("micro_dp+dp")
 
-    def describe(self) -> dict:
-        """Every group family as plain lists (what the CLI prints)."""
+    def family_groups(self, family: str) -> Groups:
+        """The groups of one family by name (see :data:`FAMILIES`), sorted by first rank."""
         t = self.train
-        return {
-            "world_size": self.world_size,
-            "micro_dp_size": self.micro_dp_size,
-            "train_tp_groups": _sorted(t.tp_groups()),
-            "train_pp_groups": t.pp_groups(),
-            "train_dp_groups": t.dp_groups(),
-            "gen_tp_groups": self.gen_tp_groups(),
-            "gen_pp_groups": self.gen_pp_groups(),
-            "gen_dp_groups": self.gen_dp_groups(),
-            "micro_dp_groups": self.micro_dp_groups(),
+        table = {
+            "train_tp": t.tp_groups, "train_pp": t.pp_groups, "train_dp": t.dp_groups,
+            "gen_tp": self.gen_tp_groups, "gen_pp": self.gen_pp_groups,
+            "gen_dp": self.gen_dp_groups, "micro_dp": self.micro_dp_groups,
+            "micro_tp": self.micro_tp_groups, "micro_pp": self.micro_pp_groups,
+            "train_mp": self.model_parallel_groups,
+            "world": lambda: [list(range(self.world_size))],
         }
+        if family not in table:
+            raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+        return _sorted(table[family]())
+
+    def describe(self) -> dict:
+        """The training and generation group families as plain lists (what the CLI prints)."""
+        families = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp")
+        return {"world_size": self.world_size, "micro_dp_size": self.micro_dp_size,
+                **{f"{f}_groups": self.family_groups(f) for f in families}}
 
 
 

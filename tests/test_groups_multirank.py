@@ -44,9 +44,7 @@ def test_groups_match_layout_maths(pool4):
     for rank, report in enumerate(results):
         for train, gen, family, ranks, grank, members in report:
             hl = _layout(train, gen)
-            family_groups = {"micro_tp": hl.micro_tp_groups(), "micro_pp": hl.micro_pp_groups(),
-                             "train_mp": hl.model_parallel_groups(), "world": [list(range(hl.world_size))]}.get(family) or hl.describe()[f"{family}_groups"]
-            expected = [g for g in family_groups if rank in g]
+            expected = [g for g in hl.family_groups(family) if rank in g]
             assert ranks == expected[0], (train, gen, family)
             assert members == ranks  # collective order == layout order
             assert ranks[grank] == rank
