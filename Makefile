@@ -8,7 +8,7 @@ TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_
 
 .PHONY: setup run test test-py test-cpp bench clean
 
-$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu)
+$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-build-isolation -e .
 	@mkdir -p build && touch $(STAMP)
@@ -34,4 +34,4 @@ bench: setup
 	$(PYTHON) -m pytest bench -q --benchmark-columns=median,ops
 
 clean:
-	rm -rf build *.egg-info hybridflow_comm/_C*.so
+	rm -rf build *.egg-info hybridflow_comm/_C*.so engine/_decode*.so

@@ -1,4 +1,4 @@
-"""Builds the packages and the C++ extension ``hybridflow_comm._C``.
+"""Builds the packages and the C++ extensions ``hybridflow_comm._C`` and ``engine._decode``.
 
 CUDA sources (``csrc/cuda/*.cu``) are compiled only when the installed torch was built with
 CUDA and a CUDA toolkit is present; on CPU machines the extension is C++ only.
@@ -35,13 +35,23 @@ def _extension():
                                       extra_compile_args=cxx_flags)
 
 
+def _decode_extension():
+    # -ffp-contract=off: no FMA contraction, so every SIMD clone rounds alike and RoPE rounds
+    # like ATen's separate multiplies and add.  -fopenmp: at::parallel_for is a header template
+    # that runs serially unless the extension itself is compiled with OpenMP.
+    return cpp_extension.CppExtension(
+        "engine._decode", sorted(glob.glob(os.path.join("csrc", "engine", "*.cpp"))),
+        extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"],
+        extra_link_args=["-fopenmp"])
+
+
 setup(
     name="hybridflow",
     version="0.1.0",
     description="HybridFlow: resharding toolkit, HybridEngine and RLHF runtime",
     packages=find_packages(include=["hybridflow_comm*", "engine*", "rlhf*"]),
     package_data={"rlhf": ["recipes/*.yaml", "planner/profiles/*.json"]},
-    ext_modules=[_extension()],
+    ext_modules=[_extension(), _decode_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
 )

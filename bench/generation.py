@@ -6,7 +6,10 @@
 Single process: a tiny Llama (4 layers, hidden 256, a 128-symbol character vocabulary) built
 from a config and seeded weights (nothing downloaded); both engines generate greedily for the
 same left-padded prompts on the same weights (HF gets a copy loaded from our state dict); time
-is the median over ``repeat`` runs after one warm-up, at the same thread count.
+is the median over ``repeat`` rounds after one warm-up, at the same thread count; each round
+runs every contender once, in turn (:func:`bench.timing.interleaved_median_times`).  A third
+contender is our engine with the C++ decode kernels switched off (every step through the Python
+layers), to show what the kernels bring.
 ``greedy_match``: both produced identical tokens.
 
 Multi-rank (``--nproc`` gloo ranks, training layout 1,NPROC,1): for each generation layout
@@ -31,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
-from bench.timing import median_time  # noqa: E402
+from bench.timing import interleaved_median_times  # noqa: E402
 from engine.generation import GenerationEngine
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict
 from engine.hybrid_engine import HybridEngine
@@ -67,6 +70,8 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
     load_full_state_dict(model, full)
     eng = GenerationEngine(CFG, groups)
     eng.set_weights(model.params)
+    eng_python = GenerationEngine(CFG, groups, fused_decode=False)  # every step in Python
+    eng_python.set_weights(model.params)
     hf = transformers.LlamaForCausalLM(config_to_hf(CFG)).eval()
     hf.load_state_dict(full_to_hf_state_dict(full, llama_shard_specs(CFG, 1)), strict=False)
     ids, mask = make_prompts(batch)
@@ -75,18 +80,22 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
     def ours():
         return eng.generate(ids, mask, sp).responses
 
+    def ours_python():
+        return eng_python.generate(ids, mask, sp).responses
+
     @torch.no_grad()
     def theirs():
         return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[:, ids.shape[1]:]
 
-    t_ours, r_ours = median_time(ours, repeat)
-    t_hf, r_hf = median_time(theirs, repeat)
+    t, r = interleaved_median_times({"ours": ours, "hf": theirs, "python": ours_python}, repeat)
     tokens = batch * new_tokens
-    return {"ours_tokens_per_s": tokens / t_ours, "hf_tokens_per_s": tokens / t_hf,
-            "ratio": t_hf / t_ours, "greedy_match": bool(torch.equal(r_ours, r_hf)),
-            "threads": torch.get_num_threads(), "reference": r_ours}
+    return {"ours_tokens_per_s": tokens / t["ours"], "hf_tokens_per_s": tokens / t["hf"],
+            "ratio": t["hf"] / t["ours"], "greedy_match": bool(torch.equal(r["ours"], r["hf"])),
+            "python_layers_tokens_per_s": tokens / t["python"],
+            "python_layers_greedy_match": bool(torch.equal(r["python"], r["hf"])),
+            "threads": torch.get_num_threads(), "reference": r["ours"]}
 
 
 
@@ -149,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"single process ({single['threads']} threads), batch {a.batch} x {a.new_tokens} "
           f"new tokens, greedy: ours {single['ours_tokens_per_s']:.0f} tok/s, transformers "
           f"{single['hf_tokens_per_s']:.0f} tok/s, ratio {single['ratio']:.2f}, "
-          f"greedy_match={single['greedy_match']}")
+          f"greedy_match={single['greedy_match']}; ours with every step in the Python layers "
+          f"{single['python_layers_tokens_per_s']:.0f} tok/s "
+          f"(greedy_match={single['python_layers_greedy_match']})")
     if not a.no_multirank:
         result["multirank"] = multi_rank(a.nproc, a.batch, a.new_tokens, a.repeat, reference)
         for name, r in result["multirank"]["gen"].items():

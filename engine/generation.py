@@ -40,6 +40,11 @@ from engine.sampling import SamplingParams, sample_next
 from engine.tp_ops import column_linear, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
 
+try:  # C++ decode kernels (setup.py builds them; absent in a source tree never built)
+    from engine import _decode
+except ImportError:  # pragma: no cover - the Python layers are used instead
+    _decode = None
+
 
 @dataclass
 class GenerationOutput:
@@ -108,9 +113,14 @@ class GenerationEngine:
         config: architecture.
         groups: this rank's groups (``groups.layout`` gives ``pp_g``, ``tp_g`` and the
             training ``pp`` that names the head weight).
+        fused_decode: run the one-token decode steps through the C++ layer kernels
+            (``engine._decode``: two calls per layer instead of ~30 tensor ops); default: when
+            the extension is built and the model is float32.  Prefill always uses the Python
+            layers.
     """
 
-    def __init__(self, config: LlamaConfig, groups: HybridGroups) -> None:
+    def __init__(self, config: LlamaConfig, groups: HybridGroups,
+                 fused_decode: bool | None = None) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -125,6 +135,12 @@ class GenerationEngine:
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
+        available = _decode is not None and config.dtype == torch.float32
+        if fused_decode and not available:
+            raise ValueError(f"fused_decode=True needs the engine._decode extension and float32 "
+                             f"(dtype={config.dtype}, extension "
+                             f"{'present' if _decode is not None else 'missing'})")
+        self.fused_decode = available if fused_decode is None else fused_decode
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
@@ -155,6 +171,28 @@ class GenerationEngine:
 
     def _layer(self, i: int) -> dict[str, torch.Tensor]:
         return {k: self.weights[f"layers.{i}.{k}"] for k in LAYER_KEYS}
+
+    def _decode_layers(self, x: torch.Tensor, cache: KVCache,
+                       rope: tuple[torch.Tensor, torch.Tensor], attn: torch.Tensor
+                       ) -> torch.Tensor:
+        """The stage's layers for one new token per row, ``x [B, H]``, by the C++ kernels.
+
+        Two calls per layer (attention half, MLP half), each returning the row-parallel
+        partial that is summed over the TP group here; the result equals
+        :func:`engine.layers.decoder_layer` up to the rounding of the attention sums.
+        """
+        c, pos = self.config, cache.length
+        cos, sin = rope[0][:, 0], rope[1][:, 0]  # [B, D]
+        key_mask = attn[:, 0, 0]  # [B, >= pos + 1]
+        for j, i in enumerate(self.layer_ids):
+            w = self._layer(i)
+            x = x + _tp_sum_(_decode.decode_attention(
+                x, w["input_norm"], c.rms_norm_eps, w["qkv"], w["o_proj"], cos, sin,
+                cache.k[j], cache.v[j], pos, key_mask, c.q_per_group), self.tp_group)
+            x = x + _tp_sum_(_decode.decode_mlp(
+                x, w["post_norm"], c.rms_norm_eps, w["gate_up"], w["down_proj"]),
+                self.tp_group)
+        return x
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
@@ -251,9 +289,12 @@ class GenerationEngine:
         else:
             x = torch.empty(batch, seq, c.hidden_size, dtype=c.dtype)
             dist.recv(x, src=pp.ranks[self.stage - 1], group=pp.pg)
-        for j, i in enumerate(self.layer_ids):
-            x = decoder_layer(x, self._layer(i), rope, attn, c.q_per_group, c.head_dim,
-                              c.rms_norm_eps, self.tp_group, kv_hook=cache.hook(j))
+        if seq == 1 and self.fused_decode:
+            x = self._decode_layers(x[:, 0], cache, rope, attn).unsqueeze(1)
+        else:
+            for j, i in enumerate(self.layer_ids):
+                x = decoder_layer(x, self._layer(i), rope, attn, c.q_per_group, c.head_dim,
+                                  c.rms_norm_eps, self.tp_group, kv_hook=cache.hook(j))
         cache.advance(seq)
         packed = torch.empty(2, batch, dtype=torch.float64)
         if not self.is_last:
@@ -266,6 +307,13 @@ class GenerationEngine:
         if self.num_stages > 1:
             dist.broadcast(packed, src=pp.ranks[-1], group=pp.pg)
         return packed[0].long(), packed[1].float()
+
+
+def _tp_sum_(partial: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce a row-parallel partial over the generation TP group, in place."""
+    if group is not None and group.pg is not None:
+        dist.all_reduce(partial, group=group.pg)
+    return partial
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

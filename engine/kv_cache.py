@@ -2,13 +2,18 @@
 
 One tensor per K and V for all of a stage's layers, allocated once (no growth, no copy)::
 
-    k, v   [layers, B, h_kv, max_len, D]        h_kv = G / t_g (this rank's KV heads)
-                              ^ positions 0 .. length-1 are filled
+    k   [layers, B, h_kv, D, max_len]        keys transposed: a head's keys are D rows of
+                                               max_len positions
+    v   [layers, B, h_kv, max_len, D]        h_kv = G / t_g (this rank's KV heads)
+                              positions 0 .. length-1 are filled
 
-A layer's hook writes the step's new keys/values at ``[length, length + S)`` and hands
-attention a view of ``[0, length + S)``, transposed to the ``[B, S_kv, h_kv, D]`` form that
-:func:`engine.layers.attention` expects (it transposes back, so the kernel reads the cache
-in place).  :meth:`advance` moves ``length`` once every layer of the step has run.
+Keys are stored transposed so the decode kernel (``engine._decode``) computes a query's scores
+against all cached keys as D contiguous multiply-adds over positions (vectorised, no
+horizontal sums).  A layer's hook (the Python layers: prefill, or every step without the
+kernels) writes the step's new keys/values at ``[length, length + S)`` and hands attention
+views of ``[0, length + S)`` in the ``[B, S_kv, h_kv, D]`` form that
+:func:`engine.layers.attention` expects (strided views, no copy).  :meth:`advance` moves
+``length`` once every layer of the step has run.
 """
 
 from __future__ import annotations
@@ -39,9 +44,8 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype) -> None:
-        shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = torch.empty(num_layers, batch, kv_heads, head_dim, max_len, dtype=dtype)
+        self.v = torch.empty(num_layers, batch, kv_heads, max_len, head_dim, dtype=dtype)
         self.max_len = max_len
         self.length = 0
 
@@ -53,13 +57,14 @@ class KVCache:
         """The ``kv_hook`` of local layer ``layer`` for the current step."""
 
         def append(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # k, v [B, S, h_kv, D] -> cached [B, h_kv, 0:end, D], returned as [B, end, h_kv, D]
+            # k, v [B, S, h_kv, D] -> cached k [B, h_kv, D, 0:end], v [B, h_kv, 0:end, D];
+            # both returned as [B, end, h_kv, D] views
             end = self.length + k.shape[1]
             if end > self.max_len:
                 raise RuntimeError(f"KV cache overflow: {end} > max_len={self.max_len}")
-            self.k[layer, :, :, self.length:end] = k.transpose(1, 2)
+            self.k[layer, ..., self.length:end] = k.permute(0, 2, 3, 1)
             self.v[layer, :, :, self.length:end] = v.transpose(1, 2)
-            return (self.k[layer, :, :, :end].transpose(1, 2),
+            return (self.k[layer, ..., :end].permute(0, 3, 1, 2),
                     self.v[layer, :, :, :end].transpose(1, 2))
 
         return append

@@ -1,0 +1,247 @@
+// One Llama decoder layer for a single new token per sequence (the decode step of generation),
+// CPU float32: the two halves of the layer as two calls, so Python makes two calls per layer
+// instead of about thirty tensor operations.
+//
+//   x [B, H] --rms_norm--> mm(qkv) --RoPE(q, k); k, v -> cache[pos]--> attention --> mm(o)
+//                                                                          = attention partial
+//   x [B, H] --rms_norm--> mm(gate_up) --silu(gate) * up--> mm(down)        = MLP partial
+//
+// Each returns this rank's partial [B, H]; the caller all-reduces it over the generation TP
+// group and adds the residual.  Matrix products, the norm, silu and softmax use the same ATen
+// kernels as the Python layers (engine/layers.py), so those parts round identically; RoPE is
+// written element by element in the same order (x*cos + rot*sin, compiled without FMA
+// contraction, so it rounds like the separate ATen multiplies and add).  Only the attention
+// sums (one query against the cached keys, the weighted sum of values) are our own loops:
+// their summation order differs from scaled_dot_product_attention by float rounding.
+//
+// Shapes (h_kv = this rank's KV heads, Q/G = queries per group, D = head dim):
+//   qkv weight   [h_kv*(Q/G+2)*D, H]      per group: Q/G query rows, a key row, a value row
+//   o weight     [H, h_q*D] or stacked [m, H, h_q*D/m]
+//   gate_up      [2*F/t, H]               gate/up rows interleaved
+//   down weight  [H, F/t]   or stacked [m, H, F/t/m]
+//   k cache      [B, h_kv, D, L]          one layer's keys, transposed; column pos is written
+//   v cache      [B, h_kv, L, D]          one layer's values; row pos is written
+//   key_mask     [B, >= pos+1] bool       which cached positions are real tokens
+//   cos, sin     [B, D]                   RoPE tables of the new token's position
+#include "decode_layer.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <cmath>
+#include <limits>
+
+namespace hybridflow {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 512;
+
+// scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed
+// (k_t [D, L]): a row of scores is a sum over d of q[d] * k_t[d, :], so the inner loop runs
+// over contiguous keys and vectorises with no horizontal sums; the order of the additions
+// (d = 0, 1, ...) does not depend on the instruction set the clone runs on.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attention_scores(const float* q, const float* k_t, const bool* key_ok, int64_t num_q,
+                      int64_t num_keys, int64_t head_dim, int64_t max_len, float scale,
+                      float* scores) {
+  for (int64_t j = 0; j < num_q; ++j) {
+    float* s = scores + j * num_keys;
+    const float* qj = q + j * head_dim;
+    for (int64_t l = 0; l < num_keys; ++l) s[l] = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float qd = qj[d];
+      const float* kd = k_t + d * max_len;
+      for (int64_t l = 0; l < num_keys; ++l) s[l] += qd * kd[l];
+    }
+    for (int64_t l = 0; l < num_keys; ++l)
+      s[l] = key_ok[l] ? s[l] * scale : -std::numeric_limits<float>::infinity();
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void weighted_values(const float* probs, const float* v, int64_t num_q, int64_t num_keys,
+                     int64_t head_dim, int64_t kv_stride, float* out, int64_t out_stride) {
+  // out[j, :] = sum_l probs[j, l] * v[l, :]
+  for (int64_t j = 0; j < num_q; ++j) {
+    float* o = out + j * out_stride;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
+    const float* p = probs + j * num_keys;
+    for (int64_t l = 0; l < num_keys; ++l) {
+      const float pl = p[l];
+      if (pl == 0.f) continue;  // masked keys (exp(-inf))
+      const float* vl = v + l * kv_stride;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += pl * vl[d];
+    }
+  }
+}
+
+void rope_row(const float* x, const float* cos, const float* sin, int64_t head_dim, float* out) {
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float rot = d < half ? -x[d + half] : x[d - half];
+    const float a = x[d] * cos[d];
+    const float b = rot * sin[d];
+    out[d] = a + b;
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  // as engine.layers.rms_norm for float32: weight * (x * rsqrt(mean(x^2) + eps))
+  return weight * (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps));
+}
+
+// out = x @ w.T for w [out, in], or the stacked row-parallel form [m, out, in/m] read in place.
+void row_matmul_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
+  if (w.dim() == 2) {
+    at::mm_out(out, x, w.t());
+    return;
+  }
+  TORCH_CHECK(w.dim() == 3 && x.size(1) == w.size(0) * w.size(2), "decode: stacked weight ",
+              w.sizes(), " does not match input ", x.sizes());
+  const int64_t m = w.size(0), k = w.size(2);
+  at::mm_out(out, x.narrow(1, 0, k), w[0].t());
+  for (int64_t i = 1; i < m; ++i) out.addmm_(x.narrow(1, i * k, k), w[i].t());
+}
+
+// Runs fn(first_row, rows) on disjoint row blocks, one per intra-op thread.  Inside the
+// parallel region ATen and BLAS calls run single-threaded, so each thread takes its rows
+// through the whole half-layer without a fork/join per operation; with one thread this is a
+// plain call on all rows.
+template <typename Fn>
+void for_row_blocks(int64_t batch, const Fn& fn) {
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch));
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const c10::AutoGradMode no_grad(false);  // grad mode is per thread; inference kernels
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b0 = i * batch / blocks, b1 = (i + 1) * batch / blocks;
+      if (b1 > b0) fn(b0, b1 - b0);
+    }
+  });
+}
+
+// One block of rows of the attention half (views narrowed to those rows).
+struct AttentionRows {
+  at::Tensor x, cos, sin, k_cache, v_cache, key_mask;
+};
+
+// rms_norm -> qkv -> RoPE -> cache write -> attention; returns the attention output
+// [rows, h_q*D] (before the o projection).
+at::Tensor attention_rows(AttentionRows& job, const at::Tensor& norm_weight, double eps,
+                          const at::Tensor& qkv_weight, int64_t pos, int64_t q_per_group) {
+  const int64_t rows = job.x.size(0), groups = job.k_cache.size(1),
+                head_dim = job.k_cache.size(2), max_len = job.k_cache.size(3),
+                per_group = q_per_group + 2, num_keys = pos + 1;
+  const at::Tensor qkv = at::mm(rms_norm(job.x, norm_weight, eps), qkv_weight.t());
+  at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, job.x.options());
+  at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, job.x.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const float* qkv_p = qkv.data_ptr<float>();
+  float* kc = job.k_cache.data_ptr<float>();
+  float* vc = job.v_cache.data_ptr<float>();
+  float* qr = q_rot.data_ptr<float>();
+  float* sc = scores.data_ptr<float>();
+  const bool* mk = job.key_mask.data_ptr<bool>();
+  const int64_t mask_stride = job.key_mask.stride(0);
+  for (int64_t bg = 0; bg < rows * groups; ++bg) {
+    const int64_t b = bg / groups;
+    const float* block = qkv_p + bg * per_group * head_dim;
+    const float* c = job.cos.data_ptr<float>() + b * job.cos.stride(0);
+    const float* s = job.sin.data_ptr<float>() + b * job.sin.stride(0);
+    float* qb = qr + bg * q_per_group * head_dim;
+    for (int64_t j = 0; j < q_per_group; ++j)
+      rope_row(block + j * head_dim, c, s, head_dim, qb + j * head_dim);
+    float* kb = kc + bg * head_dim * max_len;  // [D, L]
+    float* vb = vc + bg * max_len * head_dim;  // [L, D]
+    float k_rot[kMaxHeadDim];
+    rope_row(block + q_per_group * head_dim, c, s, head_dim, k_rot);
+    const float* v_new = block + (q_per_group + 1) * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      kb[d * max_len + pos] = k_rot[d];
+      vb[pos * head_dim + d] = v_new[d];
+    }
+    attention_scores(qb, kb, mk + b * mask_stride, q_per_group, num_keys, head_dim, max_len,
+                     scale, sc + bg * q_per_group * num_keys);
+  }
+  const at::Tensor probs = at::softmax(scores, -1);
+  at::Tensor attn = at::empty({rows, groups * q_per_group * head_dim}, job.x.options());
+  const float* pr = probs.data_ptr<float>();
+  float* out = attn.data_ptr<float>();
+  for (int64_t bg = 0; bg < rows * groups; ++bg)
+    weighted_values(pr + bg * q_per_group * num_keys, vc + bg * max_len * head_dim,
+                    q_per_group, num_keys, head_dim, head_dim,
+                    out + bg * q_per_group * head_dim, head_dim);
+  return attn;
+}
+
+void check_float_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "decode: ", name,
+              " must be a float32 CPU tensor, got ", t.toString());
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                            const at::Tensor& qkv_weight, const at::Tensor& o_weight,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t pos, const at::Tensor& key_mask,
+                            int64_t q_per_group) {
+  for (const auto& [t, name] : {std::pair{&x, "x"}, {&qkv_weight, "qkv_weight"},
+                                {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"},
+                                {&sin, "sin"}})
+    check_float_cpu(*t, name);
+  TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "decode_attention: x [B, H], contiguous k_cache [B, h_kv, D, L] and v_cache "
+              "[B, h_kv, L, D] expected");
+  const int64_t batch = x.size(0), groups = k_cache.size(1), max_len = k_cache.size(3),
+                head_dim = k_cache.size(2), per_group = q_per_group + 2;
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "decode_attention: head_dim ",
+              head_dim, " must be even and <= ", kMaxHeadDim);
+  TORCH_CHECK(k_cache.size(0) == batch && pos >= 0 && pos < max_len,
+              "decode_attention: cache batch ", k_cache.size(0), " vs ", batch, ", pos ", pos,
+              " outside [0, ", max_len, ")");
+  TORCH_CHECK(qkv_weight.size(0) == groups * per_group * head_dim, "decode_attention: qkv rows ",
+              qkv_weight.size(0), " != h_kv*(Q/G+2)*D = ", groups * per_group * head_dim);
+  TORCH_CHECK(key_mask.scalar_type() == at::kBool && key_mask.size(0) == batch &&
+                  key_mask.size(1) > pos,
+              "decode_attention: key_mask must be bool [B, > pos]");
+  TORCH_CHECK(cos.size(0) == batch && cos.size(1) == head_dim && cos.stride(1) == 1 &&
+                  sin.stride(1) == 1 && sin.sizes() == cos.sizes(),
+              "decode_attention: cos/sin must be [B, D] with unit inner stride");
+
+  at::Tensor out = at::empty({batch, o_weight.size(-2)}, x.options());
+  const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
+  for_row_blocks(batch, [&](int64_t b0, int64_t rows) {
+    AttentionRows job{x.narrow(0, b0, rows), cos.narrow(0, b0, rows), sin.narrow(0, b0, rows),
+                      k_cache.narrow(0, b0, rows), v_cache.narrow(0, b0, rows),
+                      mask.narrow(0, b0, rows)};
+    row_matmul_out(attention_rows(job, norm_weight, eps, qkv_weight, pos, q_per_group),
+                   o_weight, out.narrow(0, b0, rows));
+  });
+  return out;
+}
+
+at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                      const at::Tensor& gate_up_weight, const at::Tensor& down_weight) {
+  check_float_cpu(x, "x");
+  check_float_cpu(gate_up_weight, "gate_up_weight");
+  TORCH_CHECK(x.dim() == 2 && gate_up_weight.size(0) % 2 == 0,
+              "decode_mlp: x [B, H] and gate_up [2*F/t, H] expected");
+  at::Tensor out = at::empty({x.size(0), down_weight.size(-2)}, x.options());
+  for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
+    const at::Tensor gu =
+        at::mm(rms_norm(x.narrow(0, b0, rows), norm_weight, eps), gate_up_weight.t());
+    const at::Tensor act = at::silu(gu);  // [rows, 2F/t]: silu of gate and up, up unused
+    const int64_t inner = gu.size(1) / 2;
+    at::Tensor prod = at::empty({rows, inner}, x.options());
+    const float* a = act.data_ptr<float>();
+    const float* g = gu.data_ptr<float>();
+    float* p = prod.data_ptr<float>();
+    for (int64_t i = 0; i < rows * inner; ++i) p[i] = a[2 * i] * g[2 * i + 1];
+    row_matmul_out(prod, down_weight, out.narrow(0, b0, rows));
+  });
+  return out;
+}
+
+}  // namespace hybridflow
