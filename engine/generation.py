@@ -135,6 +135,7 @@ class GenerationEngine:
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
+        self._flat_weights: list[torch.Tensor] | None = None
         available = _decode is not None and config.dtype == torch.float32
         if fused_decode and not available:
             raise ValueError(f"fused_decode=True needs the engine._decode extension and float32 "
@@ -158,6 +159,7 @@ class GenerationEngine:
         if missing:
             raise ValueError(f"generation weights lack {missing[:4]} (stage {self.stage})")
         self.weights, self.weights_version = weights, version
+        self._flat_weights = None
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -168,6 +170,7 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version = None, None
+        self._flat_weights = None
 
     def _layer(self, i: int) -> dict[str, torch.Tensor]:
         return {k: self.weights[f"layers.{i}.{k}"] for k in LAYER_KEYS}
@@ -177,13 +180,17 @@ class GenerationEngine:
                        ) -> torch.Tensor:
         """The stage's layers for one new token per row, ``x [B, H]``, by the C++ kernels.
 
-        Two calls per layer (attention half, MLP half), each returning the row-parallel
-        partial that is summed over the TP group here; the result equals
-        :func:`engine.layers.decoder_layer` up to the rounding of the attention sums.
+        Without TP (``tp_g == 1``) the whole stage is one call; otherwise two calls per layer
+        (attention half, MLP half), each returning the row-parallel partial that is summed over
+        the TP group here.  The result equals :func:`engine.layers.decoder_layer` applied layer
+        by layer, up to the rounding of the attention sums.
         """
         c, pos = self.config, cache.length
         cos, sin = rope[0][:, 0], rope[1][:, 0]  # [B, D]
         key_mask = attn[:, 0, 0]  # [B, >= pos + 1]
+        if self.tp_group is None or self.tp_group.pg is None:
+            return _decode.decode_layers(x, self._flat_layer_weights(), c.rms_norm_eps, cos, sin,
+                                         cache.k, cache.v, pos, key_mask, c.q_per_group)
         for j, i in enumerate(self.layer_ids):
             w = self._layer(i)
             x = x + _tp_sum_(_decode.decode_attention(
@@ -193,6 +200,13 @@ class GenerationEngine:
                 x, w["post_norm"], c.rms_norm_eps, w["gate_up"], w["down_proj"]),
                 self.tp_group)
         return x
+
+    def _flat_layer_weights(self) -> list[torch.Tensor]:
+        """The stage's layer weights in :func:`engine._decode.decode_layers` order (cached)."""
+        if self._flat_weights is None:
+            self._flat_weights = [self.weights[f"layers.{i}.{k}"] for i in self.layer_ids
+                                  for k in LAYER_KEYS]
+        return self._flat_weights
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:

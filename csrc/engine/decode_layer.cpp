@@ -178,13 +178,24 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
               " must be a float32 CPU tensor, got ", t.toString());
 }
 
-}  // namespace
+// rms_norm -> gate_up -> silu(gate) * up; returns [rows, F/t] (before the down projection).
+at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                    const at::Tensor& gate_up_weight) {
+  const at::Tensor gu = at::mm(rms_norm(x, norm_weight, eps), gate_up_weight.t());
+  const at::Tensor act = at::silu(gu);  // [rows, 2F/t]: silu of gate and up, up unused
+  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
+  at::Tensor prod = at::empty({rows, inner}, x.options());
+  const float* a = act.data_ptr<float>();
+  const float* g = gu.data_ptr<float>();
+  float* p = prod.data_ptr<float>();
+  for (int64_t i = 0; i < rows * inner; ++i) p[i] = a[2 * i] * g[2 * i + 1];
+  return prod;
+}
 
-at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
-                            const at::Tensor& qkv_weight, const at::Tensor& o_weight,
-                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                            at::Tensor& v_cache, int64_t pos, const at::Tensor& key_mask,
-                            int64_t q_per_group) {
+// Shape checks of the attention half (TORCH_CHECK: ValueError-like RuntimeError in Python).
+void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     int64_t pos, const at::Tensor& key_mask, int64_t q_per_group) {
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&qkv_weight, "qkv_weight"},
                                 {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"},
                                 {&sin, "sin"}})
@@ -209,7 +220,17 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, 
   TORCH_CHECK(cos.size(0) == batch && cos.size(1) == head_dim && cos.stride(1) == 1 &&
                   sin.stride(1) == 1 && sin.sizes() == cos.sizes(),
               "decode_attention: cos/sin must be [B, D] with unit inner stride");
+}
 
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                            const at::Tensor& qkv_weight, const at::Tensor& o_weight,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, int64_t pos, const at::Tensor& key_mask,
+                            int64_t q_per_group) {
+  check_attention(x, qkv_weight, cos, sin, k_cache, v_cache, pos, key_mask, q_per_group);
+  const int64_t batch = x.size(0);
   at::Tensor out = at::empty({batch, o_weight.size(-2)}, x.options());
   const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
   for_row_blocks(batch, [&](int64_t b0, int64_t rows) {
@@ -230,16 +251,42 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
               "decode_mlp: x [B, H] and gate_up [2*F/t, H] expected");
   at::Tensor out = at::empty({x.size(0), down_weight.size(-2)}, x.options());
   for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
-    const at::Tensor gu =
-        at::mm(rms_norm(x.narrow(0, b0, rows), norm_weight, eps), gate_up_weight.t());
-    const at::Tensor act = at::silu(gu);  // [rows, 2F/t]: silu of gate and up, up unused
-    const int64_t inner = gu.size(1) / 2;
-    at::Tensor prod = at::empty({rows, inner}, x.options());
-    const float* a = act.data_ptr<float>();
-    const float* g = gu.data_ptr<float>();
-    float* p = prod.data_ptr<float>();
-    for (int64_t i = 0; i < rows * inner; ++i) p[i] = a[2 * i] * g[2 * i + 1];
-    row_matmul_out(prod, down_weight, out.narrow(0, b0, rows));
+    row_matmul_out(mlp_rows(x.narrow(0, b0, rows), norm_weight, eps, gate_up_weight),
+                   down_weight, out.narrow(0, b0, rows));
+  });
+  return out;
+}
+
+at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
+                         double eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
+                         const at::Tensor& key_mask, int64_t q_per_group) {
+  TORCH_CHECK(layer_weights.size() % 6 == 0 && !layer_weights.empty() &&
+                  k_cache.dim() == 5 && v_cache.dim() == 5 &&
+                  k_cache.size(0) == static_cast<int64_t>(layer_weights.size() / 6) &&
+                  v_cache.size(0) == k_cache.size(0),
+              "decode_layers: 6 weights per layer and caches [layers, ...] for as many layers");
+  const int64_t num_layers = k_cache.size(0);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    check_attention(x, layer_weights[6 * l + 1], cos, sin, k_cache[l], v_cache[l], pos,
+                    key_mask, q_per_group);
+    check_float_cpu(layer_weights[6 * l + 4], "gate_up_weight");
+  }
+  at::Tensor out = x.clone();
+  const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
+  for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
+    at::Tensor h = out.narrow(0, b0, rows);  // this thread's rows, updated in place
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const at::Tensor* w = layer_weights.data() + 6 * l;
+      AttentionRows job{h, cos.narrow(0, b0, rows), sin.narrow(0, b0, rows),
+                        k_cache[l].narrow(0, b0, rows), v_cache[l].narrow(0, b0, rows),
+                        mask.narrow(0, b0, rows)};
+      at::Tensor part = at::empty_like(h);
+      row_matmul_out(attention_rows(job, w[0], eps, w[1], pos, q_per_group), w[2], part);
+      h.add_(part);
+      row_matmul_out(mlp_rows(h, w[3], eps, w[4]), w[5], part);
+      h.add_(part);
+    }
   });
   return out;
 }

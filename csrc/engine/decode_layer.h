@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace hybridflow {
 
 // Attention half: rms_norm, qkv, RoPE, write k/v at position pos of this layer's cache,
@@ -16,5 +18,15 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, 
 // MLP half: rms_norm, gate_up, silu(gate) * up, down.  Returns this rank's partial [B, H].
 at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                       const at::Tensor& gate_up_weight, const at::Tensor& down_weight);
+
+// Every layer of a generation stage for one new token per row, when no TP all-reduce is needed
+// between the halves (tp_g == 1): layer_weights holds (input_norm, qkv, o_proj, post_norm,
+// gate_up, down_proj) per layer; k_cache [layers, B, h_kv, D, L], v_cache [layers, B, h_kv, L, D].
+// Each intra-op thread takes its block of rows through all layers with no synchronisation.
+// Returns the hidden states [B, H] after the last layer.
+at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
+                         double eps, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
+                         const at::Tensor& key_mask, int64_t q_per_group);
 
 }  // namespace hybridflow
