@@ -24,15 +24,18 @@ def _with_cuda() -> bool:
 
 def _extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17"]
+    # -fopenmp: at::parallel_for (pack/unpack, copies) is a header template that runs serially
+    # unless the extension itself is compiled with OpenMP
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
     if _with_cuda():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         return cpp_extension.CUDAExtension(
             "hybridflow_comm._C", sources,
             define_macros=[("HYBRIDFLOW_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]})
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_link_args=["-fopenmp"])
     return cpp_extension.CppExtension("hybridflow_comm._C", sources,
-                                      extra_compile_args=cxx_flags)
+                                      extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"])
 
 
 def _decode_extension():
