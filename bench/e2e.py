@@ -1,7 +1,7 @@
 """End-to-end GRPO throughput: our runtime against TRL's GRPOTrainer, in one run.
 
-    python bench/e2e.py [--nproc 2] [--steps 6] [--prompts 16] [--samples 4] [--tp 1]
-                        [--json PATH]
+    python bench/e2e.py [--nproc 2] [--steps 8] [--prompts 16] [--samples 4] [--tp 1]
+                        [--rounds 3] [--json PATH]
 
 Same tiny Llama (the GRPO recipe's actor: 2 layers, hidden 64, 24-token character vocabulary,
 seeded weights saved to a local HF folder, nothing downloaded), same addition prompts,
@@ -11,8 +11,9 @@ rollout's own log-probs as the old policy's (TRL takes them from its loss forwar
 same 2 cores: ours as ``--nproc`` gloo ranks of one thread each (actor training tp
 ``--tp``, the rest data parallel), TRL as one process with ``--nproc`` threads.  Tokens/s = (prompt + response tokens, padding excluded) / wall time of
 one iteration (generation, reference, reward, update), median over the iterations after the
-first (warm-up).  Prints and optionally writes
-``{"ours_tokens_per_s", "trl_tokens_per_s", "ratio"}``.  TRL is an optional dev dependency
+first (warm-up); each contender runs ``--rounds`` times, alternating with the other, and the
+medians of the runs are compared.  Prints and optionally writes
+``{"ours_tokens_per_s", "trl_tokens_per_s", "ratio", "rounds"}``.  TRL is an optional dev dependency
 (requirements-dev.txt); HF_HUB_OFFLINE=1 is set for it.
 """
 
@@ -141,23 +142,29 @@ def trl(folder: str, steps: int, threads: int, work: str, prompts: int, samples:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="our ranks = TRL's threads")
-    p.add_argument("--steps", type=int, default=6, help="iterations (the first is warm-up)")
+    p.add_argument("--steps", type=int, default=8, help="iterations (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
     p.add_argument("--samples", type=int, default=4, help="samples per prompt")
     p.add_argument("--tp", type=int, default=1, help="our actor's training tp (dp = nproc/tp)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs of each contender, alternating; the medians are compared")
     p.add_argument("--json", default=None)
     p.add_argument("--trl-worker", nargs=2, metavar=("MODEL", "OUT"), default=None)
     a = p.parse_args()
     if a.trl_worker:
         trl_worker(*a.trl_worker, a.steps, a.nproc, a.prompts, a.samples)
         return
+    ours_runs, trl_runs = [], []
     with tempfile.TemporaryDirectory() as work:
         folder = os.path.join(work, "model")
         make_model(folder)
-        ours_tps = ours(folder, a.nproc, a.steps, work, a.tp, a.prompts, a.samples)
-        trl_tps = trl(folder, a.steps, a.nproc, work, a.prompts, a.samples)
+        for r in range(a.rounds):  # alternate the contenders so drift of the machine is shared
+            ours_runs.append(ours(folder, a.nproc, a.steps, os.path.join(work, f"r{r}"), a.tp,
+                                  a.prompts, a.samples))
+            trl_runs.append(trl(folder, a.steps, a.nproc, work, a.prompts, a.samples))
+    ours_tps, trl_tps = statistics.median(ours_runs), statistics.median(trl_runs)
     result = {"ours_tokens_per_s": ours_tps, "trl_tokens_per_s": trl_tps,
-              "ratio": ours_tps / trl_tps}
+              "ratio": ours_tps / trl_tps, "rounds": {"ours": ours_runs, "trl": trl_runs}}
     print(json.dumps(result))
     if a.json:
         with open(a.json, "w") as f:

@@ -96,6 +96,12 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
 
     Returns the chosen ids ``[B]`` and their raw logits ``[B]``.
     """
+    if params.top_p == 1 and not 0 < params.top_k < values.shape[-1]:
+        # nothing is filtered: sample from the candidates as they come (no sort)
+        pick = torch.multinomial(torch.softmax(values / params.temperature, dim=-1), 1,
+                                 generator=generator)  # [B, 1]
+        return (torch.gather(ids, -1, pick).squeeze(-1),
+                torch.gather(values, -1, pick).squeeze(-1))
     sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
     sorted_ids = torch.gather(ids, -1, order)
     scaled = sorted_z / params.temperature
