@@ -125,7 +125,7 @@ class TrainEngine:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": c.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=c.lr, betas=c.betas, eps=c.eps, foreach=True)
+            lr=c.lr, betas=c.betas, eps=c.eps, fused=True)  # one kernel for all tensors
         self.step_count = 0
 
     # Pipeline --------------------------------------------------------------------------------
