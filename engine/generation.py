@@ -310,16 +310,17 @@ class GenerationEngine:
                 x = decoder_layer(x, self._layer(i), rope, attn, c.q_per_group, c.head_dim,
                                   c.rms_norm_eps, self.tp_group, kv_hook=cache.hook(j))
         cache.advance(seq)
-        packed = torch.empty(2, batch, dtype=torch.float64)
-        if not self.is_last:
-            dist.send(x.contiguous(), dst=pp.ranks[self.stage + 1], group=pp.pg)
-        else:
+        if self.is_last:
             h = rms_norm(x[:, -1], w["norm"], c.rms_norm_eps)  # [B, H]
             logits = column_linear(h, w[self.head_name], self.tp_group)  # [B, V/t_g]
             tok, lp = sample_next(logits, sampling, self.tp_group, generator)
-            packed[0], packed[1] = tok.double(), lp.double()
-        if self.num_stages > 1:
-            dist.broadcast(packed, src=pp.ranks[-1], group=pp.pg)
+            if self.num_stages == 1:
+                return tok, lp
+            packed = torch.stack([tok.double(), lp.double()])
+        else:
+            dist.send(x.contiguous(), dst=pp.ranks[self.stage + 1], group=pp.pg)
+            packed = torch.empty(2, batch, dtype=torch.float64)
+        dist.broadcast(packed, src=pp.ranks[-1], group=pp.pg)
         return packed[0].long(), packed[1].float()
 
 
