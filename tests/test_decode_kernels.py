@@ -146,3 +146,34 @@ def test_fused_decode_needs_float32():
     assert not GenerationEngine(cfg, groups).fused_decode  # default: Python layers
     with pytest.raises(ValueError, match="fused_decode=True needs"):
         GenerationEngine(cfg, groups, fused_decode=True)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 1), (3, 7, 19), (8, 1536, 256), (16, 256, 768),
+                                     (5, 9, 8), (32, 130, 33)])
+def test_small_gemm_matches_float64(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 3, generator=g)[:, 3:]  # row stride != K: views are read in place
+    w = torch.randn(n, k, generator=g)
+    ref = x.double() @ w.double().t()
+    got = _decode.small_linear(x, w)
+    blas = (x @ w.t()).double()
+    # no worse than BLAS's own float32 rounding (plus one ulp-ish slack)
+    bound = (blas - ref).abs().max().item() * 2 + 1e-6 * max(1.0, ref.abs().max().item())
+    assert (got.double() - ref).abs().max().item() <= bound
+    assert torch.equal(_decode.small_linear(x, w), got)  # deterministic
+
+
+def test_decode_with_blas_products_agrees():
+    """The small-M kernel and BLAS give the same generation up to float rounding."""
+    fused, _ = engines(CFG)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, CFG.vocab_size, (6, 9), generator=g)
+    sp = SamplingParams(max_new_tokens=16)
+    try:
+        _decode.use_small_gemm(False)
+        blas = fused.generate(ids, None, sp)
+    finally:
+        _decode.use_small_gemm(True)
+    small = fused.generate(ids, None, sp)
+    assert torch.equal(small.input_ids, blas.input_ids)
+    torch.testing.assert_close(small.log_probs, blas.log_probs, rtol=0, atol=2e-5)

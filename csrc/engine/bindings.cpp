@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_layer.h"
+#include "small_gemm.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "CPU float32 kernels of the decode step: one Llama layer in two calls";
@@ -12,6 +13,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_mlp", &hybridflow::decode_mlp, py::arg("x"), py::arg("norm_weight"),
         py::arg("eps"), py::arg("gate_up_weight"), py::arg("down_weight"),
         py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "small_linear",
+      [](const at::Tensor& x, const at::Tensor& w) {
+        at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+        hybridflow::small_linear_out(x, w, y, false);
+        return y;
+      },
+      py::arg("x"), py::arg("weight"), "x [M, K] @ weight[N, K].T by the decode-step kernel",
+      py::call_guard<py::gil_scoped_release>());
+  m.attr("small_gemm_max_rows") = hybridflow::kSmallGemmMaxRows;
+  m.def("use_small_gemm", &hybridflow::use_small_gemm, py::arg("enabled"),
+        "decode-step matrix products by the in-place small-M kernel (True, default) or BLAS");
   m.def("decode_layers", &hybridflow::decode_layers, py::arg("x"), py::arg("layer_weights"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("pos"), py::arg("key_mask"), py::arg("q_per_group"),

@@ -7,12 +7,14 @@
 //   x [B, H] --rms_norm--> mm(gate_up) --silu(gate) * up--> mm(down)        = MLP partial
 //
 // Each returns this rank's partial [B, H]; the caller all-reduces it over the generation TP
-// group and adds the residual.  Matrix products, the norm, silu and softmax use the same ATen
-// kernels as the Python layers (engine/layers.py), so those parts round identically; RoPE is
-// written element by element in the same order (x*cos + rot*sin, compiled without FMA
-// contraction, so it rounds like the separate ATen multiplies and add).  Only the attention
-// sums (one query against the cached keys, the weighted sum of values) are our own loops:
-// their summation order differs from scaled_dot_product_attention by float rounding.
+// group and adds the residual.  The norm, silu and softmax use the same ATen kernels as the
+// Python layers (engine/layers.py), so those parts round identically; RoPE is written element
+// by element in the same order (x*cos + rot*sin, compiled without FMA contraction, so it
+// rounds like the separate ATen multiplies and add).  The matrix products of up to
+// kSmallGemmMaxRows rows (small_gemm.h: weights read in place, no packed copy) and the
+// attention sums (one query against the cached keys, the weighted sum of values) are our own
+// loops: their summation order differs from BLAS and scaled_dot_product_attention, so results
+// agree with the Python layers to float rounding.
 //
 // Shapes (h_kv = this rank's KV heads, Q/G = queries per group, D = head dim):
 //   qkv weight   [h_kv*(Q/G+2)*D, H]      per group: Q/G query rows, a key row, a value row
@@ -28,8 +30,11 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
+
+#include "small_gemm.h"
 
 namespace hybridflow {
 namespace {
@@ -90,17 +95,37 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps));
 }
 
+std::atomic<bool> g_small_gemm{true};
+
+// out (+)= x @ w.T for w [out, in]: the in-place small-M kernel for a decode step's few rows,
+// BLAS otherwise.
+void linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out, bool accumulate) {
+  if (g_small_gemm.load(std::memory_order_relaxed) && x.size(0) <= kSmallGemmMaxRows &&
+      x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1) {
+    small_linear_out(x, w, out, accumulate);
+  } else if (accumulate) {
+    out.addmm_(x, w.t());
+  } else {
+    at::mm_out(out, x, w.t());
+  }
+}
+
+at::Tensor linear_new(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  linear_out(x, w, out, false);
+  return out;
+}
+
 // out = x @ w.T for w [out, in], or the stacked row-parallel form [m, out, in/m] read in place.
 void row_matmul_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
   if (w.dim() == 2) {
-    at::mm_out(out, x, w.t());
+    linear_out(x, w, out, false);
     return;
   }
   TORCH_CHECK(w.dim() == 3 && x.size(1) == w.size(0) * w.size(2), "decode: stacked weight ",
               w.sizes(), " does not match input ", x.sizes());
   const int64_t m = w.size(0), k = w.size(2);
-  at::mm_out(out, x.narrow(1, 0, k), w[0].t());
-  for (int64_t i = 1; i < m; ++i) out.addmm_(x.narrow(1, i * k, k), w[i].t());
+  for (int64_t i = 0; i < m; ++i) linear_out(x.narrow(1, i * k, k), w[i], out, i > 0);
 }
 
 // Runs fn(first_row, rows) on disjoint row blocks, one per intra-op thread.  Inside the
@@ -131,7 +156,7 @@ at::Tensor attention_rows(AttentionRows& job, const at::Tensor& norm_weight, dou
   const int64_t rows = job.x.size(0), groups = job.k_cache.size(1),
                 head_dim = job.k_cache.size(2), max_len = job.k_cache.size(3),
                 per_group = q_per_group + 2, num_keys = pos + 1;
-  const at::Tensor qkv = at::mm(rms_norm(job.x, norm_weight, eps), qkv_weight.t());
+  const at::Tensor qkv = linear_new(rms_norm(job.x, norm_weight, eps), qkv_weight);
   at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, job.x.options());
   at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, job.x.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -181,7 +206,7 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
 // rms_norm -> gate_up -> silu(gate) * up; returns [rows, F/t] (before the down projection).
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                     const at::Tensor& gate_up_weight) {
-  const at::Tensor gu = at::mm(rms_norm(x, norm_weight, eps), gate_up_weight.t());
+  const at::Tensor gu = linear_new(rms_norm(x, norm_weight, eps), gate_up_weight);
   const at::Tensor act = at::silu(gu);  // [rows, 2F/t]: silu of gate and up, up unused
   const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
   at::Tensor prod = at::empty({rows, inner}, x.options());
@@ -256,6 +281,8 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
   });
   return out;
 }
+
+void use_small_gemm(bool enabled) { g_small_gemm.store(enabled); }
 
 at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
                          double eps, const at::Tensor& cos, const at::Tensor& sin,

@@ -29,4 +29,8 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
                          const at::Tensor& key_mask, int64_t q_per_group);
 
+// Matrix products of a decode step: the in-place small-M kernel (default) or BLAS for all
+// (benchmarks and tests compare the two).
+void use_small_gemm(bool enabled);
+
 }  // namespace hybridflow

@@ -1,0 +1,20 @@
+// y = x @ w.T for the few rows of a decode step, float32, CPU, one thread.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace hybridflow {
+
+// Up to this many rows of x, small_linear_out reads the weight in place faster than BLAS: for a
+// handful of rows sgemm spends most of its time packing the weight into its own layout (and
+// in a decode step every thread would pack the same weights again).
+constexpr int64_t kSmallGemmMaxRows = 32;
+
+// y [M, N] = x [M, K] @ w [N, K].T, or y += ... when accumulate; rows of x, w and y need unit
+// inner stride (any row stride).  Runs on the calling thread.  Each output is the sum of 8
+// lanes accumulated with fused multiply-adds over K, then added in a fixed order: the same
+// result on every run of one machine (a CPU without FMA runs the plain clone and rounds
+// differently).
+void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate);
+
+}  // namespace hybridflow
