@@ -177,12 +177,21 @@ class TrainEngine:
         actions = make_schedule(self.optim_cfg.schedule, model.layout.pp, model.stage, n)
         self._executor(micro_batches).run(actions, self._forward_fn(micro_batches), loss_of)
         self._sync_tied_embedding()
+        loss_sum = (torch.stack(losses).sum() if losses else torch.zeros(())).float()
+        dp = self.groups.train_dp
+        loss_work = None
+        if self.groups.train_pp.pg is None and dp.pg is not None:
+            # no PP sum needed: the loss rides beside the gradient buckets (gloo overlaps them)
+            loss_work = dist.all_reduce(loss_sum, group=dp.pg, async_op=True)
         self._reduce_dp()
         grad_norm = self._clip()
         self.optimizer.step()
         self.step_count += 1
-        loss_sum = torch.stack(losses).sum() if losses else torch.zeros(())
-        loss = self._all_stages_mean(loss_sum.float(), n)
+        if loss_work is not None:
+            loss_work.wait()
+            loss = loss_sum.item() / (n * dp.size)
+        else:
+            loss = self._all_stages_mean(loss_sum, n)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optim_cfg.lr}
 
     @torch.no_grad()

@@ -1,6 +1,9 @@
-// One Llama decoder layer for a single new token per sequence (the decode step of generation),
-// CPU float32: the two halves of the layer as two calls, so Python makes two calls per layer
-// instead of about thirty tensor operations.
+// Llama decoder layers for a single new token per sequence (the decode step of generation),
+// CPU float32.  decode_layers runs every layer of a stage in one call (no TP: nothing to
+// all-reduce in between); with TP, decode_attention and decode_mlp are the two halves of a
+// layer around the caller's all-reduces.  Either way Python makes one or two calls per step or
+// layer instead of about thirty tensor operations per layer, and each intra-op thread takes its
+// own block of rows through the work (for_row_blocks).
 //
 //   x [B, H] --rms_norm--> mm(qkv) --RoPE(q, k); k, v -> cache[pos]--> attention --> mm(o)
 //                                                                          = attention partial
