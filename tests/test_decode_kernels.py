@@ -83,7 +83,7 @@ def test_decode_halves_match_python_layers(stacked, threads):
                     c.advance(1)
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
                 # the kernel wrote the keys/values the Python hook wrote (up to the rounding of
-                # the qkv product, whose BLAS path depends on how many rows a thread takes)
+                # the qkv product: the kernels' small-M GEMM against BLAS)
                 filled = {"k": (..., slice(0, pos + 1)),  # [1, B, h_kv, D, L]
                           "v": (slice(None), slice(None), slice(None), slice(0, pos + 1))}
                 for kv, index in filled.items():
