@@ -3,7 +3,10 @@
 The model is the training code's layer functions (:mod:`engine.layers`) fed with this rank's
 generation shards, e.g. :meth:`hybridflow_comm.reshard.Resharder.generation_params` (views of
 the flat buffer: column weights ``[rows/t_g, H]``, row weights stacked ``[m, H, in/t]``), the
-generation TP group for the collectives and the generation PP group for stages.
+generation TP group for the collectives and the generation PP group for stages.  Decode steps
+of float32 models run the same maths through the C++ kernels of ``engine._decode`` (the whole
+stage in one call without TP, two calls per layer with it), reading the same views; prefill
+always uses :mod:`engine.layers`.
 
 One call::
 
