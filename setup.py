@@ -12,6 +12,9 @@ from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# at::parallel_for is a header template: it runs serially unless the extension itself is
+# compiled (and linked) with OpenMP
+OPENMP = ["-fopenmp"]
 
 
 def _with_cuda() -> bool:
@@ -24,28 +27,25 @@ def _with_cuda() -> bool:
 
 def _extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    # -fopenmp: at::parallel_for (pack/unpack, copies) is a header template that runs serially
-    # unless the extension itself is compiled with OpenMP
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx_flags = ["-O3", "-std=c++17", *OPENMP]
     if _with_cuda():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         return cpp_extension.CUDAExtension(
             "hybridflow_comm._C", sources,
             define_macros=[("HYBRIDFLOW_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
-            extra_link_args=["-fopenmp"])
+            extra_link_args=OPENMP)
     return cpp_extension.CppExtension("hybridflow_comm._C", sources,
-                                      extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"])
+                                      extra_compile_args=cxx_flags, extra_link_args=OPENMP)
 
 
 def _decode_extension():
     # -ffp-contract=off: no FMA contraction, so every SIMD clone rounds alike and RoPE rounds
-    # like ATen's separate multiplies and add.  -fopenmp: at::parallel_for is a header template
-    # that runs serially unless the extension itself is compiled with OpenMP.
+    # like ATen's separate multiplies and add
     return cpp_extension.CppExtension(
         "engine._decode", sorted(glob.glob(os.path.join("csrc", "engine", "*.cpp"))),
-        extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"],
-        extra_link_args=["-fopenmp"])
+        extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", *OPENMP],
+        extra_link_args=OPENMP)
 
 
 setup(

@@ -12,15 +12,8 @@ def median_time(fn, repeat: int, warmup: int = 1) -> tuple[float, object]:
     Returns:
         ``(median seconds, result of the last call)``.
     """
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    times, results = interleaved_median_times({"fn": fn}, repeat, warmup)
+    return times["fn"], results["fn"]
 
 
 def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1

@@ -40,7 +40,7 @@ from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rm
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import LAYER_KEYS
 from engine.sampling import SamplingParams, sample_next
-from engine.tp_ops import column_linear, vocab_embedding
+from engine.tp_ops import column_linear, reduce_from_tp, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
 
 try:  # C++ decode kernels (setup.py builds them; absent in a source tree never built)
@@ -117,9 +117,9 @@ class GenerationEngine:
         groups: this rank's groups (``groups.layout`` gives ``pp_g``, ``tp_g`` and the
             training ``pp`` that names the head weight).
         fused_decode: run the one-token decode steps through the C++ layer kernels
-            (``engine._decode``: two calls per layer instead of ~30 tensor ops); default: when
-            the extension is built and the model is float32.  Prefill always uses the Python
-            layers.
+            (``engine._decode``: one call per step without TP, two per layer with it, instead
+            of ~30 tensor ops per layer); default: when the extension is built and the model
+            is float32.  Prefill always uses the Python layers.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
@@ -185,7 +185,7 @@ class GenerationEngine:
 
         Without TP (``tp_g == 1``) the whole stage is one call; otherwise two calls per layer
         (attention half, MLP half), each returning the row-parallel partial that is summed over
-        the TP group here.  The result equals :func:`engine.layers.decoder_layer` applied layer
+        the TP group here (:func:`engine.tp_ops.reduce_from_tp`).  The result equals :func:`engine.layers.decoder_layer` applied layer
         by layer, up to the rounding of the attention sums.
         """
         c, pos = self.config, cache.length
@@ -196,10 +196,10 @@ class GenerationEngine:
                                          cache.k, cache.v, pos, key_mask, c.q_per_group)
         for j, i in enumerate(self.layer_ids):
             w = self._layer(i)
-            x = x + _tp_sum_(_decode.decode_attention(
+            x = x + reduce_from_tp(_decode.decode_attention(
                 x, w["input_norm"], c.rms_norm_eps, w["qkv"], w["o_proj"], cos, sin,
                 cache.k[j], cache.v[j], pos, key_mask, c.q_per_group), self.tp_group)
-            x = x + _tp_sum_(_decode.decode_mlp(
+            x = x + reduce_from_tp(_decode.decode_mlp(
                 x, w["post_norm"], c.rms_norm_eps, w["gate_up"], w["down_proj"]),
                 self.tp_group)
         return x
@@ -325,13 +325,6 @@ class GenerationEngine:
             packed = torch.empty(2, batch, dtype=torch.float64)
         dist.broadcast(packed, src=pp.ranks[-1], group=pp.pg)
         return packed[0].long(), packed[1].float()
-
-
-def _tp_sum_(partial: torch.Tensor, group) -> torch.Tensor:
-    """All-reduce a row-parallel partial over the generation TP group, in place."""
-    if group is not None and group.pg is not None:
-        dist.all_reduce(partial, group=group.pg)
-    return partial
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

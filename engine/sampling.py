@@ -134,12 +134,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         the model distribution (see the module docstring).
     """
     z = logits.float()
+    lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id
     if params.greedy and (group is None or group.pg is None):
-        lmax, arg = z.max(dim=-1)  # first maximum = lowest id, as below
         return arg, lmax - torch.logsumexp(z, dim=-1)
     v_local = z.shape[-1]
     start = (0 if group is None else group.rank) * v_local
-    lmax, arg = z.max(dim=-1)
     lsum = torch.exp(z - lmax.unsqueeze(-1)).sum(dim=-1)
     if params.greedy:
         packed = torch.stack([lmax.double(), lsum.double(), (arg + start).double()], dim=-1)

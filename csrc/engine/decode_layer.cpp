@@ -113,7 +113,8 @@ void linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out, bool a
   }
 }
 
-at::Tensor linear_new(const at::Tensor& x, const at::Tensor& w) {
+// x @ w.T into a new tensor (see linear_out).
+at::Tensor project(const at::Tensor& x, const at::Tensor& w) {
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
   linear_out(x, w, out, false);
   return out;
@@ -147,34 +148,38 @@ void for_row_blocks(int64_t batch, const Fn& fn) {
   });
 }
 
-// One block of rows of the attention half (views narrowed to those rows).
-struct AttentionRows {
-  at::Tensor x, cos, sin, k_cache, v_cache, key_mask;
+// One layer's per-step attention inputs for the whole batch: RoPE tables [B, D], this layer's
+// caches and the key mask [B, pos + 1].
+struct AttentionInputs {
+  at::Tensor cos, sin, k_cache, v_cache, key_mask;
 };
 
-// rms_norm -> qkv -> RoPE -> cache write -> attention; returns the attention output
-// [rows, h_q*D] (before the o projection).
-at::Tensor attention_rows(AttentionRows& job, const at::Tensor& norm_weight, double eps,
+// Rows [b0, b0 + rows) of x: rms_norm -> qkv -> RoPE -> cache write -> attention; returns the
+// attention output [rows, h_q*D] (before the o projection).
+at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionInputs& in,
+                          const at::Tensor& norm_weight, double eps,
                           const at::Tensor& qkv_weight, int64_t pos, int64_t q_per_group) {
-  const int64_t rows = job.x.size(0), groups = job.k_cache.size(1),
-                head_dim = job.k_cache.size(2), max_len = job.k_cache.size(3),
+  const int64_t rows = x_rows.size(0), groups = in.k_cache.size(1),
+                head_dim = in.k_cache.size(2), max_len = in.k_cache.size(3),
                 per_group = q_per_group + 2, num_keys = pos + 1;
-  const at::Tensor qkv = linear_new(rms_norm(job.x, norm_weight, eps), qkv_weight);
-  at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, job.x.options());
-  at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, job.x.options());
+  const at::Tensor cos = in.cos.narrow(0, b0, rows), sin = in.sin.narrow(0, b0, rows);
+  const at::Tensor mask = in.key_mask.narrow(0, b0, rows);
+  const at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
+  at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, x_rows.options());
+  at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, x_rows.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const float* qkv_p = qkv.data_ptr<float>();
-  float* kc = job.k_cache.data_ptr<float>();
-  float* vc = job.v_cache.data_ptr<float>();
+  float* kc = in.k_cache.narrow(0, b0, rows).data_ptr<float>();
+  float* vc = in.v_cache.narrow(0, b0, rows).data_ptr<float>();
   float* qr = q_rot.data_ptr<float>();
   float* sc = scores.data_ptr<float>();
-  const bool* mk = job.key_mask.data_ptr<bool>();
-  const int64_t mask_stride = job.key_mask.stride(0);
+  const bool* mk = mask.data_ptr<bool>();
+  const int64_t mask_stride = mask.stride(0);
   for (int64_t bg = 0; bg < rows * groups; ++bg) {
     const int64_t b = bg / groups;
     const float* block = qkv_p + bg * per_group * head_dim;
-    const float* c = job.cos.data_ptr<float>() + b * job.cos.stride(0);
-    const float* s = job.sin.data_ptr<float>() + b * job.sin.stride(0);
+    const float* c = cos.data_ptr<float>() + b * cos.stride(0);
+    const float* s = sin.data_ptr<float>() + b * sin.stride(0);
     float* qb = qr + bg * q_per_group * head_dim;
     for (int64_t j = 0; j < q_per_group; ++j)
       rope_row(block + j * head_dim, c, s, head_dim, qb + j * head_dim);
@@ -191,7 +196,7 @@ at::Tensor attention_rows(AttentionRows& job, const at::Tensor& norm_weight, dou
                      scale, sc + bg * q_per_group * num_keys);
   }
   const at::Tensor probs = at::softmax(scores, -1);
-  at::Tensor attn = at::empty({rows, groups * q_per_group * head_dim}, job.x.options());
+  at::Tensor attn = at::empty({rows, groups * q_per_group * head_dim}, x_rows.options());
   const float* pr = probs.data_ptr<float>();
   float* out = attn.data_ptr<float>();
   for (int64_t bg = 0; bg < rows * groups; ++bg)
@@ -209,7 +214,7 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
 // rms_norm -> gate_up -> silu(gate) * up; returns [rows, F/t] (before the down projection).
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                     const at::Tensor& gate_up_weight) {
-  const at::Tensor gu = linear_new(rms_norm(x, norm_weight, eps), gate_up_weight);
+  const at::Tensor gu = project(rms_norm(x, norm_weight, eps), gate_up_weight);
   const at::Tensor act = at::silu(gu);  // [rows, 2F/t]: silu of gate and up, up unused
   const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
   at::Tensor prod = at::empty({rows, inner}, x.options());
@@ -260,12 +265,11 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, 
   check_attention(x, qkv_weight, cos, sin, k_cache, v_cache, pos, key_mask, q_per_group);
   const int64_t batch = x.size(0);
   at::Tensor out = at::empty({batch, o_weight.size(-2)}, x.options());
-  const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
+  const AttentionInputs in{cos, sin, k_cache, v_cache,
+                           key_mask.narrow(1, 0, pos + 1).contiguous()};
   for_row_blocks(batch, [&](int64_t b0, int64_t rows) {
-    AttentionRows job{x.narrow(0, b0, rows), cos.narrow(0, b0, rows), sin.narrow(0, b0, rows),
-                      k_cache.narrow(0, b0, rows), v_cache.narrow(0, b0, rows),
-                      mask.narrow(0, b0, rows)};
-    row_matmul_out(attention_rows(job, norm_weight, eps, qkv_weight, pos, q_per_group),
+    row_matmul_out(attention_rows(x.narrow(0, b0, rows), b0, in, norm_weight, eps, qkv_weight,
+                                  pos, q_per_group),
                    o_weight, out.narrow(0, b0, rows));
   });
   return out;
@@ -304,15 +308,16 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
   }
   at::Tensor out = x.clone();
   const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
+  std::vector<AttentionInputs> inputs;
+  for (int64_t l = 0; l < num_layers; ++l)
+    inputs.push_back({cos, sin, k_cache[l], v_cache[l], mask});
   for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
     at::Tensor h = out.narrow(0, b0, rows);  // this thread's rows, updated in place
     for (int64_t l = 0; l < num_layers; ++l) {
       const at::Tensor* w = layer_weights.data() + 6 * l;
-      AttentionRows job{h, cos.narrow(0, b0, rows), sin.narrow(0, b0, rows),
-                        k_cache[l].narrow(0, b0, rows), v_cache[l].narrow(0, b0, rows),
-                        mask.narrow(0, b0, rows)};
       at::Tensor part = at::empty_like(h);
-      row_matmul_out(attention_rows(job, w[0], eps, w[1], pos, q_per_group), w[2], part);
+      row_matmul_out(attention_rows(h, b0, inputs[l], w[0], eps, w[1], pos, q_per_group), w[2],
+                     part);
       h.add_(part);
       row_matmul_out(mlp_rows(h, w[3], eps, w[4]), w[5], part);
       h.add_(part);
