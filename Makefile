@@ -34,4 +34,4 @@ bench: setup
 	$(PYTHON) -m pytest bench -q --benchmark-columns=median,ops
 
 clean:
-	rm -rf build *.egg-info hybridflow_comm/_C*.so engine/_decode*.so
+	rm -rf build *.egg-info hybridflow_comm/_C*.so engine/_decode*.so engine/_kernels*.so

@@ -1,4 +1,4 @@
-"""Builds the packages and the C++ extensions ``hybridflow_comm._C`` and ``engine._decode``.
+"""Builds the packages and the C++ extensions ``hybridflow_comm._C`` and ``engine._kernels``.
 
 CUDA sources (``csrc/cuda/*.cu``) are compiled only when the installed torch was built with
 CUDA and a CUDA toolkit is present; on CPU machines the extension is C++ only.
@@ -39,11 +39,11 @@ def _extension():
                                       extra_compile_args=cxx_flags, extra_link_args=OPENMP)
 
 
-def _decode_extension():
+def _kernels_extension():
     # -ffp-contract=off: no FMA contraction, so every SIMD clone rounds alike and RoPE rounds
     # like ATen's separate multiplies and add
     return cpp_extension.CppExtension(
-        "engine._decode", sorted(glob.glob(os.path.join("csrc", "engine", "*.cpp"))),
+        "engine._kernels", sorted(glob.glob(os.path.join("csrc", "engine", "*.cpp"))),
         extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", *OPENMP],
         extra_link_args=OPENMP)
 
@@ -54,7 +54,7 @@ setup(
     description="HybridFlow: resharding toolkit, HybridEngine and RLHF runtime",
     packages=find_packages(include=["hybridflow_comm*", "engine*", "rlhf*"]),
     package_data={"rlhf": ["recipes/*.yaml", "planner/profiles/*.json"]},
-    ext_modules=[_extension(), _decode_extension()],
+    ext_modules=[_extension(), _kernels_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
 )

@@ -4,9 +4,11 @@ The model is the training code's layer functions (:mod:`engine.layers`) fed with
 generation shards, e.g. :meth:`hybridflow_comm.reshard.Resharder.generation_params` (views of
 the flat buffer: column weights ``[rows/t_g, H]``, row weights stacked ``[m, H, in/t]``), the
 generation TP group for the collectives and the generation PP group for stages.  Decode steps
-of float32 models run the same maths through the C++ kernels of ``engine._decode`` (the whole
-stage in one call without TP, two calls per layer with it), reading the same views; prefill
-always uses :mod:`engine.layers`.
+of float32 models run the same maths through the C++ kernels of ``engine._kernels`` (the whole
+stage in one call without TP, two calls per layer with it), reading the same views, and the
+prefill through the training blocks of :mod:`engine.fused_layers` (their forward, which also
+hands each layer's keys and values to the cache) when the layer's weights are 2-D (no stacked
+row-parallel weights, i.e. ``tp_g`` equal to the training ``tp``).
 
 One call::
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine import fused_layers
 from engine.kv_cache import KVCache, kv_cache_nbytes
 from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rms_norm, \
     rope_tables
@@ -44,9 +47,9 @@ from engine.tp_ops import column_linear, reduce_from_tp, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
 
 try:  # C++ decode kernels (setup.py builds them; absent in a source tree never built)
-    from engine import _decode
+    from engine import _kernels
 except ImportError:  # pragma: no cover - the Python layers are used instead
-    _decode = None
+    _kernels = None
 
 
 @dataclass
@@ -116,10 +119,11 @@ class GenerationEngine:
         config: architecture.
         groups: this rank's groups (``groups.layout`` gives ``pp_g``, ``tp_g`` and the
             training ``pp`` that names the head weight).
-        fused_decode: run the one-token decode steps through the C++ layer kernels
-            (``engine._decode``: one call per step without TP, two per layer with it, instead
-            of ~30 tensor ops per layer); default: when the extension is built and the model
-            is float32.  Prefill always uses the Python layers.
+        fused_decode: run the forward passes through the C++ kernels of ``engine._kernels``
+            instead of ~30 tensor ops per layer: the one-token decode steps (one call per step
+            without TP, two per layer with it) and the prefill (the fused blocks' forward, when
+            the weights are 2-D); default: when the extension is built and the model is
+            float32.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
@@ -139,11 +143,11 @@ class GenerationEngine:
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
         self._flat_weights: list[torch.Tensor] | None = None
-        available = _decode is not None and config.dtype == torch.float32
+        available = _kernels is not None and config.dtype == torch.float32
         if fused_decode and not available:
-            raise ValueError(f"fused_decode=True needs the engine._decode extension and float32 "
+            raise ValueError(f"fused_decode=True needs the engine._kernels extension and float32 "
                              f"(dtype={config.dtype}, extension "
-                             f"{'present' if _decode is not None else 'missing'})")
+                             f"{'present' if _kernels is not None else 'missing'})")
         self.fused_decode = available if fused_decode is None else fused_decode
 
     # Weights ---------------------------------------------------------------------------------
@@ -192,20 +196,26 @@ class GenerationEngine:
         cos, sin = rope[0][:, 0], rope[1][:, 0]  # [B, D]
         key_mask = attn[:, 0, 0]  # [B, >= pos + 1]
         if self.tp_group is None or self.tp_group.pg is None:
-            return _decode.decode_layers(x, self._flat_layer_weights(), c.rms_norm_eps, cos, sin,
+            return _kernels.decode_layers(x, self._flat_layer_weights(), c.rms_norm_eps, cos, sin,
                                          cache.k, cache.v, pos, key_mask, c.q_per_group)
         for j, i in enumerate(self.layer_ids):
             w = self._layer(i)
-            x = x + reduce_from_tp(_decode.decode_attention(
+            x = x + reduce_from_tp(_kernels.decode_attention(
                 x, w["input_norm"], c.rms_norm_eps, w["qkv"], w["o_proj"], cos, sin,
                 cache.k[j], cache.v[j], pos, key_mask, c.q_per_group), self.tp_group)
-            x = x + reduce_from_tp(_decode.decode_mlp(
+            x = x + reduce_from_tp(_kernels.decode_mlp(
                 x, w["post_norm"], c.rms_norm_eps, w["gate_up"], w["down_proj"]),
                 self.tp_group)
         return x
 
+    def _fused_prefill(self) -> bool:
+        """Whether the prefill can run through the fused blocks (2-D contiguous weights)."""
+        return self.fused_decode and all(
+            t.dim() == 2 and t.is_contiguous() for t in self._flat_layer_weights()
+            if t.dim() > 1)
+
     def _flat_layer_weights(self) -> list[torch.Tensor]:
-        """The stage's layer weights in :func:`engine._decode.decode_layers` order (cached)."""
+        """The stage's layer weights in :func:`engine._kernels.decode_layers` order (cached)."""
         if self._flat_weights is None:
             self._flat_weights = [self.weights[f"layers.{i}.{k}"] for i in self.layer_ids
                                   for k in LAYER_KEYS]
@@ -308,6 +318,12 @@ class GenerationEngine:
             dist.recv(x, src=pp.ranks[self.stage - 1], group=pp.pg)
         if seq == 1 and self.fused_decode:
             x = self._decode_layers(x[:, 0], cache, rope, attn).unsqueeze(1)
+        elif cache.length == 0 and self._fused_prefill():
+            rope = (rope[0].contiguous(), rope[1].contiguous())
+            for j, i in enumerate(self.layer_ids):
+                x = fused_layers.decoder_layer(x, self._layer(i), rope, attn, c.q_per_group,
+                                               c.head_dim, c.rms_norm_eps, self.tp_group,
+                                               kv_sink=cache.sink(j))
         else:
             for j, i in enumerate(self.layer_ids):
                 x = decoder_layer(x, self._layer(i), rope, attn, c.q_per_group, c.head_dim,

@@ -7,7 +7,7 @@ One tensor per K and V for all of a stage's layers, allocated once (no growth, n
     v   [layers, B, h_kv, max_len, D]        h_kv = G / t_g (this rank's KV heads)
                               positions 0 .. length-1 are filled
 
-Keys are stored transposed so the decode kernel (``engine._decode``) computes a query's scores
+Keys are stored transposed so the decode kernel (``engine._kernels``) computes a query's scores
 against all cached keys as D contiguous multiply-adds over positions (vectorised, no
 horizontal sums).  A layer's hook (the Python layers: prefill, or every step without the
 kernels) writes the step's new keys/values at ``[length, length + S)`` and hands attention
@@ -68,6 +68,19 @@ class KVCache:
                     self.v[layer, :, :, :end].transpose(1, 2))
 
         return append
+
+    def sink(self, layer: int):
+        """The ``kv_sink`` of local layer ``layer`` (:mod:`engine.fused_layers`): writes the
+        step's keys/values, given heads first ``[B, h_kv, S, D]``, at ``[length, length + S)``."""
+
+        def write(k: torch.Tensor, v: torch.Tensor) -> None:
+            end = self.length + k.shape[2]
+            if end > self.max_len:
+                raise RuntimeError(f"KV cache overflow: {end} > max_len={self.max_len}")
+            self.k[layer, ..., self.length:end] = k.transpose(2, 3)
+            self.v[layer, :, :, self.length:end] = v
+
+        return write
 
     def advance(self, steps: int) -> None:
         """Mark ``steps`` more positions as filled (after every layer wrote them)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import fused_layers as fused
 from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rms_norm, \
     rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
@@ -39,11 +40,20 @@ class ParallelLlama(nn.Module):
         head: ``"lm"`` (per-token log-probs and entropy) or ``"value"`` (per-token scalar).
         buffer: flat buffer to live in (must hold every spec of this rank); by default one is
             built from ``slot_specs(specs, groups.layout, groups.rank)``.
+        fused_layers: run the layers and the final norm as C++ blocks with hand-written
+            backward passes (:mod:`engine.fused_layers`); None = whenever available (extension
+            built, float32), False = the Python layers of :mod:`engine.layers`.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
-                 buffer: FlatParamBuffer | None = None) -> None:
+                 buffer: FlatParamBuffer | None = None,
+                 fused_layers: bool | None = None) -> None:
         super().__init__()
+        available = fused.available(config.dtype)
+        if fused_layers and not available:
+            raise ValueError(f"fused_layers=True needs the engine._kernels extension and a "
+                             f"float32 model (dtype {config.dtype})")
+        self.fused_layers = available if fused_layers is None else fused_layers
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
         self.config, self.groups, self.head = config, groups, head
@@ -99,11 +109,13 @@ class ParallelLlama(nn.Module):
         mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
+        layer = fused.decoder_layer if self.fused_layers else decoder_layer
         for i in self.layer_ids:
-            x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
-                              c.rms_norm_eps, self.tp_group)
+            x = layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
+                      c.rms_norm_eps, self.tp_group)
         if self.is_last:
-            x = rms_norm(x, self.params["norm"], c.rms_norm_eps)
+            norm = fused.rms_norm if self.fused_layers else rms_norm
+            x = norm(x, self.params["norm"], c.rms_norm_eps)
         return x
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The C++ decode-step kernels (``engine._decode``) against the Python layers they replace.
+"""The C++ decode-step kernels (``engine._kernels``) against the Python layers they replace.
 
 References are :mod:`engine.layers` (attention_block / swiglu_block with a KV-cache hook),
 which the training model also runs; the engine-level tests compare whole generations with the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import _decode
+from engine import _kernels
 from engine.generation import GenerationEngine
 from engine.kv_cache import KVCache
 from engine.layers import attention_block, causal_mask, position_ids_from_mask, rms_norm, \
@@ -76,7 +76,7 @@ def test_decode_halves_match_python_layers(stacked, threads):
                     rms_norm(x, w["input_norm"], EPS).unsqueeze(1), w_ref,
                     (cos[:, pos:pos + 1], sin[:, pos:pos + 1]), keys_ok[:, None, None, :pos + 1],
                     QPG, D, None, caches[0].hook(0))[:, 0]
-                got = _decode.decode_attention(
+                got = _kernels.decode_attention(
                     x, w["input_norm"], EPS, w["qkv"], w["o_proj"], cos[:, pos], sin[:, pos],
                     caches[1].k[0], caches[1].v[0], pos, keys_ok, QPG)
                 for c in caches:
@@ -90,7 +90,7 @@ def test_decode_halves_match_python_layers(stacked, threads):
                     got_kv, ref_kv = getattr(caches[1], kv)[index], getattr(caches[0], kv)[index]
                     torch.testing.assert_close(got_kv, ref_kv, rtol=1e-6, atol=1e-6)
                 mlp_ref = swiglu_block(rms_norm(x, w["post_norm"], EPS), w_ref, None)
-                mlp = _decode.decode_mlp(x, w["post_norm"], EPS, w["gate_up"], w["down_proj"])
+                mlp = _kernels.decode_mlp(x, w["post_norm"], EPS, w["gate_up"], w["down_proj"])
                 torch.testing.assert_close(mlp, mlp_ref, rtol=1e-5, atol=1e-5)
         finally:
             torch.set_num_threads(old)
@@ -104,11 +104,11 @@ def test_decode_attention_rejects_bad_shapes():
     ok = torch.ones(B, 8, dtype=torch.bool)
     args = (x, w["input_norm"], EPS, w["qkv"], w["o_proj"], cos, cos, cache.k[0], cache.v[0])
     with pytest.raises(RuntimeError, match="pos 8 outside"):
-        _decode.decode_attention(*args, 8, ok, QPG)
+        _kernels.decode_attention(*args, 8, ok, QPG)
     with pytest.raises(RuntimeError, match="qkv rows"):
-        _decode.decode_attention(*args, 3, ok, QPG + 1)
+        _kernels.decode_attention(*args, 3, ok, QPG + 1)
     with pytest.raises(RuntimeError, match="float32"):
-        _decode.decode_attention(x.double(), *args[1:], 3, ok, QPG)
+        _kernels.decode_attention(x.double(), *args[1:], 3, ok, QPG)
 
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -155,12 +155,12 @@ def test_small_gemm_matches_float64(m, n, k):
     x = torch.randn(m, k + 3, generator=g)[:, 3:]  # row stride != K: views are read in place
     w = torch.randn(n, k, generator=g)
     ref = x.double() @ w.double().t()
-    got = _decode.small_linear(x, w)
+    got = _kernels.small_linear(x, w)
     blas = (x @ w.t()).double()
     # no worse than BLAS's own float32 rounding (plus one ulp-ish slack)
     bound = (blas - ref).abs().max().item() * 2 + 1e-6 * max(1.0, ref.abs().max().item())
     assert (got.double() - ref).abs().max().item() <= bound
-    assert torch.equal(_decode.small_linear(x, w), got)  # deterministic
+    assert torch.equal(_kernels.small_linear(x, w), got)  # deterministic
 
 
 def test_decode_with_blas_products_agrees():
@@ -170,10 +170,10 @@ def test_decode_with_blas_products_agrees():
     ids = torch.randint(1, CFG.vocab_size, (6, 9), generator=g)
     sp = SamplingParams(max_new_tokens=16)
     try:
-        _decode.use_small_gemm(False)
+        _kernels.use_small_gemm(False)
         blas = fused.generate(ids, None, sp)
     finally:
-        _decode.use_small_gemm(True)
+        _kernels.use_small_gemm(True)
     small = fused.generate(ids, None, sp)
     assert torch.equal(small.input_ids, blas.input_ids)
     torch.testing.assert_close(small.log_probs, blas.log_probs, rtol=0, atol=2e-5)

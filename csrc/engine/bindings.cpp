@@ -1,11 +1,14 @@
-// Python bindings of the generation engine's CPU kernels: engine._decode
+// Python bindings of the engine's CPU float32 kernels: engine._kernels
 #include <torch/extension.h>
 
 #include "decode_layer.h"
 #include "small_gemm.h"
+#include "train_blocks.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "CPU float32 kernels of the decode step: one Llama layer in two calls";
+  m.doc() =
+      "CPU float32 kernels of the engine: the decode step (a Llama layer in one or two calls) "
+      "and the training blocks of a layer with hand-written backward passes";
   m.def("decode_attention", &hybridflow::decode_attention, py::arg("x"), py::arg("norm_weight"),
         py::arg("eps"), py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"),
         py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
@@ -28,5 +31,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &hybridflow::decode_layers, py::arg("x"), py::arg("layer_weights"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("pos"), py::arg("key_mask"), py::arg("q_per_group"),
+        py::call_guard<py::gil_scoped_release>());
+  // Training blocks (train_blocks.h); the GIL is released like the decode kernels'.
+  m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),
+        py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_backward", &hybridflow::rms_norm_backward, py::arg("dy"), py::arg("x"),
+        py::arg("weight"), py::arg("rstd"), py::call_guard<py::gil_scoped_release>());
+  m.def("attention_forward", &hybridflow::attention_forward, py::arg("a"),
+        py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"), py::arg("sin"),
+        py::arg("mask"), py::arg("q_per_group"), py::call_guard<py::gil_scoped_release>());
+  m.def("attention_backward", &hybridflow::attention_backward, py::arg("dy"), py::arg("a"),
+        py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"), py::arg("sin"),
+        py::arg("saved"), py::call_guard<py::gil_scoped_release>());
+  m.def("mlp_forward", &hybridflow::mlp_forward, py::arg("b"), py::arg("gate_up_weight"),
+        py::arg("down_weight"), py::call_guard<py::gil_scoped_release>());
+  m.def("mlp_backward", &hybridflow::mlp_backward, py::arg("dz"), py::arg("b"),
+        py::arg("gate_up_weight"), py::arg("down_weight"), py::arg("gate_up"), py::arg("act"),
         py::call_guard<py::gil_scoped_release>());
 }
