@@ -143,6 +143,7 @@ class GenerationEngine:
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
         self._flat_weights: list[torch.Tensor] | None = None
+        self._prefill: list[dict[str, torch.Tensor]] | None = None  # [] = not possible
         available = _kernels is not None and config.dtype == torch.float32
         if fused_decode and not available:
             raise ValueError(f"fused_decode=True needs the engine._kernels extension and float32 "
@@ -166,7 +167,7 @@ class GenerationEngine:
         if missing:
             raise ValueError(f"generation weights lack {missing[:4]} (stage {self.stage})")
         self.weights, self.weights_version = weights, version
-        self._flat_weights = None
+        self._flat_weights = self._prefill = None
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -177,7 +178,7 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version = None, None
-        self._flat_weights = None
+        self._flat_weights = self._prefill = None
 
     def _layer(self, i: int) -> dict[str, torch.Tensor]:
         return {k: self.weights[f"layers.{i}.{k}"] for k in LAYER_KEYS}
@@ -208,11 +209,18 @@ class GenerationEngine:
                 self.tp_group)
         return x
 
-    def _fused_prefill(self) -> bool:
-        """Whether the prefill can run through the fused blocks (2-D contiguous weights)."""
-        return self.fused_decode and all(
-            t.dim() == 2 and t.is_contiguous() for t in self._flat_layer_weights()
-            if t.dim() > 1)
+    def _prefill_weights(self) -> list[dict[str, torch.Tensor]] | None:
+        """Per layer, 2-D contiguous weights for the fused prefill (a stack of one
+        row-parallel shard is its matrix); None when the prefill must use the Python layers
+        (kernels off, or row-parallel weights stacked from several training shards)."""
+        if not self.fused_decode:
+            return None
+        if self._prefill is None:
+            layers = [{k: w[0] if w.dim() == 3 and w.shape[0] == 1 else w
+                       for k, w in self._layer(i).items()} for i in self.layer_ids]
+            ok = all(w.dim() <= 2 and w.is_contiguous() for ws in layers for w in ws.values())
+            self._prefill = layers if ok else []
+        return self._prefill or None
 
     def _flat_layer_weights(self) -> list[torch.Tensor]:
         """The stage's layer weights in :func:`engine._kernels.decode_layers` order (cached)."""
@@ -318,11 +326,11 @@ class GenerationEngine:
             dist.recv(x, src=pp.ranks[self.stage - 1], group=pp.pg)
         if seq == 1 and self.fused_decode:
             x = self._decode_layers(x[:, 0], cache, rope, attn).unsqueeze(1)
-        elif cache.length == 0 and self._fused_prefill():
+        elif cache.length == 0 and self._prefill_weights() is not None:
             rope = (rope[0].contiguous(), rope[1].contiguous())
-            for j, i in enumerate(self.layer_ids):
-                x = fused_layers.decoder_layer(x, self._layer(i), rope, attn, c.q_per_group,
-                                               c.head_dim, c.rms_norm_eps, self.tp_group,
+            for j, layer_w in enumerate(self._prefill_weights()):
+                x = fused_layers.decoder_layer(x, layer_w, rope, attn, c.q_per_group, c.head_dim,
+                                               c.rms_norm_eps, self.tp_group,
                                                kv_sink=cache.sink(j))
         else:
             for j, i in enumerate(self.layer_ids):

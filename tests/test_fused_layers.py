@@ -175,14 +175,18 @@ def test_bad_inputs_raise():
 
 
 def test_generation_prefill_uses_blocks_only_for_2d_weights():
-    """Stacked row-parallel weights (tp_g < tp) keep the Python prefill; 2-D ones use blocks."""
+    """A stack of several row-parallel shards (tp_g < tp) keeps the Python prefill; 2-D weights
+    and a stack of one shard use the blocks."""
     model = ParallelLlama(CFG, single_groups())
     load_full_state_dict(model, init_full_state_dict(CFG, seed=2, std=0.2))
     eng = GenerationEngine(CFG, single_groups())
-    eng.set_weights(model.params)
-    assert eng._fused_prefill()
-    stacked = dict(model.params)
-    stacked["layers.0.o_proj"] = model.params["layers.0.o_proj"].unflatten(1, (2, -1)) \
-        .transpose(0, 1).contiguous()
-    eng.set_weights(stacked)
-    assert not eng._fused_prefill()
+    weights = dict(model.params)
+    eng.set_weights(weights)
+    assert eng._prefill_weights() is not None
+    o = model.params["layers.0.o_proj"]
+    eng.set_weights(weights | {"layers.0.o_proj": o.unsqueeze(0)})
+    got = eng._prefill_weights()
+    assert got is not None and got[0]["o_proj"].data_ptr() == o.data_ptr()  # a view, no copy
+    eng.set_weights(weights | {"layers.0.o_proj": o.unflatten(1, (2, -1)).transpose(0, 1)
+                               .contiguous()})
+    assert eng._prefill_weights() is None

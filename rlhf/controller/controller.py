@@ -130,7 +130,9 @@ class Controller:
         cid = next(iter(messages.values()))[1]
         state = CallState(cid, what, frozenset(messages))
         self._calls[cid] = state
-        for rank, msg in messages.items():
+        # Rank 0's worker last: it is a thread of this process and, once woken, holds the GIL
+        # while it works, so a send after it could wait a whole GIL switch interval
+        for rank, msg in sorted(messages.items(), key=lambda item: item[0] == 0):
             self._send(rank, msg, what)
         return state
 
