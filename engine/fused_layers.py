@@ -30,6 +30,13 @@ except ImportError:  # extension not built: the Python layers are used
     _kernels = None
 
 
+# Longest sequence the automatic choice (ParallelLlama(fused_layers=None), the generation
+# prefill) runs on the blocks.  Their attention computes the whole S x S score matrix where
+# CPU flash attention skips the masked half, so the blocks win where dispatch dominates (GRPO
+# actor, 14 tokens: training step 1.5x the Python layers, forward 1.45x) and stop paying at
+# long sequences (128 tokens x 256 hidden: training 0.98x, forward 0.90x; bench/train_layers.py).
+AUTO_MAX_SEQ = 64
+
 # kv_sink(k, v): keys (RoPE applied) and values of a layer, each [B, h_kv, S, D]
 KVSink = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -70,8 +77,8 @@ class _Attention(torch.autograd.Function):
 class _MLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, b, gate_up_w, down_w):
-        z, gate_up, act = _kernels.mlp_forward(b, gate_up_w, down_w)
-        ctx.save_for_backward(b, gate_up_w, down_w, gate_up, act)
+        z, *saved = _kernels.mlp_forward(b, gate_up_w, down_w)  # gate_up, sigmoid, act
+        ctx.save_for_backward(b, gate_up_w, down_w, *saved)
         return z
 
     @staticmethod

@@ -8,7 +8,8 @@ of float32 models run the same maths through the C++ kernels of ``engine._kernel
 stage in one call without TP, two calls per layer with it), reading the same views, and the
 prefill through the training blocks of :mod:`engine.fused_layers` (their forward, which also
 hands each layer's keys and values to the cache) when the layer's weights are 2-D (no stacked
-row-parallel weights, i.e. ``tp_g`` equal to the training ``tp``).
+row-parallel weights, i.e. ``tp_g`` equal to the training ``tp``) and the prompts are at most
+``fused_layers.AUTO_MAX_SEQ`` tokens wide.
 
 One call::
 
@@ -326,7 +327,8 @@ class GenerationEngine:
             dist.recv(x, src=pp.ranks[self.stage - 1], group=pp.pg)
         if seq == 1 and self.fused_decode:
             x = self._decode_layers(x[:, 0], cache, rope, attn).unsqueeze(1)
-        elif cache.length == 0 and self._prefill_weights() is not None:
+        elif (cache.length == 0 and seq <= fused_layers.AUTO_MAX_SEQ
+              and self._prefill_weights() is not None):
             rope = (rope[0].contiguous(), rope[1].contiguous())
             for j, layer_w in enumerate(self._prefill_weights()):
                 x = fused_layers.decoder_layer(x, layer_w, rope, attn, c.q_per_group, c.head_dim,

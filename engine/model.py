@@ -41,8 +41,9 @@ class ParallelLlama(nn.Module):
         buffer: flat buffer to live in (must hold every spec of this rank); by default one is
             built from ``slot_specs(specs, groups.layout, groups.rank)``.
         fused_layers: run the layers and the final norm as C++ blocks with hand-written
-            backward passes (:mod:`engine.fused_layers`); None = whenever available (extension
-            built, float32), False = the Python layers of :mod:`engine.layers`.
+            backward passes (:mod:`engine.fused_layers`); None = when available (extension
+            built, float32) for sequences of up to ``fused_layers.AUTO_MAX_SEQ`` tokens, True =
+            always, False = the Python layers of :mod:`engine.layers`.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
@@ -54,6 +55,7 @@ class ParallelLlama(nn.Module):
             raise ValueError(f"fused_layers=True needs the engine._kernels extension and a "
                              f"float32 model (dtype {config.dtype})")
         self.fused_layers = available if fused_layers is None else fused_layers
+        self.fused_max_seq = fused.AUTO_MAX_SEQ if fused_layers is None else None
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
         self.config, self.groups, self.head = config, groups, head
@@ -109,14 +111,19 @@ class ParallelLlama(nn.Module):
         mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
-        layer = fused.decoder_layer if self.fused_layers else decoder_layer
+        use_fused = self.uses_fused_layers(seq)
+        layer = fused.decoder_layer if use_fused else decoder_layer
         for i in self.layer_ids:
             x = layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
                       c.rms_norm_eps, self.tp_group)
         if self.is_last:
-            norm = fused.rms_norm if self.fused_layers else rms_norm
+            norm = fused.rms_norm if use_fused else rms_norm
             x = norm(x, self.params["norm"], c.rms_norm_eps)
         return x
+
+    def uses_fused_layers(self, seq: int) -> bool:
+        """Whether :meth:`stage_forward` runs sequences of ``seq`` tokens on the fused blocks."""
+        return self.fused_layers and (self.fused_max_seq is None or seq <= self.fused_max_seq)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the last stage: ``[B, S, H]`` -> this rank's vocab slice ``[B, S, V/t]``."""

@@ -168,6 +168,11 @@ def test_bad_inputs_raise():
                                        2, 8, EPS, None)
         with pytest.raises(RuntimeError, match="float32"):
             fused_layers.decoder_layer(x.double(), w, rope, None, 2, 8, EPS, None)
+    auto, forced = ParallelLlama(CFG, single_groups()), ParallelLlama(CFG, single_groups(),
+                                                                       fused_layers=True)
+    long = fused_layers.AUTO_MAX_SEQ + 1  # automatic choice: Python layers for long sequences
+    assert auto.uses_fused_layers(long - 1) and not auto.uses_fused_layers(long)
+    assert forced.uses_fused_layers(long)
     bf16 = LlamaConfig(**(CFG.__dict__ | {"dtype": torch.bfloat16}))
     assert not ParallelLlama(bf16, single_groups()).fused_layers
     with pytest.raises(ValueError, match="fused_layers=True needs"):

@@ -46,6 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mlp_forward", &hybridflow::mlp_forward, py::arg("b"), py::arg("gate_up_weight"),
         py::arg("down_weight"), py::call_guard<py::gil_scoped_release>());
   m.def("mlp_backward", &hybridflow::mlp_backward, py::arg("dz"), py::arg("b"),
-        py::arg("gate_up_weight"), py::arg("down_weight"), py::arg("gate_up"), py::arg("act"),
+        py::arg("gate_up_weight"), py::arg("down_weight"), py::arg("gate_up"), py::arg("sig"),
+        py::arg("act"),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -10,8 +10,9 @@
 //   h --rms_norm--> b --[copy_to_tp]--> mlp: mm(gate_up), silu(gate) * up, mm(down)
 //                                       --[reduce_from_tp]--> + h = out
 //
-// Matrix products are ATen's (BLAS); the element-wise parts (norm, RoPE with the change to a
-// heads-first layout, masked softmax, SwiGLU) and their gradients are loops here.
+// Matrix products and the exponentials (sigmoid, softmax) are ATen's (BLAS, vectorised
+// kernels); the other element-wise parts (norm, RoPE with the change to a heads-first layout,
+// masking and normalising the softmax, SwiGLU) and their gradients are loops here.
 //
 // Shapes (N = B*S tokens, h_kv = this rank's KV heads, qpg = queries per KV group, D = head dim,
 // BG = B*h_kv):
@@ -25,6 +26,7 @@
 //   saved k, v  [B, h_kv, S, D]
 //   saved probs [BG, qpg*S, S]        softmax rows, 0 where masked
 //   saved attn  [N, h_kv*qpg*D]       attention output in the o projection's input order
+//   saved mlp   gate_up [N, 2F], sigmoid(gate) [N, F], silu(gate) * up [N, F]
 #include "train_blocks.h"
 
 #include <ATen/Parallel.h>
@@ -82,30 +84,36 @@ inline void rope_backward(const float* g, const float* cos, const float* sin, in
 }
 
 // Softmax of each row of scores [BG, qpg*S, S] in place: scaled, keys masked out (mask
-// [B, 1, S, S] or causal) get probability 0.  A row's own position is never masked by the
-// callers' masks, so every row has a key.
+// [B, 1, S, S] or causal) get probability 0.  Loops for the row maxima and sums, and one
+// vectorised ATen exp over all rows in between (a scalar exp per score is several times slower
+// at long sequences; separate ATen ops for scale, mask and softmax cost more at short ones).
+// A row's own position is never masked by the callers' masks, so every row has a key.
 void masked_softmax_(at::Tensor& scores, const std::optional<at::Tensor>& mask,
                      const AttentionShape& s, float scale) {
   const int64_t S = s.seq, rows = s.batch_groups() * s.q_per_group * S;
   const int64_t rows_per_batch = s.groups * s.q_per_group * S;
   float* p = scores.data_ptr<float>();
   const bool* m = mask ? mask->data_ptr<bool>() : nullptr;
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / rows_per_batch, i = r % S;
       const bool* ok = m ? m + (b * S + i) * S : nullptr;
       float* row = p + r * S;
-      float mx = -std::numeric_limits<float>::infinity();
+      float mx = kMasked;
       for (int64_t k = 0; k < S; ++k) {
-        const bool allowed = ok ? ok[k] : k <= i;
-        row[k] = allowed ? row[k] * scale : -std::numeric_limits<float>::infinity();
+        row[k] = (ok ? ok[k] : k <= i) ? row[k] * scale : kMasked;
         mx = std::max(mx, row[k]);
       }
+      for (int64_t k = 0; k < S; ++k) row[k] -= mx;  // -inf stays -inf: exp gives 0
+    }
+  });
+  scores.exp_();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = p + r * S;
       float sum = 0.f;
-      for (int64_t k = 0; k < S; ++k) {
-        row[k] = std::exp(row[k] - mx);  // exp(-inf) = 0 for masked keys
-        sum += row[k];
-      }
+      for (int64_t k = 0; k < S; ++k) sum += row[k];
       const float inv = 1.f / sum;
       for (int64_t k = 0; k < S; ++k) row[k] *= inv;
     }
@@ -294,37 +302,37 @@ std::vector<at::Tensor> mlp_forward(const at::Tensor& b, const at::Tensor& gate_
   TORCH_CHECK(down_weight.dim() == 2 && down_weight.size(1) == F, "mlp: down weight ",
               down_weight.sizes(), " expects ", F, " inputs");
   const at::Tensor gate_up = at::mm(b.view({N, H}), gate_up_weight.t());  // [N, 2F]
+  // sigmoid(gate) by ATen's vectorised kernel on a contiguous copy of the gate columns (a
+  // scalar exp per element costs more than the copy); backward reuses it
+  at::Tensor sig = gate_up.view({N, F, 2}).select(2, 0).contiguous().sigmoid_();  // [N, F]
   at::Tensor act = at::empty({N, F}, b.options());
-  const float* gu = gate_up.data_ptr<float>();
+  const float *gu = gate_up.data_ptr<float>(), *sg = sig.data_ptr<float>();
   float* ap = act.data_ptr<float>();
-  at::parallel_for(0, N * F, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float g = gu[2 * i];
-      ap[i] = g / (1.f + std::exp(-g)) * gu[2 * i + 1];
-    }
+  at::parallel_for(0, N * F, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) ap[i] = gu[2 * i] * sg[i] * gu[2 * i + 1];
   });
   std::vector<int64_t> out_shape(b.sizes().begin(), b.sizes().end());
   out_shape.back() = down_weight.size(0);
-  return {at::mm(act, down_weight.t()).view(out_shape), gate_up, act};
+  return {at::mm(act, down_weight.t()).view(out_shape), gate_up, sig, act};
 }
 
 std::vector<at::Tensor> mlp_backward(const at::Tensor& dz, const at::Tensor& b,
                                      const at::Tensor& gate_up_weight,
                                      const at::Tensor& down_weight, const at::Tensor& gate_up,
-                                     const at::Tensor& act) {
+                                     const at::Tensor& sig, const at::Tensor& act) {
   const int64_t H = b.size(-1), N = b.numel() / H, F = act.size(1);
   const at::Tensor dz_flat = dz.contiguous().view({N, down_weight.size(0)});
   at::Tensor d_down = at::mm(dz_flat.t(), act);
   const at::Tensor d_act = at::mm(dz_flat, down_weight);  // [N, F]
   at::Tensor d_gate_up = at::empty({N, 2 * F}, b.options());
-  const float *da = d_act.data_ptr<float>(), *gu = gate_up.data_ptr<float>();
+  const float *da = d_act.data_ptr<float>(), *gu = gate_up.data_ptr<float>(),
+              *sg = sig.data_ptr<float>();
   float* out = d_gate_up.data_ptr<float>();
-  at::parallel_for(0, N * F, 2048, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N * F, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float g = gu[2 * i], u = gu[2 * i + 1];
-      const float sig = 1.f / (1.f + std::exp(-g));
-      out[2 * i] = da[i] * u * sig * (1.f + g * (1.f - sig));  // d silu(g) = sig(1 + g(1-sig))
-      out[2 * i + 1] = da[i] * g * sig;
+      const float g = gu[2 * i], u = gu[2 * i + 1], s = sg[i];
+      out[2 * i] = da[i] * u * s * (1.f + g * (1.f - s));  // d silu(g) = s (1 + g (1 - s))
+      out[2 * i + 1] = da[i] * g * s;
     }
   });
   return {at::mm(d_gate_up, gate_up_weight).view(b.sizes()),

@@ -37,7 +37,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& dy, const at::Tenso
                                            const std::vector<at::Tensor>& saved);
 
 // SwiGLU between the TP collectives: gate_up projection (rows interleaved), silu(gate) * up,
-// down projection.  b [B, S, H].  Returns {z [B, S, H] (partial), gate_up, act}.
+// down projection.  b [B, S, H].  Returns {z [B, S, H] (partial), gate_up, sigmoid(gate), act}.
 std::vector<at::Tensor> mlp_forward(const at::Tensor& b, const at::Tensor& gate_up_weight,
                                     const at::Tensor& down_weight);
 
@@ -45,6 +45,6 @@ std::vector<at::Tensor> mlp_forward(const at::Tensor& b, const at::Tensor& gate_
 std::vector<at::Tensor> mlp_backward(const at::Tensor& dz, const at::Tensor& b,
                                      const at::Tensor& gate_up_weight,
                                      const at::Tensor& down_weight, const at::Tensor& gate_up,
-                                     const at::Tensor& act);
+                                     const at::Tensor& sig, const at::Tensor& act);
 
 }  // namespace hybridflow
