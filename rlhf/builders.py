@@ -124,7 +124,8 @@ def _rule_group(ctl: Controller, plan: WorldPlan, cls: type, args: ScoreArgs,
                 name: str) -> WorkerGroup:
     pool = plan.roles["critic" if "critic" in plan.roles else "actor"].pool
     layout = HybridLayout(ParallelLayout(1, 1, len(pool)), 1, 1)
-    return ctl.group(cls, layout, pool=list(pool), name=name, args=(args,))
+    return ctl.group(cls, layout, pool=list(pool), name=name, args=(args,),
+                     values_in_replies=True)
 
 
 def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
@@ -132,7 +133,9 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
     p, r = plan.roles, cfg.reward
 
     def group(role: str, cls: type, *args) -> WorkerGroup:
-        return ctl.group(cls, p[role].layout, pool=list(p[role].pool), name=role, args=args)
+        # the programs read every output: values come with the replies (no fetch round trip)
+        return ctl.group(cls, p[role].layout, pool=list(p[role].pool), name=role, args=args,
+                         values_in_replies=True)
 
     actor = group("actor", ActorWorker, model_args(cfg, "actor", "lm"), optim_of(cfg, "actor"),
                   policy_loss_args(cfg, plan))

@@ -98,12 +98,14 @@ class Controller:
     # Worker groups ------------------------------------------------------------------------
     def group(self, worker_cls: type, layout: HybridLayout, pool: list[int] | None = None,
               name: str | None = None, args: tuple = (), kwargs: dict | None = None,
-              collective_timeout_s: float | None = None) -> WorkerGroup:
+              collective_timeout_s: float | None = None,
+              values_in_replies: bool = False) -> WorkerGroup:
         """Create a worker group (see :class:`rlhf.controller.worker_group.WorkerGroup`)."""
         from rlhf.controller.worker_group import WorkerGroup
 
         return WorkerGroup(self, worker_cls, layout, pool=pool, name=name, args=args,
-                           kwargs=kwargs or {}, collective_timeout_s=collective_timeout_s)
+                           kwargs=kwargs or {}, collective_timeout_s=collective_timeout_s,
+                           values_in_replies=values_in_replies)
 
     # Issuing ------------------------------------------------------------------------------
     def next_id(self) -> int:

@@ -50,11 +50,16 @@ class WorkerGroup(Generic[W]):
         name: role name used in messages (default: the class name).
         args, kwargs: passed to ``worker_cls.__init__`` on every rank of the pool.
         collective_timeout_s: timeout of the role's process groups (default: the job's).
+        values_in_replies: the collect ranks send every call's output with their reply (and
+            still keep it for later calls), so :meth:`Future.get` needs no fetch round trip;
+            for programs that read every output (the RLHF programs).  Default: outputs stay
+            on the workers until asked for.
     """
 
     def __init__(self, controller: Controller, worker_cls: type[W], layout: HybridLayout,
                  pool: list[int] | None = None, name: str | None = None, args: tuple = (),
-                 kwargs: dict | None = None, collective_timeout_s: float | None = None) -> None:
+                 kwargs: dict | None = None, collective_timeout_s: float | None = None,
+                 values_in_replies: bool = False) -> None:
         if collective_timeout_s is not None and not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
@@ -66,6 +71,7 @@ class WorkerGroup(Generic[W]):
         self.worker_cls = worker_cls
         self.layout = layout
         self.name = name or worker_cls.__name__
+        self.values_in_replies = values_in_replies
         self.gid = controller.next_id()
         cid = controller.next_id()
         # Every rank builds the role's process groups (new_group is collective over the job).
@@ -86,7 +92,7 @@ class WorkerGroup(Generic[W]):
 
     def call(self, method: Callable, *args: Any, **kwargs: Any) -> Future:
         """Run ``method`` on the group's workers by its protocol; returns a Future at once."""
-        return self._issue(method, args, kwargs, inline=False)
+        return self._issue(method, args, kwargs, inline=self.values_in_replies)
 
     def execute(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` and return its collected value (blocking, one round trip).

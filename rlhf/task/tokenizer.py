@@ -93,10 +93,11 @@ class CharTokenizer:
         length = longest if length is None else length
         if length < longest:
             raise ValueError(f"length={length} is shorter than the longest sequence ({longest})")
-        ids = torch.full((len(seqs), length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), length), dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            sl = slice(length - len(s), length) if side == "left" else slice(0, len(s))
-            ids[i, sl] = torch.tensor(s, dtype=torch.long)
-            mask[i, sl] = True
-        return ids, mask
+        # rows built as lists, one tensor each (per-row tensor writes cost the controller more)
+        pads = [[self.pad_id] * (length - len(s)) for s in seqs]
+        rows = [p + s if side == "left" else s + p for s, p in zip(seqs, pads)]
+        marks = [[False] * len(p) + [True] * len(s) if side == "left"
+                 else [True] * len(s) + [False] * len(p) for s, p in zip(seqs, pads)]
+        shape = (len(seqs), length)
+        return (torch.tensor(rows, dtype=torch.long).reshape(shape),
+                torch.tensor(marks, dtype=torch.bool).reshape(shape))
