@@ -115,8 +115,8 @@ class Probe(Worker):
             raise RuntimeError("deliberate failure on rank 2")
 
     @protocol(ONE_TO_ALL)
-    def sleep_on_rank_2(self, pid_file: str) -> None:
-        if self.global_rank == 2:
+    def sleep_on_rank(self, target: int, pid_file: str) -> None:
+        if self.global_rank == target:
             with open(pid_file, "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(120)
@@ -329,10 +329,10 @@ def _raise() -> None:
     sys.exit(run(program, collective_timeout_s=60))
 
 
-def _kill(pid_file: str) -> None:
+def _kill(pid_file: str, target: int) -> None:
     def program(ctl: Controller) -> None:
         group = ctl.group(Probe, _layout((1, 2, 2)), name="actor")
-        group.sleep_on_rank_2(pid_file).get()
+        group.sleep_on_rank(target, pid_file).get()
 
     sys.exit(run(program, collective_timeout_s=60))
 
@@ -340,4 +340,4 @@ def _kill(pid_file: str) -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     {"checks": lambda: _checks(sys.argv[2]), "raise": _raise,
-     "kill": lambda: _kill(sys.argv[2])}[mode]()
+     "kill": lambda: _kill(sys.argv[2], int(sys.argv[3]))}[mode]()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.test_controller_multirank import ROOT, torchrun
 
 
@@ -18,16 +20,19 @@ def test_uncaught_worker_error_stops_job_non_zero():
     assert "--- remote traceback (rank 2) ---" in out
 
 
-def test_sigkill_mid_call_exits_non_zero_naming_lost_rank(tmp_path):
+@pytest.mark.parametrize("target", [2, 0])
+def test_sigkill_mid_call_exits_non_zero_naming_lost_rank(tmp_path, target):
+    """SIGKILL of a worker rank (2) or of rank 0 (the controller's process) during a call:
+    the job ends non-zero within the time limit, naming the lost rank."""
     pid_file = tmp_path / "pid"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "4", "-m", "tests.controller_jobs", "kill", str(pid_file)]
+           "4", "-m", "tests.controller_jobs", "kill", str(pid_file), str(target)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         deadline = time.monotonic() + 60
         while not (pid_file.exists() and pid_file.read_text()):
-            assert time.monotonic() < deadline, "rank 2 never started its call"
+            assert time.monotonic() < deadline, f"rank {target} never started its call"
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.1)
         killed_at = time.monotonic()
@@ -40,4 +45,5 @@ def test_sigkill_mid_call_exits_non_zero_naming_lost_rank(tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert elapsed < 60
-    assert "lost rank 2" in out, out[-3000:]
+    lost = "lost rank 2" if target == 2 else "lost the controller (rank 0)"
+    assert lost in out, out[-3000:]
