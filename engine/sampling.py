@@ -134,8 +134,16 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         the model distribution (see the module docstring).
     """
     z = logits.float()
+    whole_vocab = group is None or group.pg is None
+    if whole_vocab and not params.greedy and params.top_p == 1 \
+            and not 0 < params.top_k < z.shape[-1]:
+        # nothing to gather or filter: the general path's draw and log-prob in fewer ops
+        pick = torch.multinomial(torch.softmax(z / params.temperature, dim=-1), 1,
+                                 generator=generator)  # [B, 1]
+        lse = torch.logsumexp(z.double(), dim=-1)
+        return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id
-    if params.greedy and (group is None or group.pg is None):
+    if params.greedy and whole_vocab:
         return arg, lmax - torch.logsumexp(z, dim=-1)
     v_local = z.shape[-1]
     start = (0 if group is None else group.rank) * v_local
