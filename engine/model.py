@@ -130,28 +130,35 @@ class ParallelLlama(nn.Module):
         return column_linear(hidden, self.params[self.head_name], self.tp_group)
 
     def head_outputs(self, hidden: torch.Tensor, input_ids: torch.Tensor,
-                     with_logits: bool = False) -> dict:
+                     with_logits: bool = False, start: int = 0) -> dict:
         """Per-token outputs of the head from the last stage's hidden states.
 
         Args:
             hidden: ``[B, S, H]`` output of the last stage.
             input_ids: ``[B, S]``; the targets are ``input_ids[:, 1:]``.
             with_logits: also return this rank's vocab slice of the logits (lm head).
+            start: first position computed (RLHF roles need only the response: the head and
+                the vocab-parallel log-softmax skip the prompt positions).
 
         Returns:
-            lm head: ``log_probs`` and ``entropy`` ``[B, S-1]`` (float32) of the next token
-            at positions ``0..S-2`` (and ``logits [B, S, V/t]``); value head: ``values [B, S]``.
+            lm head: ``log_probs`` and ``entropy`` ``[B, S-1-start]`` (float32) of the next
+            token at positions ``start..S-2`` (and ``logits [B, S-start, V/t]``); value head:
+            ``values [B, S-start]`` at positions ``start..S-1``.
         """
+        if not 0 <= start < hidden.shape[1]:
+            raise ValueError(f"head start={start} outside the {hidden.shape[1]} positions")
+        hidden = hidden[:, start:]
         if self.head == "value":
             values = torch.matmul(hidden, self.params["value_head"].t()).squeeze(-1)
             return {"values": values.float()}
+        targets = input_ids[:, start + 1:]
         if with_logits:
-            logits = self.local_logits(hidden)  # [B, S, V/t]
+            logits = self.local_logits(hidden)  # [B, S-start, V/t]
             extra = {"logits": logits}
             logits = logits[:, :-1]
         else:
-            logits, extra = self.local_logits(hidden[:, :-1]), {}  # [B, S-1, V/t]
-        log_probs, entropy = vocab_log_prob_entropy(logits, input_ids[:, 1:], self.tp_group)
+            logits, extra = self.local_logits(hidden[:, :-1]), {}  # [B, S-1-start, V/t]
+        log_probs, entropy = vocab_log_prob_entropy(logits, targets, self.tp_group)
         return {"log_probs": log_probs, "entropy": entropy, **extra}
 
 

@@ -135,7 +135,8 @@ class TrainEngine:
         return PipelineExecutor(self.groups.train_pp, lambda i: (b, s, cfg.hidden_size),
                                 cfg.dtype)
 
-    def _forward_fn(self, micro_batches: list[dict], with_logits: bool = False):
+    def _forward_fn(self, micro_batches: list[dict], with_logits: bool = False,
+                    head_from: int = 0):
         model = self.model
 
         def forward(i: int, x: torch.Tensor | None):
@@ -145,18 +146,20 @@ class TrainEngine:
                                          mb.get("position_ids"))
             if not model.is_last:
                 return hidden
-            return model.head_outputs(hidden, mb["input_ids"], with_logits)
+            return model.head_outputs(hidden, mb["input_ids"], with_logits, head_from)
 
         return forward
 
-    def train_step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, micro_batches: list[dict], loss_fn: LossFn,
+                   head_from: int = 0) -> dict[str, float]:
         """One optimiser step over this rank's micro-batches.
 
         Args:
             micro_batches: dicts with ``input_ids [B, S]``, optional ``attention_mask``,
                 ``position_ids`` and anything ``loss_fn`` needs; same ``[B, S]`` for all.
             loss_fn: ``loss_fn(outputs, micro_batch) -> scalar`` mean loss of the micro-batch;
-                ``outputs`` as :meth:`ParallelLlama.head_outputs`.
+                ``outputs`` as :meth:`ParallelLlama.head_outputs` from position ``head_from``.
+            head_from: first position the head computes (e.g. the last prompt position).
 
         Returns:
             ``loss`` (mean over all micro-batches of all DP ranks), ``grad_norm`` (before
@@ -175,7 +178,9 @@ class TrainEngine:
             return loss / n
 
         actions = make_schedule(self.optim_cfg.schedule, model.layout.pp, model.stage, n)
-        self._executor(micro_batches).run(actions, self._forward_fn(micro_batches), loss_of)
+        self._executor(micro_batches).run(actions, self._forward_fn(micro_batches,
+                                                                    head_from=head_from),
+                                          loss_of)
         self._sync_tied_embedding()
         loss_sum = (torch.stack(losses).sum() if losses else torch.zeros(())).float()
         dp = self.groups.train_dp
@@ -195,12 +200,14 @@ class TrainEngine:
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optim_cfg.lr}
 
     @torch.no_grad()
-    def forward(self, micro_batches: list[dict], with_logits: bool = False) -> list[dict] | None:
+    def forward(self, micro_batches: list[dict], with_logits: bool = False,
+                head_from: int = 0) -> list[dict] | None:
         """Inference: head outputs of every micro-batch (``compute_log_prob``/``compute_values``).
 
         Args:
             micro_batches: as for :meth:`train_step`.
             with_logits: lm head: also return this rank's vocab slice ``logits [B, S, V/t]``.
+            head_from: first position the head computes (see :meth:`train_step`).
 
         Returns:
             On the last stage the per-micro-batch outputs (replicated over TP); None elsewhere.
@@ -208,7 +215,8 @@ class TrainEngine:
         _check_micro_batches(micro_batches)
         n = len(micro_batches)
         out = self._executor(micro_batches).run([("F", i) for i in range(n)],
-                                                self._forward_fn(micro_batches, with_logits))
+                                                self._forward_fn(micro_batches, with_logits,
+                                                                 head_from))
         return [out[i] for i in range(n)] if self.model.is_last else None
 
     # Gradients -------------------------------------------------------------------------------

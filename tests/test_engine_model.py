@@ -239,3 +239,38 @@ def test_layer_functions_read_generation_forms_in_place():
     args = (rope, None, CFG.q_per_group, CFG.head_dim, CFG.rms_norm_eps, None)
     torch.testing.assert_close(decoder_layer(x, gen_w, *args), decoder_layer(x, full_w, *args),
                                atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_head_from_a_later_position_equals_the_tail_of_the_full_head(head):
+    """The RLHF roles run the head from the last prompt position only: same outputs as the
+    full head's tail (values, grads through the train step) and a clear error outside."""
+    model = ParallelLlama(CFG, single_groups(), head=head)
+    load_full_state_dict(model, init_full_state_dict(CFG, seed=4, head=head, std=0.2))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, CFG.vocab_size, (3, 10), generator=g)
+    with torch.no_grad():
+        hidden = model.stage_forward(ids)
+        full = model.head_outputs(hidden, ids, with_logits=head == "lm")
+        part = model.head_outputs(hidden, ids, with_logits=head == "lm", start=6)
+    assert sorted(part) == sorted(full)
+    for k, v in full.items():
+        assert part[k].shape[1] == v.shape[1] - 6
+        torch.testing.assert_close(part[k], v[:, 6:], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="head start=10 outside"):
+        model.head_outputs(hidden, ids, start=10)
+    # a train step whose loss reads only positions >= 6 has the same gradients either way
+    key = "log_probs" if head == "lm" else "values"
+    results = []
+    for start in (0, 6):
+        load_full_state_dict(model, init_full_state_dict(CFG, seed=4, head=head, std=0.2))
+        eng = TrainEngine(model, OptimConfig(lr=1e-2, max_grad_norm=None))
+
+        def loss_fn(out, mb, start=start):
+            return out[key][:, 6 - start:].float().pow(2).mean()
+
+        eng.train_step([{"input_ids": ids}], loss_fn, head_from=start)
+        results.append({n: p.grad.clone() for n, p in model.params.items()})
+    for name, grad in results[0].items():
+        tol = 1e-5 * max(grad.abs().max().item(), 1e-3)
+        torch.testing.assert_close(results[1][name], grad, rtol=0, atol=tol)

@@ -20,8 +20,8 @@ from engine.train import OptimConfig, TrainEngine
 from rlhf.algos import actor_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, load_full_state,
-                                 mean_row, minibatches, model_inputs, prompt_width,
-                                 response_slice)
+                                 mean_row, minibatches, model_inputs, response_head_from,
+                                 response_outputs)
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,12 @@ class ActorWorker(Worker):
     @protocol(THREE_D_PROTO)
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy."""
-        outs = self.engine.train.forward([model_inputs(batch)])
+        outs = self.engine.train.forward([model_inputs(batch)],
+                                         head_from=response_head_from(batch))
         if outs is None:
             return None  # not the last pipeline stage: not collected
-        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
-        return Batch({"old_log_probs": response_slice(outs[0]["log_probs"], plen, n),
-                      "entropy": response_slice(outs[0]["entropy"], plen, n)})
+        return Batch({"old_log_probs": response_outputs(outs[0]["log_probs"], batch),
+                      "entropy": response_outputs(outs[0]["entropy"], batch)})
 
     @protocol(THREE_D_PROTO)
     def update_actor(self, batch: Batch) -> Batch | None:
@@ -86,12 +86,11 @@ class ActorWorker(Worker):
         if a.kl_loss_coef is not None:
             fields.append("ref_log_probs")
         data = batch.select(fields)
-        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
         records: list[dict[str, float]] = []
 
         def loss_fn(outputs: dict, mb: dict) -> torch.Tensor:
-            lp = response_slice(outputs["log_probs"], plen, n)
-            ent = response_slice(outputs["entropy"], plen, n)
+            lp = response_outputs(outputs["log_probs"], batch)
+            ent = response_outputs(outputs["entropy"], batch)
             mask = mb["response_mask"].float()
             loss, m = actor_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mask,
@@ -106,7 +105,8 @@ class ActorWorker(Worker):
         grad_norms = []
         for _ in range(a.epochs):
             for mbs in minibatches(data, a.mini_batch_rows, a.micro_batch_size):
-                grad_norms.append(self.engine.train.train_step(mbs, loss_fn)["grad_norm"])
+                grad_norms.append(self.engine.train.train_step(
+                    mbs, loss_fn, head_from=response_head_from(batch))["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
@@ -130,11 +130,10 @@ class ReferenceWorker(Worker):
 
     @protocol(THREE_D_PROTO)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
-        outs = self.engine.forward([model_inputs(batch)])
+        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch))
         if outs is None:
             return None
-        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
-        return Batch({"ref_log_probs": response_slice(outs[0]["log_probs"], plen, n)})
+        return Batch({"ref_log_probs": response_outputs(outs[0]["log_probs"], batch)})
 
     @protocol(ONE_TO_ALL)
     def full_state(self) -> dict | None:

@@ -7,10 +7,12 @@ Rollout batch (rows = sequences; P = prompt width, N = response width, S = P + N
     attention_mask  [B, S]  | 0 ..  0    1 .. 1 | 1 .. 1    0 ..  0    |
     response_mask   [B, N]                       | 1 .. 1    0 ..  0    |
 
-A model forward gives per-position outputs ``[B, S-1]`` (log-prob of token ``t+1`` at
-position ``t``) or ``[B, S]`` (values).  The response token ``j`` is predicted at position
-``P - 1 + j``, so both are cut to ``[:, P-1 : P-1+N]`` (:func:`response_slice`): the value of
-the state before each action, the log-prob of each action.
+A model forward gives per-position outputs (log-prob of token ``t+1`` at position ``t``, or
+the value at ``t``).  The response token ``j`` is predicted at position ``P - 1 + j``, so the
+roles run the head from position ``P - 1`` only (:func:`response_head_from`; the prompt
+positions never reach the LM head) and keep the first ``N`` outputs
+(:func:`response_outputs`): the value of the state before each action, the log-prob of each
+action.
 """
 
 from __future__ import annotations
@@ -50,9 +52,14 @@ def build_model(args: ModelArgs, groups: HybridGroups) -> ParallelLlama:
     return model
 
 
-def response_slice(t: torch.Tensor, prompt_len: int, resp_len: int) -> torch.Tensor:
-    """Per-position outputs ``[B, >= P-1+N]`` -> the response positions ``[B, N]``."""
-    return t[:, prompt_len - 1:prompt_len - 1 + resp_len]
+def response_head_from(batch: Batch) -> int:
+    """The position predicting the first response token, ``P - 1``: where the head starts."""
+    return prompt_width(batch) - 1
+
+
+def response_outputs(t: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Head outputs from :func:`response_head_from` on -> the response positions ``[B, N]``."""
+    return t[:, :batch["response_mask"].shape[1]]
 
 
 def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ from engine.train import OptimConfig, TrainEngine
 from rlhf.algos import value_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, load_full_state,
-                                 mean_row, minibatches, model_inputs, prompt_width,
-                                 response_slice)
+                                 mean_row, minibatches, model_inputs, response_head_from,
+                                 response_outputs)
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,20 @@ class CriticWorker(Worker):
     @protocol(THREE_D_PROTO)
     def compute_values(self, batch: Batch) -> Batch | None:
         """Value of the state before each response token, ``[B, N]``."""
-        outs = self.engine.forward([model_inputs(batch)])
+        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch))
         if outs is None:
             return None
-        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
-        return Batch({self.loss.value_key: response_slice(outs[0]["values"], plen, n)})
+        return Batch({self.loss.value_key: response_outputs(outs[0]["values"], batch)})
 
     @protocol(THREE_D_PROTO)
     def update_critic(self, batch: Batch) -> Batch | None:
         a = self.loss
         data = batch.select(["input_ids", "attention_mask", "response_mask", a.value_key,
                              a.return_key])
-        plen, n = prompt_width(batch), batch["response_mask"].shape[1]
         records: list[dict[str, float]] = []
 
         def loss_fn(outputs: dict, mb: dict) -> torch.Tensor:
-            values = response_slice(outputs["values"], plen, n)
+            values = response_outputs(outputs["values"], batch)
             loss, m = value_loss(values, mb[a.value_key], mb[a.return_key],
                                  mb["response_mask"].float(), a.value_clip, a.loss_agg_mode)
             records.append({k: float(v) for k, v in m.items()})
@@ -69,7 +67,8 @@ class CriticWorker(Worker):
         norms = []
         for _ in range(a.epochs):
             for mbs in minibatches(data, a.mini_batch_rows, a.micro_batch_size):
-                norms.append(self.engine.train_step(mbs, loss_fn)["grad_norm"])
+                norms.append(self.engine.train_step(
+                    mbs, loss_fn, head_from=response_head_from(batch))["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})
