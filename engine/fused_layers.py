@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from engine.tp_ops import copy_to_tp, reduce_from_tp
 from hybridflow_comm.groups import Group
@@ -54,6 +55,7 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # hand-written backward: no graph of its own (double backward raises)
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = _kernels.rms_norm_backward(dy.contiguous(), x, weight, rstd)
@@ -68,6 +70,7 @@ class _Attention(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         a, qkv_w, o_w, cos, sin, *saved = ctx.saved_tensors
         da, d_qkv, d_o = _kernels.attention_backward(dy, a, qkv_w, o_w, cos, sin, saved)
@@ -82,6 +85,7 @@ class _MLP(torch.autograd.Function):
         return z
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dz: torch.Tensor):
         db, d_gate_up, d_down = _kernels.mlp_backward(dz, *ctx.saved_tensors)
         return db, d_gate_up, d_down
@@ -114,10 +118,14 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     Returns:
         ``[B, S, H]``.
     """
-    cos, sin = rope
     grad = torch.is_grad_enabled()
     if grad and kv_sink is not None:
         raise ValueError("kv_sink is for inference (torch.no_grad()) only")
+    # the kernels take [B, S, D] tables and contiguous weights; broadcast/copy only if needed
+    # (copies are differentiable, so gradients still reach a strided weight)
+    cos, sin = (t if t.shape[:2] == x.shape[:2] and t.is_contiguous()
+                else t.expand(*x.shape[:2], t.shape[-1]).contiguous() for t in rope)
+    w = {k: v if v.is_contiguous() else v.contiguous() for k, v in w.items()}
     a = copy_to_tp(rms_norm(x, w["input_norm"], eps), tp_group)
     if grad:
         y = _Attention.apply(a, w["qkv"], w["o_proj"], cos, sin, mask, q_per_group)

@@ -135,8 +135,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     """
     z = logits.float()
     whole_vocab = group is None or group.pg is None
-    if whole_vocab and not params.greedy and params.top_p == 1 \
-            and not 0 < params.top_k < z.shape[-1]:
+    if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
         pick = torch.multinomial(torch.softmax(z / params.temperature, dim=-1), 1,
                                  generator=generator)  # [B, 1]

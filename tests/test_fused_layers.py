@@ -195,3 +195,32 @@ def test_generation_prefill_uses_blocks_only_for_2d_weights():
     eng.set_weights(weights | {"layers.0.o_proj": o.unflatten(1, (2, -1)).transpose(0, 1)
                                .contiguous()})
     assert eng._prefill_weights() is None
+
+
+def test_fully_masked_row_rope_broadcast_and_no_double_backward():
+    """A query row with no allowed key gives zeros (no NaN); [1, S, D] RoPE tables broadcast
+    like the Python layer's; the hand-written backward refuses a second derivative."""
+    gen = torch.Generator().manual_seed(11)
+    batch, seq, hidden, groups, qpg, head_dim, inner = 2, 5, 32, 2, 2, 8, 16
+    w = layer_weights(gen, hidden, groups, qpg, head_dim, inner)
+    x = torch.randn(batch, seq, hidden, generator=gen, requires_grad=True)
+    rope = layers.rope_tables(torch.arange(seq)[None], head_dim, 500.0)  # [1, S, D]
+    mask = layers.causal_mask(None, batch, seq).contiguous().clone()
+    mask[1, 0, 3] = False  # row 3 of sequence 1 may attend to nothing
+    y = fused_layers.decoder_layer(x, w, rope, mask, qpg, head_dim, EPS, None)
+    (gx,) = torch.autograd.grad(y.sum(), [x])
+    assert torch.isfinite(y).all() and torch.isfinite(gx).all()
+    with torch.no_grad():
+        a = layers.rms_norm(x, w["input_norm"], EPS)
+        attn = fused_layers._kernels.attention_forward(
+            a.contiguous(), w["qkv"], w["o_proj"], rope[0].expand(batch, -1, -1).contiguous(),
+            rope[1].expand(batch, -1, -1).contiguous(), mask, qpg)
+    assert torch.equal(attn[0][1, 3], torch.zeros(hidden))  # the row's attention is 0
+    ok = layers.causal_mask(None, batch, seq).contiguous()
+    torch.testing.assert_close(  # broadcast tables: same as the Python layer
+        fused_layers.decoder_layer(x, w, rope, ok, qpg, head_dim, EPS, None),
+        layers.decoder_layer(x, w, rope, ok, qpg, head_dim, EPS, None), rtol=1e-5, atol=1e-5)
+    y = fused_layers.decoder_layer(x, w, rope, ok, qpg, head_dim, EPS, None)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()

@@ -238,3 +238,20 @@ def test_weights_are_views_of_the_flat_buffer():
     eng.release()
     with pytest.raises(RuntimeError, match="no generation weights"):
         eng.generate(ids, mask)
+
+
+def test_unfiltered_sampling_without_tp_equals_the_gathered_path():
+    """Without TP and without top-k/top-p, sample_next draws directly; same tokens and
+    log-probs as the general path (sample the softmax of the candidates, log-prob against the
+    float64 normaliser), written out here with the same generator state."""
+    from engine.sampling import _filter_and_sample
+
+    z = torch.randn(64, 37, generator=torch.Generator().manual_seed(3)) * 2
+    for temperature in (1.0, 0.7):
+        params = SamplingParams(temperature=temperature, seed=5)
+        tok, lp = sample_next(z, params, None, torch.Generator().manual_seed(5))
+        ids = torch.arange(z.shape[-1]).expand_as(z)
+        ref_tok, ref_z = _filter_and_sample(z, ids, params, torch.Generator().manual_seed(5))
+        ref_lp = (ref_z.double() - torch.logsumexp(z.double(), dim=-1)).float()
+        assert torch.equal(tok, ref_tok)
+        assert torch.equal(lp, ref_lp)

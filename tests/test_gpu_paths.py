@@ -1,7 +1,6 @@
 """GPU paths: CUDA kernel and the cupy/NCCL backend. Skipped on machines without CUDA; the
 Triton kernel is covered on CPU by tests/test_strided.py (TRITON_INTERPRET=1)."""
 
-import os
 import socket
 
 import pytest

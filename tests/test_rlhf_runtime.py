@@ -237,3 +237,41 @@ def test_init_from_checked_before_launch(tmp_path):
         check_run(load_config([f"actor.model.init_from={tmp_path}"]), CharTokenizer.build())
     with pytest.raises(ValueError, match="vocab_size=32 but the task tokenizer has 24"):
         check_run(load_config(["actor.model.vocab_size=32"]), CharTokenizer.build())
+
+
+def test_role_head_positions_match_the_rollout_log_probs():
+    """The roles' head runs from the last prompt position (response_head_from) and keeps N
+    outputs (response_outputs): on a left-padded rollout these must be the log-probs the
+    generation engine sampled with (KV-cache path, computed independently)."""
+    from engine.generation import GenerationEngine
+    from engine.llama_spec import LlamaConfig, init_full_state_dict
+    from engine.model import ParallelLlama, load_full_state_dict
+    from engine.sampling import SamplingParams
+    from engine.train import TrainEngine
+    from hybridflow_comm.groups import build_hybrid_groups
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+    from rlhf.controller import Batch
+    from rlhf.workers.common import model_inputs, response_head_from, response_outputs
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=32)
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=1, std=0.3))
+    gen = GenerationEngine(cfg, groups)
+    gen.set_weights(model.params)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 32, (6, 7), generator=g)
+    mask = (torch.arange(7) >= torch.tensor([0, 1, 2, 3, 5, 6])[:, None]).long()
+    out = gen.generate(ids, mask, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3,
+                                                 eos_token_id=2, pad_token_id=0))
+    batch = Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
+                   "response_mask": out.response_mask})
+    assert response_head_from(batch) == 6  # P - 1
+    with torch.no_grad():
+        outs = TrainEngine(model).forward([model_inputs(batch)],
+                                          head_from=response_head_from(batch))
+    got = response_outputs(outs[0]["log_probs"], batch)
+    keep = out.response_mask.bool()
+    assert got.shape == out.log_probs.shape and keep.sum() > 10
+    torch.testing.assert_close(got[keep], out.log_probs[keep], rtol=0, atol=1e-4)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.shard_spec import (GateUpFusion, QKVFusion, ShardSpec, gen_shard, slot_specs,
                                         stacked_to_logical, train_shard)
 from tests.test_layout import all_hybrid_layouts

@@ -87,7 +87,8 @@ inline void rope_backward(const float* g, const float* cos, const float* sin, in
 // [B, 1, S, S] or causal) get probability 0.  Loops for the row maxima and sums, and one
 // vectorised ATen exp over all rows in between (a scalar exp per score is several times slower
 // at long sequences; separate ATen ops for scale, mask and softmax cost more at short ones).
-// A row's own position is never masked by the callers' masks, so every row has a key.
+// A row with no allowed key (the callers' masks always allow a row's own position) gets all
+// zeros, so its attention output and gradients are 0.
 void masked_softmax_(at::Tensor& scores, const std::optional<at::Tensor>& mask,
                      const AttentionShape& s, float scale) {
   const int64_t S = s.seq, rows = s.batch_groups() * s.q_per_group * S;
@@ -105,7 +106,9 @@ void masked_softmax_(at::Tensor& scores, const std::optional<at::Tensor>& mask,
         row[k] = (ok ? ok[k] : k <= i) ? row[k] * scale : kMasked;
         mx = std::max(mx, row[k]);
       }
-      for (int64_t k = 0; k < S; ++k) row[k] -= mx;  // -inf stays -inf: exp gives 0
+      // -inf stays -inf (exp gives 0); a row with no allowed key stays all -inf
+      if (mx != kMasked)
+        for (int64_t k = 0; k < S; ++k) row[k] -= mx;
     }
   });
   scores.exp_();
@@ -114,7 +117,7 @@ void masked_softmax_(at::Tensor& scores, const std::optional<at::Tensor>& mask,
       float* row = p + r * S;
       float sum = 0.f;
       for (int64_t k = 0; k < S; ++k) sum += row[k];
-      const float inv = 1.f / sum;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // fully masked row: all zeros, no NaN
       for (int64_t k = 0; k < S; ++k) row[k] *= inv;
     }
   });
@@ -126,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& x,
                                                     const at::Tensor& weight, double eps) {
   check_float_cpu(x, "x");
   check_float_cpu(weight, "norm weight");
-  const int64_t H = x.size(-1), N = x.numel() / H;
+  const int64_t H = x.size(-1), N = H > 0 ? x.numel() / H : 0;
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H, "rms_norm: weight ", weight.sizes(),
               " does not match hidden size ", H);
   at::Tensor y = at::empty_like(x), rstd = at::empty({N}, x.options());
@@ -152,9 +155,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& dy, const
                                                      const at::Tensor& rstd) {
   check_float_cpu(dy, "dy");
   check_float_cpu(x, "x");
-  const int64_t H = x.size(-1), N = x.numel() / H;
+  check_float_cpu(weight, "norm weight");
+  check_float_cpu(rstd, "rstd");
+  const int64_t H = x.size(-1), N = H > 0 ? x.numel() / H : 0;
   TORCH_CHECK(dy.sizes() == x.sizes(), "rms_norm backward: dy ", dy.sizes(), " != x ",
               x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && rstd.numel() == N,
+              "rms_norm backward: weight ", weight.sizes(), " / rstd ", rstd.sizes(),
+              " do not match x ", x.sizes());
   at::Tensor dx = at::empty_like(x);
   // dweight = sum over rows of dy * x * r: one partial row per thread, summed at the end
   at::Tensor partial = at::zeros({at::get_num_threads(), H}, x.options());
