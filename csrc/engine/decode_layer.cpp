@@ -37,6 +37,7 @@
 #include <cmath>
 #include <limits>
 
+#include "row_ops.h"
 #include "small_gemm.h"
 
 namespace hybridflow {
@@ -80,16 +81,6 @@ void weighted_values(const float* probs, const float* v, int64_t num_q, int64_t 
       const float* vl = v + l * kv_stride;
       for (int64_t d = 0; d < head_dim; ++d) o[d] += pl * vl[d];
     }
-  }
-}
-
-void rope_row(const float* x, const float* cos, const float* sin, int64_t head_dim, float* out) {
-  const int64_t half = head_dim / 2;
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float rot = d < half ? -x[d + half] : x[d - half];
-    const float a = x[d] * cos[d];
-    const float b = rot * sin[d];
-    out[d] = a + b;
   }
 }
 
@@ -207,8 +198,7 @@ at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionI
 }
 
 void check_float_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "decode: ", name,
-              " must be a float32 CPU tensor, got ", t.toString());
+  hybridflow::check_float_cpu(t, "decode", name);
 }
 
 // rms_norm -> gate_up -> silu(gate) * up; returns [rows, F/t] (before the down projection).

@@ -34,13 +34,13 @@
 #include <cmath>
 #include <limits>
 
+#include "row_ops.h"
+
 namespace hybridflow {
 namespace {
 
 void check_float_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "train blocks: ", name, " must be a contiguous float32 CPU tensor, got ",
-              t.toString(), " of shape ", t.sizes());
+  hybridflow::check_float_cpu(t, "train blocks", name, /*contiguous=*/true);
 }
 
 // Heads-first layout of one layer's attention, derived from the weight and RoPE shapes.
@@ -66,13 +66,6 @@ AttentionShape attention_shape(const at::Tensor& a, const at::Tensor& qkv_weight
               " with ", q_per_group, " queries per group and head dim ", s.head_dim);
   s.groups = qkv_weight.size(0) / per_group;
   return s;
-}
-
-// out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
-inline void rope(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
-  const int64_t h = d / 2;
-  for (int64_t j = 0; j < h; ++j) out[j] = x[j] * cos[j] - x[j + h] * sin[j];
-  for (int64_t j = h; j < d; ++j) out[j] = x[j] * cos[j] + x[j - h] * sin[j];
 }
 
 // Transpose of rope: dx = g * cos + rotate_half^T(g * sin), rotate_half^T(y) = (y2, -y1).
@@ -223,8 +216,8 @@ std::vector<at::Tensor> attention_forward(const at::Tensor& a, const at::Tensor&
       for (int64_t g = 0; g < G; ++g) {
         const float* row = src + n * s.row_width() + g * (Q + 2) * D;
         for (int64_t j = 0; j < Q; ++j)
-          rope(row + j * D, c, sn, D, qp + (((b * G + g) * Q + j) * S + i) * D);
-        rope(row + Q * D, c, sn, D, kp + ((b * G + g) * S + i) * D);
+          rope_row(row + j * D, c, sn, D, qp + (((b * G + g) * Q + j) * S + i) * D);
+        rope_row(row + Q * D, c, sn, D, kp + ((b * G + g) * S + i) * D);
         std::copy(row + (Q + 1) * D, row + (Q + 2) * D, vp + ((b * G + g) * S + i) * D);
       }
     }

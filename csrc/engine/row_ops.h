@@ -1,0 +1,34 @@
+// Pieces the decode kernels (decode_layer.cpp) and the training blocks (train_blocks.cpp)
+// share: the float32 CPU argument check and RoPE of one head's row.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace hybridflow {
+
+// TORCH_CHECK (a RuntimeError in Python) that t is a float32 CPU tensor (and contiguous when
+// asked); `where` names the kernel family in the message.
+inline void check_float_cpu(const at::Tensor& t, const char* where, const char* name,
+                            bool contiguous = false) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat &&
+                  (!contiguous || t.is_contiguous()),
+              where, ": ", name, " must be a ", contiguous ? "contiguous " : "",
+              "float32 CPU tensor, got ", t.toString(), " of shape ", t.sizes());
+}
+
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), for one head's row of
+// head_dim values (half-split convention of transformers' Llama).  The product and the sum
+// are separate roundings (the extension is compiled with -ffp-contract=off), like ATen's
+// separate multiplies and add in engine/layers.py.
+inline void rope_row(const float* x, const float* cos, const float* sin, int64_t head_dim,
+                     float* out) {
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float rot = d < half ? -x[d + half] : x[d - half];
+    const float a = x[d] * cos[d];
+    const float b = rot * sin[d];
+    out[d] = a + b;
+  }
+}
+
+}  // namespace hybridflow
