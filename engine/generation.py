@@ -145,7 +145,7 @@ class GenerationEngine:
         self.weights_version: int | None = None
         self._flat_weights: list[torch.Tensor] | None = None
         self._prefill: list[dict[str, torch.Tensor]] | None = None  # [] = not possible
-        available = _kernels is not None and config.dtype == torch.float32
+        available = fused_layers.available(config.dtype)
         if fused_decode and not available:
             raise ValueError(f"fused_decode=True needs the engine._kernels extension and float32 "
                              f"(dtype={config.dtype}, extension "
@@ -328,9 +328,8 @@ class GenerationEngine:
         if seq == 1 and self.fused_decode:
             x = self._decode_layers(x[:, 0], cache, rope, attn).unsqueeze(1)
         elif (cache.length == 0 and seq <= fused_layers.AUTO_MAX_SEQ
-              and self._prefill_weights() is not None):
-            rope = (rope[0].contiguous(), rope[1].contiguous())
-            for j, layer_w in enumerate(self._prefill_weights()):
+              and (prefill := self._prefill_weights()) is not None):
+            for j, layer_w in enumerate(prefill):
                 x = fused_layers.decoder_layer(x, layer_w, rope, attn, c.q_per_group, c.head_dim,
                                                c.rms_norm_eps, self.tp_group,
                                                kv_sink=cache.sink(j))

@@ -59,9 +59,7 @@ class KVCache:
         def append(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             # k, v [B, S, h_kv, D] -> cached k [B, h_kv, D, 0:end], v [B, h_kv, 0:end, D];
             # both returned as [B, end, h_kv, D] views
-            end = self.length + k.shape[1]
-            if end > self.max_len:
-                raise RuntimeError(f"KV cache overflow: {end} > max_len={self.max_len}")
+            end = self._end(k.shape[1])
             self.k[layer, ..., self.length:end] = k.permute(0, 2, 3, 1)
             self.v[layer, :, :, self.length:end] = v.transpose(1, 2)
             return (self.k[layer, ..., :end].permute(0, 3, 1, 2),
@@ -74,13 +72,18 @@ class KVCache:
         step's keys/values, given heads first ``[B, h_kv, S, D]``, at ``[length, length + S)``."""
 
         def write(k: torch.Tensor, v: torch.Tensor) -> None:
-            end = self.length + k.shape[2]
-            if end > self.max_len:
-                raise RuntimeError(f"KV cache overflow: {end} > max_len={self.max_len}")
+            end = self._end(k.shape[2])
             self.k[layer, ..., self.length:end] = k.transpose(2, 3)
             self.v[layer, :, :, self.length:end] = v
 
         return write
+
+    def _end(self, steps: int) -> int:
+        """End of the ``steps`` positions a step writes from ``length`` (overflow raises)."""
+        end = self.length + steps
+        if end > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {end} > max_len={self.max_len}")
+        return end
 
     def advance(self, steps: int) -> None:
         """Mark ``steps`` more positions as filled (after every layer wrote them)."""

@@ -90,6 +90,11 @@ def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
     return m + torch.log((lsum * torch.exp(lmax - m)).sum(dim=0))
 
 
+def _draw(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index ``[B, 1]`` per row from ``softmax(scaled)`` (every sampling path's draw)."""
+    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+
+
 def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: SamplingParams,
                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature, top-k, top-p over candidate logits ``values [B, C]`` with global ``ids``.
@@ -98,8 +103,7 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
     """
     if params.top_p == 1 and not 0 < params.top_k < values.shape[-1]:
         # nothing is filtered: sample from the candidates as they come (no sort)
-        pick = torch.multinomial(torch.softmax(values / params.temperature, dim=-1), 1,
-                                 generator=generator)  # [B, 1]
+        pick = _draw(values / params.temperature, generator)
         return (torch.gather(ids, -1, pick).squeeze(-1),
                 torch.gather(values, -1, pick).squeeze(-1))
     sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
@@ -113,7 +117,7 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
         drop = mass_before >= params.top_p
         drop[:, 0] = False  # the most likely token always stays
         scaled = scaled.masked_fill(drop, float("-inf"))
-    pick = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)  # [B, 1]
+    pick = _draw(scaled, generator)
     return torch.gather(sorted_ids, -1, pick).squeeze(-1), torch.gather(sorted_z, -1,
                                                                         pick).squeeze(-1)
 
@@ -137,8 +141,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     whole_vocab = group is None or group.pg is None
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
-        pick = torch.multinomial(torch.softmax(z / params.temperature, dim=-1), 1,
-                                 generator=generator)  # [B, 1]
+        pick = _draw(z / params.temperature, generator)
         lse = torch.logsumexp(z.double(), dim=-1)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id
