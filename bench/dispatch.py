@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.report import write_json  # noqa: E402
 from bench.timing import median_time  # noqa: E402
 from hybridflow_comm.layout import HybridLayout, ParallelLayout  # noqa: E402
 from rlhf.controller import Batch, Controller, Worker, get_protocol, protocol, run  # noqa: E402
@@ -163,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             protocols = json.load(f)
     result = {"protocols": protocols, "ray": _ray_bench(args.iters)}
     print(_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return 0
 
 

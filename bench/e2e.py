@@ -31,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, ROOT)
 
+from bench.report import emit_json  # noqa: E402
+
 RESPONSE_LEN, PROMPT_LEN, KL_COEF, LR = 6, 8, 0.01, 1e-4
 
 
@@ -165,10 +167,7 @@ def main() -> None:
     ours_tps, trl_tps = statistics.median(ours_runs), statistics.median(trl_runs)
     result = {"ours_tokens_per_s": ours_tps, "trl_tokens_per_s": trl_tps,
               "ratio": ours_tps / trl_tps, "rounds": {"ours": ours_runs, "trl": trl_runs}}
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit_json(result, a.json)
 
 
 if __name__ == "__main__":

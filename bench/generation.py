@@ -21,7 +21,6 @@ gathered back); tokens/s = batch * new tokens / slowest rank's time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from bench.timing import interleaved_median_times  # noqa: E402
 from engine.generation import GenerationEngine
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(reshard {r['reshard_time_s'] * 1e3:.1f} ms, micro-DP "
                   f"{r['micro_dp_size']}, matches single process: "
                   f"{r['matches_single_process']})")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, a.json, indent=2)
     return 0
 
 

@@ -9,7 +9,6 @@ the same number of bytes (torch ``copy_``, same threads), measured in one run. G
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -18,6 +17,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.report import write_json  # noqa: E402
 from bench.timing import median_time  # noqa: E402
 from hybridflow_comm.pack import pack_tensors, plan_pack, unpack_tensors  # noqa: E402
 
@@ -63,9 +63,7 @@ def main() -> None:
     print(f"  memcpy  {r['memcpy_gib_s']:6.2f} GiB/s")
     print(f"  pack    {r['pack_gib_s']:6.2f} GiB/s  ratio {r['pack_ratio']:.2f} of memcpy")
     print(f"  unpack  {r['unpack_gib_s']:6.2f} GiB/s  ratio {r['unpack_ratio']:.2f} of memcpy")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+    write_json(r, a.json, indent=2)
 
 
 if __name__ == "__main__":

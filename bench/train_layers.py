@@ -14,7 +14,6 @@ Prints ``{"fused_tokens_per_s", "python_tokens_per_s", "hf_tokens_per_s", "fused
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch  # noqa: E402
 
+from bench.report import emit_json  # noqa: E402
 from bench.timing import interleaved_median_times  # noqa: E402
 
 PRESETS = {  # (layers, hidden, intermediate, heads, kv heads, vocab, batch, seq)
@@ -106,10 +106,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     result = run(a.preset, a.repeat)
-    print(json.dumps(result))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    emit_json(result, a.json)
 
 
 if __name__ == "__main__":
