@@ -45,11 +45,13 @@ def make_model(folder: str) -> None:
     from hybridflow_comm.layout import HybridLayout, ParallelLayout
     from rlhf.config import load_config
     from rlhf.task import CharTokenizer
-    from rlhf.workers.common import ModelArgs, build_model
+    from rlhf.workers.common import build_model
+    from rlhf.workers.specs import ModelSpec
 
     cfg = load_config(["algo=grpo"])
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    save_hf_checkpoint(build_model(ModelArgs(cfg.actor.model.llama()), groups), folder)
+    spec = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=0)
+    save_hf_checkpoint(build_model(spec, groups), folder)
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
     hf["architectures"] = ["LlamaForCausalLM"]  # TRL builds its reference model from this
@@ -68,7 +70,7 @@ def ours(folder: str, nproc: int, steps: int, work: str, tp: int, prompts: int,
             f"data.micro_batch_size={prompts * samples // nproc * tp}",
             f"data.max_response_len={RESPONSE_LEN}", f"data.max_prompt_len={PROMPT_LEN}",
             f"actor.layout.tp={tp}", "algo.recompute_log_prob=false", "algo.kl_mode=loss", "algo.kl_estimator=k3", f"algo.kl_coef={KL_COEF}",
-            f"actor.lr={LR}", f"log.runs_dir={work}", "log.run_name=ours",
+            f"actor.optim.lr={LR}", f"log.runs_dir={work}", "log.run_name=ours",
             "checkpoint.resume=never", "checkpoint.save_every=1000000", "log.progress=false",
             "log.tensorboard=false", "log.plot=false"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -35,7 +35,7 @@ LossFn = Callable[[dict, dict], torch.Tensor]
 class OptimConfig:
     """AdamW and gradient settings of one model."""
 
-    lr: float = 1e-3
+    lr: float = 1e-4
     """Learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
     """Adam moment decay rates."""

@@ -1,5 +1,6 @@
-"""Config -> plain arguments and worker groups.  The only place where the run config meets the
-workers: everything below this module takes plain values.
+"""Config -> worker specs and worker groups.  The only place where the run config meets the
+workers: each worker gets its own typed section (:mod:`rlhf.workers.specs`) built here from
+the config's fields by name; no default is restated.
 
 Roles and where they run (pools from :func:`rlhf.config.validate_for_world`)::
 
@@ -17,33 +18,16 @@ critic's pool (or the actor's when there is no critic), one DP rank per pool ran
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from engine.hf_interop import read_hf_config
 from engine.sampling import SamplingParams
-from engine.train import OptimConfig
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.config import Config, WorldPlan
 from rlhf.controller import Controller, WorkerGroup
+from rlhf.programs import Roles, algorithm
 from rlhf.task import AdditionTask, CharTokenizer, CostRule
-from rlhf.workers import (ActorWorker, CostWorker, CriticWorker, ModelArgs, PolicyLossArgs,
-                          ReferenceWorker, RewardWorker, ScoreArgs, ValueLossArgs)
-
-
-@dataclass
-class Roles:
-    """The worker groups of one run (None for a role the algorithm does not use)."""
-
-    actor: WorkerGroup
-    reward: WorkerGroup
-    reference: WorkerGroup | None = None
-    critic: WorkerGroup | None = None
-    cost_critic: WorkerGroup | None = None
-    cost: WorkerGroup | None = None
-
-    def checkpointed(self) -> dict[str, WorkerGroup]:
-        """Role name -> group, for every role with weights."""
-        return {k: v for k, v in vars(self).items() if v is not None}
+from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
+                          ModelSpec, ReferenceWorker, RewardWorker, ScoreSpec, UpdateSpec)
 
 
 def task_of(cfg: Config) -> AdditionTask:
@@ -55,7 +39,7 @@ def check_run(cfg: Config, tokenizer: CharTokenizer) -> None:
     """ValueError naming the values unless the task fits the model and the lengths and every
     ``init_from`` folder exists (run on every rank before any process group exists)."""
     for role in cfg.roles:
-        args = model_args(cfg, role, "lm")
+        args = model_spec(cfg, role, "lm")
         if not args.init_from:
             continue
         if not os.path.isfile(os.path.join(args.init_from, "config.json")):
@@ -80,35 +64,34 @@ def check_run(cfg: Config, tokenizer: CharTokenizer) -> None:
                              f"{task.num_operands}, plus <bos>)")
 
 
-def model_args(cfg: Config, role: str, head: str, seed_offset: int = 0) -> ModelArgs:
+def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0) -> ModelSpec:
     own = cfg.role(role).model
     init = (own or cfg.actor.model).init_from
     if own is None and role in ("reward_model", "cost_model"):
         init = None  # a reward model never starts from the policy checkpoint by accident
-    return ModelArgs(cfg.model_of(role).llama(), head, init, cfg.seed + seed_offset)
+    return ModelSpec(config=cfg.model_of(role).llama(), head=head, init_from=init,
+                     seed=cfg.seed + seed_offset)
 
 
-def optim_of(cfg: Config, role: str) -> OptimConfig:
-    r = cfg.role(role)
-    return OptimConfig(lr=r.lr, weight_decay=r.weight_decay, max_grad_norm=r.max_grad_norm)
+def update_spec(cfg: Config, plan: WorldPlan, role: str) -> UpdateSpec:
+    return UpdateSpec(epochs=cfg.algo.epochs,
+                      mini_batch_rows=cfg.data.mini_batch_size // plan.roles[role].dp,
+                      micro_batch_size=cfg.data.micro_batch_size)
 
 
-def policy_loss_args(cfg: Config, plan: WorldPlan) -> PolicyLossArgs:
-    a, d = cfg.algo, cfg.data
-    return PolicyLossArgs(
-        epochs=a.epochs, mini_batch_rows=d.mini_batch_size // plan.roles["actor"].dp,
-        micro_batch_size=d.micro_batch_size, clip_ratio=a.clip_ratio,
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
-        loss_agg_mode=a.loss_agg_mode,
-        kl_loss_coef=a.kl_coef if a.kl_mode == "loss" else None, kl_estimator=a.kl_estimator)
+def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
+    a = cfg.algo
+    return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
+                     loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
+                     kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator)
 
 
-def value_loss_args(cfg: Config, plan: WorldPlan, role: str) -> ValueLossArgs:
-    a, d = cfg.algo, cfg.data
+def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> CriticSpec:
     keys = ("cost_values", "cost_returns") if role == "cost_critic" else ("values", "returns")
-    return ValueLossArgs(a.epochs, d.mini_batch_size // plan.roles[role].dp, d.micro_batch_size,
-                         a.value_clip, a.loss_agg_mode, *keys)
+    section = cfg.role(role)
+    return CriticSpec(model=model_spec(cfg, role, "value", seed_offset), optim=section.optim,
+                      loss=section.loss, update=update_spec(cfg, plan, role), algo=cfg.algo.name,
+                      value_key=keys[0], return_key=keys[1])
 
 
 def sampling_of(cfg: Config, step: int, tokenizer: CharTokenizer,
@@ -120,7 +103,7 @@ def sampling_of(cfg: Config, step: int, tokenizer: CharTokenizer,
                           seed=cfg.seed * 1_000_003 + step)
 
 
-def _rule_group(ctl: Controller, plan: WorldPlan, cls: type, args: ScoreArgs,
+def _rule_group(ctl: Controller, plan: WorldPlan, cls: type, args: ScoreSpec,
                 name: str) -> WorkerGroup:
     pool = plan.roles["critic" if "critic" in plan.roles else "actor"].pool
     layout = HybridLayout(ParallelLayout(1, 1, len(pool)), 1, 1)
@@ -137,28 +120,32 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
         return ctl.group(cls, p[role].layout, pool=list(p[role].pool), name=role, args=args,
                          values_in_replies=True)
 
-    actor = group("actor", ActorWorker, model_args(cfg, "actor", "lm"), optim_of(cfg, "actor"),
-                  policy_loss_args(cfg, plan))
-    reference = group("reference", ReferenceWorker, model_args(cfg, "actor", "lm")) \
+    actor = group("actor", ActorWorker, actor_spec(cfg, plan))
+    reference = group("reference", ReferenceWorker, model_spec(cfg, "actor", "lm")) \
         if "reference" in p else None
-    critic = group("critic", CriticWorker, model_args(cfg, "critic", "value", 1),
-                   optim_of(cfg, "critic"), value_loss_args(cfg, plan, "critic")) \
+    critic = group("critic", CriticWorker, critic_spec(cfg, plan, "critic", 1)) \
         if "critic" in p else None
-    cost_critic = group("cost_critic", CriticWorker, model_args(cfg, "cost_critic", "value", 2),
-                        optim_of(cfg, "cost_critic"), value_loss_args(cfg, plan, "cost_critic")) \
+    cost_critic = group("cost_critic", CriticWorker, critic_spec(cfg, plan, "cost_critic", 2)) \
         if "cost_critic" in p else None
     rules = dict(r.rule_weights) if r.kind in ("rule", "both") else {}
     if "reward_model" in p:
-        reward = group("reward_model", RewardWorker, ScoreArgs(
-            model_args(cfg, "reward_model", "value", 3), r.model_weight, rules))
+        reward = group("reward_model", RewardWorker, ScoreSpec(
+            model=model_spec(cfg, "reward_model", "value", 3), model_weight=r.model_weight,
+            rule_weights=rules, cost_rule=None))
     else:
-        reward = _rule_group(ctl, plan, RewardWorker, ScoreArgs(rule_weights=rules), "reward")
+        reward = _rule_group(ctl, plan, RewardWorker, ScoreSpec(
+            model=None, model_weight=0.0, rule_weights=rules, cost_rule=None),
+            "reward")
     cost = None
-    if cfg.algo.name == "safe_rlhf":
+    if algorithm(cfg.algo.name).cost:
         if "cost_model" in p:
-            cost = group("cost_model", CostWorker,
-                         ScoreArgs(model_args(cfg, "cost_model", "value", 4)))
+            cost = group("cost_model", CostWorker, ScoreSpec(
+                model=model_spec(cfg, "cost_model", "value", 4), model_weight=1.0,
+                rule_weights={}, cost_rule=None))  # the cost is the cost model's score
         else:
             rule = CostRule(r.forbidden_digit, r.max_answer_len)
-            cost = _rule_group(ctl, plan, CostWorker, ScoreArgs(cost_rule=rule), "cost")
-    return Roles(actor, reward, reference, critic, cost_critic, cost)
+            cost = _rule_group(ctl, plan, CostWorker, ScoreSpec(
+                model=None, model_weight=0.0, rule_weights={}, cost_rule=rule),
+                "cost")
+    return Roles(actor=actor, reward=reward, reference=reference, critic=critic,
+                 cost_critic=cost_critic, cost=cost)

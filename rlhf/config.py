@@ -1,15 +1,24 @@
-"""Run configuration: dataclasses with one docstring per field, YAML recipes, ``key=value``
-overrides, and :func:`validate_for_world`, which checks every size against the world before any
-rank starts work.
+"""Run configuration: frozen dataclasses (the only place a default lives, one docstring per
+field), YAML recipes and ``key=value`` overrides through OmegaConf structured configs, and
+:func:`validate_for_world`, which checks every size against the world before any rank starts.
 
 Loading::
 
-    cfg = load_config(["algo=grpo", "actor.lr=1e-5", "data.prompts_per_iter=32"])
+    cfg = load_config(["algo=grpo", "actor.optim.lr=1e-5", "data.prompts_per_iter=32"])
     plan = validate_for_world(cfg, world_size=4)     # ValueError naming the values and the fix
     plan.roles["actor"].layout, plan.roles["actor"].pool
 
 ``algo=NAME`` picks the shipped recipe ``rlhf/recipes/NAME.yaml`` (default ``ppo``);
-``recipe=PATH`` picks any YAML file.  Every other argument is a dotted key into the config.
+``recipe=PATH`` picks any YAML file.  Every other argument is a dotted key into the config,
+type-checked against the dataclasses (an unknown key names the nearest valid one).
+
+Sections and who reads them (each worker gets its own typed section, see :mod:`rlhf.builders`)::
+
+    actor        model, layout, optim (engine.train.OptimConfig), loss (PolicyLossConfig)
+    critic, cost_critic    model, layout, optim, loss (ValueLossConfig)
+    reference, reward_model, cost_model    model, layout
+    algo         registry name, epochs, advantage and KL settings (the controller program)
+    data, reward, placement, log, checkpoint
 
 Batch sizes, one meaning each (all counted in sequences except ``prompts_per_iter``)::
 
@@ -36,14 +45,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from engine.train import OptimConfig
+from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
+from rlhf.programs import algorithm, algorithm_names
+from rlhf.programs.common import ROLES, TRAINED_ROLES
 
-from rlhf.dataclass_io import build_dataclass, parse_overrides, set_dotted, to_plain_dict
-
-ALGOS = ("ppo", "remax", "safe_rlhf", "grpo", "rloo", "reinforce_pp")
 PLACEMENTS = ("colocated", "split", "standalone", "auto")
-ROLES = ("actor", "critic", "cost_critic", "reference", "reward_model", "cost_model")
-TRAINED_ROLES = ("actor", "critic", "cost_critic")
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 
@@ -123,26 +130,91 @@ class LayoutConfig:
 
 
 @dataclass(frozen=True)
-class RoleConfig:
-    """One model role: its architecture, layout and optimizer."""
+class PolicyLossConfig:
+    """The actor's clipped policy loss (:func:`rlhf.algos.actor_loss`)."""
+
+    clip_ratio: float = 0.2
+    """PPO clip epsilon."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon (DAPO); None = clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound (> 1) for negative advantages; None disables it."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+
+    def __post_init__(self) -> None:
+        from rlhf.algos import LOSS_AGG_MODES
+
+        _one_of("loss.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        for name in ("clip_ratio", "clip_ratio_low"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"loss.{name}={v} must be in (0, 1)")
+        if self.clip_ratio_high is not None and not self.clip_ratio_high > 0:
+            raise ValueError(f"loss.clip_ratio_high={self.clip_ratio_high} must be > 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"loss.clip_ratio_c={self.clip_ratio_c} must be > 1 (or null)")
+        if self.entropy_coeff < 0:
+            raise ValueError(f"loss.entropy_coeff={self.entropy_coeff} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ValueLossConfig:
+    """A critic's clipped value loss (:func:`rlhf.algos.value_loss`)."""
+
+    value_clip: float | None = 0.2
+    """Value clip range around the rollout's values; None disables it."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+
+    def __post_init__(self) -> None:
+        from rlhf.algos import LOSS_AGG_MODES
+
+        _one_of("loss.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.value_clip is not None:
+            _positive(value_clip=self.value_clip)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The policy: trained, generates with the HybridEngine."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture (also the reference's)."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """Training layout, and the generation layout (gen_pp, gen_tp)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, clipping and pipeline schedule (the engine's own dataclass)."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """A value model (critic, Safe-RLHF cost critic): trained."""
+
+    model: ModelConfig | None = None
+    """Architecture; None = the actor's (with a value head)."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """Training layout inside the role's pool."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, clipping and pipeline schedule (the engine's own dataclass)."""
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    """Value loss."""
+
+
+@dataclass(frozen=True)
+class FrozenModelConfig:
+    """A model that is never trained (reference, reward model, cost model)."""
 
     model: ModelConfig | None = None
     """Architecture; None = the actor's (the reference must match the actor)."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
-    """Parallel layout inside the role's pool."""
-    lr: float = 1e-4
-    """AdamW learning rate (trained roles only)."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    max_grad_norm: float | None = 1.0
-    """Global gradient-norm clip; None disables it."""
-
-    def __post_init__(self) -> None:
-        _positive(lr=self.lr)
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
-        if self.max_grad_norm is not None:
-            _positive(max_grad_norm=self.max_grad_norm)
+    """Layout inside the role's pool."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +232,7 @@ class DataConfig:
     prompts_per_iter: int = 16
     """Prompts drawn per iteration."""
     samples_per_prompt: int = 1
-    """Responses sampled per prompt (>= 2 for grpo and rloo)."""
+    """Responses sampled per prompt (>= 2 for the grouped algorithms: grpo, rloo)."""
     mini_batch_size: int = 8
     """Sequences per optimizer step, over all DP ranks."""
     micro_batch_size: int = 2
@@ -173,10 +245,6 @@ class DataConfig:
     """Sampling temperature of the rollouts."""
     seed: int = 0
     """Seed of the prompt order and of the task's examples."""
-    rollout_batch_size: int = field(init=False)
-    """Derived: prompts_per_iter * samples_per_prompt."""
-    num_mini_batches: int = field(init=False)
-    """Derived: rollout_batch_size / mini_batch_size (optimizer steps per epoch)."""
 
     def __post_init__(self) -> None:
         _positive(prompts_per_iter=self.prompts_per_iter,
@@ -187,7 +255,7 @@ class DataConfig:
         if not 1 <= self.min_digits <= self.max_digits or self.num_operands < 2:
             raise ValueError(f"need 1 <= min_digits={self.min_digits} <= max_digits="
                              f"{self.max_digits} and num_operands={self.num_operands} >= 2")
-        rollout = self.prompts_per_iter * self.samples_per_prompt
+        rollout = self.rollout_batch_size
         if rollout % self.mini_batch_size:
             raise ValueError(
                 f"rollout batch prompts_per_iter={self.prompts_per_iter} x samples_per_prompt="
@@ -197,18 +265,26 @@ class DataConfig:
             raise ValueError(f"mini_batch_size={self.mini_batch_size} is not a multiple of "
                              f"micro_batch_size={self.micro_batch_size}; choose micro_batch_size "
                              f"from {_divisors(self.mini_batch_size)}")
-        object.__setattr__(self, "rollout_batch_size", rollout)
-        object.__setattr__(self, "num_mini_batches", rollout // self.mini_batch_size)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """prompts_per_iter * samples_per_prompt."""
+        return self.prompts_per_iter * self.samples_per_prompt
+
+    @property
+    def num_mini_batches(self) -> int:
+        """rollout_batch_size / mini_batch_size (optimizer steps per epoch)."""
+        return self.rollout_batch_size // self.mini_batch_size
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """Algorithm and its hyper-parameters (fields unused by an algorithm are ignored)."""
+    """Algorithm (a registry entry, :mod:`rlhf.programs`) and the controller's settings."""
 
     name: str = "ppo"
-    """One of ppo, remax, safe_rlhf, grpo, rloo, reinforce_pp."""
+    """A registered algorithm: ppo, remax, safe_rlhf, grpo, rloo, reinforce_pp, ..."""
     epochs: int = 1
-    """Passes over each rollout batch."""
+    """Passes over each rollout batch (every trained role)."""
     recompute_log_prob: bool = True
     """Recompute the rollout's log-probs with a training forward (compute_log_prob); False
     uses the generation engine's own (the same weights, equal to ~1e-6 with the native
@@ -221,20 +297,6 @@ class AlgoConfig:
     """Whiten GAE advantages over the batch (ppo, safe_rlhf)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group std (False = Dr. GRPO)."""
-    clip_ratio: float = 0.2
-    """PPO clip epsilon."""
-    clip_ratio_low: float | None = None
-    """Lower clip epsilon (DAPO); None = clip_ratio."""
-    clip_ratio_high: float | None = None
-    """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
-    clip_ratio_c: float | None = None
-    """Dual-clip bound (> 1) for negative advantages; None disables it."""
-    value_clip: float | None = 0.2
-    """Critic value clip range; None disables it."""
-    entropy_coeff: float = 0.0
-    """Entropy bonus coefficient."""
-    loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
     kl_mode: str = "reward"
     """Where the KL to the reference goes: reward (penalty), loss, or none."""
     kl_estimator: str = "k1"
@@ -257,10 +319,9 @@ class AlgoConfig:
     """Safe-RLHF: upper bound of the multiplier; None = unbounded."""
 
     def __post_init__(self) -> None:
-        from rlhf.algos import KL_ESTIMATORS, LOSS_AGG_MODES
+        from rlhf.algos import KL_ESTIMATORS
 
-        _one_of("algo.name", self.name, ALGOS)
-        _one_of("algo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _one_of("algo.name", self.name, algorithm_names())
         _one_of("algo.kl_mode", self.kl_mode, ("reward", "loss", "none"))
         _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("algo.kl_ctrl", self.kl_ctrl, ("fixed", "adaptive"))
@@ -269,22 +330,17 @@ class AlgoConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")
-        for name in ("clip_ratio", "clip_ratio_low"):
-            v = getattr(self, name)
-            if v is not None and not 0 < v < 1:
-                raise ValueError(f"algo.{name}={v} must be in (0, 1)")
-        if self.clip_ratio_high is not None and not self.clip_ratio_high > 0:
-            raise ValueError(f"algo.clip_ratio_high={self.clip_ratio_high} must be > 0")
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
-            raise ValueError(f"algo.clip_ratio_c={self.clip_ratio_c} must be > 1 (or null)")
-        if self.kl_coef < 0 or self.lagrange_init < 0 or self.entropy_coeff < 0:
-            raise ValueError(f"kl_coef={self.kl_coef}, lagrange_init={self.lagrange_init} and "
-                             f"entropy_coeff={self.entropy_coeff} must be >= 0")
+        if self.kl_coef < 0 or self.lagrange_init < 0:
+            raise ValueError(f"kl_coef={self.kl_coef} and lagrange_init={self.lagrange_init} "
+                             f"must be >= 0")
         if self.kl_ctrl == "adaptive" and self.kl_mode != "reward":
             raise ValueError(f"algo.kl_ctrl='adaptive' needs algo.kl_mode='reward', got "
                              f"kl_mode={self.kl_mode!r}")
 
-
+    @property
+    def kl_loss_coef(self) -> float | None:
+        """The actor's KL-loss coefficient: kl_coef with kl_mode=loss, else None."""
+        return self.kl_coef if self.kl_mode == "loss" else None
 @dataclass(frozen=True)
 class RewardConfig:
     """Where rewards (and Safe-RLHF costs) come from."""
@@ -386,20 +442,20 @@ class Config:
     """A whole run."""
 
     algo: AlgoConfig = field(default_factory=AlgoConfig)
-    """Algorithm and hyper-parameters."""
+    """Algorithm and the controller's settings."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts and batch sizes."""
-    actor: RoleConfig = field(default_factory=lambda: RoleConfig(model=ModelConfig()))
+    actor: ActorConfig = field(default_factory=ActorConfig)
     """The policy (trained; generates with the HybridEngine)."""
-    critic: RoleConfig = field(default_factory=RoleConfig)
-    """Value model (ppo, safe_rlhf)."""
-    cost_critic: RoleConfig = field(default_factory=RoleConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Value model (algorithms with a critic: ppo, safe_rlhf)."""
+    cost_critic: CriticConfig = field(default_factory=CriticConfig)
     """Cost value model (safe_rlhf)."""
-    reference: RoleConfig = field(default_factory=RoleConfig)
+    reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)
     """Frozen initial policy for the KL term (unless algo.kl_mode=none)."""
-    reward_model: RoleConfig = field(default_factory=RoleConfig)
+    reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)
     """Reward model (reward.kind = model or both)."""
-    cost_model: RoleConfig = field(default_factory=RoleConfig)
+    cost_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)
     """Cost model (safe_rlhf with reward.cost_kind = model)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward and cost sources."""
@@ -413,33 +469,24 @@ class Config:
     """RL iterations (one rollout batch each)."""
     seed: int = 0
     """Seed of model init and sampling (the data has its own, data.seed)."""
-    roles: tuple[str, ...] = field(init=False)
-    """Derived: the roles this algorithm and reward setup use, in ROLES order."""
 
     def __post_init__(self) -> None:
         _positive(iterations=self.iterations)
-        if self.actor.model is None:   # a recipe that omits it gets the default architecture
-            object.__setattr__(self, "actor", dataclasses.replace(self.actor, model=ModelConfig()))
-        a = self.algo.name
-        if a in ("grpo", "rloo") and self.data.samples_per_prompt < 2:
-            raise ValueError(f"algo={a} compares samples of one prompt: set "
+        spec = algorithm(self.algo.name)
+        if spec.grouped and self.data.samples_per_prompt < 2:
+            raise ValueError(f"algo={spec.name} compares samples of one prompt: set "
                              f"data.samples_per_prompt >= 2 (got {self.data.samples_per_prompt})")
         if self.reference.model not in (None, self.actor.model):
             raise ValueError("reference.model must equal actor.model (leave it null)")
-        active = {"actor"}
-        if self.algo.kl_mode != "none":
-            active.add("reference")
-        if a in ("ppo", "safe_rlhf"):
-            active.add("critic")
-        if a == "safe_rlhf":
-            active.add("cost_critic")
-            if self.reward.cost_kind == "model":
-                active.add("cost_model")
-        if self.reward.kind in ("model", "both"):
-            active.add("reward_model")
-        object.__setattr__(self, "roles", tuple(r for r in ROLES if r in active))
 
-    def role(self, name: str) -> RoleConfig:
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles this algorithm and reward setup use, in ROLES order (from the registry)."""
+        return algorithm(self.algo.name).roles(kl_mode=self.algo.kl_mode,
+                                               reward_kind=self.reward.kind,
+                                               cost_kind=self.reward.cost_kind)
+
+    def role(self, name: str) -> ActorConfig | CriticConfig | FrozenModelConfig:
         if name not in ROLES:
             raise ValueError(f"role={name!r} is not one of {ROLES}")
         return getattr(self, name)
@@ -449,17 +496,16 @@ class Config:
         return self.role(name).model or self.actor.model
 
     def to_dict(self) -> dict:
-        """Plain nested dict of the init fields (loads back with :func:`config_from_dict`)."""
-        return to_plain_dict(self)
-
-
-# Dict <-> dataclass, overrides ------------------------------------------------------------
-def config_from_dict(data: dict) -> Config:
-    """Build and validate a :class:`Config` from a nested dict (YAML layout)."""
-    return build_dataclass(Config, data)
+        """Plain nested dict (loads back with :func:`config_from_dict`)."""
+        return to_dict(self)
 
 
 # Recipes and overrides ---------------------------------------------------------------------
+def config_from_dict(data: dict) -> Config:
+    """Build and validate a :class:`Config` from a nested dict (YAML layout)."""
+    return from_dict(Config, data)
+
+
 def recipe_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(RECIPES_DIR) if f.endswith(".yaml"))
 
@@ -470,31 +516,22 @@ def load_config(args: list[str] | None = None) -> Config:
     Args:
         args: ``key=value`` strings.  ``algo=NAME`` selects ``recipes/NAME.yaml`` (default
             ppo), ``recipe=PATH`` a YAML file; the rest are dotted keys such as
-            ``actor.lr=1e-5`` or ``data.prompts_per_iter=32``.
+            ``actor.optim.lr=1e-5`` or ``data.prompts_per_iter=32``.
+    Raises:
+        ValueError naming the key, its type and the value (or the nearest valid key).
     """
-    overrides = parse_overrides(args or [])
-    recipe = overrides.pop("recipe", None)
-    algo = overrides.pop("algo", None)
-    if recipe is None:
+    def recipe_of(algo: str | None) -> str:
         name = algo or "ppo"
         if name not in recipe_names():
             raise ValueError(f"algo={name!r} has no recipe; shipped recipes: {recipe_names()} "
                              f"(or pass recipe=PATH)")
-        recipe = os.path.join(RECIPES_DIR, f"{name}.yaml")
-    if not os.path.isfile(str(recipe)):
-        raise ValueError(f"recipe={recipe!r} is not a file")
-    with open(recipe, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if algo is not None:
-        set_dotted(data, "algo.name", algo)
-    for key, value in overrides.items():
-        set_dotted(data, key, value)
-    return config_from_dict(data)
+        return os.path.join(RECIPES_DIR, f"{name}.yaml")
+
+    return from_args(Config, args or [], recipe_of)
 
 
 def save_config(config: Config, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+    save_yaml(config, path)
 
 
 # World checks ------------------------------------------------------------------------------
@@ -607,7 +644,8 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
         gen_pp, gen_tp = (lay.gen_pp or lay.pp, lay.gen_tp or lay.tp) if role == "actor" \
             else (lay.pp, lay.tp)
         try:
-            _ = RolePlan(pools[of_role[role]], lay.pp, lay.tp, dp, gen_pp, gen_tp, 0).layout
+            _ = RolePlan(pool=pools[of_role[role]], pp=lay.pp, tp=lay.tp, dp=dp,
+                         gen_pp=gen_pp, gen_tp=gen_tp, grad_accum=0).layout
         except ValueError as e:
             raise ValueError(f"{role}.layout: {e}") from None
         accum = 0
@@ -623,16 +661,17 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
             raise ValueError(f"{role}: rollout batch {d.rollout_batch_size} does not split over "
                              f"dp={dp} replicas; make prompts_per_iter x samples_per_prompt a "
                              f"multiple of {dp}")
-        plans[role] = RolePlan(pools[of_role[role]], lay.pp, lay.tp, dp, gen_pp, gen_tp, accum)
+        plans[role] = RolePlan(pool=pools[of_role[role]], pp=lay.pp, tp=lay.tp, dp=dp,
+                               gen_pp=gen_pp, gen_tp=gen_tp, grad_accum=accum)
     dp_g = plans["actor"].dp_g
     if d.rollout_batch_size % dp_g:
         raise ValueError(f"actor: rollout batch {d.rollout_batch_size} does not split over "
                          f"{dp_g} generation replicas; make prompts_per_iter x "
                          f"samples_per_prompt a multiple of {dp_g} (or change gen_tp/gen_pp)")
-    if config.algo.name == "remax" and d.prompts_per_iter % dp_g:
-        raise ValueError(f"remax: the greedy baseline batch prompts_per_iter={d.prompts_per_iter}"
-                         f" does not split over {dp_g} generation replicas; use a multiple of "
-                         f"{dp_g}")
+    if algorithm(config.algo.name).greedy_baseline and d.prompts_per_iter % dp_g:
+        raise ValueError(f"{config.algo.name}: the greedy baseline batch prompts_per_iter="
+                         f"{d.prompts_per_iter} does not split over {dp_g} generation replicas; "
+                         f"use a multiple of {dp_g}")
     need = d.max_prompt_len + d.max_response_len
     for role in config.roles:
         if config.model_of(role).max_seq_len < need:

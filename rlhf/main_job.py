@@ -31,7 +31,7 @@ SFT_ARGS = ["--steps", "1500", "--noise", "0.3"]
 PPO_OVERRIDES = [
     "algo=ppo", "iterations=250", "log.run_name=main_ppo", "checkpoint.resume=never",
     "checkpoint.save_every=50", "data.prompts_per_iter=128", "data.mini_batch_size=64",
-    "data.micro_batch_size=16", "algo.lam=1.0", "actor.lr=3e-4", "critic.lr=5e-4",
+    "data.micro_batch_size=16", "algo.lam=1.0", "actor.optim.lr=3e-4", "critic.optim.lr=5e-4",
     f"actor.model.init_from={SFT_DIR}"]
 
 

@@ -19,13 +19,13 @@ import os
 import time
 
 from rlhf.algos import LagrangeMultiplier, make_kl_controller
-from rlhf.builders import Roles, build_roles, check_run, sampling_of, task_of
+from rlhf.builders import build_roles, check_run, sampling_of, task_of
 from rlhf.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
                              restore_rng_state, save_checkpoint)
 from rlhf.config import Config, WorldPlan, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer
-from rlhf.programs import PROGRAMS, Iteration
+from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.task import CharTokenizer, Example, PromptStream, read_dataset
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -100,11 +100,9 @@ def restore(roles: Roles, state: RunState, path: str) -> None:
 
 def iteration_of(cfg: Config, state: RunState, tok: CharTokenizer, timer: PhaseTimer
                  ) -> Iteration:
-    a = cfg.algo
-    return Iteration(a.name, sampling_of(cfg, state.step, tok),
-                     sampling_of(cfg, state.step, tok, greedy=True), timer, state.kl_ctrl,
-                     a.kl_mode, a.kl_estimator, a.gamma, a.lam, a.whiten_advantages,
-                     a.norm_adv_by_std, a.recompute_log_prob, state.lagrange)
+    return Iteration(algo=cfg.algo, sampling=sampling_of(cfg, state.step, tok),
+                     greedy=sampling_of(cfg, state.step, tok, greedy=True), timer=timer,
+                     kl_ctrl=state.kl_ctrl, lagrange=state.lagrange)
 
 
 def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
@@ -121,7 +119,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         print(f"[rlhf] resumed from {resume_from} at step {state.step}", flush=True)
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    program, d, records = PROGRAMS[cfg.algo.name], cfg.data, []
+    program, d, records = algorithm(cfg.algo.name).program, cfg.data, []
     logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
                            tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
     while state.step < cfg.iterations:

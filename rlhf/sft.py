@@ -27,7 +27,8 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.builders import task_of
 from rlhf.config import load_config
 from rlhf.task import CharTokenizer, corrupt_answer
-from rlhf.workers.common import ModelArgs, build_model
+from rlhf.workers.common import build_model
+from rlhf.workers.specs import ModelSpec
 
 META = "sft_meta.json"
 
@@ -64,7 +65,7 @@ def sft_loss(outputs: dict, mb: dict) -> torch.Tensor:
     return -(outputs["log_probs"] * m).sum() / m.sum()
 
 
-def train_sft(args: ModelArgs, task, tok: CharTokenizer, out: str, steps: int, batch: int,
+def train_sft(args: ModelSpec, task, tok: CharTokenizer, out: str, steps: int, batch: int,
               lr: float, width: int, noise: float = 0.0) -> dict:
     """Train from ``args`` and save to ``out``; returns ``{"loss", "time_s"}``."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> int:
                 return 0
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
-    args = ModelArgs(cfg.actor.model.llama(), "lm", None, cfg.seed)
+    args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=cfg.seed)
     result = train_sft(args, task, tok, a.out, a.steps, a.batch, a.lr, width, a.noise)
     with open(meta_path, "w") as f:
         json.dump({"settings": settings, **result}, f)

@@ -27,7 +27,8 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.builders import task_of
 from rlhf.config import load_config
 from rlhf.task import CharTokenizer, CostRule
-from rlhf.workers.common import ModelArgs, build_model, last_token_index
+from rlhf.workers.common import build_model, last_token_index
+from rlhf.workers.specs import ModelSpec
 
 
 def pair_batch(pairs: list[tuple[str, str, str]], tok: CharTokenizer, width: int
@@ -63,7 +64,7 @@ def accuracy(engine: TrainEngine, batch: dict) -> float:
     return float((high > low).float().mean())
 
 
-def train_rm(args: ModelArgs, kind: str, task, rule: CostRule, tok: CharTokenizer, out: str,
+def train_rm(args: ModelSpec, kind: str, task, rule: CostRule, tok: CharTokenizer, out: str,
              steps: int, batch: int, lr: float, width: int) -> dict:
     """Train and save; returns held-out pair accuracy before and after."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
@@ -92,7 +93,8 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     cfg = load_config(a.overrides)
     role = "reward_model" if a.kind == "reward" else "cost_model"
-    args = ModelArgs(cfg.model_of(role).llama(), "value", a.init, cfg.seed + 3)
+    args = ModelSpec(config=cfg.model_of(role).llama(), head="value", init_from=a.init,
+                     seed=cfg.seed + 3)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), a.out, a.steps,

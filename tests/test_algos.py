@@ -341,9 +341,23 @@ def test_safe_rlhf(seed):
             assert math.isclose(float(out["advantages"][b, t]), want, rel_tol=1e-10, abs_tol=1e-12)
 
 
-# Dispatcher --------------------------------------------------------------------------------
-def test_compute_advantage_dispatch():
+# Registered estimators --------------------------------------------------------------------
+def _iteration(algo: str, lagrange: float = 0.0):
+    from engine.sampling import SamplingParams
+    from rlhf.config import AlgoConfig
+    from rlhf.metrics import PhaseTimer
+    from rlhf.programs import Iteration
+
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0)
+    return Iteration(algo=AlgoConfig(name=algo, gamma=1.0, lam=0.95, whiten_advantages=True),
+                     sampling=sp, greedy=sp, timer=PhaseTimer(),
+                     kl_ctrl=algos.FixedKLController(0.0),
+                     lagrange=algos.LagrangeMultiplier(lagrange, 0.1, 0.0))
+
+
+def test_registered_advantage_estimators():
     from rlhf.controller import Batch
+    from rlhf.programs import ALGORITHMS, algorithm
 
     _, mask, rnd = _inputs(0)
     r, v = rnd(), rnd()
@@ -355,17 +369,15 @@ def test_compute_advantage_dispatch():
               "remax": algos.remax(r, torch.zeros(B, dtype=torch.float64), mask)[0],
               "grpo": algos.grpo(r, mask, _groups(0))[0],
               "rloo": algos.rloo(r, mask, _groups(0))[0],
-              "reinforce_pp": algos.reinforce_pp(r, mask)[0]}
+              "reinforce_pp": algos.reinforce_pp(r, mask)[0],
+              "safe_rlhf": algos.gae(r, v, mask, 1.0, 0.95)[0]}   # lagrange 0: reward part only
+    assert set(direct) == set(ALGORITHMS)
     for name, want in direct.items():
-        torch.testing.assert_close(algos.compute_advantage(batch, name)["advantages"], want)
-    out = algos.compute_advantage(batch, "safe_rlhf", lagrange=0.0)
-    torch.testing.assert_close(out["advantages"], direct["ppo"])
-    with pytest.raises(ValueError, match="'values'"):
-        algos.compute_advantage({"token_level_rewards": r, "response_mask": mask}, "ppo")
-    with pytest.raises(ValueError, match="algo='dpo'"):
-        algos.compute_advantage(batch, "dpo")
-    with pytest.raises(ValueError, match="lagrange"):
-        algos.compute_advantage(batch, "safe_rlhf")
+        got = algorithm(name).advantage(batch, _iteration(name))["advantages"]
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="algo='ppo' needs batch field 'values'"):
+        algorithm("ppo").advantage({"token_level_rewards": r, "response_mask": mask},
+                                   _iteration("ppo"))
     with pytest.raises(ValueError, match=r"shape \(6, 6\)"):
         algos.gae(r[:, :6], v[:, :6], mask, 1.0, 0.9)
 

@@ -7,6 +7,7 @@ import pytest
 
 from rlhf import config as C
 from rlhf.config import load_config, validate_for_world
+from rlhf.programs import algorithm_names
 
 
 @pytest.mark.parametrize("name", C.recipe_names())
@@ -25,7 +26,7 @@ def test_recipes_load_validate_and_roundtrip(name, tmp_path):
 
 
 def test_shipped_recipes_and_roles():
-    assert set(C.recipe_names()) >= set(C.ALGOS)
+    assert set(C.recipe_names()) >= set(algorithm_names())
     assert load_config([]).algo.name == "ppo"           # default recipe
     assert load_config(["algo=ppo"]).roles == ("actor", "critic", "reference")
     assert load_config(["algo=remax"]).roles == ("actor", "reference")
@@ -35,13 +36,13 @@ def test_shipped_recipes_and_roles():
 
 
 def test_overrides_and_derived_sizes():
-    cfg = load_config(["algo=ppo", "actor.lr=1e-5", "data.prompts_per_iter=32",
-                       "data.samples_per_prompt=2", "algo.clip_ratio_c=3",
+    cfg = load_config(["algo=ppo", "actor.optim.lr=1e-5", "data.prompts_per_iter=32",
+                       "data.samples_per_prompt=2", "actor.loss.clip_ratio_c=3",
                        "reward.rule_weights.format=0.5", "critic.model.hidden_size=32",
                        "log.tensorboard=false", "algo.lagrange_max=null"])
-    assert cfg.actor.lr == 1e-5 and isinstance(cfg.actor.lr, float)
+    assert cfg.actor.optim.lr == 1e-5 and isinstance(cfg.actor.optim.lr, float)
     assert cfg.data.rollout_batch_size == 64 and cfg.data.num_mini_batches == 8
-    assert cfg.algo.clip_ratio_c == 3.0 and cfg.reward.rule_weights["format"] == 0.5
+    assert cfg.actor.loss.clip_ratio_c == 3.0 and cfg.reward.rule_weights["format"] == 0.5
     assert cfg.model_of("critic").hidden_size == 32 and cfg.model_of("reference") == cfg.actor.model
     assert cfg.log.tensorboard is False and cfg.algo.lagrange_max is None
     plan = validate_for_world(cfg, 4)
@@ -49,17 +50,32 @@ def test_overrides_and_derived_sizes():
 
 
 def test_unknown_keys_and_bad_values():
-    with pytest.raises(ValueError, match=r"unknown config key 'actor.lrr' \(did you mean 'lr'\?\)"
-                                         r".*valid keys of section 'actor': model, layout, lr"):
-        load_config(["actor.lrr=1"])
+    with pytest.raises(ValueError, match=r"unknown config key 'actor.lr' \(did you mean "
+                                         r"'actor.optim.lr'\?\).*valid keys of section 'actor': "
+                                         r"model, layout, optim, loss"):
+        load_config(["actor.lr=1"])
+    with pytest.raises(ValueError, match=r"'actor.optim.lrr' \(did you mean 'actor.optim.lr'"):
+        load_config(["actor.optim.lrr=1"])
+    with pytest.raises(ValueError, match=r"'algo.clip_ratio' \(did you mean "
+                                         r"'actor.loss.clip_ratio'"):
+        load_config(["algo.clip_ratio=0.1"])
     with pytest.raises(ValueError, match="unknown config key 'iters'.*iterations"):
         load_config(["iters=3"])
-    with pytest.raises(ValueError, match=r"data.prompts_per_iter='many' must be an integer"):
+    with pytest.raises(ValueError, match=r"config key 'data.prompts_per_iter' expects int, got "
+                                         r"'many' \(str\)"):
         load_config(["data.prompts_per_iter=many"])
-    with pytest.raises(ValueError, match="'actor.lr' is a value"):
-        load_config(["actor.lr.x=1"])
+    with pytest.raises(ValueError, match=r"config key 'actor.optim.lr' expects float, got "
+                                         r"\[1, 2\] \(list\)"):
+        load_config(["actor.optim.lr=[1, 2]"])
+    with pytest.raises(ValueError, match=r"'log.tensorboard' expects bool, got 'maybe'"):
+        load_config(["log.tensorboard=maybe"])
+    with pytest.raises(ValueError, match="'actor.optim.lr' is a value"):
+        load_config(["actor.optim.lr.x=1"])
     with pytest.raises(ValueError, match="not key=value"):
-        load_config(["actor.lr"])
+        load_config(["actor.optim.lr"])
+    with pytest.raises(ValueError, match=r"placement.pool_sizes='\{actor:' is not a valid YAML "
+                                         r"value.*quote the whole argument"):
+        load_config(["placement.pool_sizes={actor:"])
     with pytest.raises(ValueError, match="algo='dpo' has no recipe"):
         load_config(["algo=dpo"])
     with pytest.raises(ValueError, match=r"placement.mode='everywhere' must be one of"):
@@ -149,3 +165,42 @@ def test_every_config_field_has_a_docstring():
                 nxt = body[i + 1] if i + 1 < len(body) else None
                 ok = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 assert ok, f"{cls.name}.{node.target.id} has no docstring"
+
+
+def test_recipe_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- algo\n- ppo\n")
+    with pytest.raises(ValueError, match=r"recipe=.*list.yaml' must be a YAML mapping of config "
+                                         r"sections, got a list"):
+        load_config([f"recipe={path}"])
+    with pytest.raises(ValueError, match=r"recipe='/nonexistent.yaml' is not a file"):
+        load_config(["recipe=/nonexistent.yaml"])
+
+
+def test_mappings_are_replaced_sections_merged():
+    # a mapping-valued field is replaced by an override (not unioned with the recipe's)
+    cfg = load_config(["reward.rule_weights={partial: 1}"])
+    assert cfg.reward.rule_weights == {"partial": 1.0}
+    # a section given as a mapping sets its fields; a null optional section starts at defaults
+    cfg = load_config(["critic.model={hidden_size: 32}", "actor.optim={lr: 0.5}"])
+    assert cfg.critic.model == C.ModelConfig(hidden_size=32)
+    assert cfg.actor.optim.lr == 0.5 and cfg.actor.optim.betas == (0.9, 0.999)
+    assert load_config(["algo=grpo", "actor.optim.betas=[0.8, 0.9]"]).actor.optim.betas == \
+        (0.8, 0.9)
+
+
+def test_registry_drives_names_roles_and_checks():
+    from rlhf.programs import ALGORITHMS, algorithm
+
+    assert set(algorithm_names()) == {"ppo", "remax", "safe_rlhf", "grpo", "rloo",
+                                      "reinforce_pp"}
+    for name, spec in ALGORITHMS.items():
+        cfg = load_config([f"algo={name}"])
+        want = {"actor", "reference", *spec.critics}
+        assert set(cfg.roles) == want, name        # shipped recipes: rule rewards, KL on
+        assert callable(spec.program) and callable(spec.advantage)
+    assert algorithm("remax").generations == 2 and algorithm("ppo").generations == 1
+    with pytest.raises(ValueError, match=r"algo='dpo' is not a registered algorithm"):
+        algorithm("dpo")
+    with pytest.raises(ValueError, match=r"algo.name='dpo' must be one of"):
+        load_config(["algo=ppo", "algo.name=dpo"])

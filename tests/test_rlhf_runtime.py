@@ -212,11 +212,12 @@ def test_train_cost_model_bradley_terry(tmp_path):
     from engine.llama_spec import LlamaConfig
     from rlhf.task import AdditionTask, CharTokenizer, CostRule
     from rlhf.train_rm import train_rm
-    from rlhf.workers.common import ModelArgs
+    from rlhf.workers.specs import ModelSpec
 
     cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, max_position_embeddings=32)
-    res = train_rm(ModelArgs(cfg, "value"), "cost", AdditionTask(1, 2), CostRule("7"),
+    spec = ModelSpec(config=cfg, head="value", init_from=None, seed=0)
+    res = train_rm(spec, "cost", AdditionTask(1, 2), CostRule("7"),
                    CharTokenizer.build(), str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
                    width=14)
     assert res["accuracy_after"] > 0.9 > res["accuracy_before"]

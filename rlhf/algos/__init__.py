@@ -6,7 +6,6 @@ Conventions: token-level tensors are ``[B, T]`` over response positions with a r
 
 from rlhf.algos.advantages import (gae, group_index, grpo, grpo_scores, reinforce_pp, remax,
                                    rloo, rloo_scores)
-from rlhf.algos.dispatch import ALGOS, compute_advantage
 from rlhf.algos.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_estimate,
                            kl_loss, kl_penalty_rewards, make_kl_controller)
 from rlhf.algos.losses import (actor_loss, entropy_from_logits, entropy_loss, policy_loss,
@@ -16,7 +15,7 @@ from rlhf.algos.masked import (LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum
 from rlhf.algos.safe_rlhf import LagrangeMultiplier, combine_advantages, safe_rlhf_advantages
 
 __all__ = ["gae", "group_index", "grpo", "grpo_scores", "reinforce_pp", "remax", "rloo",
-           "rloo_scores", "ALGOS", "compute_advantage", "KL_ESTIMATORS", "AdaptiveKLController",
+           "rloo_scores", "KL_ESTIMATORS", "AdaptiveKLController",
            "FixedKLController", "kl_estimate", "kl_loss", "kl_penalty_rewards",
            "make_kl_controller", "actor_loss", "entropy_from_logits", "entropy_loss", "policy_loss",
            "value_loss", "LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_sum", "masked_var",

@@ -19,6 +19,7 @@ from rlhf.planner.profile import DeviceProfile, load_profile
 from rlhf.planner.report import placement_kind
 from rlhf.planner.search import Mapping, Planner
 from rlhf.planner.strategy import Strategy
+from rlhf.programs import algorithm
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def _runnable_kind(roles: tuple[str, ...]):
 
 
 def _batch_filter(cfg):
-    d, algo = cfg.data, cfg.algo.name
+    d, greedy_baseline = cfg.data, algorithm(cfg.algo.name).greedy_baseline
 
     def ok(role: RoleSpec, s: Strategy) -> bool:
         if d.rollout_batch_size % s.dp:
@@ -56,7 +57,7 @@ def _batch_filter(cfg):
         if role.generations:
             if d.rollout_batch_size % s.dp_g:
                 return False
-            if algo == "remax" and d.prompts_per_iter % s.dp_g:
+            if greedy_baseline and d.prompts_per_iter % s.dp_g:
                 return False
         return True
     return ok
@@ -86,12 +87,8 @@ def mapping_overrides(mapping: Mapping, roles: tuple[str, ...]) -> dict:
 def apply_overrides(cfg, overrides: dict):
     """A new validated Config with ``overrides`` (dotted keys) applied."""
     from rlhf.config import config_from_dict
-    from rlhf.dataclass_io import set_dotted
 
-    data = cfg.to_dict()
-    for key, value in overrides.items():
-        set_dotted(data, key, value)
-    return config_from_dict(data)
+    return config_from_dict({**cfg.to_dict(), **overrides})
 
 
 def plan_for_config(cfg, world_size: int, profile: DeviceProfile | str = "cpu",

@@ -7,7 +7,7 @@ Every algorithm runs the same three stages per iteration, in order (the paper's 
                   critic values, reward / cost scores
     training      actor and critic updates (epochs x optimizer steps)
 
-Built-in dataflows (``DATAFLOWS``)::
+Dataflows of the registered algorithms (:mod:`rlhf.programs`; the paper's four shown)::
 
     ppo        actor, critic, reference, reward
     safe_rlhf  actor, critic, reference, reward, cost
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlhf.planner.models import ModelShape, shape_from_model_config
+from rlhf.programs import TRAINED_ROLES, algorithm, algorithm_names
 
 STAGES = ("generation", "preparation", "training")
 
@@ -110,7 +111,7 @@ class Dataflow:
         raise ValueError(f"role={name!r} is not in dataflow {self.algo!r} ({self.names})")
 
 
-DATAFLOWS = ("ppo", "safe_rlhf", "remax", "grpo")
+DATAFLOWS = algorithm_names()
 
 
 def build_dataflow(algo: str, actor: ModelShape, critic: ModelShape | None = None,
@@ -118,21 +119,22 @@ def build_dataflow(algo: str, actor: ModelShape, critic: ModelShape | None = Non
     """The built-in dataflow of ``algo`` (see the module docstring).
 
     Args:
-        algo: one of ``DATAFLOWS``.
+        algo: a registered algorithm (``DATAFLOWS``).
         actor: actor (and reference) architecture.
         critic: critic architecture; default = the actor's, with a value head.
         reward: reward (and cost) model architecture; default = the critic's.
     """
     if algo not in DATAFLOWS:
         raise ValueError(f"algo={algo!r} has no built-in dataflow; choose from {DATAFLOWS}")
+    spec = algorithm(algo)
     critic = (critic or actor).as_value_model()
     reward = (reward or critic).as_value_model()
-    roles = [RoleSpec("actor", actor, trained=True, generations=2 if algo == "remax" else 1)]
-    if algo in ("ppo", "safe_rlhf"):
+    roles = [RoleSpec("actor", actor, trained=True, generations=spec.generations)]
+    if "critic" in spec.critics:
         roles.append(RoleSpec("critic", critic, trained=True))
     roles.append(RoleSpec("reference", actor))
-    roles.append(RoleSpec("reward", reward, forwards=2 if algo == "remax" else 1))
-    if algo == "safe_rlhf":
+    roles.append(RoleSpec("reward", reward, forwards=spec.generations))
+    if spec.cost:
         roles.append(RoleSpec("cost", reward))
     return Dataflow(algo, tuple(roles))
 
@@ -141,14 +143,13 @@ def dataflow_from_config(cfg) -> tuple[Dataflow, Workload]:
     """The dataflow and workload of an :class:`rlhf.config.Config` (its active roles, their
     architectures and the data section).  Rule-based rewards are no model and take no devices.
     """
-    trained = ("actor", "critic", "cost_critic")
     roles = []
     for name in cfg.roles:
         shape = shape_from_model_config(cfg.model_of(name), name)
         if name not in ("actor", "reference"):
             shape = shape.as_value_model()
-        gens = (2 if cfg.algo.name == "remax" else 1) if name == "actor" else 0
-        roles.append(RoleSpec(name, shape, trained=name in trained, generations=gens))
+        gens = algorithm(cfg.algo.name).generations if name == "actor" else 0
+        roles.append(RoleSpec(name, shape, trained=name in TRAINED_ROLES, generations=gens))
     d = cfg.data
     work = Workload(prompts=d.prompts_per_iter, prompt_len=d.max_prompt_len,
                     response_len=d.max_response_len, samples_per_prompt=d.samples_per_prompt,

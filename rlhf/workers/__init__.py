@@ -1,13 +1,14 @@
 """Role workers of the RLHF runtime: actor (HybridEngine), critic, reference, reward, cost.
 
-Each is a :class:`rlhf.controller.Worker` whose data methods carry a transfer protocol; their
-constructors take plain arguments (built from the run config by :mod:`rlhf.builders`).
+Each is a :class:`rlhf.controller.Worker` whose data methods carry a transfer protocol; each
+constructor takes its own typed section (:mod:`rlhf.workers.specs`, filled from the run config
+by :mod:`rlhf.builders`) and reads it by field name.
 """
 
-from rlhf.workers.actor import ActorWorker, PolicyLossArgs, ReferenceWorker
-from rlhf.workers.common import ModelArgs
-from rlhf.workers.critic import CriticWorker, ValueLossArgs
-from rlhf.workers.reward import CostWorker, RewardWorker, ScoreArgs
+from rlhf.workers.actor import ActorWorker, ReferenceWorker
+from rlhf.workers.critic import CriticWorker
+from rlhf.workers.reward import CostWorker, RewardWorker
+from rlhf.workers.specs import ActorSpec, CriticSpec, ModelSpec, ScoreSpec, UpdateSpec
 
-__all__ = ["ActorWorker", "PolicyLossArgs", "ReferenceWorker", "ModelArgs", "CriticWorker",
-           "ValueLossArgs", "CostWorker", "RewardWorker", "ScoreArgs"]
+__all__ = ["ActorWorker", "ReferenceWorker", "CriticWorker", "CostWorker", "RewardWorker",
+           "ActorSpec", "CriticSpec", "ModelSpec", "ScoreSpec", "UpdateSpec"]

@@ -10,48 +10,27 @@ and the controller collects from (pp = last, tp = 0) of every replica.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
 
 from engine.hybrid_engine import HybridEngine
 from engine.sampling import SamplingParams
-from engine.train import OptimConfig, TrainEngine
-from rlhf.algos import actor_loss
+from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
-from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, load_full_state,
+from rlhf.programs import algorithm
+from rlhf.workers.common import (build_model, gather_full_state, load_full_state,
                                  mean_row, minibatches, model_inputs, response_head_from,
                                  response_outputs)
-
-
-@dataclass(frozen=True)
-class PolicyLossArgs:
-    """Actor update settings (plain values, from the run config)."""
-
-    epochs: int = 1
-    """Passes over each rollout batch."""
-    mini_batch_rows: int = 8
-    """Rows per optimizer step on one DP rank (mini_batch_size / dp)."""
-    micro_batch_size: int = 2
-    """Rows per forward/backward."""
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float | None = None
-    entropy_coeff: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    kl_loss_coef: float | None = None
-    """KL-as-loss coefficient; None = no KL loss term (KL in the reward or none)."""
-    kl_estimator: str = "k3"
+from rlhf.workers.specs import ActorSpec, ModelSpec
 
 
 class ActorWorker(Worker):
     """The policy: generation (HybridEngine), log-probs and the PPO-style update."""
 
-    def __init__(self, model: ModelArgs, optim: OptimConfig, loss: PolicyLossArgs) -> None:
-        self.model = build_model(model, self.groups)
-        self.engine = HybridEngine(self.model, optim)
-        self.loss = loss
+    def __init__(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.model = build_model(spec.model, self.groups)
+        self.engine = HybridEngine(self.model, spec.optim)
+        self.policy_loss = algorithm(spec.algo).policy_loss
 
     @protocol(THREE_D_PROTO)
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
@@ -81,9 +60,9 @@ class ActorWorker(Worker):
     @protocol(THREE_D_PROTO)
     def update_actor(self, batch: Batch) -> Batch | None:
         """``epochs`` passes of mini-batch steps; returns one row of mean metrics."""
-        a = self.loss
+        s, loss = self.spec, self.spec.loss
         fields = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
-        if a.kl_loss_coef is not None:
+        if s.kl_loss_coef is not None:
             fields.append("ref_log_probs")
         data = batch.select(fields)
         records: list[dict[str, float]] = []
@@ -92,19 +71,20 @@ class ActorWorker(Worker):
             lp = response_outputs(outputs["log_probs"], batch)
             ent = response_outputs(outputs["entropy"], batch)
             mask = mb["response_mask"].float()
-            loss, m = actor_loss(
+            total, m = self.policy_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mask,
-                ref_log_prob=mb.get("ref_log_probs"), kl_loss_coef=a.kl_loss_coef or 0.0,
-                kl_estimator=a.kl_estimator, entropy=ent, entropy_coeff=a.entropy_coeff,
-                loss_agg_mode=a.loss_agg_mode, clip_ratio=a.clip_ratio,
-                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                clip_ratio_c=a.clip_ratio_c)
+                ref_log_prob=mb.get("ref_log_probs"), kl_loss_coef=s.kl_loss_coef or 0.0,
+                kl_estimator=s.kl_estimator, entropy=ent, entropy_coeff=loss.entropy_coeff,
+                loss_agg_mode=loss.loss_agg_mode, clip_ratio=loss.clip_ratio,
+                clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
+                clip_ratio_c=loss.clip_ratio_c)
             records.append({k: float(v) for k, v in m.items()})
-            return loss
+            return total
 
         grad_norms = []
-        for _ in range(a.epochs):
-            for mbs in minibatches(data, a.mini_batch_rows, a.micro_batch_size):
+        u = s.update
+        for _ in range(u.epochs):
+            for mbs in minibatches(data, u.mini_batch_rows, u.micro_batch_size):
                 grad_norms.append(self.engine.train.train_step(
                     mbs, loss_fn, head_from=response_head_from(batch))["grad_norm"])
         if not self.model.is_last:
@@ -124,7 +104,7 @@ class ActorWorker(Worker):
 class ReferenceWorker(Worker):
     """The frozen initial policy: log-probs for the KL term."""
 
-    def __init__(self, model: ModelArgs) -> None:
+    def __init__(self, model: ModelSpec) -> None:
         self.model = build_model(model, self.groups)
         self.engine = TrainEngine(self.model)  # forward only; the optimizer is never stepped
 

@@ -1,4 +1,4 @@
-"""Pieces every role worker shares: building a model from plain arguments, full-state
+"""Pieces every role worker shares: building a model from its :class:`ModelSpec`, full-state
 checkpoint I/O through the toolkit, and the sequence layout of a rollout batch.
 
 Rollout batch (rows = sequences; P = prompt width, N = response width, S = P + N)::
@@ -17,33 +17,18 @@ action.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint
-from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.llama_spec import init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from hybridflow_comm.groups import HybridGroups
 from hybridflow_comm.shard_spec import train_shard
 from rlhf.controller import Batch
+from rlhf.workers.specs import ModelSpec
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """What a worker needs to build its model (plain values; built from the run config)."""
-
-    config: LlamaConfig
-    """Architecture."""
-    head: str = "lm"
-    """``"lm"`` (actor, reference) or ``"value"`` (critic, reward and cost models)."""
-    init_from: str | None = None
-    """HF-format folder to load; None = :func:`init_full_state_dict` with ``seed``."""
-    seed: int = 0
-    """Initialisation seed (also of a value head missing from ``init_from``)."""
-
-
-def build_model(args: ModelArgs, groups: HybridGroups) -> ParallelLlama:
+def build_model(args: ModelSpec, groups: HybridGroups) -> ParallelLlama:
     """This rank's :class:`ParallelLlama`, initialised from ``args`` (deterministic)."""
     model = ParallelLlama(args.config, groups, head=args.head)
     load_full_state_dict(model, init_full_state_dict(args.config, args.seed, args.head))

@@ -9,29 +9,14 @@ Without a model the worker is CPU arithmetic on its DP share of the rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
-from rlhf.task import CharTokenizer, CompositeReward, CostRule
-from rlhf.workers.common import (ModelArgs, build_model, gather_full_state, last_token_index,
+from rlhf.task import CharTokenizer, CompositeReward
+from rlhf.workers.common import (build_model, gather_full_state, last_token_index,
                                  load_full_state, model_inputs, prompt_width)
-
-
-@dataclass(frozen=True)
-class ScoreArgs:
-    """Where a score comes from (plain values, from the run config)."""
-
-    model: ModelArgs | None = None
-    """Scalar model (reward or cost model); None = rules only."""
-    model_weight: float = 1.0
-    """Weight of the model's score."""
-    rule_weights: dict[str, float] = field(default_factory=dict)
-    """Reward rules by name (``exact``, ``partial``, ``format``); empty = none."""
-    cost_rule: CostRule | None = None
-    """Cost rule (cost worker)."""
+from rlhf.workers.specs import ScoreSpec
 
 
 def model_scores(engine: TrainEngine, batch: Batch) -> torch.Tensor | None:
@@ -47,7 +32,7 @@ def model_scores(engine: TrainEngine, batch: Batch) -> torch.Tensor | None:
 class _ScoreWorker(Worker):
     key = "scores"
 
-    def __init__(self, args: ScoreArgs) -> None:
+    def __init__(self, args: ScoreSpec) -> None:
         self.args = args
         self.tokenizer = CharTokenizer.build()
         self.model = build_model(args.model, self.groups) if args.model else None

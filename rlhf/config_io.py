@@ -1,0 +1,213 @@
+"""Config dataclasses <-> YAML recipes and ``key=value`` overrides, through OmegaConf
+structured configs (schema, type conversion and checks are OmegaConf's; this module turns its
+errors into one-line ValueErrors and picks replace-not-union semantics for mappings).
+
+Generic: knows nothing about :mod:`rlhf.config`.  How a recipe and overrides combine::
+
+    schema (the dataclass defaults)
+      <- recipe YAML        section by section; a mapping-valued field (rule_weights,
+      <- key=value ...      pool_sizes) or a whole section given as one value is replaced
+    -> OmegaConf.to_object  builds the frozen dataclasses (their __post_init__ validates)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+T = typing.TypeVar("T")
+
+
+def _field_paths(cls, prefix: str = "") -> list[str]:
+    """Every dotted key of the dataclass ``cls`` (sections and leaves)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        inner = _dataclass_of(hints[f.name])
+        if inner is not None:
+            out += _field_paths(inner, key + ".")
+    return out
+
+
+def _dataclass_of(tp: Any):
+    """The dataclass in ``tp`` (``X`` or ``X | None``), else None."""
+    for t in (tp, *typing.get_args(tp)):
+        if dataclasses.is_dataclass(t):
+            return t
+    return None
+
+
+def _type_of(cls, key: str) -> Any:
+    node = cls
+    for part in key.split("."):
+        node = _dataclass_of(node)
+        if node is None:
+            return None
+        node = typing.get_type_hints(node).get(part)
+    return node
+
+
+def _type_name(tp: Any) -> str:
+    if tp is None:
+        return "?"
+    if isinstance(tp, type) and not typing.get_args(tp):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _error(cls, e: OmegaConfBaseException, value: Any = None) -> ValueError:
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+        section, _, name = key.rpartition(".")
+        valid = [p for p in _field_paths(cls) if p.rpartition(".")[0] == section]
+        paths = _field_paths(cls)
+        same_leaf = sorted((p for p in paths if p.rpartition(".")[2] == name),
+                           key=lambda p: not p.startswith(key.partition(".")[0] + "."))
+        close = same_leaf or difflib.get_close_matches(key, paths, n=1, cutoff=0.6) \
+            or [f"{section}.{m}" if section else m for m in
+                difflib.get_close_matches(name, [v.rpartition(".")[2] for v in valid], n=1)]
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        where = f"section {section!r}" if section else "the top level"
+        names = ", ".join(v.rpartition(".")[2] for v in valid)
+        return ValueError(f"unknown config key {key!r}{hint}; valid keys of {where}: {names}")
+    if key:
+        got = f"{value!r} ({type(value).__name__})" if value is not None else "another type"
+        return ValueError(f"config key {key!r} expects {_type_name(_type_of(cls, key))}, got "
+                          f"{got}: {str(e).splitlines()[0]}")
+    return ValueError(f"invalid config: {str(e).splitlines()[0]}")
+
+
+def _default_section(cls, cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` is a section; a null one is set to its defaults first."""
+    section = _dataclass_of(_type_of(cls, key))
+    if section is None:
+        return False
+    if OmegaConf.select(cfg, key) is None:
+        OmegaConf.update(cfg, key, OmegaConf.structured(section), merge=False)
+        _writable(OmegaConf.select(cfg, key))
+    return True
+
+
+def _apply(cls, cfg: DictConfig, key: str, value: Any) -> None:
+    """Set ``key`` (dotted) to ``value``.  A mapping given for a section sets its fields one
+    by one (a null optional section starts from its defaults); anything else is replaced,
+    so a mapping-valued field (rule_weights, pool_sizes) is replaced, not merged."""
+    parts = key.split(".")
+    for i in range(1, len(parts)):        # a null optional section on the way: its defaults
+        _default_section(cls, cfg, ".".join(parts[:i]))
+    if isinstance(value, dict) and _default_section(cls, cfg, key):
+        for k, v in value.items():
+            _apply(cls, cfg, f"{key}.{k}", v)
+        return
+    _check_parent(cfg, key)
+    try:
+        OmegaConf.update(cfg, key, value, merge=False)
+    except OmegaConfBaseException as e:
+        raise _error(cls, e, value) from None
+
+
+def _check_parent(cfg: DictConfig, key: str) -> None:
+    parts = key.split(".")
+    node: Any = cfg
+    for i, p in enumerate(parts[:-1]):
+        if not isinstance(node, DictConfig) or p not in node:
+            return  # unknown keys are reported by OmegaConf with their full path
+        node = node[p]
+        if node is not None and not isinstance(node, DictConfig):
+            raise ValueError(f"cannot set {key!r}: {'.'.join(parts[:i + 1])!r} is a value "
+                             f"({node!r}), not a section")
+
+
+def parse_value(key: str, text: str) -> Any:
+    """One override's value, read as YAML (``1e-5`` is a float, ``null`` None, ``[1, 2]`` a
+    list, ``{a: 1}`` a mapping; ``none`` stays a string)."""
+    text = text.strip()
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"{key}={text!r} is not a valid YAML value ({e.problem}); quote the "
+                         f"whole argument, e.g. '{key}={{actor: 2, critic: 2}}'") from None
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """``["a.b=1", ...]`` -> ``[("a.b", 1), ...]``; ValueError for an argument without ``=``."""
+    out = []
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"argument {arg!r} is not key=value (e.g. actor.optim.lr=1e-5)")
+        out.append((key.strip(), parse_value(key.strip(), text)))
+    return out
+
+
+def _writable(node: Any) -> None:
+    if isinstance(node, DictConfig):
+        OmegaConf.set_readonly(node, None)  # inherit: the root's flag (writable)
+        for k in node.keys():
+            _writable(node._get_node(k))
+
+
+def _build(cls: type[T], recipe: dict, overrides: list[tuple[str, Any]]) -> T:
+    cfg = OmegaConf.structured(cls)
+    _writable(cfg)  # frozen dataclasses: writable while it is built
+    for key, value in [*recipe.items(), *overrides]:
+        _apply(cls, cfg, str(key), value)
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise _error(cls, e) from None
+
+
+def from_dict(cls: type[T], data: dict) -> T:
+    """Build and validate ``cls`` from a nested dict (YAML layout)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a config must be a mapping, got {type(data).__name__}: {data!r}")
+    return _build(cls, data, [])
+
+
+def from_args(cls: type[T], args: list[str], recipe_of: Callable[[str | None], str]) -> T:
+    """Recipe + ``key=value`` overrides -> validated ``cls``.
+
+    Args:
+        args: ``recipe=PATH`` (a YAML mapping), ``algo=NAME`` (``recipe_of(NAME)`` unless a
+            recipe is given; also sets ``algo.name``) and dotted ``key=value`` overrides.
+        recipe_of: the recipe file of an algorithm name (None = the default).
+    """
+    overrides = parse_overrides(args)
+    special = {k: v for k, v in overrides if k in ("recipe", "algo")}
+    rest = [(k, v) for k, v in overrides if k not in ("recipe", "algo")]
+    path = special.get("recipe") or recipe_of(special.get("algo"))
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            recipe = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ValueError(f"recipe={path!r} is not a file") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe={path!r} is not valid YAML: {e}") from None
+    if recipe is None:
+        recipe = {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"recipe={path!r} must be a YAML mapping of config sections, got a "
+                         f"{type(recipe).__name__}")
+    if "algo" in special:
+        rest.insert(0, ("algo.name", special["algo"]))
+    return _build(cls, recipe, rest)
+
+
+def to_dict(obj) -> dict:
+    """Plain nested dict of a config dataclass (loads back with :func:`from_dict`)."""
+    return OmegaConf.to_container(OmegaConf.structured(obj))
+
+
+def save_yaml(obj, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(obj), f, sort_keys=False)

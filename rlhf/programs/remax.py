@@ -1,0 +1,41 @@
+"""ReMax (Li et al. 2023): the score of a greedy response per prompt is the baseline; no
+critic."""
+
+from __future__ import annotations
+
+from rlhf.algos import remax as remax_estimator
+from rlhf.controller import Batch
+from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather, means,
+                                  old_log_probs, ref_log_probs, register_algorithm,
+                                  shape_rewards, wait_phases)
+
+
+def remax_advantage(batch, it: Iteration) -> dict:
+    name = it.algo.name
+    adv, ret = remax_estimator(field_of(batch, "token_level_rewards", name),
+                               field_of(batch, "reward_baselines", name),
+                               field_of(batch, "response_mask", name))
+    return {"advantages": adv, "returns": ret}
+
+
+@register_algorithm("remax", advantage=remax_advantage, greedy_baseline=True)
+def remax(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
+    t = it.timer
+    n = len(prompts) // len(set(prompts["uid"]))  # samples per prompt
+    with t("gen"):
+        gen = r.actor.generate_sequences(prompts, it.sampling).wait()
+        greedy = r.actor.generate_sequences(prompts.rows(slice(0, len(prompts), n)),
+                                            it.greedy).wait()
+    old, ref = old_log_probs(r, gen, it), ref_log_probs(r, gen)
+    scores, base = r.reward.compute_reward(gen), r.reward.compute_reward(greedy)
+    wait_phases(t, old_log_prob=old, ref=ref, reward=scores)
+    with t("reward"):
+        baseline = base.get()["scores"]
+    with t("adv"):
+        batch, m = shape_rewards(gather(gen, old, ref, scores), it)
+        batch.tensors["reward_baselines"] = baseline.repeat_interleave(n)
+        batch = advantages(batch, it)
+        m["reward/greedy_baseline"] = float(baseline.mean())
+    with t("update_actor"):
+        actor = r.actor.update_actor(batch).get()
+    return batch, m | means("actor", actor)

@@ -1,0 +1,18 @@
+"""RLOO (Ahmadian et al. 2024): each sample's baseline is the mean score of the other samples
+of its prompt; no critic."""
+
+from __future__ import annotations
+
+from rlhf.algos import rloo as rloo_estimator
+from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
+
+
+def rloo_advantage(batch, it: Iteration) -> dict:
+    name = it.algo.name
+    adv, ret = rloo_estimator(field_of(batch, "token_level_rewards", name),
+                              field_of(batch, "response_mask", name),
+                              field_of(batch, "uid", name))
+    return {"advantages": adv, "returns": ret}
+
+
+register_algorithm("rloo", advantage=rloo_advantage, grouped=True)(critic_free)

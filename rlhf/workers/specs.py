@@ -1,0 +1,87 @@
+"""What each role worker is built from: one typed section per worker, read by field name.
+
+The builders (:mod:`rlhf.builders`) fill these from the run config; no field has a default
+here, so every hyperparameter's default lives in :mod:`rlhf.config` (or in the engine's own
+dataclass that the config embeds, :class:`engine.train.OptimConfig`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.llama_spec import LlamaConfig
+from engine.train import OptimConfig
+from rlhf.config import PolicyLossConfig, ValueLossConfig
+from rlhf.task import CostRule
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model to build on the worker's layout."""
+
+    config: LlamaConfig
+    """Architecture."""
+    head: str
+    """``"lm"`` (actor, reference) or ``"value"`` (critic, reward and cost models)."""
+    init_from: str | None
+    """HF-format folder to load; None = :func:`engine.llama_spec.init_full_state_dict`."""
+    seed: int
+    """Initialisation seed (also of a value head missing from ``init_from``)."""
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How a trained role walks one rollout batch."""
+
+    epochs: int
+    """Passes over the batch."""
+    mini_batch_rows: int
+    """Rows per optimizer step on one DP rank (mini_batch_size / dp)."""
+    micro_batch_size: int
+    """Rows per forward/backward."""
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """The actor: model, optimizer, policy loss, update walk and the KL-loss term."""
+
+    model: ModelSpec
+    optim: OptimConfig
+    loss: PolicyLossConfig
+    update: UpdateSpec
+    algo: str
+    """Registered algorithm: its ``policy_loss`` is the actor's loss."""
+    kl_loss_coef: float | None
+    """KL-as-loss coefficient; None = no KL loss term (KL in the reward, or none)."""
+    kl_estimator: str
+    """k1, k2 or k3."""
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    """A value model (critic or Safe-RLHF cost critic)."""
+
+    model: ModelSpec
+    optim: OptimConfig
+    loss: ValueLossConfig
+    update: UpdateSpec
+    algo: str
+    """Registered algorithm: its ``value_loss`` is the critic's loss."""
+    value_key: str
+    """Batch field of the values (``cost_values`` for the cost critic)."""
+    return_key: str
+    """Batch field of the value targets (``cost_returns`` for the cost critic)."""
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """Where a reward or cost score comes from (a model, rules, or both, summed)."""
+
+    model: ModelSpec | None
+    """Scalar model (reward or cost model); None = rules only."""
+    model_weight: float
+    """Weight of the model's score."""
+    rule_weights: dict[str, float]
+    """Reward rules by name (``exact``, ``partial``, ``format``); empty = none."""
+    cost_rule: CostRule | None
+    """Cost rule (cost worker)."""
