@@ -26,9 +26,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
+from hybridflow_comm.baselines import TRANSITIONS, make_transition
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout, parse_sizes
-from hybridflow_comm.reshard import METHODS, Resharder
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 1024, 16, 8, 2816, 8192
@@ -76,14 +76,15 @@ def _rank_main(rank: int, world: int, cfg: dict):
     groups = build_hybrid_groups(hl)
     specs = llama_like_specs(cfg["size_mb"], hl.train.pp)
     out = {"methods": {}}
-    for method in METHODS:
-        rs = Resharder(specs, groups, method=method, bucket_bytes=cfg["bucket_mb"] << 20)
+    for method in TRANSITIONS:
+        rs = make_transition(method, specs, groups, bucket_bytes=cfg["bucket_mb"] << 20)
+        buf = rs.weights.buffer
         tp_rank = hl.train.coords(groups.rank).tp
-        for slot in rs.buffer.specs:  # DP replicas (and TP ranks, for replicated) must agree
+        for slot in buf.specs:  # DP replicas (and TP ranks, for replicated) must agree
             if slot.own_slot is not None:
                 piece = tp_rank if slot.num_slots > 1 else 0
                 seed = zlib.crc32(f"{slot.name}:{piece}".encode())
-                view = rs.buffer.train_view(slot.name)
+                view = buf.train_view(slot.name)
                 view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(seed)))
         times = []
         for it in range(cfg["repeat"] + 1):
@@ -91,7 +92,7 @@ def _rank_main(rank: int, world: int, cfg: dict):
             stats = rs.to_generation()
             times.append(max_over_ranks(stats.time_s))
             if it == 0:
-                rs.verify()
+                rs.weights.verify()
             rs.to_training(release=not cfg["keep_pages"])
         out["methods"][method] = {
             "comm_bytes_per_rank": max_over_ranks(stats.received_bytes),
@@ -100,7 +101,7 @@ def _rank_main(rank: int, world: int, cfg: dict):
             "collective_calls": stats.calls,
             "time_s": statistics.median(times[1:]),
         }
-        del rs
+        del rs, buf
     # The practical limit: one all_gather_into_tensor of the training shard bytes in the same
     # micro-DP groups (stages differ slightly in size: every rank sends the largest).
     t = hl.train

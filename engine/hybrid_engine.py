@@ -57,21 +57,19 @@ class HybridEngine:
         model: this rank's training model (its buffer becomes the resharder's).
         optim: optimiser settings of the training engine.
         rollout: generation backend (default: :class:`GenerationEngine` on the layout).
-        method: transition method of the resharder (``"hybridflow"`` by default).
         verify: checksum-verify the generation weights after every transition.
 
     Construction is collective over the layout's ranks (the resharder exchanges specs).
     """
 
     def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None,
-                 rollout: Rollout | None = None, method: str = "hybridflow",
-                 verify: bool = False) -> None:
+                 rollout: Rollout | None = None, verify: bool = False) -> None:
         self.model = model
         self.groups = model.groups
         self.layout = model.groups.layout
         self.train = TrainEngine(model, optim)
-        self.resharder = Resharder(model.specs, model.groups, method=method,
-                                   verify_every=verify, buffer=model.buffer)
+        self.resharder = Resharder(model.specs, model.groups, verify_every=verify,
+                                   buffer=model.buffer)
         self.rollout = rollout if rollout is not None else GenerationEngine(model.config,
                                                                             model.groups)
         self.last_transition: TransitionStats | None = None

@@ -1,17 +1,23 @@
 """Resharding on gloo ranks: bit-exact, zero-copy, and the paper's byte counts (ranks started
 once for the module; layouts of world size 1-4 run on sub-pools of 4 ranks)."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
+from hybridflow_comm.baselines import TRANSITIONS, make_transition
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from hybridflow_comm.reshard import METHODS, Resharder
+from hybridflow_comm.reshard import Resharder
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec, slot_specs, stacked_to_logical
+from hybridflow_comm.transition import Transition
 from tests.test_layout import all_hybrid_layouts
 
 LAYOUTS = [h for h in all_hybrid_layouts(4)]
+METHODS = tuple(TRANSITIONS)
 
 
 def rich_specs(pp):
@@ -91,8 +97,9 @@ def check_reshard_all(rank, world, keys, methods):
                     continue
                 specs = (rich_specs if kind == "rich" else balanced_specs)(hl.train.pp)
                 full = full_tensors(specs, seed=1)
-                rs = Resharder(specs, groups, method=method, bucket_bytes=1024)
-                buf = rs.buffer
+                rs = make_transition(method, specs, groups, bucket_bytes=1024)
+                assert isinstance(rs, Transition) and rs.accounting() is None
+                buf = rs.weights.buffer
                 for s in specs:
                     shard = expected_train(full[s.name], s, hl.train, rank)
                     if shard is not None:
@@ -101,7 +108,8 @@ def check_reshard_all(rank, world, keys, methods):
                 storage = {d: buf.storage(d).untyped_storage().data_ptr() for d in buf.dtypes}
                 for cycle in range(2):
                     stats = rs.to_generation()
-                    gen = rs.generation_params()
+                    assert rs.accounting() is stats and stats.method == method
+                    gen = rs.weights.generation_params()
                     for s in specs:
                         want = expected_gen(full[s.name], s, hl, rank)
                         if want is None:
@@ -112,7 +120,7 @@ def check_reshard_all(rank, world, keys, methods):
                         assert gen[s.name].untyped_storage().data_ptr() == storage[s.dtype]
                     for n, t in buf.train_views().items():
                         assert t.data_ptr() == ptrs[n]  # training shard never moved
-                    rs.verify()
+                    rs.weights.verify()
                     rs.to_training()
                     # Simulate an optimizer step on the training shards, then go again.
                     for s in specs:
@@ -219,7 +227,7 @@ def test_bad_arguments():
     hl = _hl(((1, 1, 1), (1, 1)))
     groups = build_hybrid_groups(hl)
     with pytest.raises(ValueError, match="method='nccl_magic'"):
-        Resharder(rich_specs(1), groups, method="nccl_magic")
+        make_transition("nccl_magic", rich_specs(1), groups)
     with pytest.raises(ValueError, match="bucket_bytes=10"):
         Resharder(rich_specs(1), groups, bucket_bytes=10)
     with pytest.raises(ValueError, match="cannot be split over tp=64"):
@@ -227,6 +235,34 @@ def test_bad_arguments():
     other = FlatParamBuffer(slot_specs(balanced_specs(1), hl, 0))
     with pytest.raises(ValueError, match="not built from slot_specs"):
         Resharder(rich_specs(1), groups, buffer=other)
+
+
+def test_registry_builds_every_transition():
+    """Every registered name builds its class, which satisfies the Transition protocol."""
+    hl = _hl(((1, 1, 1), (1, 1)))
+    groups = build_hybrid_groups(hl)
+    assert METHODS == ("hybridflow", "hybridflow_v", "ds_chat")
+    assert TRANSITIONS["hybridflow"] is Resharder
+    for method, cls in TRANSITIONS.items():
+        rs = make_transition(method, rich_specs(1), groups, bucket_bytes=1024)
+        assert type(rs) is cls and cls.method == method
+        assert isinstance(rs, Transition), method
+        for name in ("to_generation", "to_training", "accounting"):
+            assert callable(getattr(rs, name)), (method, name)
+        assert rs.accounting() is None
+        stats = rs.to_generation()
+        assert rs.accounting() is stats and stats.version == rs.weights.version == 1
+        assert rs.weights.mode == "generation"
+        rs.to_training()
+        assert rs.weights.mode == "training"
+    assert not isinstance(object(), Transition)
+
+
+def test_reshard_does_not_import_baselines():
+    """The baselines import the resharder, never the other way round (no import circle)."""
+    code = ("import sys, hybridflow_comm.reshard, hybridflow_comm.transition; "
+            "sys.exit('hybridflow_comm.baselines' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 @pytest.mark.slow
