@@ -1,4 +1,4 @@
-// Rank plans of the transfer protocols (see protocol_plans.h). Pure C++, no torch.
+// Layout rank maths and transfer-protocol rank plans (see protocol_plans.h). Pure C++, no torch.
 #include "protocol_plans.h"
 
 #include <algorithm>
@@ -7,37 +7,19 @@
 namespace hybridflow {
 namespace {
 
-struct Layout {
-  int64_t pp, tp, dp, pp_g, tp_g;
-  int64_t world() const { return pp * tp * dp; }
-  int64_t micro_tp() const { return tp / tp_g; }
-  int64_t micro_pp() const { return pp / pp_g; }
-  // Training coordinates; rank = dp * pp * tp + pp * tp + tp (tp fastest).
-  int64_t tp_rank(int64_t r) const { return r % tp; }
-  int64_t pp_rank(int64_t r) const { return (r / tp) % pp; }
-  int64_t dp_rank(int64_t r) const { return r / (tp * pp); }
-  // Index of the micro-DP group of rank r, groups ordered by their first (smallest) rank:
-  // the first rank has micro_pp = micro_tp = 0, so the order is (dp, pp_g, tp_g).
-  int64_t micro_dp_group(int64_t r) const {
-    const int64_t tp_g_rank = tp_rank(r) / micro_tp();
-    const int64_t pp_g_rank = pp_rank(r) / micro_pp();
-    return (dp_rank(r) * pp_g + pp_g_rank) * tp_g + tp_g_rank;
-  }
-  bool micro_dp_leader(int64_t r) const {
-    return tp_rank(r) % micro_tp() == 0 && pp_rank(r) % micro_pp() == 0;
-  }
-};
+std::string range_error(const char* name, int64_t value, int64_t size, const Layout& l) {
+  return std::string(name) + "=" + std::to_string(value) + " is outside [0, " +
+         std::to_string(size) + ") for layout " + l.str();
+}
 
-Layout check_layout(int64_t pp, int64_t tp, int64_t dp, int64_t pp_g, int64_t tp_g) {
-  if (pp < 1 || tp < 1 || dp < 1 || pp_g < 1 || tp_g < 1)
-    throw std::invalid_argument("layout sizes must be positive: pp=" + std::to_string(pp) +
-                                " tp=" + std::to_string(tp) + " dp=" + std::to_string(dp) +
-                                " pp_g=" + std::to_string(pp_g) + " tp_g=" + std::to_string(tp_g));
-  if (tp % tp_g || pp % pp_g)
-    throw std::invalid_argument("tp_g=" + std::to_string(tp_g) + " must divide tp=" +
-                                std::to_string(tp) + " and pp_g=" + std::to_string(pp_g) +
-                                " must divide pp=" + std::to_string(pp));
-  return Layout{pp, tp, dp, pp_g, tp_g};
+void check_index(const char* name, int64_t value, int64_t size, const Layout& l) {
+  if (value < 0 || value >= size) throw std::invalid_argument(range_error(name, value, size, l));
+}
+
+// Index of the micro-DP group of a rank, groups ordered by their first (smallest) rank: the
+// first rank of a group has micro_dp = 0, so the order is (dp, pp_g, tp_g).
+int64_t micro_dp_group(const Layout& l, const GenCoords& g) {
+  return (g.dp * l.pp_g() + g.pp_g) * l.tp_g() + g.tp_g;
 }
 
 std::vector<int64_t> all_ranks(int64_t w) {
@@ -48,6 +30,51 @@ std::vector<int64_t> all_ranks(int64_t w) {
 
 }  // namespace
 
+Layout::Layout(int64_t pp, int64_t tp, int64_t dp, int64_t pp_g, int64_t tp_g)
+    : pp_(pp), tp_(tp), dp_(dp), pp_g_(pp_g), tp_g_(tp_g) {
+  if (pp < 1 || tp < 1 || dp < 1 || pp_g < 1 || tp_g < 1)
+    throw std::invalid_argument("layout sizes must be positive: " + str());
+  if (tp % tp_g || pp % pp_g)
+    throw std::invalid_argument("tp_g=" + std::to_string(tp_g) + " must divide tp=" +
+                                std::to_string(tp) + " and pp_g=" + std::to_string(pp_g) +
+                                " must divide pp=" + std::to_string(pp));
+}
+
+std::string Layout::str() const {
+  return "pp=" + std::to_string(pp_) + " tp=" + std::to_string(tp_) + " dp=" +
+         std::to_string(dp_) + " pp_g=" + std::to_string(pp_g_) + " tp_g=" +
+         std::to_string(tp_g_);
+}
+
+TrainCoords Layout::train_coords(int64_t rank) const {
+  check_index("rank", rank, world(), *this);
+  return TrainCoords{(rank / tp_) % pp_, rank % tp_, rank / (tp_ * pp_)};
+}
+
+int64_t Layout::train_rank(const TrainCoords& c) const {
+  check_index("pp", c.pp, pp_, *this);
+  check_index("tp", c.tp, tp_, *this);
+  check_index("dp", c.dp, dp_, *this);
+  return (c.dp * pp_ + c.pp) * tp_ + c.tp;
+}
+
+GenCoords Layout::gen_coords(int64_t rank) const {
+  const TrainCoords c = train_coords(rank);
+  const int64_t micro_dp = (c.pp % micro_pp()) * micro_tp() + c.tp % micro_tp();
+  return GenCoords{c.pp / micro_pp(), c.tp / micro_tp(), micro_dp, c.dp,
+                   c.dp * micro_dp_size() + micro_dp};
+}
+
+int64_t Layout::gen_rank(int64_t pp_g_rank, int64_t tp_g_rank, int64_t micro_dp_rank,
+                         int64_t dp_rank) const {
+  check_index("pp_g", pp_g_rank, pp_g_, *this);
+  check_index("tp_g", tp_g_rank, tp_g_, *this);
+  check_index("micro_dp", micro_dp_rank, micro_dp_size(), *this);
+  check_index("dp", dp_rank, dp_, *this);
+  return train_rank(TrainCoords{pp_g_rank * micro_pp() + micro_dp_rank / micro_tp(),
+                                tp_g_rank * micro_tp() + micro_dp_rank % micro_tp(), dp_rank});
+}
+
 std::vector<std::string> builtin_protocols() {
   return {"ONE_TO_ALL", "3D_PROTO",   "3D_ALL_MICRO_DP", "3D_PP_ONLY",       "DP_PROTO",
           "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_METRIC", "RANK_ZERO"};
@@ -55,7 +82,10 @@ std::vector<std::string> builtin_protocols() {
 
 ProtocolPlan protocol_plan(const std::string& name, int64_t pp, int64_t tp, int64_t dp,
                            int64_t pp_g, int64_t tp_g) {
-  const Layout l = check_layout(pp, tp, dp, pp_g, tp_g);
+  return protocol_plan(name, Layout(pp, tp, dp, pp_g, tp_g));
+}
+
+ProtocolPlan protocol_plan(const std::string& name, const Layout& l) {
   const int64_t w = l.world();
   ProtocolPlan plan;
   plan.name = name;
@@ -66,27 +96,31 @@ ProtocolPlan protocol_plan(const std::string& name, int64_t pp, int64_t tp, int6
     plan.collect_ranks = all_ranks(w);
     plan.collect = CollectKind::kList;
   } else if (name == "3D_PROTO") {
-    // Split over DP replicas; every rank of a replica's TP x PP block gets its chunk.
+    // Split over DP replicas; every rank of a replica's TP x PP block gets its chunk; collect
+    // from (pp = last, tp = 0) of every replica.
     plan.distribute = DistributeKind::kSplit;
-    plan.num_chunks = l.dp;
-    for (int64_t r = 0; r < w; ++r) plan.chunk_of_rank[r] = l.dp_rank(r);
-    for (int64_t d = 0; d < l.dp; ++d) plan.collect_ranks.push_back(d * pp * tp + (pp - 1) * tp);
+    plan.num_chunks = l.dp();
+    for (int64_t r = 0; r < w; ++r) plan.chunk_of_rank[r] = l.train_coords(r).dp;
+    for (int64_t d = 0; d < l.dp(); ++d)
+      plan.collect_ranks.push_back(l.train_rank(TrainCoords{l.pp() - 1, 0, d}));
     plan.collect = CollectKind::kConcat;
   } else if (name == "3D_ALL_MICRO_DP") {
     // Split over micro-DP groups (ordered by first rank); every member gets its group's chunk;
     // collect from the first member (micro-DP rank 0) of every group.
     plan.distribute = DistributeKind::kSplit;
-    plan.num_chunks = w / (l.micro_tp() * l.micro_pp());
+    plan.num_chunks = w / l.micro_dp_size();
     plan.collect_ranks.assign(plan.num_chunks, -1);
     for (int64_t r = 0; r < w; ++r) {
-      plan.chunk_of_rank[r] = l.micro_dp_group(r);
-      if (l.micro_dp_leader(r)) plan.collect_ranks[l.micro_dp_group(r)] = r;
+      const GenCoords g = l.gen_coords(r);
+      plan.chunk_of_rank[r] = micro_dp_group(l, g);
+      if (g.micro_dp == 0) plan.collect_ranks[plan.chunk_of_rank[r]] = r;
     }
     plan.collect = CollectKind::kConcat;
   } else if (name == "3D_PP_ONLY") {
     // Broadcast; one output per pipeline stage, from (tp = 0, dp = 0) of that stage.
     plan.distribute = DistributeKind::kWhole;
-    for (int64_t s = 0; s < l.pp; ++s) plan.collect_ranks.push_back(s * tp);
+    for (int64_t s = 0; s < l.pp(); ++s)
+      plan.collect_ranks.push_back(l.train_rank(TrainCoords{s, 0, 0}));
     plan.collect = CollectKind::kList;
   } else if (name == "DP_PROTO" || name == "DP_COMPUTE_METRIC") {
     // Every rank of the pool is a data-parallel rank.

@@ -1,8 +1,13 @@
-// Rank plans of the transfer protocols of the single controller, as pure arithmetic.
+// Rank maths of the parallel layouts and rank plans of the transfer protocols, as pure
+// arithmetic.
 //
-// A worker group runs on a resource pool whose layout ranks 0..W-1 follow a HybridLayout
-// (training pp x tp x dp, generation pp_g x tp_g; see hybridflow_comm/layout.py). A protocol
-// is a (distribute, collect) pair; its plan says, before any byte moves:
+// A worker group runs on a resource pool whose layout ranks 0..W-1 follow a HybridLayout:
+// training pp x tp x dp, ranks ordered tp fastest, then pp, then dp, and generation
+// pp_g x tp_g on the same ranks (the diagram is in hybridflow_comm/layout.py). `Layout` below
+// is the one implementation of the coordinate formulas: layout.py's ParallelLayout.coords/rank
+// and HybridLayout.gen_coords/gen_rank call it, and the protocol plans are built from it.
+//
+// A protocol is a (distribute, collect) pair; its plan says, before any byte moves:
 //
 //   distribute  kind = WHOLE     every called rank receives the arguments unchanged
 //               kind = SPLIT     the batch is padded to a multiple of num_chunks rows, cut into
@@ -23,6 +28,54 @@
 
 namespace hybridflow {
 
+// Training coordinates of a rank: rank = (dp * pp_size + pp) * tp_size + tp.
+struct TrainCoords {
+  int64_t pp = 0;
+  int64_t tp = 0;
+  int64_t dp = 0;
+};
+
+// Generation coordinates of a rank. With micro_tp = tp / tp_g and micro_pp = pp / pp_g:
+//   tp = tp_g * micro_tp + micro_tp_rank,  pp = pp_g * micro_pp + micro_pp_rank,
+//   micro_dp = micro_pp_rank * micro_tp + micro_tp_rank,  dp_g = dp * micro_dp_size + micro_dp.
+struct GenCoords {
+  int64_t pp_g = 0;
+  int64_t tp_g = 0;
+  int64_t micro_dp = 0;
+  int64_t dp = 0;
+  int64_t dp_g = 0;
+};
+
+// Training layout pp x tp x dp with the generation layout pp_g x tp_g on the same ranks
+// (pp_g = tp_g = 1 for a training layout alone). Every method throws std::invalid_argument,
+// naming the values, for a rank or coordinate out of range.
+class Layout {
+ public:
+  // Throws std::invalid_argument unless every size is positive, tp_g | tp and pp_g | pp.
+  Layout(int64_t pp, int64_t tp, int64_t dp, int64_t pp_g = 1, int64_t tp_g = 1);
+
+  int64_t pp() const { return pp_; }
+  int64_t tp() const { return tp_; }
+  int64_t dp() const { return dp_; }
+  int64_t pp_g() const { return pp_g_; }
+  int64_t tp_g() const { return tp_g_; }
+  int64_t world() const { return pp_ * tp_ * dp_; }
+  int64_t micro_tp() const { return tp_ / tp_g_; }
+  int64_t micro_pp() const { return pp_ / pp_g_; }
+  int64_t micro_dp_size() const { return micro_tp() * micro_pp(); }
+
+  TrainCoords train_coords(int64_t rank) const;
+  int64_t train_rank(const TrainCoords& c) const;
+  GenCoords gen_coords(int64_t rank) const;
+  // Inverse of gen_coords (dp_g follows from the other four).
+  int64_t gen_rank(int64_t pp_g_rank, int64_t tp_g_rank, int64_t micro_dp_rank,
+                   int64_t dp_rank) const;
+  std::string str() const;  // "pp=.. tp=.. dp=.. pp_g=.. tp_g=.." for messages
+
+ private:
+  int64_t pp_, tp_, dp_, pp_g_, tp_g_;
+};
+
 enum class DistributeKind : int { kWhole = 0, kSplit = 1, kPerRank = 2 };
 enum class CollectKind : int { kConcat = 0, kList = 1, kSingle = 2 };
 
@@ -38,8 +91,9 @@ struct ProtocolPlan {
 // Names of the built-in protocols, in a fixed order.
 std::vector<std::string> builtin_protocols();
 
-// Plan of the built-in protocol `name` for the layout (pp, tp, dp) -> (pp_g, tp_g).
-// Throws std::invalid_argument for an unknown name or an invalid layout.
+// Plan of the built-in protocol `name` for a layout. Throws std::invalid_argument for an
+// unknown name (or, from the sizes overload, an invalid layout).
+ProtocolPlan protocol_plan(const std::string& name, const Layout& layout);
 ProtocolPlan protocol_plan(const std::string& name, int64_t pp, int64_t tp, int64_t dp,
                            int64_t pp_g, int64_t tp_g);
 

@@ -4,6 +4,12 @@ Nothing here touches torch.distributed: every function maps sizes and a rank to 
 coordinates, so the whole module is testable without a process and two layouts can live side
 by side in one process (one per role).
 
+The coordinate formulas below exist once, in C++ (``hybridflow_comm._C.Layout`` in
+``csrc/protocol_plans.cpp``), because the transfer protocols' rank plans are built from them
+there; :meth:`ParallelLayout.coords`/:meth:`~ParallelLayout.rank` and
+:meth:`HybridLayout.gen_coords`/:meth:`~HybridLayout.gen_rank` call it, and this module keeps
+the validation messages and the group enumeration.
+
 Training side, ``ParallelLayout(pp, tp, dp)`` (the paper's ``p-t-d``)::
 
     rank = dp_rank * (pp * tp) + pp_rank * tp + tp_rank        # tp fastest, then pp, then dp
@@ -41,11 +47,16 @@ Run ``python -m hybridflow_comm.layout --train PP,TP,DP --gen PP_G,TP_G`` to pri
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
+
+import torch  # noqa: F401  (loads libtorch, which hybridflow_comm._C links against)
+
+from hybridflow_comm import _C
 
 Groups = list[list[int]]
 
@@ -104,24 +115,13 @@ class ParallelLayout:
                 f"ranks but the job has world_size={world_size}"
             )
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} is outside [0, {self.world_size}) for {self}")
-
     def coords(self, rank: int) -> TrainCoords:
-        """Training coordinates ``(pp, tp, dp)`` of ``rank``."""
-        self._check_rank(rank)
-        tp_rank = rank % self.tp
-        pp_rank = (rank // self.tp) % self.pp
-        dp_rank = rank // (self.tp * self.pp)
-        return TrainCoords(pp=pp_rank, tp=tp_rank, dp=dp_rank)
+        """Training coordinates ``(pp, tp, dp)`` of ``rank``; ValueError outside the world."""
+        return TrainCoords(*_maths(self.pp, self.tp, self.dp).train_coords(rank))
 
     def rank(self, *, pp: int, tp: int, dp: int) -> int:
-        """Rank at training coordinates ``(pp, tp, dp)``."""
-        for name, value, size in (("pp", pp, self.pp), ("tp", tp, self.tp), ("dp", dp, self.dp)):
-            if not 0 <= value < size:
-                raise ValueError(f"{name}={value} is outside [0, {size}) for {self}")
-        return dp * self.pp * self.tp + pp * self.tp + tp
+        """Rank at training coordinates ``(pp, tp, dp)``; ValueError for one out of range."""
+        return _maths(self.pp, self.tp, self.dp).train_rank(pp, tp, dp)
 
     def tp_groups(self) -> Groups:
         return [[self.rank(pp=s, tp=t, dp=d) for t in range(self.tp)]
@@ -193,23 +193,13 @@ class HybridLayout:
     # Coordinates ---------------------------------------------------------------------------
     def gen_coords(self, rank: int) -> GenCoords:
         """Generation coordinates of ``rank`` (see the module docstring)."""
-        c = self.train.coords(rank)
-        tp_g_rank, micro_tp_rank = divmod(c.tp, self.micro_tp)
-        pp_g_rank, micro_pp_rank = divmod(c.pp, self.micro_pp)
-        micro = micro_pp_rank * self.micro_tp + micro_tp_rank
-        return GenCoords(pp_g=pp_g_rank, tp_g=tp_g_rank, micro_dp=micro, dp=c.dp,
-                         dp_g=c.dp * self.micro_dp_size + micro)
+        t = self.train
+        return GenCoords(*_maths(t.pp, t.tp, t.dp, self.pp_g, self.tp_g).gen_coords(rank))
 
     def gen_rank(self, *, pp_g: int, tp_g: int, micro_dp: int, dp: int) -> int:
         """Rank at generation coordinates (inverse of :meth:`gen_coords`)."""
-        for name, value, size in (("pp_g", pp_g, self.pp_g), ("tp_g", tp_g, self.tp_g),
-                                  ("micro_dp", micro_dp, self.micro_dp_size),
-                                  ("dp", dp, self.train.dp)):
-            if not 0 <= value < size:
-                raise ValueError(f"{name}={value} is outside [0, {size}) for {self}")
-        micro_pp_rank, micro_tp_rank = divmod(micro_dp, self.micro_tp)
-        return self.train.rank(pp=pp_g * self.micro_pp + micro_pp_rank,
-                               tp=tp_g * self.micro_tp + micro_tp_rank, dp=dp)
+        t = self.train
+        return _maths(t.pp, t.tp, t.dp, self.pp_g, self.tp_g).gen_rank(pp_g, tp_g, micro_dp, dp)
 
     # Groups ---------------------------------------------------------------------------------
     def _gen_groups(self, vary: str) -> Groups:
@@ -257,7 +247,8 @@ class HybridLayout:
     def model_parallel_groups(self) -> Groups:
         """Ranks of one training replica (all pp x tp ranks with the same dp rank)."""
         t = self.train
-        return [list(range(d * t.pp * t.tp, (d + 1) * t.pp * t.tp)) for d in range(t.dp)]
+        return [[t.rank(pp=s, tp=x, dp=d) for s in range(t.pp) for x in range(t.tp)]
+                for d in range(t.dp)]
 
     def gen_dp_groups(self) -> Groups:
         """Ranks that hold the same generation shard (one per generation replica)."""
@@ -284,6 +275,13 @@ class HybridLayout:
         return {"world_size": self.world_size, "micro_dp_size": self.micro_dp_size,
                 **{f"{f}_groups": self.family_groups(f) for f in families}}
 
+
+@functools.lru_cache(maxsize=256)
+def _maths(pp: int, tp: int, dp: int, pp_g: int = 1, tp_g: int = 1) -> _C.Layout:
+    """The C++ coordinate maths of a layout (arguments in the order of ``_C.Layout``); one
+    object per set of sizes, kept here rather than on the frozen layouts, which stay plain
+    picklable values."""
+    return _C.Layout(pp, tp, dp, pp_g, tp_g)
 
 
 def _sorted(groups: Groups) -> Groups:

@@ -1,4 +1,8 @@
-"""Layout maths, exhaustively for every world size up to 16 (pure, no processes)."""
+"""Layout maths, exhaustively for every world size up to 16 (pure, no processes).
+
+The coordinates are computed in C++ (hybridflow_comm._C.Layout); the references here are
+brute-force loops over the coordinates and properties of the groups, never calls of that code.
+"""
 
 import json
 import subprocess
@@ -130,11 +134,38 @@ def test_paper_example_cli():
                       "micro_dp_groups"}
 
 
-def test_rank_order_formula():
-    t = ParallelLayout(pp=2, tp=3, dp=2)
-    for r in range(12):
-        c = t.coords(r)
-        assert r == c.dp * 6 + c.pp * 3 + c.tp
+def test_coords_against_enumeration():
+    """The coordinate maths (C++) against counting the ranks in nested loops: dp slowest, then
+    the generation stage, the stage inside it, the generation TP shard, the TP rank inside it."""
+    for hl in LAYOUTS:
+        t = hl.train
+        m_t, m_p = t.tp // hl.tp_g, t.pp // hl.pp_g
+        rank = 0
+        for d in range(t.dp):
+            for pg in range(hl.pp_g):
+                for mp in range(m_p):
+                    for tg in range(hl.tp_g):
+                        for mt in range(m_t):
+                            s, x, micro = pg * m_p + mp, tg * m_t + mt, mp * m_t + mt
+                            assert t.coords(rank) == (s, x, d)
+                            assert t.rank(pp=s, tp=x, dp=d) == rank
+                            assert hl.gen_coords(rank) == (pg, tg, micro, d, d * m_t * m_p + micro)
+                            assert hl.gen_rank(pp_g=pg, tp_g=tg, micro_dp=micro, dp=d) == rank
+                            rank += 1
+        assert rank == t.world_size
+
+
+def test_coordinates_out_of_range():
+    t = ParallelLayout(pp=2, tp=2, dp=1)
+    hl = HybridLayout(t, pp_g=1, tp_g=1)
+    with pytest.raises(ValueError, match=r"rank=4 is outside \[0, 4\)"):
+        t.coords(4)
+    with pytest.raises(ValueError, match=r"rank=-1 is outside \[0, 4\)"):
+        hl.gen_coords(-1)
+    with pytest.raises(ValueError, match=r"tp=2 is outside \[0, 2\)"):
+        t.rank(pp=0, tp=2, dp=0)
+    with pytest.raises(ValueError, match=r"micro_dp=4 is outside \[0, 4\)"):
+        hl.gen_rank(pp_g=0, tp_g=0, micro_dp=4, dp=0)
 
 
 @pytest.mark.parametrize("kwargs, match", [

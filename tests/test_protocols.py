@@ -1,11 +1,14 @@
-"""Protocol rank plans (C++) against an independent reference from the layout maths.
+"""Protocol rank plans (C++) against a brute-force enumeration of the ranks written here.
 
-Exhaustive over every layout of 1..8 ranks with tp_g | tp and pp_g | pp.
+The reference never calls the layout maths (hybridflow_comm.layout wraps the same C++ code):
+it counts the ranks in p-t-d order and groups them by their coordinates. Exhaustive over every
+layout of 1..8 ranks with tp_g | tp and pp_g | pp.
 """
 
 import itertools
 
 import pytest
+import torch  # noqa: F401  (loads libtorch, which hybridflow_comm._C links against)
 
 from hybridflow_comm import _C
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -26,24 +29,29 @@ LAYOUTS = list(_layouts())
 
 
 def _reference(name, layout):
-    """(distribute, chunk per rank, collect ranks, collect kind) from layout.py only."""
-    t = layout.train
-    w = layout.world_size
+    """(distribute, chunk per rank, collect ranks, collect kind) by enumeration."""
+    pp, tp, dp = layout.train.pp, layout.train.tp, layout.train.dp
+    micro_tp, micro_pp = tp // layout.tp_g, pp // layout.pp_g
+    # Rank r has training coordinates coords[r]: count the ranks tp fastest, then pp, then dp.
+    coords = [(s, t, d) for d in range(dp) for s in range(pp) for t in range(tp)]
+    w = len(coords)
     ranks = list(range(w))
     if name in ("ONE_TO_ALL", "ALL_TO_ALL"):
         return WHOLE, [0] * w, ranks, LIST
     if name == "3D_PROTO":
-        dp_of = [t.coords(r).dp for r in ranks]
-        collect = [r for d in range(t.dp) for r in ranks
-                   if t.coords(r) == (t.pp - 1, 0, d)]
-        return SPLIT, dp_of, collect, CONCAT
+        collect = [coords.index((pp - 1, 0, d)) for d in range(dp)]
+        return SPLIT, [d for _, _, d in coords], collect, CONCAT
     if name == "3D_ALL_MICRO_DP":
-        groups = layout.micro_dp_groups()  # sorted by first rank
-        chunk = [next(i for i, g in enumerate(groups) if r in g) for r in ranks]
-        return SPLIT, chunk, [g[0] for g in groups], CONCAT
+        # A micro-DP group: the ranks of one dp replica in the same generation stage and the
+        # same generation TP shard. Dicts keep insertion order, so groups come by first rank.
+        groups = {}
+        for r, (s, t, d) in enumerate(coords):
+            groups.setdefault((d, s // micro_pp, t // micro_tp), []).append(r)
+        order = list(groups.values())
+        chunk = [next(i for i, g in enumerate(order) if r in g) for r in ranks]
+        return SPLIT, chunk, [g[0] for g in order], CONCAT
     if name == "3D_PP_ONLY":
-        collect = [t.rank(pp=s, tp=0, dp=0) for s in range(t.pp)]
-        return WHOLE, [0] * w, collect, LIST
+        return WHOLE, [0] * w, [coords.index((s, 0, 0)) for s in range(pp)], LIST
     if name in ("DP_PROTO", "DP_COMPUTE_METRIC"):
         return SPLIT, ranks, ranks, CONCAT if name == "DP_PROTO" else LIST
     if name == "DP_COMPUTE":

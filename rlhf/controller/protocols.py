@@ -31,6 +31,11 @@ count by repeating rows from its start, cut into equal chunks, and after a conca
 padding rows are removed again (never dropped silently: the pad count travels with the call).
 Other arguments go whole to every called rank.
 
+A built-in plan is computed by ``_C.protocol_plan`` from the layout's five sizes alone: the C++
+planner and the coordinate formulas it uses (which :mod:`hybridflow_comm.layout` also calls)
+are the one implementation, and this module only converts and caches its answer per
+(protocol, layout), so a dispatch never recomputes a plan.
+
 User protocols: :func:`register_protocol` with a Python plan function ``layout -> Plan``.
 """
 
