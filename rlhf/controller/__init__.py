@@ -7,9 +7,12 @@ A PPO iteration reads like the paper's::
     ref = reference.compute_ref_log_prob(gen)
     ...
 
-Modules: :mod:`.batch` (Batch container), :mod:`.protocols` (protocols, registry, decorator),
-:mod:`.worker` (Worker base, per-rank loop, data plane), :mod:`.worker_group`,
-:mod:`.futures`, :mod:`.controller`, :mod:`.launch` (``run`` under torchrun), :mod:`.errors`.
+Modules, each importing only modules listed before it (no import cycle): :mod:`.errors`,
+:mod:`.messages` (every controller/worker message), :mod:`.wire` (encoding), :mod:`.batch`
+(Batch container), :mod:`.protocols` (protocols, registry, decorator), :mod:`.calls` (issued
+calls and the controller interface that groups and futures use), :mod:`.worker` (Worker base,
+per-rank loop, data plane), :mod:`.futures`, :mod:`.worker_group`, :mod:`.controller`,
+:mod:`.launch` (``run`` under torchrun).
 """
 
 from rlhf.controller.batch import Batch

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from rlhf.controller import wire
+
 PAD_KEY = "_pad"
 
 
@@ -188,14 +190,10 @@ class Batch:
 
     # Serialization ----------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        from rlhf.controller import wire
-
         return wire.dumps(self)
 
     @staticmethod
     def from_bytes(data: bytes | bytearray | memoryview) -> Batch:
-        from rlhf.controller import wire
-
         out = wire.loads(data)
         if not isinstance(out, Batch):
             raise TypeError(f"bytes hold a {type(out).__name__}, not a Batch")

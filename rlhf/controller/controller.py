@@ -2,8 +2,9 @@
 
 It lives on global rank 0, beside rank 0's own worker (a thread of the same process): see
 :mod:`rlhf.controller.launch` for why.  Control plane = one TCP connection per rank (rank 0's
-worker: a socketpair) carrying small pickled commands and replies; data plane = gloo
-point-to-point between worker ranks (see :mod:`rlhf.controller.worker`).
+worker: a socketpair) carrying small pickled commands and replies (the dataclasses of
+:mod:`rlhf.controller.messages`); data plane = gloo point-to-point between worker ranks (see
+:mod:`rlhf.controller.worker`).
 
 The controller never blocks on a call it issued unless the program needs something from it:
 the metadata of a future passed to the next call, or a value (:meth:`Future.get`).  Replies are
@@ -18,15 +19,16 @@ import itertools
 import selectors
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 from hybridflow_comm.layout import HybridLayout
 from rlhf.controller import wire
+from rlhf.controller.calls import CallState
 from rlhf.controller.errors import ControllerError, RankLostError, WorkerError
-
-if TYPE_CHECKING:
-    from rlhf.controller.worker_group import WorkerGroup
+from rlhf.controller.messages import (Abort, Bye, Command, Done, Failed, GetOutput, Shutdown,
+                                      Value)
+from rlhf.controller.worker_group import WorkerGroup
 
 
 @dataclass
@@ -52,23 +54,10 @@ class TransferStats:
                              self.payload_in - before.payload_in, self.messages - before.messages)
 
 
-@dataclass
-class CallState:
-    """Replies of one issued command, filled in by :meth:`Controller.pump`."""
-
-    cid: int
-    what: str  # "role.method" for messages
-    ranks: frozenset[int]
-    replies: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # rank -> (meta, value)
-    error: Exception | None = None
-
-    @property
-    def done(self) -> bool:
-        return len(self.replies) == len(self.ranks)
-
-
 class Controller:
     """Handle of the single controller (exists on global rank 0 only).
+
+    It is the :class:`~rlhf.controller.calls.CallIssuer` of the groups it makes.
 
     Args:
         socks: global rank -> command socket (every rank, rank 0's local worker included).
@@ -101,8 +90,6 @@ class Controller:
               collective_timeout_s: float | None = None,
               values_in_replies: bool = False) -> WorkerGroup:
         """Create a worker group (see :class:`rlhf.controller.worker_group.WorkerGroup`)."""
-        from rlhf.controller.worker_group import WorkerGroup
-
         return WorkerGroup(self, worker_cls, layout, pool=pool, name=name, args=args,
                            kwargs=kwargs or {}, collective_timeout_s=collective_timeout_s,
                            values_in_replies=values_in_replies)
@@ -126,10 +113,10 @@ class Controller:
         for r in ranks:
             self._pending_frees[r].append(oid)
 
-    def issue(self, what: str, messages: dict[int, tuple]) -> CallState:
+    def issue(self, what: str, messages: Mapping[int, Command]) -> CallState:
         """Send one command per rank; returns the state that collects their replies."""
         self.poll()
-        cid = next(iter(messages.values()))[1]
+        cid = next(iter(messages.values())).cid
         state = CallState(cid, what, frozenset(messages))
         self._calls[cid] = state
         # Rank 0's worker last: it is a thread of this process and, once woken, holds the GIL
@@ -138,7 +125,7 @@ class Controller:
             self._send(rank, msg, what)
         return state
 
-    def _send(self, rank: int, msg: tuple, what: str) -> None:
+    def _send(self, rank: int, msg: Command | Shutdown, what: str) -> None:
         if rank in self._lost:
             raise RankLostError(rank, f"before {what} could be sent to it")
         try:
@@ -194,26 +181,30 @@ class Controller:
                                 ) from None
         self.stats.total_in += n
         self.stats.payload_in += payload
-        kind, cid, src = msg[0], msg[1], msg[2]
-        if kind == "bye":
-            self._calls[0].replies[src] = (None, None)
-            return
-        state = self._calls.get(cid)
-        if state is None:
-            return  # a late reply to a call that already failed on another rank
-        if kind == "error":
-            role, _, method = state.what.partition(".")
-            self._calls.pop(cid, None)
-            state.error = WorkerError(src, role, method, msg[3], msg[4])
-            raise state.error
-        state.replies[src] = (msg[3], msg[4])
-        if state.done:
-            self._calls.pop(cid, None)
+        match msg:
+            case Done() | Value():
+                state = self._calls.get(msg.cid)
+                if state is None:
+                    return  # a late reply to a call that already failed on another rank
+                state.replies[msg.rank] = msg
+                if state.done:
+                    self._calls.pop(msg.cid, None)
+            case Failed():
+                state = self._calls.pop(msg.cid, None)
+                if state is None:
+                    return
+                role, _, method = state.what.partition(".")
+                state.error = WorkerError(msg.rank, role, method, msg.error, msg.traceback)
+                raise state.error
+            case Bye():
+                self._calls[0].replies[msg.rank] = msg
+            case _:
+                raise ControllerError(f"rank {rank} sent {type(msg).__name__}, not a reply")
 
-    def fetch(self, oid: int, ranks: list[int], what: str) -> CallState:
+    def fetch(self, oid: int, ranks: Sequence[int], what: str) -> CallState:
         """Ask ``ranks`` for their stored output ``oid``; wait for the values."""
         cid = self.next_id()
-        state = self.issue(f"{what}.get", {r: ("fetch", cid, oid, self.take_frees(r))
+        state = self.issue(f"{what}.get", {r: GetOutput(cid, oid, self.take_frees(r))
                                            for r in ranks})
         return self.wait(state)
 
@@ -225,7 +216,7 @@ class Controller:
         bye = CallState(0, "shutdown", frozenset(self._socks))
         self._calls[0] = bye
         for rank in self._socks:
-            self._send(rank, ("shutdown",), "shutdown")
+            self._send(rank, Shutdown(), "shutdown")
         self.pump(lambda: bye.done, timeout_s=timeout_s)
         self.close()
 
@@ -235,7 +226,7 @@ class Controller:
             if rank in self._lost:
                 continue
             try:
-                wire.send_msg(s, ("abort", reason))
+                wire.send_msg(s, Abort(reason))
             except (ConnectionError, OSError):
                 pass
         self.close()

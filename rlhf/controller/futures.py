@@ -15,16 +15,15 @@ removes and which a consumer never reads.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rlhf.controller.batch import PAD_KEY, Batch
+from rlhf.controller.calls import CallIssuer, CallState
 from rlhf.controller.errors import ControllerError
+from rlhf.controller.messages import Done
 from rlhf.controller.protocols import CONCAT, LIST, Plan
-
-if TYPE_CHECKING:
-    from rlhf.controller.controller import CallState, Controller
 
 
 class Future:
@@ -36,7 +35,7 @@ class Future:
         collect_ranks: global ranks whose outputs make the result, in order.
     """
 
-    def __init__(self, controller: Controller, state: CallState, plan: Plan,
+    def __init__(self, controller: CallIssuer, state: CallState, plan: Plan,
                  collect_ranks: tuple[int, ...], rows_in: int | None, padded_in: int | None
                  ) -> None:
         self._ctl = controller
@@ -66,8 +65,7 @@ class Future:
 
     def metas(self) -> list[dict]:
         """Output metadata of each collect rank, in collect order (waits)."""
-        self.wait()
-        return [self._state.replies[r][0] for r in self.collect_ranks]
+        return [d.meta for d in self._dones()]
 
     def counts(self) -> list[int]:
         """Rows of each collected output (concat futures of batches)."""
@@ -101,20 +99,18 @@ class Future:
         """The value: concatenated (padding removed), a list, or the single output."""
         if self._has_value:
             return self._value
-        self.wait()
-        values = []
-        missing = [r for r in self.collect_ranks if self._state.replies[r][1] is None]
-        if missing:
-            fetched = self._ctl.fetch(self.oid, missing, self.what)
-            got = {r: v for r, (v, _) in fetched.replies.items()}
-        else:
-            got = {}
-        for r in self.collect_ranks:
-            inline = self._state.replies[r][1]  # (value,) when sent with the reply
-            values.append(got[r] if r in got else inline[0])
-        self._value = self._combine(values)
+        dones = self._dones()
+        missing = [d.rank for d in dones if not d.has_value]
+        fetched = self._ctl.fetch(self.oid, missing, self.what).replies if missing else {}
+        self._value = self._combine([d.value if d.has_value else fetched[d.rank].value
+                                     for d in dones])
         self._has_value = True
         return self._value
+
+    def _dones(self) -> list[Done]:
+        """The collect ranks' replies, in collect order (waits)."""
+        self.wait()
+        return [self._state.replies[r] for r in self.collect_ranks]  # a Call is answered Done
 
     def _combine(self, values: list) -> Any:
         if self.plan.collect == LIST:

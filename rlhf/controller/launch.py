@@ -38,6 +38,8 @@ import torch.distributed as dist
 
 from rlhf.controller import wire
 from rlhf.controller.controller import Controller
+from rlhf.controller.errors import ControllerError
+from rlhf.controller.messages import Hello
 from rlhf.controller.worker import WorkerRuntime, watch_controller
 
 
@@ -50,10 +52,10 @@ def _init_dist(timeout_s: float) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _connect(addr: tuple[str, int], rank: int, kind: str) -> socket.socket:
+def _connect(addr: tuple[str, int], rank: int, channel: str) -> socket.socket:
     s = socket.create_connection(addr)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    wire.send_msg(s, ("hello", rank, kind))
+    wire.send_msg(s, Hello(rank, channel))
     return s
 
 
@@ -66,8 +68,10 @@ def _accept_all(server: socket.socket, world_size: int, timeout_s: float
         s, _ = server.accept()
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        (_, rank, kind), _, _ = wire.recv_msg(s)
-        (cmd if kind == "cmd" else ctl)[rank] = s
+        hello, _, _ = wire.recv_msg(s)
+        if not isinstance(hello, Hello):
+            raise ControllerError(f"a rank connected with {type(hello).__name__}, not Hello")
+        (cmd if hello.channel == "cmd" else ctl)[hello.rank] = s
     return cmd, ctl
 
 

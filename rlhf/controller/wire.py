@@ -2,9 +2,13 @@
 
 One message on a stream socket::
 
-    +----------------+-----------------+-------------------+---------------+-----+
-    | u64 pickle len | u32 n_buffers   | u64 len x n_bufs  | pickle bytes  | buf | ...
-    +----------------+-----------------+-------------------+---------------+-----+
+    +----------------+---------------+----------+------------------+--------------+-----+
+    | u64 pickle len | u32 n_buffers | u16 kind | u64 len x n_bufs | pickle bytes | buf | ...
+    +----------------+---------------+----------+------------------+--------------+-----+
+
+``kind`` 0: the pickle is the object.  ``kind`` k > 0: the object is a message of class
+``messages.MESSAGES[k - 1]`` and the pickle holds its field values (a pickled class reference
+costs an import lookup on each side, more than the rest of a small command or reply).
 
 Tensors are not pickled through torch.save: each tensor becomes (dtype, shape) in the pickle
 plus its bytes as one out-of-band buffer that is written straight from the tensor's memory and
@@ -22,8 +26,11 @@ from typing import Any
 
 import torch
 
-_HEAD = struct.Struct("<QI")
+from rlhf.controller.messages import MESSAGES, astuple
+
+_HEAD = struct.Struct("<QIH")
 _LEN = struct.Struct("<Q")
+_KIND = {cls: k for k, cls in enumerate(MESSAGES, start=1)}
 
 
 def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -45,27 +52,38 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
-    """Pickle ``obj``; returns the pickle bytes and the out-of-band tensor buffers."""
+def encode(obj: Any) -> tuple[int, bytes, list[memoryview]]:
+    """Pickle ``obj``; returns its kind, the pickle bytes and the out-of-band tensor buffers."""
+    kind = _KIND.get(type(obj), 0)
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
-    return out.getvalue(), [b.raw() for b in buffers]
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(
+        astuple(obj) if kind else obj)
+    return kind, out.getvalue(), [b.raw() for b in buffers]
 
 
-def decode(data: bytes | memoryview, buffers: list) -> Any:
-    return pickle.loads(data, buffers=buffers)
+def decode(kind: int, data: bytes | memoryview, buffers: list) -> Any:
+    """The object that :func:`encode` gave ``(kind, data, buffers)`` for."""
+    obj = pickle.loads(data, buffers=buffers)
+    if not kind:
+        return obj
+    if kind > len(MESSAGES):
+        raise ValueError(f"message kind {kind} is not one of the {len(MESSAGES)} known kinds")
+    return MESSAGES[kind - 1](*obj)
+
+
+def _head(kind: int, data: bytes, bufs: list[memoryview]) -> bytes:
+    return _HEAD.pack(len(data), len(bufs), kind) + b"".join(_LEN.pack(b.nbytes) for b in bufs)
 
 
 def dumps(obj: Any) -> bytes:
-    data, bufs = encode(obj)
-    head = _HEAD.pack(len(data), len(bufs)) + b"".join(_LEN.pack(b.nbytes) for b in bufs)
-    return b"".join([head, data, *bufs])
+    kind, data, bufs = encode(obj)
+    return b"".join([_head(kind, data, bufs), data, *bufs])
 
 
 def loads(blob: bytes | bytearray | memoryview) -> Any:
     view = memoryview(blob)
-    n_data, n_bufs = _HEAD.unpack_from(view, 0)
+    n_data, n_bufs, kind = _HEAD.unpack_from(view, 0)
     pos = _HEAD.size
     lens = [_LEN.unpack_from(view, pos + i * _LEN.size)[0] for i in range(n_bufs)]
     pos += n_bufs * _LEN.size
@@ -75,13 +93,13 @@ def loads(blob: bytes | bytearray | memoryview) -> Any:
     for n in lens:
         bufs.append(bytearray(view[pos:pos + n]))  # own, writable memory for the tensors
         pos += n
-    return decode(data, bufs)
+    return decode(kind, data, bufs)
 
 
 def send_msg(sock: socket.socket, obj: Any) -> tuple[int, int]:
     """Send one message; returns (bytes written, of which raw tensor bytes)."""
-    data, bufs = encode(obj)
-    head = _HEAD.pack(len(data), len(bufs)) + b"".join(_LEN.pack(b.nbytes) for b in bufs)
+    kind, data, bufs = encode(obj)
+    head = _head(kind, data, bufs)
     total = len(head) + len(data) + sum(b.nbytes for b in bufs)
     if total <= 65536:
         sock.sendall(b"".join([head, data, *bufs]))
@@ -108,7 +126,7 @@ def recv_msg(sock: socket.socket) -> tuple[Any, int, int]:
     """
     head = bytearray(_HEAD.size)
     _recv_into(sock, head)
-    n_data, n_bufs = _HEAD.unpack(head)
+    n_data, n_bufs, kind = _HEAD.unpack(head)
     lens_raw = bytearray(n_bufs * _LEN.size)
     _recv_into(sock, lens_raw)
     lens = [_LEN.unpack_from(lens_raw, i * _LEN.size)[0] for i in range(n_bufs)]
@@ -119,4 +137,4 @@ def recv_msg(sock: socket.socket) -> tuple[Any, int, int]:
         b = bytearray(n)
         _recv_into(sock, b)
         bufs.append(b)
-    return decode(data, bufs), _HEAD.size + len(lens_raw) + n_data + sum(lens), sum(lens)
+    return decode(kind, data, bufs), _HEAD.size + len(lens_raw) + n_data + sum(lens), sum(lens)

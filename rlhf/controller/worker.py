@@ -1,10 +1,11 @@
 """Worker side of the single controller: the Worker base class and the per-rank command loop.
 
 Every rank runs one :class:`WorkerRuntime`.  It reads commands from its control socket in
-order, runs them one at a time and answers each with a small reply (metadata, not payload)::
+order, runs them one at a time and answers each with a small reply (metadata, not payload); the
+messages are the dataclasses of :mod:`rlhf.controller.messages`::
 
-    controller --("create" | "call" | "send" | "fetch" | "shutdown")--> rank r
-    controller <--("done", meta) | ("error", traceback) | ("value", v)-- rank r
+    controller --(Create | Call | SendOnly | GetOutput | Shutdown)--> rank r
+    controller <--(Done(meta) | Failed(traceback) | Value(v) | Bye)-- rank r
 
 Data plane.  Outputs of a call stay on the ranks that the protocol collects from, in a local
 store keyed by call id.  When a later call consumes that output (a future passed as argument),
@@ -18,21 +19,23 @@ command k only waits for sends posted in commands <= k on other ranks: no cycle,
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hybridflow_comm.groups import HybridGroups, build_hybrid_groups
-from hybridflow_comm.layout import HybridLayout
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.controller import wire
 from rlhf.controller.batch import Batch
+from rlhf.controller.messages import (Abort, Bye, Call, Create, Done, Failed, Fetch, GetOutput,
+                                      Reply, Send, SendOnly, Shutdown, Value)
 
 
 class Worker:
@@ -59,29 +62,29 @@ class Worker:
         return self.pool[self.rank]
 
 
-@dataclass(frozen=True)
-class Fetch:
-    """Placeholder for an argument whose rows come from producer ranks (a future's output).
+def worker_path(cls: type) -> str:
+    """``"module:qualname"`` of a worker class, as :class:`Create` carries it.
 
-    Attributes:
-        oid: id of the stored output on the producers (the producing call's id).
-        segments: ``(producer global rank, start, end)`` row ranges, concatenated in order.
-        tags: producer global rank -> gloo tag of its message to this rank.
+    Raises:
+        TypeError: ``cls`` is not a Worker subclass defined at module level.
     """
+    if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        raise TypeError(f"worker_cls must be a Worker subclass, got {cls!r}")
+    if "<locals>" in cls.__qualname__:
+        raise TypeError(f"worker class {cls.__qualname__} must be importable by module path "
+                        f"(defined at module level, not inside a function)")
+    return f"{cls.__module__}:{cls.__qualname__}"
 
-    oid: int
-    segments: tuple[tuple[int, int, int], ...]
-    tags: tuple[tuple[int, int], ...]
 
-
-@dataclass(frozen=True)
-class Send:
-    """Rows of a stored output that this rank sends to one consumer rank in one message."""
-
-    dst: int
-    oid: int
-    ranges: tuple[tuple[int, int], ...]
-    tag: int
+def import_worker(path: str) -> type[Worker]:
+    """The worker class named by :func:`worker_path` (imports its module if needed)."""
+    module, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for name in qualname.split("."):
+        obj = getattr(obj, name)
+    if not (isinstance(obj, type) and issubclass(obj, Worker)):
+        raise TypeError(f"{path} is not a Worker subclass: {obj!r}")
+    return obj
 
 
 def describe(value: Any) -> dict:
@@ -115,59 +118,69 @@ class WorkerRuntime:
         self.stopping = threading.Event()
 
     def serve(self) -> None:
-        """Run commands until "shutdown". ConnectionError if the controller goes away."""
+        """Run commands until :class:`Shutdown`. ConnectionError if the controller goes away."""
         while True:
             msg, _, _ = wire.recv_msg(self.sock)
-            op = msg[0]
-            if op == "shutdown":
+            if isinstance(msg, Shutdown):
                 self.stopping.set()
-                wire.send_msg(self.sock, ("bye", None, self.rank))
+                wire.send_msg(self.sock, Bye(self.rank))
                 return
-            cid = msg[1]
             try:
-                reply = getattr(self, "_op_" + op)(*msg[1:])
+                reply: Reply
+                match msg:
+                    case Call():
+                        reply = self._call(msg)
+                    case SendOnly():
+                        reply = self._send_only(msg)
+                    case GetOutput():
+                        reply = self._get_output(msg)
+                    case Create():
+                        reply = self._create(msg)
+                    case _:
+                        raise TypeError(f"rank {self.rank}: not a command: {msg!r}")
             except BaseException as exc:  # noqa: BLE001 - every failure goes to the controller
-                reply = ("error", cid, self.rank, f"{type(exc).__name__}: {exc}",
-                         traceback.format_exc())
+                reply = Failed(msg.cid, self.rank, f"{type(exc).__name__}: {exc}",
+                               traceback.format_exc())
             wire.send_msg(self.sock, reply)
 
     # Commands ---------------------------------------------------------------------------------
-    def _op_create(self, cid: int, gid: int, cls: type, layout: HybridLayout,
-                   pool: tuple[int, ...], role: str, args: tuple, kwargs: dict,
-                   timeout_s: float | None) -> tuple:
-        groups = build_hybrid_groups(layout, list(pool),
-                                     timeout_s=timeout_s or self.collective_timeout_s)
+    def _create(self, msg: Create) -> Done:
+        layout = HybridLayout(ParallelLayout(*msg.train), *msg.gen)
+        groups = build_hybrid_groups(layout, list(msg.pool),
+                                     timeout_s=msg.collective_timeout_s
+                                     or self.collective_timeout_s)
         if groups is not None:
+            cls = import_worker(msg.worker)
             worker = cls.__new__(cls)
-            worker.role, worker.layout, worker.pool = role, layout, tuple(pool)
+            worker.role, worker.layout, worker.pool = msg.role, layout, tuple(msg.pool)
             worker.rank, worker.groups = groups.rank, groups
-            worker.__init__(*args, **kwargs)
-            self.workers[gid] = worker
-        return ("done", cid, self.rank, None, None)
+            worker.__init__(*msg.args, **msg.kwargs)
+            self.workers[msg.gid] = worker
+        return Done(msg.cid, self.rank, None, False, None)
 
-    def _op_call(self, cid: int, gid: int, method: str, args: tuple, kwargs: dict, keep: bool,
-                 inline: bool, sends: tuple[Send, ...], frees: tuple[int, ...]) -> tuple:
-        self._free(frees)
-        works = self._post_sends(sends)
-        args = tuple(self._resolve(a) for a in args)
-        kwargs = {k: self._resolve(v) for k, v in kwargs.items()}
+    def _call(self, msg: Call) -> Done:
+        self._free(msg.frees)
+        works = self._post_sends(msg.sends)
+        args = tuple(self._resolve(a) for a in msg.args)
+        kwargs = {k: self._resolve(v) for k, v in msg.kwargs.items()}
         for w in works:
             w.wait()
-        out = getattr(self.workers[gid], method)(*args, **kwargs)
-        if keep:
-            self.store[cid] = out
-        return ("done", cid, self.rank, describe(out), (out,) if inline and keep else None)
+        out = getattr(self.workers[msg.gid], msg.method)(*args, **kwargs)
+        if msg.keep:
+            self.store[msg.cid] = out
+        inline = msg.inline and msg.keep
+        return Done(msg.cid, self.rank, describe(out), inline, out if inline else None)
 
-    def _op_send(self, cid: int, sends: tuple[Send, ...], frees: tuple[int, ...]) -> tuple:
-        self._free(frees)
-        for w in self._post_sends(sends):
+    def _send_only(self, msg: SendOnly) -> Done:
+        self._free(msg.frees)
+        for w in self._post_sends(msg.sends):
             w.wait()
-        return ("done", cid, self.rank, None, None)
+        return Done(msg.cid, self.rank, None, False, None)
 
-    def _op_fetch(self, cid: int, oid: int, frees: tuple[int, ...]) -> tuple:
-        value = self.store[oid]
-        self._free(frees)
-        return ("value", cid, self.rank, value, None)
+    def _get_output(self, msg: GetOutput) -> Value:
+        value = self.store[msg.oid]
+        self._free(msg.frees)
+        return Value(msg.cid, self.rank, value)
 
     # Data plane -------------------------------------------------------------------------------
     def _free(self, oids: tuple[int, ...]) -> None:
@@ -217,7 +230,7 @@ def watch_controller(ctl_sock: socket.socket, rank: int, runtime: WorkerRuntime)
     """
     try:
         msg, _, _ = wire.recv_msg(ctl_sock)
-        reason = msg[1] if msg and msg[0] == "abort" else f"unexpected message {msg!r}"
+        reason = msg.reason if isinstance(msg, Abort) else f"unexpected message {msg!r}"
     except (ConnectionError, OSError):
         if runtime.stopping.is_set():
             return

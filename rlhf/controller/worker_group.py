@@ -15,26 +15,29 @@ exactly what a reader sees on the worker class.
 
 Distribution (controller side, before anything is sent, so bad input raises ValueError and
 never reaches a collective): split arguments are padded and cut by the protocol plan; a future
-argument becomes per-rank :class:`~rlhf.controller.worker.Fetch` row plans plus
-:class:`~rlhf.controller.worker.Send` orders to its producer ranks, from ``_C.transfer_segments``.
+argument becomes per-rank :class:`~rlhf.controller.messages.Fetch` row plans plus
+:class:`~rlhf.controller.messages.Send` orders to its producer ranks, from
+``_C.transfer_segments``.
+
+A group talks to the controller through :class:`~rlhf.controller.calls.CallIssuer` only, so
+this module does not import the controller (which imports it to make groups).
 """
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from hybridflow_comm import _C
 from hybridflow_comm.groups import check_pool
 from hybridflow_comm.layout import HybridLayout
 from rlhf.controller.batch import PAD_KEY, Batch
+from rlhf.controller.calls import CallIssuer
 from rlhf.controller.futures import Future
+from rlhf.controller.messages import Call, Command, Create, Fetch, Send, SendOnly
 from rlhf.controller.protocols import PER_RANK, SPLIT, Plan, protocol_of
-from rlhf.controller.worker import Fetch, Send, Worker
-
-if TYPE_CHECKING:
-    from rlhf.controller.controller import Controller
+from rlhf.controller.worker import Worker, worker_path
 
 W = TypeVar("W", bound=Worker)
 
@@ -43,7 +46,7 @@ class WorkerGroup(Generic[W]):
     """Handle on the workers of one role.
 
     Args:
-        controller: the controller.
+        controller: the controller (what :class:`CallIssuer` names of it).
         worker_cls: a :class:`Worker` subclass importable by module path.
         layout: the role's layout (its world size = the pool size).
         pool: ascending global ranks (default: every rank of the job).
@@ -56,14 +59,13 @@ class WorkerGroup(Generic[W]):
             on the workers until asked for.
     """
 
-    def __init__(self, controller: Controller, worker_cls: type[W], layout: HybridLayout,
+    def __init__(self, controller: CallIssuer, worker_cls: type[W], layout: HybridLayout,
                  pool: list[int] | None = None, name: str | None = None, args: tuple = (),
                  kwargs: dict | None = None, collective_timeout_s: float | None = None,
                  values_in_replies: bool = False) -> None:
         if collective_timeout_s is not None and not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
-        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
-            raise TypeError(f"worker_cls must be a Worker subclass, got {worker_cls!r}")
+        path = worker_path(worker_cls)  # TypeError unless an importable Worker subclass
         if not isinstance(layout, HybridLayout):
             raise TypeError(f"layout must be a HybridLayout, got {layout!r}")
         self.pool = check_pool(layout, pool, controller.world_size)
@@ -75,9 +77,11 @@ class WorkerGroup(Generic[W]):
         self.gid = controller.next_id()
         cid = controller.next_id()
         # Every rank builds the role's process groups (new_group is collective over the job).
-        msgs = {r: ("create", cid, self.gid, worker_cls, layout, self.pool, self.name,
-                    tuple(args), dict(kwargs or {}), collective_timeout_s)
-                for r in range(controller.world_size)}
+        create = Create(cid, self.gid, path, self.name, self.pool,
+                        (layout.train.pp, layout.train.tp, layout.train.dp),
+                        (layout.pp_g, layout.tp_g), tuple(args), dict(kwargs or {}),
+                        collective_timeout_s)
+        msgs = dict.fromkeys(range(controller.world_size), create)
         controller.wait(controller.issue(f"{self.name}.__init__", msgs))
 
     def __getattr__(self, name: str) -> Callable[..., Future]:
@@ -114,12 +118,12 @@ class WorkerGroup(Generic[W]):
                                                           kwargs, what)
         cid = self._ctl.next_id()
         collect = tuple(self.pool[r] for r in plan.collect_ranks)
-        msgs: dict[int, tuple] = {}
+        msgs: dict[int, Command] = {}
         for r, (a, kw) in per_rank.items():
-            msgs[r] = ("call", cid, self.gid, name, a, kw, r in collect, inline,
-                       tuple(sends.pop(r, ())), self._ctl.take_frees(r))
+            msgs[r] = Call(cid, self.gid, name, a, kw, r in collect, inline,
+                           tuple(sends.pop(r, ())), self._ctl.take_frees(r))
         for r, s in sends.items():  # producers outside this group's called ranks
-            msgs[r] = ("send", cid, tuple(s), self._ctl.take_frees(r))
+            msgs[r] = SendOnly(cid, tuple(s), self._ctl.take_frees(r))
         state = self._ctl.issue(what, msgs)
         return Future(self._ctl, state, plan, collect, rows_in, padded_in)
 
@@ -127,7 +131,7 @@ class WorkerGroup(Generic[W]):
         return f"WorkerGroup({self.name}, pool={list(self.pool)}, layout={self.layout})"
 
 
-def _distribute(ctl: Controller, plan: Plan, pool: tuple[int, ...], args: tuple, kwargs: dict,
+def _distribute(ctl: CallIssuer, plan: Plan, pool: tuple[int, ...], args: tuple, kwargs: dict,
                 what: str) -> tuple[dict[int, tuple[tuple, dict]], dict[int, list[Send]],
                                     int | None, int | None]:
     """Per called global rank its (args, kwargs); producer sends; rows before/after padding."""
@@ -195,7 +199,7 @@ def _batch_rows(b: Batch, start: int, end: int) -> Batch:
     return out
 
 
-def _fetch_for(ctl: Controller, piece: tuple, consumer: int,
+def _fetch_for(ctl: CallIssuer, piece: tuple, consumer: int,
                sends: dict[int, list[Send]]) -> Fetch:
     """Row plan of one consumer rank for rows [start, end) of a future; adds producer sends."""
     fut, start, end = piece
