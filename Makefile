@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 STAMP := build/.installed
 TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
-.PHONY: setup run test test-py test-cpp bench clean
+.PHONY: setup run test test-py test-cpp lint bench clean
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
@@ -19,7 +19,11 @@ setup: $(STAMP)
 run: setup
 	$(PYTHON) -m rlhf.main_job
 
-test: test-cpp test-py
+test: lint test-cpp test-py
+
+# Architecture contracts (.importlinter): imports point one way, no import circles.
+lint: setup
+	lint-imports --no-logo
 
 test-py: setup
 	$(PYTHON) -m pytest tests

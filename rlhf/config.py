@@ -563,8 +563,8 @@ class RolePlan:
 
     @property
     def dp_g(self) -> int:
-        """Generation replicas: dp * (pp * tp) / (gen_pp * gen_tp)."""
-        return self.dp * (self.pp * self.tp) // (self.gen_pp * self.gen_tp)
+        """Generation replicas (the layout's ``dp_g``)."""
+        return self.layout.dp_g
 
 
 @dataclass(frozen=True)
