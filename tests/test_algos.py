@@ -234,7 +234,7 @@ def test_value_loss(seed, clip_range):
                 per_tok[b][t] = max(l1, l2)
                 n_clip += l2 > l1
             n += 1
-    loss, m = algos.value_loss(vals, old, ret, mask, clip_range)
+    loss, m = algos.value_loss(vals, old, ret, mask, clip_range, "token-mean")
     assert math.isclose(float(loss), 0.5 * _ref_agg(per_tok, mask, "token-mean"), rel_tol=1e-10)
     assert math.isclose(float(m["vf_clipfrac"]), n_clip / n, abs_tol=1e-12)
 
@@ -251,7 +251,7 @@ def test_entropy(seed):
             p = [math.exp(x) / zs for x in z]
             assert math.isclose(float(h[i, j]), -sum(q * math.log(q) for q in p), rel_tol=1e-10)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
-    loss, m = algos.entropy_loss(h, mask, coeff=0.01)
+    loss, m = algos.entropy_loss(h, mask, coeff=0.01, loss_agg_mode="token-mean")
     mean = sum(float(h[i, j]) for i in range(3) for j in range(4) if mask[i, j]) / 6
     assert math.isclose(float(m["entropy"]), mean, rel_tol=1e-12)
     assert math.isclose(float(loss), -0.01 * mean, rel_tol=1e-12)
@@ -313,10 +313,10 @@ def test_kl_controllers():
     other = algos.make_kl_controller("adaptive", 0.5, target_kl=2.0, horizon=1.0)
     other.load_state_dict(state)
     assert other.value == ctl.value and other.target == 1.0
-    fixed = algos.make_kl_controller("fixed", 0.2)
+    fixed = algos.make_kl_controller("fixed", 0.2, target_kl=1.0, horizon=100.0)
     assert fixed.update(100.0, 10) == 0.2
     with pytest.raises(ValueError, match="kind='pid'"):
-        algos.make_kl_controller("pid", 0.1)
+        algos.make_kl_controller("pid", 0.1, target_kl=1.0, horizon=100.0)
     with pytest.raises(ValueError, match="'k4'"):
         algos.kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
 
@@ -332,9 +332,10 @@ def test_safe_rlhf(seed):
         value = min(max(0.0, value + 0.2 * (mean_cost - 0.3)), 2.0)
         assert math.isclose(lag.update(mean_cost), value, rel_tol=1e-12)
     lag.value = 0.7
-    out = algos.safe_rlhf_advantages(r, v, c, cv, mask, lag.value, gamma=1.0, lam=0.9)
-    a_r, _ = algos.gae(r, v, mask, 1.0, 0.9)
-    a_c, _ = algos.gae(c, cv, mask, 1.0, 0.9)
+    out = algos.safe_rlhf_advantages(r, v, c, cv, mask, lag.value, gamma=1.0, lam=0.9,
+                                     whiten=True)
+    a_r, _ = algos.gae(r, v, mask, 1.0, 0.9, True)
+    a_c, _ = algos.gae(c, cv, mask, 1.0, 0.9, True)
     for b in range(B):
         for t in range(T):
             want = (float(a_r[b, t]) - 0.7 * float(a_c[b, t])) / 1.7
@@ -365,12 +366,12 @@ def test_registered_advantage_estimators():
                            "reward_baselines": torch.zeros(B, dtype=torch.float64),
                            "token_level_costs": r, "cost_values": v},
                   non_tensors={"uid": _groups(0)})
-    direct = {"ppo": algos.gae(r, v, mask, 1.0, 0.95)[0],
+    direct = {"ppo": algos.gae(r, v, mask, 1.0, 0.95, True)[0],
               "remax": algos.remax(r, torch.zeros(B, dtype=torch.float64), mask)[0],
-              "grpo": algos.grpo(r, mask, _groups(0))[0],
+              "grpo": algos.grpo(r, mask, _groups(0), True)[0],
               "rloo": algos.rloo(r, mask, _groups(0))[0],
-              "reinforce_pp": algos.reinforce_pp(r, mask)[0],
-              "safe_rlhf": algos.gae(r, v, mask, 1.0, 0.95)[0]}   # lagrange 0: reward part only
+              "reinforce_pp": algos.reinforce_pp(r, mask, 1.0)[0],
+              "safe_rlhf": algos.gae(r, v, mask, 1.0, 0.95, True)[0]}   # lagrange 0: reward part only
     assert set(direct) == set(ALGORITHMS)
     for name, want in direct.items():
         got = algorithm(name).advantage(batch, _iteration(name))["advantages"]
@@ -379,7 +380,7 @@ def test_registered_advantage_estimators():
         algorithm("ppo").advantage({"token_level_rewards": r, "response_mask": mask},
                                    _iteration("ppo"))
     with pytest.raises(ValueError, match=r"shape \(6, 6\)"):
-        algos.gae(r[:, :6], v[:, :6], mask, 1.0, 0.9)
+        algos.gae(r[:, :6], v[:, :6], mask, 1.0, 0.9, True)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -392,7 +393,7 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     loss, m = algos.actor_loss(logp, old, A, mask, ref_log_prob=ref, kl_loss_coef=0.1,
                                kl_estimator="k2", entropy=H, entropy_coeff=0.01,
                                loss_agg_mode="seq-mean-token-sum", clip_ratio=0.2,
-                               clip_ratio_high=0.3)
+                               clip_ratio_low=None, clip_ratio_high=0.3, clip_ratio_c=None)
     # each term from the loop references above
     pg = _ref_agg([[max(-float(A[b, t]) * math.exp(float(logp[b, t] - old[b, t])),
                         -float(A[b, t]) * min(max(math.exp(float(logp[b, t] - old[b, t])), 0.8),
@@ -404,5 +405,7 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     assert math.isclose(float(loss), pg + 0.1 * kl - 0.01 * ent, rel_tol=1e-10, abs_tol=1e-12)
     assert {"pg_loss", "clipfrac", "approx_kl", "kl_loss", "entropy"} <= set(m)
     plain, m2 = algos.actor_loss(logp, old, A, mask, loss_agg_mode="seq-mean-token-sum",
-                                 clip_ratio=0.2, clip_ratio_high=0.3)
+                                 kl_loss_coef=0.0, kl_estimator="k3", entropy_coeff=0.0,
+                                 clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.3,
+                                 clip_ratio_c=None)
     assert math.isclose(float(plain), pg, rel_tol=1e-10) and "kl_loss" not in m2

@@ -53,7 +53,7 @@ def test_roundtrip_full_state(tmp_path):
     opt2.load_state_dict(s2["optim"]["actor"])
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"],
                        opt.state_dict()["state"][0]["exp_avg"])
-    kl2, lag2 = AdaptiveKLController(1.0, 2.0, 3.0), LagrangeMultiplier()
+    kl2, lag2 = AdaptiveKLController(1.0, 2.0, 3.0), LagrangeMultiplier(1.0, 0.1, 0.0)
     kl2.load_state_dict(s2["kl_ctrl"])
     lag2.load_state_dict(s2["lagrange"])
     assert (kl2.value, lag2.value) == (kl.value, lag.value)

@@ -36,8 +36,7 @@ def _discounted_sum_skip_masked(rewards: torch.Tensor, mask: torch.Tensor,
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-        gamma: float = 1.0, lam: float = 0.95, whiten: bool = True
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+        gamma: float, lam: float, whiten: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over masked response tokens.
 
     With ``t' `` the next valid position after ``t`` (value 0 past the last one)::
@@ -117,7 +116,7 @@ def _group_stats(scores: torch.Tensor, group: Sequence | torch.Tensor):
     return idx, count, total, sq
 
 
-def grpo_scores(scores: torch.Tensor, group: Sequence | torch.Tensor, norm_by_std: bool = True,
+def grpo_scores(scores: torch.Tensor, group: Sequence | torch.Tensor, norm_by_std: bool,
                 eps: float = 1e-6) -> torch.Tensor:
     """GRPO (Shao et al. 2024) sequence advantages ``[B]``.
 
@@ -156,7 +155,7 @@ def _broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def grpo(token_rewards: torch.Tensor, mask: torch.Tensor, group: Sequence | torch.Tensor,
-         norm_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+         norm_by_std: bool, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage: :func:`grpo_scores` of ``s = sum_t m r`` on every valid token."""
     check_same_shape(mask, token_rewards=token_rewards)
     with torch.no_grad():
@@ -172,7 +171,7 @@ def rloo(token_rewards: torch.Tensor, mask: torch.Tensor, group: Sequence | torc
         return _broadcast(rloo_scores(masked_sum(token_rewards, mask, -1), group), mask)
 
 
-def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+def reinforce_pp(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): whitened discounted returns, KL folded into the rewards.
 

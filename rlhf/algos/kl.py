@@ -59,8 +59,7 @@ def kl_penalty_rewards(token_scores: torch.Tensor, log_prob: torch.Tensor,
 
 
 def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
-            estimator: str = "k3", loss_agg_mode: str = "token-mean"
-            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            estimator: str, loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL as a loss term (GRPO style): ``agg(k(log_prob, ref_log_prob))``; scale it by the
     coefficient when adding it to the policy loss.
 
@@ -121,8 +120,8 @@ class AdaptiveKLController:
         self.horizon = float(state["horizon"])
 
 
-def make_kl_controller(kind: str, kl_coef: float, target_kl: float = 6.0,
-                       horizon: float = 10000.0) -> FixedKLController | AdaptiveKLController:
+def make_kl_controller(kind: str, kl_coef: float, target_kl: float,
+                       horizon: float) -> FixedKLController | AdaptiveKLController:
     """``kind`` = ``"fixed"`` or ``"adaptive"``."""
     if kind == "fixed":
         return FixedKLController(kl_coef)

@@ -17,9 +17,9 @@ _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild ratio finite; such tokens a
 
 
 def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_ratio: float = 0.2, clip_ratio_low: float | None = None,
-                clip_ratio_high: float | None = None, clip_ratio_c: float | None = None,
-                loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                mask: torch.Tensor, *, clip_ratio: float, clip_ratio_low: float | None,
+                clip_ratio_high: float | None, clip_ratio_c: float | None,
+                loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017), optional dual-clip (Ye et al. 2020).
 
     With ``rho = exp(log_prob - old_log_prob)``, ``eps_lo = clip_ratio_low or clip_ratio``,
@@ -72,8 +72,8 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, clip_range: float | None = 0.2,
-               loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               mask: torch.Tensor, clip_range: float | None,
+               loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO2 style)::
 
         V_clip = old_V + clip(V - old_V, -c, c)
@@ -113,7 +113,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float,
-                 loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy bonus as a loss term: ``-coeff * agg(H)`` (minimising it raises the entropy).
 
     Args:
@@ -128,9 +128,9 @@ def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float,
 
 def actor_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, *, ref_log_prob: torch.Tensor | None = None,
-               kl_loss_coef: float = 0.0, kl_estimator: str = "k3",
-               entropy: torch.Tensor | None = None, entropy_coeff: float = 0.0,
-               loss_agg_mode: str = "token-mean", **clip) -> tuple[torch.Tensor,
+               kl_loss_coef: float, kl_estimator: str,
+               entropy: torch.Tensor | None = None, entropy_coeff: float,
+               loss_agg_mode: str, **clip) -> tuple[torch.Tensor,
                                                                    dict[str, torch.Tensor]]:
     """The actor's whole loss for one micro-batch::
 

@@ -59,7 +59,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     return out * m
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar.
 
     * ``token-mean``:           sum_{b,t} m l / sum_{b,t} m            (every token weighs the same)

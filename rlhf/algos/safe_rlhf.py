@@ -28,8 +28,8 @@ def combine_advantages(reward_adv: torch.Tensor, cost_adv: torch.Tensor,
 
 def safe_rlhf_advantages(token_rewards: torch.Tensor, values: torch.Tensor,
                          token_costs: torch.Tensor, cost_values: torch.Tensor,
-                         mask: torch.Tensor, lagrange: float, gamma: float = 1.0,
-                         lam: float = 0.95, whiten: bool = True) -> dict[str, torch.Tensor]:
+                         mask: torch.Tensor, lagrange: float, gamma: float,
+                         lam: float, whiten: bool) -> dict[str, torch.Tensor]:
     """Reward and cost GAE, combined with the Lagrange multiplier.
 
     Args:
@@ -54,7 +54,7 @@ class LagrangeMultiplier:
     ``J_C`` is the mean episode cost of the iteration.  Constraint violated -> lambda grows.
     """
 
-    def __init__(self, init: float = 1.0, lr: float = 0.1, cost_limit: float = 0.0,
+    def __init__(self, init: float, lr: float, cost_limit: float,
                  max_value: float | None = None) -> None:
         if init < 0 or not lr > 0:
             raise ValueError(f"lagrange init={init} must be >= 0 and lr={lr} > 0")
