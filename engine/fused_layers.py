@@ -47,6 +47,18 @@ def available(dtype: torch.dtype) -> bool:
     return _kernels is not None and dtype == torch.float32
 
 
+def resolve(requested: bool | None, dtype: torch.dtype, option: str) -> bool:
+    """Whether to run a model of ``dtype`` on the kernels when the user's ``option`` is
+    ``requested`` (None: where :func:`available`); ValueError naming ``option`` for True where
+    they are not."""
+    ok = available(dtype)
+    if requested and not ok:
+        raise ValueError(f"{option}=True needs the engine._kernels extension and float32 "
+                         f"(dtype={dtype}, extension "
+                         f"{'present' if _kernels is not None else 'missing'})")
+    return ok if requested is None else bool(requested)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

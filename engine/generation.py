@@ -3,13 +3,15 @@
 The model is the training code's layer functions (:mod:`engine.layers`) fed with this rank's
 generation shards, e.g. :meth:`hybridflow_comm.reshard.Resharder.generation_params` (views of
 the flat buffer: column weights ``[rows/t_g, H]``, row weights stacked ``[m, H, in/t]``), the
-generation TP group for the collectives and the generation PP group for stages.  Decode steps
-of float32 models run the same maths through the C++ kernels of ``engine._kernels`` (the whole
-stage in one call without TP, two calls per layer with it), reading the same views, and the
-prefill through the training blocks of :mod:`engine.fused_layers` (their forward, which also
-hands each layer's keys and values to the cache) when the layer's weights are 2-D (no stacked
-row-parallel weights, i.e. ``tp_g`` equal to the training ``tp``) and the prompts are at most
-``fused_layers.AUTO_MAX_SEQ`` tokens wide.
+generation TP group for the collectives and the generation PP group for stages.  How a step
+runs is chosen once (:mod:`engine.forward_paths`): the stage boundary when the engine is built,
+the layer paths when the weights are set.  Float32 models run the decode steps through the C++
+kernels of ``engine._kernels`` (the whole stage in one call without TP, two calls per layer
+with it), reading the same views, and the prefill through the training blocks of
+:mod:`engine.fused_layers` (their forward, which also hands each layer's keys and values to
+the cache) when the layer's weights are 2-D (no stacked row-parallel weights, i.e. ``tp_g``
+equal to the training ``tp``) and the prompts are at most ``fused_layers.AUTO_MAX_SEQ`` tokens
+wide; every other step runs the Python layers, the reference the kernels are tested against.
 
 One call::
 
@@ -30,27 +32,23 @@ settings; the sampled tokens are then identical on all of them (see :mod:`engine
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from engine import fused_layers
+from engine.forward_paths import ForwardPaths, LayerPath, PipelineStage, Rope, Sample, \
+    SingleStage, StageLayers, choose_paths
 from engine.kv_cache import KVCache, kv_cache_nbytes
-from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rms_norm, \
-    rope_tables
+from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import LAYER_KEYS
 from engine.sampling import SamplingParams, sample_next
-from engine.tp_ops import column_linear, reduce_from_tp, vocab_embedding
+from engine.tp_ops import column_linear, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
-
-try:  # C++ decode kernels (setup.py builds them; absent in a source tree never built)
-    from engine import _kernels
-except ImportError:  # pragma: no cover - the Python layers are used instead
-    _kernels = None
 
 
 @dataclass
@@ -124,7 +122,13 @@ class GenerationEngine:
             instead of ~30 tensor ops per layer: the one-token decode steps (one call per step
             without TP, two per layer with it) and the prefill (the fused blocks' forward, when
             the weights are 2-D); default: when the extension is built and the model is
-            float32.
+            float32.  False: every step through the Python layers.
+
+    Attributes:
+        boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
+            SingleStage` or :class:`engine.forward_paths.PipelineStage`), fixed at build.
+        paths: the layer paths for the current weights (:func:`engine.forward_paths.
+            choose_paths`), chosen by :meth:`set_weights`; None without weights.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
@@ -141,16 +145,13 @@ class GenerationEngine:
         self.head_name = head_weight_name(config, layout.train.pp)
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
+        self.fused_decode = fused_layers.resolve(fused_decode, config.dtype, "fused_decode")
+        self.boundary = (SingleStage() if self.num_stages == 1 else
+                         PipelineStage(group=self.pp_group, stage=self.stage,
+                                       hidden_size=config.hidden_size, dtype=config.dtype))
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
-        self._flat_weights: list[torch.Tensor] | None = None
-        self._prefill: list[dict[str, torch.Tensor]] | None = None  # [] = not possible
-        available = fused_layers.available(config.dtype)
-        if fused_decode and not available:
-            raise ValueError(f"fused_decode=True needs the engine._kernels extension and float32 "
-                             f"(dtype={config.dtype}, extension "
-                             f"{'present' if _kernels is not None else 'missing'})")
-        self.fused_decode = available if fused_decode is None else fused_decode
+        self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
@@ -163,12 +164,19 @@ class GenerationEngine:
 
     def set_weights(self, weights: Mapping[str, torch.Tensor], version: int | None = None
                     ) -> None:
-        """Use ``weights`` (this rank's generation shards by spec name; held, never copied)."""
+        """Use ``weights`` (this rank's generation shards by spec name; held, never copied)
+        and choose the layer paths that read them."""
         missing = [n for n in self.required_weights() if n not in weights]
         if missing:
             raise ValueError(f"generation weights lack {missing[:4]} (stage {self.stage})")
+        c = self.config
+        stage = StageLayers(
+            weights=tuple({k: weights[f"layers.{i}.{k}"] for k in LAYER_KEYS}
+                          for i in self.layer_ids),
+            q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
+            tp_group=self.tp_group, dtype=c.dtype)
         self.weights, self.weights_version = weights, version
-        self._flat_weights = self._prefill = None
+        self.paths = choose_paths(stage, self.fused_decode)
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -178,63 +186,18 @@ class GenerationEngine:
 
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
-        self.weights, self.weights_version = None, None
-        self._flat_weights = self._prefill = None
-
-    def _layer(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: self.weights[f"layers.{i}.{k}"] for k in LAYER_KEYS}
-
-    def _decode_layers(self, x: torch.Tensor, cache: KVCache,
-                       rope: tuple[torch.Tensor, torch.Tensor], attn: torch.Tensor
-                       ) -> torch.Tensor:
-        """The stage's layers for one new token per row, ``x [B, H]``, by the C++ kernels.
-
-        Without TP (``tp_g == 1``) the whole stage is one call; otherwise two calls per layer
-        (attention half, MLP half), each returning the row-parallel partial that is summed over
-        the TP group here (:func:`engine.tp_ops.reduce_from_tp`).  The result equals :func:`engine.layers.decoder_layer` applied layer
-        by layer, up to the rounding of the attention sums.
-        """
-        c, pos = self.config, cache.length
-        cos, sin = rope[0][:, 0], rope[1][:, 0]  # [B, D]
-        key_mask = attn[:, 0, 0]  # [B, >= pos + 1]
-        if self.tp_group is None or self.tp_group.pg is None:
-            return _kernels.decode_layers(x, self._flat_layer_weights(), c.rms_norm_eps, cos, sin,
-                                         cache.k, cache.v, pos, key_mask, c.q_per_group)
-        for j, i in enumerate(self.layer_ids):
-            w = self._layer(i)
-            x = x + reduce_from_tp(_kernels.decode_attention(
-                x, w["input_norm"], c.rms_norm_eps, w["qkv"], w["o_proj"], cos, sin,
-                cache.k[j], cache.v[j], pos, key_mask, c.q_per_group), self.tp_group)
-            x = x + reduce_from_tp(_kernels.decode_mlp(
-                x, w["post_norm"], c.rms_norm_eps, w["gate_up"], w["down_proj"]),
-                self.tp_group)
-        return x
-
-    def _prefill_weights(self) -> list[dict[str, torch.Tensor]] | None:
-        """Per layer, 2-D contiguous weights for the fused prefill (a stack of one
-        row-parallel shard is its matrix); None when the prefill must use the Python layers
-        (kernels off, or row-parallel weights stacked from several training shards)."""
-        if not self.fused_decode:
-            return None
-        if self._prefill is None:
-            layers = [{k: w[0] if w.dim() == 3 and w.shape[0] == 1 else w
-                       for k, w in self._layer(i).items()} for i in self.layer_ids]
-            ok = all(w.dim() <= 2 and w.is_contiguous() for ws in layers for w in ws.values())
-            self._prefill = layers if ok else []
-        return self._prefill or None
-
-    def _flat_layer_weights(self) -> list[torch.Tensor]:
-        """The stage's layer weights in :func:`engine._kernels.decode_layers` order (cached)."""
-        if self._flat_weights is None:
-            self._flat_weights = [self.weights[f"layers.{i}.{k}"] for i in self.layer_ids
-                                  for k in LAYER_KEYS]
-        return self._flat_weights
+        self.weights, self.weights_version, self.paths = None, None, None
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
         """Bytes the KV cache of one call takes on this rank."""
-        return kv_cache_nbytes(len(self.layer_ids), batch, prompt_length + max_new_tokens - 1,
-                               self.kv_heads, self.config.head_dim, self.config.dtype)
+        return kv_cache_nbytes(**self._kv_cache_sizes(batch, prompt_length, max_new_tokens))
+
+    def _kv_cache_sizes(self, batch: int, prompt_length: int, max_new_tokens: int) -> dict:
+        """:class:`KVCache` arguments of one call: the last new token is never fed back."""
+        return dict(num_layers=len(self.layer_ids), batch=batch,
+                    max_len=prompt_length + max_new_tokens - 1, kv_heads=self.kv_heads,
+                    head_dim=self.config.head_dim, dtype=self.config.dtype)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -267,22 +230,22 @@ class GenerationEngine:
         positions = position_ids_from_mask(full_mask)
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.dtype)  # [B, P+N, D]
         keys_ok = full_mask.bool()[:, None, None, :]  # [B, 1, 1, P+N]
-        cache = KVCache(len(self.layer_ids), batch, plen + n_new - 1, self.kv_heads,
-                        c.head_dim, c.dtype)
+        cache = KVCache(**self._kv_cache_sizes(batch, plen, n_new))
         kv_bytes = cache.nbytes
         generator = torch.Generator().manual_seed(sampling.seed)
+        sample = functools.partial(self._sample, sampling=sampling, generator=generator)
         out_ids = torch.full((batch, n_new), sampling.pad_token_id, dtype=torch.long)
         out_mask = torch.zeros(batch, n_new, dtype=torch.long)
         out_lp = torch.zeros(batch, n_new, dtype=torch.float32)
         alive = torch.ones(batch, dtype=torch.bool)
-        step_in = input_ids.long().masked_fill(mask == 0, sampling.pad_token_id)
+        prompt = _padded_prompt(input_ids, mask, sampling)
+        # step 0 is the prefill of positions [0, P); step i > 0 decodes position P + i - 1
+        path, step_in, start, end = self.paths.for_prompt(plen), prompt, 0, plen
+        attn = causal_mask(mask, batch, plen)
         steps = 0
         for i in range(n_new):
-            start = 0 if i == 0 else plen + i - 1
-            end = plen if i == 0 else plen + i
-            attn = causal_mask(mask, batch, plen) if i == 0 else keys_ok[..., :end]
-            tok, lp = self._step(step_in, cache, (cos[:, start:end], sin[:, start:end]), attn,
-                                 sampling, generator)
+            tok, lp = self._step(path, step_in, cache, (cos[:, start:end], sin[:, start:end]),
+                                 attn, sample)
             steps += 1
             out_ids[:, i] = torch.where(alive, tok, sampling.pad_token_id)
             out_mask[:, i] = alive.long()
@@ -292,12 +255,13 @@ class GenerationEngine:
             alive &= limits > i + 1
             if not bool(alive.any()):
                 break
-            step_in = out_ids[:, i:i + 1]
+            path, step_in, start, end = self.paths.decode, out_ids[:, i:i + 1], end, end + 1
+            attn = keys_ok[..., :end]
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
         new_tokens = int(out_mask.sum())
         return GenerationOutput(
-            input_ids=torch.cat([_padded_prompt(input_ids, mask, sampling), out_ids], dim=1),
+            input_ids=torch.cat([prompt, out_ids], dim=1),
             attention_mask=torch.cat([mask, out_mask], dim=1), log_probs=out_lp,
             prompt_length=plen,
             stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": steps,
@@ -314,42 +278,24 @@ class GenerationEngine:
                              f"[1, {n_new}], got {limits.tolist()}")
         return limits
 
-    def _step(self, ids: torch.Tensor, cache: KVCache, rope: tuple[torch.Tensor, torch.Tensor],
-              attn: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, path: LayerPath, ids: torch.Tensor, cache: KVCache, rope: Rope,
+              attn: torch.Tensor, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ``ids [B, S]`` through every stage; returns ``(tokens, log_probs)``."""
-        c, w, pp = self.config, self.weights, self.pp_group
-        batch, seq = ids.shape
-        if self.is_first:
-            x = vocab_embedding(ids, w["embed_tokens"], self.tp_group)
-        else:
-            x = torch.empty(batch, seq, c.hidden_size, dtype=c.dtype)
-            dist.recv(x, src=pp.ranks[self.stage - 1], group=pp.pg)
-        if seq == 1 and self.fused_decode:
-            x = self._decode_layers(x[:, 0], cache, rope, attn).unsqueeze(1)
-        elif (cache.length == 0 and seq <= fused_layers.AUTO_MAX_SEQ
-              and (prefill := self._prefill_weights()) is not None):
-            for j, layer_w in enumerate(prefill):
-                x = fused_layers.decoder_layer(x, layer_w, rope, attn, c.q_per_group, c.head_dim,
-                                               c.rms_norm_eps, self.tp_group,
-                                               kv_sink=cache.sink(j))
-        else:
-            for j, i in enumerate(self.layer_ids):
-                x = decoder_layer(x, self._layer(i), rope, attn, c.q_per_group, c.head_dim,
-                                  c.rms_norm_eps, self.tp_group, kv_hook=cache.hook(j))
-        cache.advance(seq)
-        if self.is_last:
-            h = rms_norm(x[:, -1], w["norm"], c.rms_norm_eps)  # [B, H]
-            logits = column_linear(h, w[self.head_name], self.tp_group)  # [B, V/t_g]
-            tok, lp = sample_next(logits, sampling, self.tp_group, generator)
-            if self.num_stages == 1:
-                return tok, lp
-            packed = torch.stack([tok.double(), lp.double()])
-        else:
-            dist.send(x.contiguous(), dst=pp.ranks[self.stage + 1], group=pp.pg)
-            packed = torch.empty(2, batch, dtype=torch.float64)
-        dist.broadcast(packed, src=pp.ranks[-1], group=pp.pg)
-        return packed[0].long(), packed[1].float()
+        x = self.boundary.enter(ids, self._embed)
+        x = path.forward(x, cache, rope, attn)
+        cache.advance(ids.shape[1])
+        return self.boundary.leave(x, sample)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """First stage: ``ids [B, S]`` -> ``[B, S, H]``."""
+        return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
+
+    def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last stage: the next token of every row from the last position of ``x [B, S, H]``."""
+        h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [B, H]
+        logits = column_linear(h, self.weights[self.head_name], self.tp_group)  # [B, V/t_g]
+        return sample_next(logits, sampling, self.tp_group, generator)
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

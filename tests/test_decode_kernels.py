@@ -1,8 +1,8 @@
-"""The C++ decode-step kernels (``engine._kernels``) against the Python layers they replace.
-
-References are :mod:`engine.layers` (attention_block / swiglu_block with a KV-cache hook),
-which the training model also runs; the engine-level tests compare whole generations with the
-kernels on and off."""
+"""The generation layer paths (:mod:`engine.forward_paths`: the C++ decode kernels of
+``engine._kernels``, the fused blocks' prefill) against the reference path, the Python layers of
+:mod:`engine.layers` that the training model also runs: every registered path over the same
+prefill and decode steps, outputs and KV-cache contents.  The engine-level tests compare whole
+generations with the kernels on and off."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from engine import _kernels
 from engine.generation import GenerationEngine
+from engine.forward_paths import DECODE, LAYER_PATHS, PREFILL, StageLayers
 from engine.kv_cache import KVCache
-from engine.layers import attention_block, causal_mask, position_ids_from_mask, rms_norm, \
-    rope_tables, swiglu_block
+from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
@@ -37,10 +37,6 @@ def weights(gen: torch.Generator, stacked: int = 1) -> dict[str, torch.Tensor]:
     return w
 
 
-def logical(w: torch.Tensor) -> torch.Tensor:
-    return w if w.dim() < 3 else w.transpose(0, 1).flatten(1)
-
-
 def setup_cache(gen: torch.Generator, prompt_len: int):
     """Left-padded prompt masks, the mask with 4 new tokens, and RoPE tables for all of it."""
     lengths = torch.randint(1, prompt_len + 1, (B,), generator=gen)
@@ -50,50 +46,72 @@ def setup_cache(gen: torch.Generator, prompt_len: int):
     return mask, full_mask, cos, sin
 
 
-@pytest.mark.parametrize("stacked", [1, 2])
+LAYERS, N_DECODE = 2, 3
+REFERENCE = LAYER_PATHS["python"]
+
+
+def stage_layers(gen: torch.Generator, stacked: int) -> StageLayers:
+    return StageLayers(weights=tuple(weights(gen, stacked) for _ in range(LAYERS)),
+                       q_per_group=QPG, head_dim=D, eps=EPS, tp_group=None, dtype=torch.float32)
+
+
+def runs(path, seq: int, cached: int) -> bool:
+    """Whether ``path`` runs a step of ``seq`` new tokens per row after ``cached`` ones."""
+    return (PREFILL in path.steps and cached == 0) or (DECODE in path.steps and seq == 1)
+
+
+def filled(cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached keys ``[L, B, h_kv, D, end]`` and values ``[L, B, h_kv, end, D]`` so far."""
+    return cache.k[..., :end], cache.v[:, :, :, :end]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_halves_match_python_layers(stacked, threads):
-    gen = torch.Generator().manual_seed(stacked * 10 + threads)
-    w = weights(gen, stacked)
-    w_ref = {k: logical(v) for k, v in w.items()}
-    plen = 7
+@pytest.mark.parametrize("plen", [1, 7])
+@pytest.mark.parametrize("stacked", [1, 2])
+@pytest.mark.parametrize("name", sorted(LAYER_PATHS))
+def test_layer_path_matches_reference(name, stacked, plen, threads):
+    """Every registered layer path against the reference (the Python layers) over the same
+    prefill and decode steps: outputs and KV-cache contents.  Where a path does not run a step
+    (the fused blocks decode nothing, the kernels prefill one token only), its cache takes the
+    reference's for the next step."""
+    gen = torch.Generator().manual_seed(stacked * 10 + plen + threads)
+    stage = stage_layers(gen, stacked)
+    path, ref = LAYER_PATHS[name].build(stage), REFERENCE.build(stage)
+    if path is None:
+        pytest.skip(f"{name} does not read row-parallel weights stacked from {stacked} shards")
     mask, full_mask, cos, sin = setup_cache(gen, plen)
-    prompt = torch.randn(B, plen, H, generator=gen)
-    caches = [KVCache(1, B, plen + 3, G, D, torch.float32) for _ in range(2)]
-    with torch.no_grad():
-        for cache in caches:  # prefill through the Python layers fills both caches alike
-            attention_block(prompt, w_ref, (cos[:, :plen], sin[:, :plen]),
-                            causal_mask(mask, B, plen), QPG, D, None, cache.hook(0))
-            cache.advance(plen)
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            for step in range(3):  # three decode steps, keys growing
-                pos = plen + step
-                x = torch.randn(B, H, generator=gen)
-                keys_ok = full_mask.bool()
-                ref = attention_block(
-                    rms_norm(x, w["input_norm"], EPS).unsqueeze(1), w_ref,
-                    (cos[:, pos:pos + 1], sin[:, pos:pos + 1]), keys_ok[:, None, None, :pos + 1],
-                    QPG, D, None, caches[0].hook(0))[:, 0]
-                got = _kernels.decode_attention(
-                    x, w["input_norm"], EPS, w["qkv"], w["o_proj"], cos[:, pos], sin[:, pos],
-                    caches[1].k[0], caches[1].v[0], pos, keys_ok, QPG)
-                for c in caches:
-                    c.advance(1)
-                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-                # the kernel wrote the keys/values the Python hook wrote (up to the rounding of
-                # the qkv product: the kernels' small-M GEMM against BLAS)
-                filled = {"k": (..., slice(0, pos + 1)),  # [1, B, h_kv, D, L]
-                          "v": (slice(None), slice(None), slice(None), slice(0, pos + 1))}
-                for kv, index in filled.items():
-                    got_kv, ref_kv = getattr(caches[1], kv)[index], getattr(caches[0], kv)[index]
-                    torch.testing.assert_close(got_kv, ref_kv, rtol=1e-6, atol=1e-6)
-                mlp_ref = swiglu_block(rms_norm(x, w["post_norm"], EPS), w_ref, None)
-                mlp = _kernels.decode_mlp(x, w["post_norm"], EPS, w["gate_up"], w["down_proj"])
-                torch.testing.assert_close(mlp, mlp_ref, rtol=1e-5, atol=1e-5)
-        finally:
-            torch.set_num_threads(old)
+    keys_ok = full_mask.bool()[:, None, None, :]
+    steps = [(torch.randn(B, plen, H, generator=gen), 0, plen, causal_mask(mask, B, plen))]
+    steps += [(torch.randn(B, 1, H, generator=gen), pos, pos + 1, keys_ok[..., :pos + 1])
+              for pos in range(plen, plen + N_DECODE)]
+    ref_cache, cache = (KVCache(LAYERS, B, plen + N_DECODE, G, D, torch.float32)
+                        for _ in range(2))
+    ran = 0
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for x, start, end, attn in steps:
+                rope = (cos[:, start:end], sin[:, start:end])
+                want = ref.forward(x, ref_cache, rope, attn)
+                if runs(path, end - start, start):
+                    got = path.forward(x, cache, rope, attn)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    # the cache holds what the reference's holds, up to rounding: the kernels'
+                    # small-M GEMM against BLAS in the first layer's qkv product (1e-6), and
+                    # what the earlier layers' outputs differ by in the later layers'
+                    for got_kv, ref_kv in zip(filled(cache, end), filled(ref_cache, end)):
+                        torch.testing.assert_close(got_kv[0], ref_kv[0], rtol=1e-6, atol=1e-6)
+                        torch.testing.assert_close(got_kv, ref_kv, rtol=1e-5, atol=1e-5)
+                    ran += 1
+                else:
+                    for got_kv, ref_kv in zip(filled(cache, end), filled(ref_cache, end)):
+                        got_kv.copy_(ref_kv)
+                ref_cache.advance(end - start)
+                cache.advance(end - start)
+    finally:
+        torch.set_num_threads(old)
+    assert ran > 0, f"{name} ran none of the steps"
 
 
 def test_decode_attention_rejects_bad_shapes():

@@ -181,20 +181,22 @@ def test_bad_inputs_raise():
 
 def test_generation_prefill_uses_blocks_only_for_2d_weights():
     """A stack of several row-parallel shards (tp_g < tp) keeps the Python prefill; 2-D weights
-    and a stack of one shard use the blocks."""
+    and a stack of one shard use the blocks; wide prompts always the Python layers."""
     model = ParallelLlama(CFG, single_groups())
     load_full_state_dict(model, init_full_state_dict(CFG, seed=2, std=0.2))
     eng = GenerationEngine(CFG, single_groups())
     weights = dict(model.params)
     eng.set_weights(weights)
-    assert eng._prefill_weights() is not None
+    long = fused_layers.AUTO_MAX_SEQ + 1
+    assert [eng.paths.for_prompt(n).name for n in (1, 2, long - 1, long)] == [
+        "kernel_stage", "fused_blocks", "fused_blocks", "python"]
     o = model.params["layers.0.o_proj"]
     eng.set_weights(weights | {"layers.0.o_proj": o.unsqueeze(0)})
-    got = eng._prefill_weights()
-    assert got is not None and got[0]["o_proj"].data_ptr() == o.data_ptr()  # a view, no copy
+    assert eng.paths.prefill.name == "fused_blocks"
+    assert eng.paths.prefill.layers[0]["o_proj"].data_ptr() == o.data_ptr()  # a view, no copy
     eng.set_weights(weights | {"layers.0.o_proj": o.unflatten(1, (2, -1)).transpose(0, 1)
                                .contiguous()})
-    assert eng._prefill_weights() is None
+    assert eng.paths.prefill.name == "python" and eng.paths.decode.name == "kernel_stage"
 
 
 def test_fully_masked_row_rope_broadcast_and_no_double_backward():

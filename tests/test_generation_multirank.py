@@ -1,8 +1,8 @@
 """Generation on resharded views, 4 gloo ranks: every generation layout ``(pp_g, tp_g)`` reached
 from several training layouts produces the single-process greedy tokens (which
-tests/test_generation.py checks against transformers), every generation TP group samples
-identical tokens with temperature / top-k / top-p, and every weight read is a view of the flat
-buffer."""
+tests/test_generation.py checks against transformers) on the layer paths its weights allow,
+every generation TP group samples identical tokens with temperature / top-k / top-p, and every
+weight read is a view of the flat buffer."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def run_case(rank: int, world_size: int, cfg: LlamaConfig, train: tuple, gen: tu
                  == storage.untyped_storage().data_ptr() and lo <= eng.weights[n].data_ptr() < hi)
              for n in eng.required_weights()}
     out = {"views": views, "gen_tp": eng.groups.gen_tp.ranks, "layers": eng.layer_ids,
-           "stats": None, "modes": {}}
+           "paths": (eng.paths.prefill.name, eng.paths.decode.name), "stats": None, "modes": {}}
     greedy = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW))
     out["greedy"] = (greedy.input_ids, greedy.attention_mask, greedy.log_probs)
     out["stats"] = greedy.stats
@@ -109,6 +109,10 @@ def test_generation_layouts_match_single_process(pool4, references, train, gen):
         assert torch.equal(got_mask, ref.attention_mask)
         torch.testing.assert_close(got_lp, ref.log_probs, atol=2e-5, rtol=0)
         assert r["stats"]["weights_version"] == 1
+        # kernels: one call per decode step without TP, two per layer with it; the fused
+        # blocks' prefill only where the row-parallel weights are 2-D (tp_g == tp)
+        assert r["paths"] == ("fused_blocks" if gen[1] == train[1] else "python",
+                              "kernel_layers" if gen[1] > 1 else "kernel_stage"), r["paths"]
     # each generation stage holds exactly its layers; the stages cover the model
     stages = {tuple(r["layers"]) for r in results[:world]}
     assert sorted(i for s in stages for i in s) == list(range(CFG.num_layers))

@@ -1,0 +1,301 @@
+"""The ways one generation stage can run a step, each a small object chosen once.
+
+A step of :class:`engine.generation.GenerationEngine` is::
+
+    ids [B, S] --stage.enter--> x [B, S, H] --path.forward(x, cache, rope, attn)--> x
+               --stage.leave--> (tokens [B], log-probs [B])
+
+The stage boundary (:class:`SingleStage` or :class:`PipelineStage`) is chosen when the engine
+is built; the layer paths when its weights are set, since the weights' form decides which
+kernels can read them (:func:`choose_paths`).  Every layer path computes the same maths, the
+pre-norm Llama layers of :mod:`engine.layers`, and writes the step's keys and values into the
+KV cache at ``[cache.length, cache.length + S)`` without advancing it:
+
+    path           steps             how
+    python         prefill, decode   engine.layers.decoder_layer per layer, keys and values by
+                                     the cache's hook: the reference every other path is
+                                     tested against (tests/test_decode_kernels.py)
+    fused_blocks   prefill           the C++ training blocks' forward (engine.fused_layers),
+                                     keys and values by the cache's sink; 2-D weights only
+    kernel_stage   decode            engine._kernels.decode_layers: the whole stage in one
+                                     call; no TP
+    kernel_layers  decode            engine._kernels.decode_attention / decode_mlp per layer,
+                                     the TP all-reduces between them
+
+A prefill step starts from an empty cache with the prompt (``S = P``); a decode step feeds one
+token per row (``S = 1``).  A path registers itself in :data:`LAYER_PATHS`, which the test
+against the reference reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+
+from engine import fused_layers
+from engine.kv_cache import KVCache
+from engine.layers import decoder_layer
+from engine.model import LAYER_KEYS
+from engine.tp_ops import reduce_from_tp
+from hybridflow_comm.groups import Group
+
+try:  # C++ kernels (setup.py builds them; absent in a source tree never built)
+    from engine import _kernels
+except ImportError:  # pragma: no cover - only the Python paths are built then
+    _kernels = None
+
+PREFILL, DECODE = "prefill", "decode"
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [B, S, D]
+
+
+@dataclass(frozen=True, eq=False)
+class StageLayers:
+    """What every layer path reads: this rank's layers of one generation stage."""
+
+    weights: tuple[Mapping[str, torch.Tensor], ...]
+    """Per local layer, its weights by :data:`engine.model.LAYER_KEYS` name (generation shards:
+    views, never copies; row-parallel weights 2-D or stacked ``[m, H, in/m]``)."""
+    q_per_group: int
+    head_dim: int
+    eps: float
+    """RMSNorm epsilon."""
+    tp_group: Group | None
+    """The generation TP group (None or a group of one: no collectives)."""
+    dtype: torch.dtype
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp_group is not None and self.tp_group.pg is not None
+
+
+class LayerPath(Protocol):
+    """One way to run the stage's layers (see the module docstring)."""
+
+    name: ClassVar[str]
+    steps: ClassVar[frozenset[str]]
+    """The steps it can run: :data:`PREFILL` (empty cache) and/or :data:`DECODE` (one token)."""
+
+    @classmethod
+    def build(cls, stage: StageLayers) -> LayerPath | None:
+        """The path over ``stage``, or None where it cannot read these weights."""
+
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+                ) -> torch.Tensor:
+        """``x [B, S, H]`` through the stage's layers, writing the cache; ``[B, S, H]``.
+
+        ``rope`` is the step's ``(cos, sin)`` ``[B, S, D]``; ``attn`` the boolean
+        ``[B, 1, S, length + S]`` mask over the cached and new keys (True = attend).
+        """
+
+
+LAYER_PATHS: dict[str, type[LayerPath]] = {}
+
+
+def register_layer_path(cls: type[LayerPath]) -> type[LayerPath]:
+    """Class decorator: add a layer path to :data:`LAYER_PATHS` (ValueError if the name is
+    taken)."""
+    if cls.name in LAYER_PATHS:
+        raise ValueError(f"layer path {cls.name!r} is registered twice")
+    LAYER_PATHS[cls.name] = cls
+    return cls
+
+
+def _kernels_for(stage: StageLayers) -> bool:
+    return fused_layers.available(stage.dtype)
+
+
+def _decode_tables(rope: Rope, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The one new position's ``cos, sin [B, D]`` and key mask ``[B, length + 1]``."""
+    return rope[0][:, 0], rope[1][:, 0], attn[:, 0, 0]
+
+
+@register_layer_path
+@dataclass(frozen=True, eq=False)
+class PythonLayers:
+    """The reference: :func:`engine.layers.decoder_layer` per layer."""
+
+    name: ClassVar[str] = "python"
+    steps: ClassVar[frozenset[str]] = frozenset({PREFILL, DECODE})
+    stage: StageLayers
+
+    @classmethod
+    def build(cls, stage: StageLayers) -> PythonLayers:
+        return cls(stage)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+                ) -> torch.Tensor:
+        s = self.stage
+        for j, w in enumerate(s.weights):
+            x = decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps, s.tp_group,
+                              kv_hook=cache.hook(j))
+        return x
+
+
+@register_layer_path
+@dataclass(frozen=True, eq=False)
+class FusedBlocks:
+    """Prefill by the fused training blocks' forward (:func:`engine.fused_layers.
+    decoder_layer`), which hands each layer's keys and values to the cache."""
+
+    name: ClassVar[str] = "fused_blocks"
+    steps: ClassVar[frozenset[str]] = frozenset({PREFILL})
+    stage: StageLayers
+    layers: tuple[Mapping[str, torch.Tensor], ...]
+    """``stage.weights`` with a stack of one row-parallel shard read as its matrix."""
+
+    @classmethod
+    def build(cls, stage: StageLayers) -> FusedBlocks | None:
+        """None without the kernels or for row-parallel weights stacked from several training
+        shards (``tp_g < tp``): the blocks read 2-D contiguous weights."""
+        if not _kernels_for(stage):
+            return None
+        layers = tuple({k: w[0] if w.dim() == 3 and w.shape[0] == 1 else w
+                        for k, w in ws.items()} for ws in stage.weights)
+        if not all(w.dim() <= 2 and w.is_contiguous() for ws in layers for w in ws.values()):
+            return None
+        return cls(stage, layers)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+                ) -> torch.Tensor:
+        s = self.stage
+        for j, w in enumerate(self.layers):
+            x = fused_layers.decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps,
+                                           s.tp_group, kv_sink=cache.sink(j))
+        return x
+
+
+@register_layer_path
+@dataclass(frozen=True, eq=False)
+class KernelStage:
+    """Decode without TP: the whole stage in one :func:`engine._kernels.decode_layers` call, in
+    which each intra-op thread takes its block of rows through every layer."""
+
+    name: ClassVar[str] = "kernel_stage"
+    steps: ClassVar[frozenset[str]] = frozenset({DECODE})
+    stage: StageLayers
+    flat_weights: tuple[torch.Tensor, ...]
+    """Every layer's weights in :data:`engine.model.LAYER_KEYS` order, layer after layer."""
+
+    @classmethod
+    def build(cls, stage: StageLayers) -> KernelStage | None:
+        if not _kernels_for(stage) or stage.tensor_parallel:
+            return None
+        return cls(stage, tuple(w[k] for w in stage.weights for k in LAYER_KEYS))
+
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+                ) -> torch.Tensor:
+        s = self.stage
+        cos, sin, key_mask = _decode_tables(rope, attn)
+        return _kernels.decode_layers(x[:, 0], self.flat_weights, s.eps, cos, sin, cache.k,
+                                      cache.v, cache.length, key_mask,
+                                      s.q_per_group).unsqueeze(1)
+
+
+@register_layer_path
+@dataclass(frozen=True, eq=False)
+class KernelLayers:
+    """Decode with TP: two kernel calls per layer (attention half, MLP half), each returning
+    the row-parallel partial that is summed over the TP group here."""
+
+    name: ClassVar[str] = "kernel_layers"
+    steps: ClassVar[frozenset[str]] = frozenset({DECODE})
+    stage: StageLayers
+
+    @classmethod
+    def build(cls, stage: StageLayers) -> KernelLayers | None:
+        return cls(stage) if _kernels_for(stage) else None
+
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+                ) -> torch.Tensor:
+        s, pos = self.stage, cache.length
+        cos, sin, key_mask = _decode_tables(rope, attn)
+        x = x[:, 0]  # [B, H]
+        for j, w in enumerate(s.weights):
+            x = x + reduce_from_tp(_kernels.decode_attention(
+                x, w["input_norm"], s.eps, w["qkv"], w["o_proj"], cos, sin, cache.k[j],
+                cache.v[j], pos, key_mask, s.q_per_group), s.tp_group)
+            x = x + reduce_from_tp(_kernels.decode_mlp(
+                x, w["post_norm"], s.eps, w["gate_up"], w["down_proj"]), s.tp_group)
+        return x.unsqueeze(1)
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardPaths:
+    """The layer paths of one weight version."""
+
+    prefill: LayerPath
+    """Prompts of 2 to ``fused_layers.AUTO_MAX_SEQ`` tokens."""
+    long_prefill: LayerPath
+    """Wider prompts (the blocks' attention computes the whole S x S score matrix, where the
+    Python layers' CPU flash attention skips the masked half)."""
+    decode: LayerPath
+    """One token per row; also a prompt of one token."""
+
+    def for_prompt(self, width: int) -> LayerPath:
+        """The path of the prefill of a ``width``-token prompt."""
+        if width == 1:
+            return self.decode
+        return self.prefill if width <= fused_layers.AUTO_MAX_SEQ else self.long_prefill
+
+
+def choose_paths(stage: StageLayers, kernels: bool) -> ForwardPaths:
+    """The layer paths for ``stage``'s weights: the reference everywhere without ``kernels``;
+    with them, the kernels for decode steps and the fused blocks for prefills where the weights
+    allow them (see the module docstring)."""
+    python = PythonLayers.build(stage)
+    if not kernels:
+        return ForwardPaths(prefill=python, long_prefill=python, decode=python)
+    decode = KernelLayers.build(stage) if stage.tensor_parallel else KernelStage.build(stage)
+    prefill = FusedBlocks.build(stage)
+    assert decode is not None, "kernels requested where they are not available"
+    return ForwardPaths(prefill=python if prefill is None else prefill, long_prefill=python,
+                        decode=decode)
+
+
+# Stage boundaries ---------------------------------------------------------------------------
+Embed = Callable[[torch.Tensor], torch.Tensor]  # ids [B, S] -> x [B, S, H]
+Sample = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x -> (tokens, log-probs)
+
+
+class SingleStage:
+    """``pp_g == 1``: the stage embeds the ids and samples; nothing is sent."""
+
+    def enter(self, ids: torch.Tensor, embed: Embed) -> torch.Tensor:
+        return embed(ids)
+
+    def leave(self, x: torch.Tensor, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample(x)
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage ``stage`` of ``pp_g > 1``: hidden states go stage to stage over the generation PP
+    group; the last stage samples and broadcasts ``(token, log-prob)`` back to every stage, so
+    every rank of the replica knows every token."""
+
+    group: Group
+    """The generation PP group (its ranks in stage order)."""
+    stage: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    def enter(self, ids: torch.Tensor, embed: Embed) -> torch.Tensor:
+        if self.stage == 0:
+            return embed(ids)
+        x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype)
+        dist.recv(x, src=self.group.ranks[self.stage - 1], group=self.group.pg)
+        return x
+
+    def leave(self, x: torch.Tensor, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stage == self.group.size - 1:
+            tok, lp = sample(x)
+            packed = torch.stack([tok.double(), lp.double()])
+        else:
+            dist.send(x.contiguous(), dst=self.group.ranks[self.stage + 1], group=self.group.pg)
+            packed = torch.empty(2, x.shape[0], dtype=torch.float64)
+        dist.broadcast(packed, src=self.group.ranks[-1], group=self.group.pg)
+        return packed[0].long(), packed[1].float()
