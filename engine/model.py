@@ -50,11 +50,7 @@ class ParallelLlama(nn.Module):
                  buffer: FlatParamBuffer | None = None,
                  fused_layers: bool | None = None) -> None:
         super().__init__()
-        available = fused.available(config.dtype)
-        if fused_layers and not available:
-            raise ValueError(f"fused_layers=True needs the engine._kernels extension and a "
-                             f"float32 model (dtype {config.dtype})")
-        self.fused_layers = available if fused_layers is None else fused_layers
+        self.fused_layers = fused.resolve(fused_layers, config.dtype, "fused_layers")
         self.fused_max_seq = fused.AUTO_MAX_SEQ if fused_layers is None else None
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
