@@ -45,7 +45,8 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=768, num_layers=4,
-                  num_heads=8, num_kv_heads=4, max_position_embeddings=512)
+                  num_heads=8, num_kv_heads=4, max_position_embeddings=512,
+                  tie_word_embeddings=False)
 SEED, STD = 0, 0.05
 
 
@@ -75,7 +76,7 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
     hf = transformers.LlamaForCausalLM(config_to_hf(CFG)).eval()
     hf.load_state_dict(full_to_hf_state_dict(full, llama_shard_specs(CFG, 1)), strict=False)
     ids, mask = make_prompts(batch)
-    sp = SamplingParams(max_new_tokens=new_tokens)
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
 
     def ours():
         return eng.generate(ids, mask, sp).responses
@@ -103,7 +104,7 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
 def _rank_main(rank: int, world: int, cfg: dict):
     full = init_full_state_dict(CFG, seed=SEED, std=STD)
     ids, mask = make_prompts(cfg["batch"])
-    sp = SamplingParams(max_new_tokens=cfg["new_tokens"])
+    sp = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=0.0)
     results = {}
     for tp_g in cfg["tp_gs"]:
         groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, world, 1), 1, tp_g))

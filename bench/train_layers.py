@@ -43,7 +43,7 @@ def run(preset: str, repeat: int) -> dict:
     layers, hidden, inner, heads, kv, vocab, batch, seq = PRESETS[preset]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inner,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                      max_position_embeddings=max(seq, 32))
+                      max_position_embeddings=max(seq, 32), tie_word_embeddings=False)
     full = init_full_state_dict(cfg, seed=0, std=0.1)
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     models = {}

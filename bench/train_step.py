@@ -58,7 +58,7 @@ def _config(args):
 
     return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                        intermediate_size=args.hidden * 8 // 3 // 4 * 4, num_layers=args.layers,
-                       num_heads=args.heads, num_kv_heads=args.kv_heads)
+                       num_heads=args.heads, num_kv_heads=args.kv_heads, tie_word_embeddings=False)
 
 
 def _batches(args):

@@ -215,7 +215,7 @@ class GenerationEngine:
         Returns:
             A :class:`GenerationOutput`, identical on every rank of the replica.
         """
-        sampling = sampling or SamplingParams()
+        sampling = sampling or SamplingParams(temperature=0.0)
         mask = check_prompts(input_ids, attention_mask, self.config, sampling)
         batch, plen = input_ids.shape
         n_new = sampling.max_new_tokens

@@ -119,7 +119,7 @@ class HybridEngine:
         """
         if not self._generating:
             raise RuntimeError("generate_sequences() must run inside generation_mode()")
-        sampling = sampling or SamplingParams()
+        sampling = sampling or SamplingParams(temperature=0.0)
         mask = check_prompts(input_ids, attention_mask, self.model.config, sampling)
         group = self.groups.micro_dp
         m, k = group.size, group.rank

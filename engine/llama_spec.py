@@ -30,7 +30,7 @@ from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec
 HEADS = ("lm", "value")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """Architecture of a Llama decoder (the subset of transformers' LlamaConfig we support)."""
 
@@ -50,8 +50,9 @@ class LlamaConfig:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies."""
-    tie_word_embeddings: bool = False
-    """The LM head reuses the embedding matrix."""
+    tie_word_embeddings: bool
+    """The LM head reuses the embedding matrix (no default: the run config's model section
+    holds it)."""
     max_position_embeddings: int = 2048
     """Longest sequence the rotary tables are built for."""
     dtype: torch.dtype = torch.float32

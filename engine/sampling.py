@@ -31,14 +31,15 @@ from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import Group
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to pick each new token."""
 
     max_new_tokens: int = 16
     """Tokens to generate per sequence at most (the response width)."""
-    temperature: float = 0.0
-    """Softmax temperature; 0 means greedy (argmax, lowest id on ties)."""
+    temperature: float
+    """Softmax temperature; 0 means greedy (argmax, lowest id on ties).  No default: the run
+    config's rollout temperature (data.temperature) is the one."""
     top_k: int = 0
     """Keep only the k most likely tokens before sampling; 0 disables."""
     top_p: float = 1.0

@@ -77,8 +77,9 @@ def test_layer_path_matches_reference(name, stacked, plen, threads):
     gen = torch.Generator().manual_seed(stacked * 10 + plen + threads)
     stage = stage_layers(gen, stacked)
     path, ref = LAYER_PATHS[name].build(stage), REFERENCE.build(stage)
-    if path is None:
-        pytest.skip(f"{name} does not read row-parallel weights stacked from {stacked} shards")
+    if path is None:  # declined: the engine then prefills on the reference path
+        assert (name, stacked) == ("fused_blocks", 2), f"{name} declined {stacked} shard(s)"
+        return
     mask, full_mask, cos, sin = setup_cache(gen, plen)
     keys_ok = full_mask.bool()[:, None, None, :]
     steps = [(torch.randn(B, plen, H, generator=gen), 0, plen, causal_mask(mask, B, plen))]
@@ -130,7 +131,8 @@ def test_decode_attention_rejects_bad_shapes():
 
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
-                  num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+                  num_heads=4, num_kv_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
 
 
 def engines(cfg: LlamaConfig):
@@ -143,7 +145,7 @@ def engines(cfg: LlamaConfig):
     return fused, python
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=20),
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=20, temperature=0.0),
                                       SamplingParams(max_new_tokens=20, temperature=0.9,
                                                      top_k=8, seed=4)])
 def test_engine_with_and_without_kernels_agree(sampling):
@@ -186,7 +188,7 @@ def test_decode_with_blas_products_agrees():
     fused, _ = engines(CFG)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(1, CFG.vocab_size, (6, 9), generator=g)
-    sp = SamplingParams(max_new_tokens=16)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0)
     try:
         _kernels.use_small_gemm(False)
         blas = fused.generate(ids, None, sp)

@@ -18,7 +18,7 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, rope_theta=500.0)
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, tie_word_embeddings=False)
 
 
 def single_groups():
@@ -33,7 +33,7 @@ def single_groups():
 ])
 def test_config_validation(kwargs, words):
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                num_heads=4, num_kv_heads=2)
+                num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
     with pytest.raises(ValueError) as e:
         LlamaConfig(**(base | kwargs))
     assert all(w in str(e.value) for w in words)

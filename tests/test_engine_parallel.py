@@ -22,7 +22,7 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.shard_spec import train_shard
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
-                  num_heads=8, num_kv_heads=4)
+                  num_heads=8, num_kv_heads=4, tie_word_embeddings=False)
 N_MICRO, MB, SEQ, STEPS = 4, 2, 10, 3
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (1, 1, 4), (1, 2, 2), (1, 4, 1),
            (2, 1, 2), (2, 2, 1), (4, 1, 1)]

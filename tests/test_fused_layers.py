@@ -101,7 +101,8 @@ def test_rms_norm_matches_formula_and_gradient():
 
 
 CFG = LlamaConfig(vocab_size=40, hidden_size=48, intermediate_size=72, num_layers=3,
-                  num_heads=6, num_kv_heads=2, max_position_embeddings=32)
+                  num_heads=6, num_kv_heads=2, max_position_embeddings=32,
+                  tie_word_embeddings=False)
 
 
 def single_groups():

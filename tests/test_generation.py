@@ -22,7 +22,8 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.reshard import Resharder
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
-                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64)
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False)
 STD = 0.2  # large enough that greedy continuations are not one repeated token
 
 
@@ -72,7 +73,8 @@ def test_greedy_matches_transformers_generate(tied):
     hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                          pad_token_id=0, eos_token_id=eos, output_scores=True,
                          return_dict_in_generate=True)
-    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=n, eos_token_id=eos))
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=n, eos_token_id=eos,
+                                                 temperature=0.0))
     hf_resp = hf_out.sequences[:, ids.shape[1]:]
     width = hf_resp.shape[1]
     assert torch.equal(out.responses[:, :width], hf_resp)  # HF stops when every row ended
@@ -119,7 +121,8 @@ def test_greedy_matches_cache_free_loop_with_limits():
     ids, mask = prompts(batch=5, plen=6, seed=3)
     limits = torch.tensor([10, 3, 7, 1, 10])
     toks, lps, live = loop_reference(model, ids, mask, 10, limits=limits)
-    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=10), max_new_tokens=limits)
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=10,
+                                                 temperature=0.0), max_new_tokens=limits)
     assert torch.equal(out.response_mask, live)
     assert torch.equal(out.responses, toks)
     torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
@@ -134,7 +137,7 @@ def test_seeded_sampling_is_deterministic_and_respects_top_k():
     c = eng.generate(ids, mask, SamplingParams(**{**sp.__dict__, "seed": 8}))
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.log_probs, b.log_probs)
     assert not torch.equal(a.responses, c.responses)
-    greedy = eng.generate(ids, mask, SamplingParams(max_new_tokens=10))
+    greedy = eng.generate(ids, mask, SamplingParams(max_new_tokens=10, temperature=0.0))
     assert not torch.equal(a.responses, greedy.responses)
 
 
@@ -176,25 +179,25 @@ def test_sampling_distribution(t, k, p):
 ])
 def test_bad_sampling_params(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        SamplingParams(**kwargs)
+        SamplingParams(**({"temperature": 0.0} | kwargs))
 
 
 def test_bad_prompts_raise_before_work():
     _, _, _, eng = build()
     ids, mask = prompts()
     with pytest.raises(ValueError, match="max_position_embeddings=64"):
-        eng.generate(ids, mask, SamplingParams(max_new_tokens=60))
+        eng.generate(ids, mask, SamplingParams(max_new_tokens=60, temperature=0.0))
     right = mask.flip(1)
     with pytest.raises(ValueError, match="left-padded"):
         eng.generate(ids, right)
     with pytest.raises(ValueError, match=r"\[0, 96\)"):
         eng.generate(ids + 100, mask)
     with pytest.raises(ValueError, match="eos_token_id=200"):
-        eng.generate(ids, mask, SamplingParams(eos_token_id=200))
+        eng.generate(ids, mask, SamplingParams(eos_token_id=200, temperature=0.0))
     with pytest.raises(ValueError, match="attention_mask shape"):
         eng.generate(ids, mask[:, 1:])
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
-        eng.generate(ids, mask, SamplingParams(max_new_tokens=4),
+        eng.generate(ids, mask, SamplingParams(max_new_tokens=4, temperature=0.0),
                      max_new_tokens=torch.tensor([1, 2, 5, 1]))
 
 
@@ -210,7 +213,7 @@ def test_kv_cache_sized_and_released(monkeypatch):
 
     monkeypatch.setattr(generation_mod, "KVCache", Tracked)
     ids, mask = prompts(batch=3, plen=5)
-    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=9))
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=9, temperature=0.0))
     # 2 (k, v) * 2 layers * 3 rows * 2 kv heads * (5 + 9 - 1) positions * 16 dims * 4 bytes
     assert out.stats["kv_cache_bytes"] == 2 * 2 * 3 * 2 * 13 * 16 * 4
     assert out.stats["kv_cache_bytes"] == eng.kv_cache_bytes(3, 5, 9)
@@ -230,10 +233,10 @@ def test_weights_are_views_of_the_flat_buffer():
         assert w.data_ptr() == resharder.buffer.gen_view(name).data_ptr(), name
     # an in-place change of the buffer is seen by the next generation (no hidden copy)
     ids, mask = prompts()
-    before = eng.generate(ids, mask, SamplingParams(max_new_tokens=4))
+    before = eng.generate(ids, mask, SamplingParams(max_new_tokens=4, temperature=0.0))
     with torch.no_grad():
         model.params["norm"].mul_(-1.0)
-    after = eng.generate(ids, mask, SamplingParams(max_new_tokens=4))
+    after = eng.generate(ids, mask, SamplingParams(max_new_tokens=4, temperature=0.0))
     assert not torch.equal(before.log_probs, after.log_probs)
     eng.release()
     with pytest.raises(RuntimeError, match="no generation weights"):

@@ -18,7 +18,8 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.reshard import Resharder
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
-                  num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64)
+                  num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False)
 TIED = LlamaConfig(**(CFG.__dict__ | {"tie_word_embeddings": True}))
 CASES = [  # (training pp, tp, dp), (pp_g, tp_g)
     ((1, 4, 1), (1, 4)), ((1, 4, 1), (1, 2)), ((1, 4, 1), (1, 1)),
@@ -71,7 +72,7 @@ def run_case(rank: int, world_size: int, cfg: LlamaConfig, train: tuple, gen: tu
              for n in eng.required_weights()}
     out = {"views": views, "gen_tp": eng.groups.gen_tp.ranks, "layers": eng.layer_ids,
            "paths": (eng.paths.prefill.name, eng.paths.decode.name), "stats": None, "modes": {}}
-    greedy = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW))
+    greedy = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
     out["greedy"] = (greedy.input_ids, greedy.attention_mask, greedy.log_probs)
     out["stats"] = greedy.stats
     for name, sp in modes.items():
@@ -88,7 +89,8 @@ def references():
     for key, cfg in (("untied", CFG), ("tied", TIED)):
         full = init_full_state_dict(cfg, seed=5, std=0.2)
         _, _, eng = engine_on(cfg, (1, 1, 1), (1, 1), full)
-        refs[key] = (full, eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW)))
+        refs[key] = (full, eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW,
+                                                                  temperature=0.0)))
     return refs
 
 

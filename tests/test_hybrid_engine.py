@@ -23,7 +23,8 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
-                  num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64)
+                  num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False)
 B_PER_DP, P, N_NEW = 4, 6, 8
 LP_ATOL = 1e-5
 CASES = [((1, 4, 1), (1, 2)), ((1, 4, 1), (1, 1)), ((1, 2, 2), (1, 1)), ((2, 2, 1), (1, 1)),
@@ -72,7 +73,7 @@ def run_cycles(rank: int, world_size: int, train: tuple, gen: tuple, full: dict,
         return None
     model, dp = engine.model, engine.layout.train.coords(engine.groups.rank).dp
     mine = slice(dp * B_PER_DP, (dp + 1) * B_PER_DP)
-    sp = SamplingParams(max_new_tokens=N_NEW)
+    sp = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
     ptrs = {n: p.data_ptr() for n, p in model.params.items()}
     before = {n: p.detach().clone() for n, p in model.params.items()}
     cycles = []
@@ -106,7 +107,7 @@ def full_and_reference():
     eng = GenerationEngine(CFG, groups)
     eng.set_weights(model.params)
     ids, mask = prompts(2 * B_PER_DP)
-    return full, eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW))
+    return full, eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
 
 
 @pytest.mark.parametrize("train, gen", CASES)
@@ -151,12 +152,13 @@ def test_single_process_cycle_and_misuse():
         engine.generate_sequences(ids, mask)
     with pytest.raises(ValueError, match="top_p"):
         with engine.generation_mode():
-            engine.generate_sequences(ids, mask, SamplingParams(top_p=2.0))
+            engine.generate_sequences(ids, mask, SamplingParams(top_p=2.0, temperature=0.0))
     assert engine.resharder.mode == "training" and engine.version == 1
     with engine.generation_mode() as stats:
         with pytest.raises(RuntimeError, match="already active"):
             with engine.generation_mode():
                 pass
-        out = engine.generate_sequences(ids, mask, SamplingParams(max_new_tokens=5))
+        out = engine.generate_sequences(ids, mask, SamplingParams(max_new_tokens=5,
+                                                                  temperature=0.0))
     assert stats.version == 2 and out.input_ids.shape == (3, P + 5)
     assert logprob_gap(engine, out) < LP_ATOL

@@ -12,7 +12,8 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_layers=2,
-                     num_heads=8, num_kv_heads=4, max_position_embeddings=64)
+                     num_heads=8, num_kv_heads=4, max_position_embeddings=64,
+                     tie_word_embeddings=False)
 CASES = [((1, 2, 2), (1,)), ((1, 4, 1), (2, 1))]
 BATCH, SEQ, LR = 4, 8, 0.5
 

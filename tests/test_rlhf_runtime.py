@@ -215,7 +215,8 @@ def test_train_cost_model_bradley_terry(tmp_path):
     from rlhf.workers.specs import ModelSpec
 
     cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, max_position_embeddings=32)
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
     spec = ModelSpec(config=cfg, head="value", init_from=None, seed=0)
     res = train_rm(spec, "cost", AdditionTask(1, 2), CostRule("7"),
                    CharTokenizer.build(), str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
@@ -255,7 +256,8 @@ def test_role_head_positions_match_the_rollout_log_probs():
     from rlhf.workers.common import model_inputs, response_head_from, response_outputs
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=4, num_kv_heads=2, max_position_embeddings=32)
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False)
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = ParallelLlama(cfg, groups)
     load_full_state_dict(model, init_full_state_dict(cfg, seed=1, std=0.3))

@@ -19,7 +19,8 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
-                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64)
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False)
 
 
 class FakeLLM:
@@ -68,7 +69,7 @@ def test_adapter_feeds_full_hf_weights_and_matches_native_engine():
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    sp = SamplingParams(max_new_tokens=7)
+    sp = SamplingParams(max_new_tokens=7, temperature=0.0)
     with engine.generation_mode():
         via_vllm = engine.generate_sequences(ids, mask, sp)
         assert rollout.weights_version == 1
@@ -96,7 +97,7 @@ def test_real_vllm_greedy_matches_native(tmp_path):
                    gpu_memory_utilization=0.2)
     engine = HybridEngine(model, rollout=VLLMRollout(llm, groups.gen_tp))
     ids = torch.randint(1, CFG.vocab_size, (2, 5))
-    sp = SamplingParams(max_new_tokens=6)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     with engine.generation_mode():
         out = engine.generate_sequences(ids, None, sp)
     native = GenerationEngine(CFG, groups)

@@ -88,7 +88,8 @@ class ModelShape:
 
 def _shape(name: str, v: int, h: int, f: int, layers: int, heads: int, kv: int) -> ModelShape:
     return ModelShape(name, LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=f,
-                                        num_layers=layers, num_heads=heads, num_kv_heads=kv))
+                                        num_layers=layers, num_heads=heads, num_kv_heads=kv,
+                                        tie_word_embeddings=False))
 
 
 PRESETS: dict[str, ModelShape] = {
