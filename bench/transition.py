@@ -44,21 +44,23 @@ def llama_like_specs(size_mb: float, pp: int, dtype=torch.bfloat16) -> list[Shar
     layers = max(1, round((size_mb * 2**20 / item - edge_numel) / layer_numel))
     layers = max(pp, layers // pp * pp)
     per_stage = layers // pp
-    specs = [ShardSpec("embed", (VOCAB, HIDDEN), dtype, 0, 0, hf_names=("model.embed_tokens.weight",))]
+    specs = [ShardSpec("embed", (VOCAB, HIDDEN), dtype=dtype, partition_dim=0, stage=0,
+                       hf_names=("model.embed_tokens.weight",))]
     for i in range(layers):
         st = i // per_stage
         p = f"model.layers.{i}."
         specs += [
-            ShardSpec(p + "qkv", ((HEADS + 2 * KV_HEADS) * hd, HIDDEN), dtype, 0, st,
-                      QKVFusion(HEADS, KV_HEADS, hd)),
-            ShardSpec(p + "o_proj", (HIDDEN, HIDDEN), dtype, 1, st),
-            ShardSpec(p + "gate_up", (2 * FFN, HIDDEN), dtype, 0, st, GateUpFusion()),
-            ShardSpec(p + "down_proj", (HIDDEN, FFN), dtype, 1, st),
-            ShardSpec(p + "input_norm", (HIDDEN,), dtype, None, st),
-            ShardSpec(p + "post_norm", (HIDDEN,), dtype, None, st),
+            ShardSpec(p + "qkv", ((HEADS + 2 * KV_HEADS) * hd, HIDDEN), dtype=dtype,
+                      partition_dim=0, stage=st, fusion=QKVFusion(HEADS, KV_HEADS, hd)),
+            ShardSpec(p + "o_proj", (HIDDEN, HIDDEN), dtype=dtype, partition_dim=1, stage=st),
+            ShardSpec(p + "gate_up", (2 * FFN, HIDDEN), dtype=dtype, partition_dim=0, stage=st,
+                      fusion=GateUpFusion()),
+            ShardSpec(p + "down_proj", (HIDDEN, FFN), dtype=dtype, partition_dim=1, stage=st),
+            ShardSpec(p + "input_norm", (HIDDEN,), dtype=dtype, partition_dim=None, stage=st),
+            ShardSpec(p + "post_norm", (HIDDEN,), dtype=dtype, partition_dim=None, stage=st),
         ]
-    specs += [ShardSpec("final_norm", (HIDDEN,), dtype, None, pp - 1),
-              ShardSpec("lm_head", (VOCAB, HIDDEN), dtype, 0, pp - 1)]
+    specs += [ShardSpec("final_norm", (HIDDEN,), dtype=dtype, partition_dim=None, stage=pp - 1),
+              ShardSpec("lm_head", (VOCAB, HIDDEN), dtype=dtype, partition_dim=0, stage=pp - 1)]
     return specs
 
 

@@ -128,33 +128,37 @@ def llama_shard_specs(config: LlamaConfig, pp: int, head: str = "lm") -> list[Sh
     c, dt, last = config, config.dtype, pp - 1
     H, F, D = c.hidden_size, c.intermediate_size, c.head_dim
     qkv = QKVFusion(c.num_heads, c.num_kv_heads, D)
-    specs = [ShardSpec("embed_tokens", (c.vocab_size, H), dt, 0, 0, None,
-                       ("model.embed_tokens.weight",))]
+    specs = [ShardSpec("embed_tokens", (c.vocab_size, H), dtype=dt, partition_dim=0, stage=0,
+                       fusion=None, hf_names=("model.embed_tokens.weight",))]
     for i in range(c.num_layers):
         s, hf = c.layer_stage(i, pp), f"model.layers.{i}."
         specs += [
-            ShardSpec(f"layers.{i}.input_norm", (H,), dt, None, s, None,
-                      (hf + "input_layernorm.weight",)),
-            ShardSpec(f"layers.{i}.qkv", ((c.num_heads + 2 * c.num_kv_heads) * D, H), dt, 0, s,
-                      qkv, tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv")),
-            ShardSpec(f"layers.{i}.o_proj", (H, c.num_heads * D), dt, 1, s, None,
-                      (hf + "self_attn.o_proj.weight",)),
-            ShardSpec(f"layers.{i}.post_norm", (H,), dt, None, s, None,
-                      (hf + "post_attention_layernorm.weight",)),
-            ShardSpec(f"layers.{i}.gate_up", (2 * F, H), dt, 0, s, GateUpFusion(),
-                      (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
-            ShardSpec(f"layers.{i}.down_proj", (H, F), dt, 1, s, None,
-                      (hf + "mlp.down_proj.weight",)),
+            ShardSpec(f"layers.{i}.input_norm", (H,), dtype=dt, partition_dim=None, stage=s,
+                      fusion=None, hf_names=(hf + "input_layernorm.weight",)),
+            ShardSpec(f"layers.{i}.qkv", ((c.num_heads + 2 * c.num_kv_heads) * D, H), dtype=dt,
+                      partition_dim=0, stage=s, fusion=qkv,
+                      hf_names=tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv")),
+            ShardSpec(f"layers.{i}.o_proj", (H, c.num_heads * D), dtype=dt, partition_dim=1,
+                      stage=s, fusion=None, hf_names=(hf + "self_attn.o_proj.weight",)),
+            ShardSpec(f"layers.{i}.post_norm", (H,), dtype=dt, partition_dim=None, stage=s,
+                      fusion=None, hf_names=(hf + "post_attention_layernorm.weight",)),
+            ShardSpec(f"layers.{i}.gate_up", (2 * F, H), dtype=dt, partition_dim=0, stage=s,
+                      fusion=GateUpFusion(),
+                      hf_names=(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
+            ShardSpec(f"layers.{i}.down_proj", (H, F), dtype=dt, partition_dim=1, stage=s,
+                      fusion=None, hf_names=(hf + "mlp.down_proj.weight",)),
         ]
-    specs.append(ShardSpec("norm", (H,), dt, None, last, None, ("model.norm.weight",)))
+    specs.append(ShardSpec("norm", (H,), dtype=dt, partition_dim=None, stage=last, fusion=None,
+                           hf_names=("model.norm.weight",)))
     if head == "value":
-        specs.append(ShardSpec("value_head", (1, H), dt, None, last, None, ("score.weight",)))
+        specs.append(ShardSpec("value_head", (1, H), dtype=dt, partition_dim=None, stage=last,
+                               fusion=None, hf_names=("score.weight",)))
     elif not c.tie_word_embeddings:
-        specs.append(ShardSpec("lm_head", (c.vocab_size, H), dt, 0, last, None,
-                               ("lm_head.weight",)))
+        specs.append(ShardSpec("lm_head", (c.vocab_size, H), dtype=dt, partition_dim=0, stage=last,
+                               fusion=None, hf_names=("lm_head.weight",)))
     elif pp > 1:  # tied: the last stage keeps a gradient-synchronised copy of the embedding
-        specs.append(ShardSpec("lm_head", (c.vocab_size, H), dt, 0, last, None,
-                               ("model.embed_tokens.weight",)))
+        specs.append(ShardSpec("lm_head", (c.vocab_size, H), dtype=dt, partition_dim=0, stage=last,
+                               fusion=None, hf_names=("model.embed_tokens.weight",)))
     return specs
 
 

@@ -68,8 +68,8 @@ def _error(cls, e: OmegaConfBaseException, value: Any = None) -> ValueError:
     key = getattr(e, "full_key", None) or ""
     if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
         section, _, name = key.rpartition(".")
-        valid = [p for p in _field_paths(cls) if p.rpartition(".")[0] == section]
         paths = _field_paths(cls)
+        valid = [p for p in paths if p.rpartition(".")[0] == section]
         same_leaf = sorted((p for p in paths if p.rpartition(".")[2] == name),
                            key=lambda p: not p.startswith(key.partition(".")[0] + "."))
         close = same_leaf or difflib.get_close_matches(key, paths, n=1, cutoff=0.6) \
@@ -153,7 +153,7 @@ def _writable(node: Any) -> None:
     if isinstance(node, DictConfig):
         OmegaConf.set_readonly(node, None)  # inherit: the root's flag (writable)
         for k in node.keys():
-            _writable(node._get_node(k))
+            _writable(node[k])  # a section's child section is the node itself, not a copy
 
 
 def _build(cls: type[T], recipe: dict, overrides: list[tuple[str, Any]]) -> T:

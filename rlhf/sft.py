@@ -65,8 +65,8 @@ def sft_loss(outputs: dict, mb: dict) -> torch.Tensor:
     return -(outputs["log_probs"] * m).sum() / m.sum()
 
 
-def train_sft(args: ModelSpec, task, tok: CharTokenizer, out: str, steps: int, batch: int,
-              lr: float, width: int, noise: float = 0.0) -> dict:
+def train_sft(args: ModelSpec, task, tok: CharTokenizer, *, out: str, steps: int, batch: int,
+              lr: float, width: int, noise: float) -> dict:
     """Train from ``args`` and save to ``out``; returns ``{"loss", "time_s"}``."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = build_model(args, groups)
@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=cfg.seed)
-    result = train_sft(args, task, tok, a.out, a.steps, a.batch, a.lr, width, a.noise)
+    result = train_sft(args, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
+                       width=width, noise=a.noise)
     with open(meta_path, "w") as f:
         json.dump({"settings": settings, **result}, f)
     print(f"[sft] saved {a.out} (loss {result['loss']:.4f}, {result['time_s']:.1f} s)")

@@ -64,7 +64,7 @@ def accuracy(engine: TrainEngine, batch: dict) -> float:
     return float((high > low).float().mean())
 
 
-def train_rm(args: ModelSpec, kind: str, task, rule: CostRule, tok: CharTokenizer, out: str,
+def train_rm(args: ModelSpec, kind: str, task, rule: CostRule, tok: CharTokenizer, *, out: str,
              steps: int, batch: int, lr: float, width: int) -> dict:
     """Train and save; returns held-out pair accuracy before and after."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
@@ -97,8 +97,8 @@ def main(argv: list[str]) -> int:
                      seed=cfg.seed + 3)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
-    res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), a.out, a.steps,
-                   a.batch, a.lr, width)
+    res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), out=a.out,
+                   steps=a.steps, batch=a.batch, lr=a.lr, width=width)
     print(f"[train_rm] saved {a.out}: held-out pair accuracy {res['accuracy_before']:.3f} -> "
           f"{res['accuracy_after']:.3f}", flush=True)
     return 0

@@ -114,8 +114,9 @@ def check_plain(rank, world, cases):
             hf = _hf(i)
             for name, t in _fused_full(parts, i).items():
                 d = DIMS[name.split(".")[1]]
-                specs.append(ShardSpec(name, t.shape, t.dtype, d, i,
-                                       QKV if name.endswith("qkv") else None, hf[name]))
+                specs.append(ShardSpec(name, t.shape, dtype=t.dtype, partition_dim=d, stage=i,
+                                       fusion=QKV if name.endswith("qkv") else None,
+                                       hf_names=hf[name]))
                 if i == c.pp:  # our own cut: tp_rank-th chunk, written out by slicing
                     n = t.shape[d] // tp if d is not None else None
                     local[name] = t if d is None else t.narrow(d, c.tp * n, n)

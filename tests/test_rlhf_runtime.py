@@ -219,7 +219,7 @@ def test_train_cost_model_bradley_terry(tmp_path):
                       tie_word_embeddings=False)
     spec = ModelSpec(config=cfg, head="value", init_from=None, seed=0)
     res = train_rm(spec, "cost", AdditionTask(1, 2), CostRule("7"),
-                   CharTokenizer.build(), str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
+                   CharTokenizer.build(), out=str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
                    width=14)
     assert res["accuracy_after"] > 0.9 > res["accuracy_before"]
     assert read_hf_config(str(tmp_path / "cm")) == cfg

@@ -71,7 +71,8 @@ SPECS = [ShardSpec("col", (8, 3), partition_dim=0, stage=0), ShardSpec("row", (3
                          ids=lambda h: f"{h.train.pp}-{h.train.tp}-{h.train.dp}_{h.pp_g}-{h.tp_g}")
 def test_slots_rebuild_generation_shards(hl):
     """Filling each slot from the owner rank's training shard gives the generation shard."""
-    specs = [ShardSpec(s.name, s.shape, s.dtype, s.partition_dim, s.stage % hl.train.pp) for s in SPECS]
+    specs = [ShardSpec(s.name, s.shape, dtype=s.dtype, partition_dim=s.partition_dim,
+                       stage=s.stage % hl.train.pp) for s in SPECS]
     full = {s.name: torch.randn(s.shape) for s in specs}
     for rank in range(hl.world_size):
         mine = {ss.name: ss for ss in slot_specs(specs, hl, rank)}

@@ -115,8 +115,8 @@ def stage_specs_from_dtensor(state_dict: Mapping[str, torch.Tensor], train: Para
                              f"got partition_dim={dim}")
         names = () if hf_names is None else (
             hf_names(name) if callable(hf_names) else hf_names.get(name, ()))
-        spec = ShardSpec(name, tuple(value.shape), value.dtype, dim, stage, fusions.get(name),
-                         names)
+        spec = ShardSpec(name, tuple(value.shape), dtype=value.dtype, partition_dim=dim,
+                         stage=stage, fusion=fusions.get(name), hf_names=names)
         spec.check_layout(train)
         specs.append(spec)
         local[name] = tensor

@@ -218,9 +218,9 @@ def stage_specs_from_megatron(model: nn.Module, train: ParallelLayout, rank: int
                                      f"(only 1)")
                 _check_tp_group(name, tp_group, train, coords.tp)
                 shape = shape[:dim] + (shape[dim] * train.tp,) + shape[dim + 1:]
-            spec = ShardSpec(name, shape, p.dtype, dim, coords.pp,
-                             fused.get(id(p)) if dim == 0 else None,
-                             hf_names(name) if hf_names else ())
+            spec = ShardSpec(name, shape, dtype=p.dtype, partition_dim=dim, stage=coords.pp,
+                             fusion=fused.get(id(p)) if dim == 0 else None,
+                             hf_names=hf_names(name) if hf_names else ())
             spec.check_layout(train)
             specs.append(spec)
             params[name] = p

@@ -77,10 +77,10 @@ class WorkerGroup(Generic[W]):
         self.gid = controller.next_id()
         cid = controller.next_id()
         # Every rank builds the role's process groups (new_group is collective over the job).
-        create = Create(cid, self.gid, path, self.name, self.pool,
-                        (layout.train.pp, layout.train.tp, layout.train.dp),
-                        (layout.pp_g, layout.tp_g), tuple(args), dict(kwargs or {}),
-                        collective_timeout_s)
+        create = Create(cid=cid, gid=self.gid, worker=path, role=self.name, pool=self.pool,
+                        train=(layout.train.pp, layout.train.tp, layout.train.dp),
+                        gen=(layout.pp_g, layout.tp_g), args=tuple(args), kwargs=dict(kwargs or {}),
+                        collective_timeout_s=collective_timeout_s)
         msgs = dict.fromkeys(range(controller.world_size), create)
         controller.wait(controller.issue(f"{self.name}.__init__", msgs))
 
@@ -120,8 +120,9 @@ class WorkerGroup(Generic[W]):
         collect = tuple(self.pool[r] for r in plan.collect_ranks)
         msgs: dict[int, Command] = {}
         for r, (a, kw) in per_rank.items():
-            msgs[r] = Call(cid, self.gid, name, a, kw, r in collect, inline,
-                           tuple(sends.pop(r, ())), self._ctl.take_frees(r))
+            msgs[r] = Call(cid=cid, gid=self.gid, method=name, args=a, kwargs=kw, keep=r in collect,
+                           inline=inline, sends=tuple(sends.pop(r, ())),
+                           frees=self._ctl.take_frees(r))
         for r, s in sends.items():  # producers outside this group's called ranks
             msgs[r] = SendOnly(cid, tuple(s), self._ctl.take_frees(r))
         state = self._ctl.issue(what, msgs)

@@ -127,8 +127,10 @@ def register_algorithm(name: str, *, advantage: Advantage, critics: tuple[str, .
     def add(program: Program) -> Program:
         if name in ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is registered twice")
-        ALGORITHMS[name] = AlgorithmSpec(name, program, advantage, tuple(critics), cost,
-                                         grouped, greedy_baseline, policy_loss, value_loss)
+        ALGORITHMS[name] = AlgorithmSpec(
+            name=name, program=program, advantage=advantage, critics=tuple(critics), cost=cost,
+            grouped=grouped, greedy_baseline=greedy_baseline, policy_loss=policy_loss,
+            value_loss=value_loss)
         return program
     return add
 

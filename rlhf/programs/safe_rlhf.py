@@ -12,11 +12,13 @@ from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather
 
 def safe_rlhf_advantage(batch, it: Iteration) -> dict:
     a = it.algo
-    return safe_rlhf_advantages(
-        field_of(batch, "token_level_rewards", a.name), field_of(batch, "values", a.name),
-        field_of(batch, "token_level_costs", a.name), field_of(batch, "cost_values", a.name),
-        field_of(batch, "response_mask", a.name), it.lagrange.value, a.gamma, a.lam,
-        a.whiten_advantages)
+    return safe_rlhf_advantages(token_rewards=field_of(batch, "token_level_rewards", a.name),
+                                values=field_of(batch, "values", a.name),
+                                token_costs=field_of(batch, "token_level_costs", a.name),
+                                cost_values=field_of(batch, "cost_values", a.name),
+                                mask=field_of(batch, "response_mask", a.name),
+                                lagrange=it.lagrange.value, gamma=a.gamma, lam=a.lam,
+                                whiten=a.whiten_advantages)
 
 
 @register_algorithm("safe_rlhf", advantage=safe_rlhf_advantage,
