@@ -21,9 +21,10 @@ run: setup
 
 test: lint test-cpp test-py
 
-# Architecture contracts (.importlinter): imports point one way, no import circles.
+# Architecture contracts (.importlinter): imports point one way, no import circles
+# (lint-imports through its module: a fresh pyenv may not have the script's shim yet).
 lint: setup
-	lint-imports --no-logo
+	$(PYTHON) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-logo
 
 test-py: setup
 	$(PYTHON) -m pytest tests
