@@ -19,15 +19,30 @@ from __future__ import annotations
 
 import os
 
-from engine.hf_interop import read_hf_config
 from engine.sampling import SamplingParams
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.config import Config, WorldPlan
 from rlhf.controller import Controller, WorkerGroup
 from rlhf.programs import Roles, algorithm
-from rlhf.task import AdditionTask, CharTokenizer, CostRule
+from rlhf.task import AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer
+from rlhf.task.reward_fn import load_function
 from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
                           ModelSpec, ReferenceWorker, RewardWorker, ScoreSpec, UpdateSpec)
+
+
+def tokenizer_path(cfg: Config) -> str | None:
+    """``tokenizer``, else the actor's init_from folder when it holds an HF tokenizer or the
+    built-in one saved by rlhf.sft; None = the built-in character tokenizer."""
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer
+    init = cfg.actor.model.init_from
+    if init and (is_tokenizer_dir(init) or os.path.isfile(os.path.join(init, "tokenizer.json"))):
+        return init
+    return None
+
+
+def tokenizer_of(cfg: Config):
+    return load_tokenizer(tokenizer_path(cfg))
 
 
 def task_of(cfg: Config) -> AdditionTask:
@@ -35,27 +50,31 @@ def task_of(cfg: Config) -> AdditionTask:
     return AdditionTask(d.min_digits, d.max_digits, d.num_operands, d.seed)
 
 
-def check_run(cfg: Config, tokenizer: CharTokenizer) -> None:
-    """ValueError naming the values unless the task fits the model and the lengths and every
-    ``init_from`` folder exists (run on every rank before any process group exists)."""
+def check_run(cfg: Config, tokenizer) -> None:
+    """ValueError naming the values unless every model, tokenizer, dataset and reward function
+    of the run can be loaded and fits the lengths (run on every rank before any process group
+    exists, so a bad input never reaches a collective)."""
     for role in cfg.roles:
-        args = model_spec(cfg, role, "lm")
-        if not args.init_from:
-            continue
-        if not os.path.isfile(os.path.join(args.init_from, "config.json")):
-            raise ValueError(f"{role}: model init_from={args.init_from!r} is not an HF-format "
-                             f"folder (no config.json); create it with rlhf.sft / rlhf.train_rm")
-        mine, theirs = args.config.to_dict(), read_hf_config(args.init_from).to_dict()
-        diff = {k: (mine[k], theirs[k]) for k in mine if k != "dtype" and mine[k] != theirs[k]}
-        if diff:
-            raise ValueError(f"{role}: model init_from={args.init_from!r} has another "
-                             f"architecture, (config, checkpoint): {diff}")
-    vocab = cfg.actor.model.vocab_size
-    if vocab != tokenizer.vocab_size:
-        raise ValueError(f"actor.model.vocab_size={vocab} but the task tokenizer has "
-                         f"{tokenizer.vocab_size} tokens; set actor.model.vocab_size="
-                         f"{tokenizer.vocab_size}")
-    if cfg.data.dataset is None:
+        try:
+            cfg.model_of(role).llama()  # init_from readable, explicit sizes agree with it
+        except ValueError as e:
+            raise ValueError(f"{role}: {e}") from None
+    vocab = cfg.actor.model.llama().vocab_size
+    builtin = isinstance(tokenizer, CharTokenizer)
+    if tokenizer.vocab_size > vocab or (builtin and tokenizer.vocab_size != vocab):
+        raise ValueError(f"the actor's vocab_size={vocab} but the tokenizer "
+                         f"({tokenizer_path(cfg) or 'built-in'}) has {tokenizer.vocab_size} "
+                         f"tokens: use a tokenizer made for this model (tokenizer=DIR) or set "
+                         f"actor.model.vocab_size={tokenizer.vocab_size}")
+    if cfg.reward.function is not None:
+        load_function(cfg.reward.function)
+    for key in ("train_files", "val_files"):
+        files = getattr(cfg.data, key)
+        missing = [p.strip() for p in (files or "").split(",")
+                   if p.strip() and not os.path.exists(p.strip())]
+        if missing:
+            raise ValueError(f"data.{key}: {missing} do not exist")
+    if cfg.data.train_files is None:
         task = task_of(cfg)
         need = task.max_prompt_chars + 1  # + <bos>
         if cfg.data.max_prompt_len < need:
@@ -94,7 +113,7 @@ def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> Cr
                       value_key=keys[0], return_key=keys[1])
 
 
-def sampling_of(cfg: Config, step: int, tokenizer: CharTokenizer,
+def sampling_of(cfg: Config, step: int, tokenizer,
                 greedy: bool = False) -> SamplingParams:
     """Rollout sampling of iteration ``step`` (seeded by run seed and step: resumable)."""
     return SamplingParams(max_new_tokens=cfg.data.max_response_len,
@@ -128,24 +147,26 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
     cost_critic = group("cost_critic", CriticWorker, critic_spec(cfg, plan, "cost_critic", 2)) \
         if "cost_critic" in p else None
     rules = dict(r.rule_weights) if r.kind in ("rule", "both") else {}
+    tok = tokenizer_path(cfg)
     if "reward_model" in p:
         reward = group("reward_model", RewardWorker, ScoreSpec(
             model=model_spec(cfg, "reward_model", "value", 3), model_weight=r.model_weight,
-            rule_weights=rules, cost_rule=None))
+            rule_weights=rules, cost_rule=None, function=None, tokenizer=tok))
     else:
         reward = _rule_group(ctl, plan, RewardWorker, ScoreSpec(
-            model=None, model_weight=0.0, rule_weights=rules, cost_rule=None),
-            "reward")
+            model=None, model_weight=0.0, rule_weights=rules, cost_rule=None,
+            function=r.function, tokenizer=tok), "reward")
     cost = None
     if algorithm(cfg.algo.name).cost:
         if "cost_model" in p:
             cost = group("cost_model", CostWorker, ScoreSpec(
                 model=model_spec(cfg, "cost_model", "value", 4), model_weight=1.0,
-                rule_weights={}, cost_rule=None))  # the cost is the cost model's score
+                rule_weights={}, cost_rule=None, function=None,
+                tokenizer=tok))  # the cost is the cost model's score
         else:
             rule = CostRule(r.forbidden_digit, r.max_answer_len)
             cost = _rule_group(ctl, plan, CostWorker, ScoreSpec(
-                model=None, model_weight=0.0, rule_weights={}, cost_rule=rule),
-                "cost")
+                model=None, model_weight=0.0, rule_weights={}, cost_rule=rule, function=None,
+                tokenizer=tok), "cost")
     return Roles(actor=actor, reward=reward, reference=reference, critic=critic,
                  cost_critic=cost_critic, cost=cost)

@@ -66,44 +66,77 @@ def _one_of(name: str, value: Any, choices: tuple) -> None:
 
 
 # Sections ----------------------------------------------------------------------------------
+ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "tie_word_embeddings")
+# The built-in task's tiny Llama: the architecture when a model has no init_from checkpoint.
+BUILTIN_ARCH = dict(vocab_size=24, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, tie_word_embeddings=False, max_seq_len=64)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama model (see :class:`engine.llama_spec.LlamaConfig`)."""
+    """A model: an HF checkpoint folder (``init_from``; the architecture then comes from its
+    ``config.json``), or the built-in task's tiny Llama (:data:`BUILTIN_ARCH`).  A size field
+    given together with ``init_from`` must agree with the checkpoint."""
 
-    vocab_size: int = 24
-    """Token count; must equal the tokenizer's (24 for the built-in addition tokenizer)."""
-    hidden_size: int = 64
-    """Model width."""
-    intermediate_size: int = 128
-    """SwiGLU width; divisible by every tp used for this model."""
-    num_layers: int = 2
-    """Decoder layers; divisible by every pp used for this model."""
-    num_heads: int = 4
-    """Query heads; divides hidden_size."""
-    num_kv_heads: int = 2
-    """Key/value heads; divides num_heads and is divisible by tp."""
-    max_seq_len: int = 64
-    """Longest prompt + response the model handles."""
-    tie_word_embeddings: bool = False
-    """Share the embedding with the LM head."""
     init_from: str | None = None
-    """Folder of an HF-format checkpoint to start from (e.g. the SFT warm start); None = random."""
+    """HF checkpoint folder (config.json + safetensors, e.g. the SFT warm start); None = random
+    init of the architecture below."""
+    vocab_size: int | None = None
+    """Token count (None: the checkpoint's, or 24, the built-in tokenizer's)."""
+    hidden_size: int | None = None
+    """Model width (None: the checkpoint's, or 64)."""
+    intermediate_size: int | None = None
+    """SwiGLU width; divisible by every tp used (None: the checkpoint's, or 128)."""
+    num_layers: int | None = None
+    """Decoder layers; divisible by every pp used (None: the checkpoint's, or 2)."""
+    num_heads: int | None = None
+    """Query heads (None: the checkpoint's, or 4)."""
+    num_kv_heads: int | None = None
+    """Key/value heads; divisible by tp (None: the checkpoint's, or 2)."""
+    tie_word_embeddings: bool | None = None
+    """Share the embedding with the LM head (None: the checkpoint's, or false)."""
+    max_seq_len: int | None = None
+    """Longest prompt + response the run uses (None: the checkpoint's max_position_embeddings,
+    or 64)."""
 
     def __post_init__(self) -> None:
-        _positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                  intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-                  num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                  max_seq_len=self.max_seq_len)
+        for name in (*ARCH_FIELDS[:-1], "max_seq_len"):
+            v = getattr(self, name)
+            if v is not None:
+                _positive(**{name: v})
 
     def llama(self):
-        """The engine's :class:`LlamaConfig` (validates heads, divisibility)."""
+        """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
+        architecture, with this section's explicit fields; ValueError naming both values of
+        any field that disagrees with the checkpoint."""
+        from engine.hf_interop import read_hf_config
         from engine.llama_spec import LlamaConfig
 
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
-                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                           tie_word_embeddings=self.tie_word_embeddings,
-                           max_position_embeddings=self.max_seq_len)
+        explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
+        if self.init_from is None:
+            arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit
+            return LlamaConfig(**arch, max_position_embeddings=self.seq_len)
+        if not os.path.isfile(os.path.join(self.init_from, "config.json")):
+            raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
+                             f"config.json); create it with rlhf.sft / rlhf.train_rm or "
+                             f"save_pretrained")
+        hf = read_hf_config(self.init_from)
+        clash = {k: (v, getattr(hf, k)) for k, v in explicit.items() if getattr(hf, k) != v}
+        if clash:
+            raise ValueError(f"model init_from={self.init_from!r}: the config sets " + ", ".join(
+                f"{k}={mine} but its config.json has {k}={theirs}"
+                for k, (mine, theirs) in clash.items()) + "; drop them or make them agree")
+        return hf
+
+    @property
+    def seq_len(self) -> int:
+        """max_seq_len, resolved (the checkpoint's max_position_embeddings when None)."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        if self.init_from is None:
+            return BUILTIN_ARCH["max_seq_len"]
+        return self.llama().max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -221,8 +254,16 @@ class FrozenModelConfig:
 class DataConfig:
     """Prompts and every batch size (see the module docstring for their meaning)."""
 
-    dataset: str | None = None
-    """A jsonl/parquet file with prompt/answer fields; None = the built-in addition task."""
+    train_files: str | None = None
+    """Training prompts: comma-separated .jsonl / .parquet files or saved ``datasets`` folders
+    (rows: prompt, ground_truth, data_source, extra_info); None = the built-in addition task."""
+    val_files: str | None = None
+    """Held-out prompts in the same format, evaluated greedily every ``eval_every``
+    iterations and at the end; None = no evaluation."""
+    prompt_key: str = "prompt"
+    """Field of a row holding the prompt (a string or a chat list of {role, content})."""
+    ground_truth_key: str = "ground_truth"
+    """Field of a row holding the ground truth passed to the reward."""
     min_digits: int = 1
     """Addition task: fewest digits per operand."""
     max_digits: int = 2
@@ -346,7 +387,12 @@ class RewardConfig:
     """Where rewards (and Safe-RLHF costs) come from."""
 
     kind: str = "rule"
-    """rule (rule-based functions), model (reward model), or both (summed)."""
+    """rule (the built-in rule functions), model (reward model), both (rules + model, summed),
+    or function (a user's ``compute_score`` in ``reward.function``)."""
+    function: str | None = None
+    """kind=function: ``path/to/file.py:name`` of ``compute_score(data_source, solution_str,
+    ground_truth, extra_info=None) -> float | dict`` (verl's signature; a dict carries
+    ``score`` plus fields logged as ``reward/<field>``)."""
     rule_weights: dict[str, float] = field(default_factory=lambda: {"exact": 1.0})
     """Weights of the built-in rule functions: exact, partial, format."""
     model_weight: float = 1.0
@@ -361,13 +407,17 @@ class RewardConfig:
     def __post_init__(self) -> None:
         from rlhf.task.rewards import REWARD_FUNCTIONS
 
-        _one_of("reward.kind", self.kind, ("rule", "model", "both"))
+        _one_of("reward.kind", self.kind, ("rule", "model", "both", "function"))
         _one_of("reward.cost_kind", self.cost_kind, ("rule", "model"))
+        if (self.kind == "function") != (self.function is not None):
+            raise ValueError(f"reward.kind={self.kind!r} and reward.function={self.function!r}: "
+                             f"a reward function needs both kind=function and "
+                             f"function=path/to/file.py:name")
         unknown = sorted(set(self.rule_weights) - set(REWARD_FUNCTIONS))
         if unknown:
             raise ValueError(f"reward.rule_weights has unknown components {unknown}; valid: "
                              f"{sorted(REWARD_FUNCTIONS)}")
-        if self.kind != "model" and not any(self.rule_weights.values()):
+        if self.kind in ("rule", "both") and not any(self.rule_weights.values()):
             raise ValueError(f"reward.kind={self.kind!r} but every rule weight is 0: "
                              f"{self.rule_weights}")
         if self.forbidden_digit not in "0123456789" or len(self.forbidden_digit) != 1:
@@ -467,11 +517,19 @@ class Config:
     """Checkpointing and resume."""
     iterations: int = 20
     """RL iterations (one rollout batch each)."""
+    eval_every: int = 0
+    """Evaluate on data.val_files every this many iterations (and always at the end); 0 = only
+    at the end."""
+    tokenizer: str | None = None
+    """Tokenizer folder (HF files); None = the actor's init_from folder when it has tokenizer
+    files, else the built-in character tokenizer."""
     seed: int = 0
     """Seed of model init and sampling (the data has its own, data.seed)."""
 
     def __post_init__(self) -> None:
         _positive(iterations=self.iterations)
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 = at the end only)")
         spec = algorithm(self.algo.name)
         if spec.grouped and self.data.samples_per_prompt < 2:
             raise ValueError(f"algo={spec.name} compares samples of one prompt: set "
@@ -674,7 +732,7 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
                          f"use a multiple of {dp_g}")
     need = d.max_prompt_len + d.max_response_len
     for role in config.roles:
-        if config.model_of(role).max_seq_len < need:
-            raise ValueError(f"{role}: model max_seq_len={config.model_of(role).max_seq_len} < "
+        if config.model_of(role).seq_len < need:
+            raise ValueError(f"{role}: model max_seq_len={config.model_of(role).seq_len} < "
                              f"max_prompt_len + max_response_len = {need}")
     return WorldPlan(world_size, pools, plans)

@@ -16,17 +16,20 @@ function of (seed, step), so a resumed run repeats an uninterrupted run exactly 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 from rlhf.algos import LagrangeMultiplier, make_kl_controller
-from rlhf.builders import build_roles, check_run, sampling_of, task_of
+from rlhf.builders import build_roles, check_run, sampling_of, task_of, tokenizer_of
+from rlhf.evaluation import Evaluator
+from rlhf.prompts import encode_prompts, fitting_prompts
 from rlhf.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
                              restore_rng_state, save_checkpoint)
 from rlhf.config import Config, WorldPlan, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.programs import Iteration, Roles, algorithm
-from rlhf.task import CharTokenizer, Example, PromptStream, read_dataset
+from rlhf.task import PromptStream, read_dataset
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -34,9 +37,11 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 class RunState:
     """Controller-side state that a checkpoint must restore."""
 
-    def __init__(self, cfg: Config) -> None:
-        a = cfg.algo
-        source = read_dataset(cfg.data.dataset) if cfg.data.dataset else task_of(cfg)
+    def __init__(self, cfg: Config, tok) -> None:
+        a, d = cfg.algo, cfg.data
+        source = fitting_prompts(read_dataset(d.train_files, d.prompt_key, d.ground_truth_key),
+                                 tok, d.max_prompt_len, "data.train_files") \
+            if d.train_files else task_of(cfg)
         self.step = 0
         self.stream = PromptStream(source, seed=cfg.data.seed)
         self.kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, a.kl_target, a.kl_horizon)
@@ -56,20 +61,6 @@ class RunState:
         restore_rng_state(s["rng"])
 
 
-def encode_prompts(examples: list[Example], tok: CharTokenizer, width: int, samples: int,
-                   first_uid: int) -> Batch:
-    """Left-padded ``<bos> prompt`` ids, each prompt repeated ``samples`` times (same uid)."""
-    ids = [tok.encode(e.prompt, add_bos=True) for e in examples]
-    too_long = [e.prompt for e, i in zip(examples, ids) if len(i) > width]
-    if too_long:
-        raise ValueError(f"prompts {too_long[:3]} are longer than data.max_prompt_len={width}")
-    input_ids, mask = tok.pad_batch(ids, "left", width)
-    b = Batch({"input_ids": input_ids, "attention_mask": mask.long()},
-              {"answer": [e.answer for e in examples],
-               "uid": list(range(first_uid, first_uid + len(examples)))})
-    return b.repeat(samples) if samples > 1 else b
-
-
 def save(roles: Roles, state: RunState, root: str, keep_last: int) -> str:
     tensors, extra = {}, {}
     for name, group in roles.checkpointed().items():
@@ -85,6 +76,23 @@ def save(roles: Roles, state: RunState, root: str, keep_last: int) -> str:
                            keep_last)
 
 
+def export_hf(roles: Roles, tok, run_dir: str) -> str:
+    """The actor as an HF checkpoint (config.json, safetensors, tokenizer files) in
+    ``<run_dir>/hf/actor``, replaced whole (written beside it, then renamed)."""
+    final = os.path.join(run_dir, "hf", "actor")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    roles.actor.save_hf(tmp).wait()
+    tok.save_files(tmp)
+    old = final + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(final):
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def restore(roles: Roles, state: RunState, path: str) -> None:
     _, tensors, s = load_checkpoint(path)
     for name, group in roles.checkpointed().items():
@@ -98,7 +106,7 @@ def restore(roles: Roles, state: RunState, path: str) -> None:
     state.load_state_dict(s)
 
 
-def iteration_of(cfg: Config, state: RunState, tok: CharTokenizer, timer: PhaseTimer
+def iteration_of(cfg: Config, state: RunState, tok, timer: PhaseTimer
                  ) -> Iteration:
     return Iteration(algo=cfg.algo, sampling=sampling_of(cfg, state.step, tok),
                      greedy=sampling_of(cfg, state.step, tok, greedy=True), timer=timer,
@@ -107,13 +115,14 @@ def iteration_of(cfg: Config, state: RunState, tok: CharTokenizer, timer: PhaseT
 
 def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     """Run ``cfg`` on the controller's job; returns the metric records this process logged."""
-    tok = CharTokenizer.build()
+    tok = tokenizer_of(cfg)
     check_run(cfg, tok)
     run_dir = cfg.log.run_dir
     root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.checkpoint.resume, root)
     roles = build_roles(ctl, cfg, plan)
-    state = RunState(cfg)
+    state = RunState(cfg, tok)
+    val = Evaluator(cfg, tok) if cfg.data.val_files else None
     if resume_from:
         restore(roles, state, resume_from)
         print(f"[rlhf] resumed from {resume_from} at step {state.step}", flush=True)
@@ -135,11 +144,14 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
             "timing_s/reshard": float(batch.meta.get("reshard_s", 0.0)),
             "timing_s/step": step_s, "perf/throughput_tokens_per_s": tokens / step_s,
             "perf/tokens": tokens}
+        if val is not None and val.due(state.step):
+            metrics |= val.run(roles, state.step)
         records.append(logger.log(state.step, metrics))
         state.step += 1
         every = cfg.checkpoint.save_every
         if (every and state.step % every == 0) or state.step == cfg.iterations:
             save(roles, state, root, cfg.checkpoint.keep_last)
+            export_hf(roles, tok, run_dir)
     logger.close(plot=cfg.log.plot)
     return records
 

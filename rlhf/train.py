@@ -14,12 +14,11 @@ import os
 import socket
 import sys
 
-from rlhf.builders import check_run
+from rlhf.builders import check_run, tokenizer_of
 from rlhf.config import load_config, validate_for_world
 from rlhf.controller import run
 from rlhf.planner.config_bridge import resolve_config
 from rlhf.runtime import train
-from rlhf.task import CharTokenizer
 
 
 def single_process_env() -> None:
@@ -39,7 +38,7 @@ def main(argv: list[str]) -> int:
         # placement.mode=auto: the planner picks placement and layouts (same on every rank)
         cfg = resolve_config(load_config(argv), world)
         plan = validate_for_world(cfg, world)
-        check_run(cfg, CharTokenizer.build())
+        check_run(cfg, tokenizer_of(cfg))
     except ValueError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"[rlhf] invalid configuration: {e}", file=sys.stderr, flush=True)

@@ -20,9 +20,9 @@ import sys
 import traceback
 
 from rlhf.config import load_config, validate_for_world
-from rlhf.controller import Controller, run
+from rlhf.controller import Controller, ControllerError, run
 from rlhf.planner.config_bridge import resolve_config
-from rlhf.builders import build_roles
+from rlhf.builders import build_roles, tokenizer_of
 from rlhf.runtime import RunState, restore, save, train
 from rlhf.train import single_process_env
 
@@ -45,7 +45,7 @@ def main(spec_path: str, out_path: str) -> int:
         for name, (cfg, plan) in plans.items():
             try:
                 out[name] = {"records": train(ctl, cfg, plan)}
-            except ValueError as e:
+            except (ValueError, ControllerError) as e:  # a bad input, a worker that raised
                 out[name] = {"error": f"{e}", "traceback": traceback.format_exc()}
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -61,7 +61,7 @@ def reshard(ckpt: str, root: str, *overrides: str) -> int:
     plan = validate_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
 
     def program(ctl: Controller) -> None:
-        roles, state = build_roles(ctl, cfg, plan), RunState(cfg)
+        roles, state = build_roles(ctl, cfg, plan), RunState(cfg, tokenizer_of(cfg))
         restore(roles, state, ckpt)
         save(roles, state, root, keep_last=0)
 

@@ -235,9 +235,13 @@ def test_init_from_checked_before_launch(tmp_path):
         check_run(load_config(["actor.model.init_from=/nonexistent"]), CharTokenizer.build())
     other = load_config(["actor.model.hidden_size=32"]).actor.model.llama()
     config_to_hf(other).save_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match=r"another architecture.*'hidden_size': \(64, 32\)"):
-        check_run(load_config([f"actor.model.init_from={tmp_path}"]), CharTokenizer.build())
-    with pytest.raises(ValueError, match="vocab_size=32 but the task tokenizer has 24"):
+    with pytest.raises(ValueError, match=r"the config sets hidden_size=64 but its config.json "
+                                         r"has hidden_size=32"):
+        check_run(load_config([f"actor.model.init_from={tmp_path}", "actor.model.hidden_size=64"]),
+                  CharTokenizer.build())
+    # sizes left out come from the checkpoint
+    assert load_config([f"actor.model.init_from={tmp_path}"]).actor.model.llama() == other
+    with pytest.raises(ValueError, match=r"vocab_size=32 but the tokenizer \(built-in\) has 24"):
         check_run(load_config(["actor.model.vocab_size=32"]), CharTokenizer.build())
 
 

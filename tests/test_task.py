@@ -105,7 +105,7 @@ def test_rewards_compose():
 def test_jsonl_reader_and_stream(tmp_path):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)])
-    data = read_dataset(path)
+    data = read_dataset(path, answer_key="answer")
     assert [e.answer for e in data] == ["1", "2", "3", "4", "5"]
     s = PromptStream(data, seed=3)
     first = s.next_batch(7)                            # crosses an epoch boundary
@@ -120,20 +120,32 @@ def test_jsonl_reader_and_stream(tmp_path):
     assert t.next_batch(2) == AdditionTask(seed=2).examples(3, 2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1+1="}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: record lacks field\(s\) \['prompt', 'answer'\]"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: record lacks field\(s\) \['prompt'\]"):
         read_jsonl(bad)
     with pytest.raises(ValueError, match="'.csv'"):
         read_dataset(tmp_path / "x.csv")
 
 
-def test_parquet_reader(tmp_path):
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        with pytest.raises(ImportError, match="needs pyarrow"):
-            read_parquet(tmp_path / "x.parquet")
-        return
+def test_parquet_and_saved_dataset_readers(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chat = [{"role": "user", "content": "1+1?"}]
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), path)
-    assert read_dataset(path)[0].answer == "2"
+    assert read_parquet(path, answer_key="answer")[0].answer == "2"
+    rows = {"question": [chat, chat], "ground_truth": ["2", "3"],
+            "extra_info": [{"index": 0}, {"index": 1}]}
+    pq.write_table(pa.table(rows), tmp_path / "chat.parquet")
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    write_jsonl(tmp_path / "c.jsonl", [{"question": chat, "ground_truth": 2,
+                                         "data_source": "mine"}])
+    both = read_dataset(f"{tmp_path / 'chat.parquet'}, {tmp_path / 'saved'},"
+                        f"{tmp_path / 'c.jsonl'}", prompt_key="question")
+    assert [e.prompt for e in both] == [chat] * 5
+    assert [e.answer for e in both] == ["2", "3", "2", "3", "2"]
+    assert [e.data_source for e in both] == ["chat", "chat", "saved", "saved", "mine"]
+    assert both[1].extra_info == {"index": 1} and both[4].extra_info is None
+    with pytest.raises(ValueError, match="nope.jsonl' does not exist"):
+        read_dataset(str(tmp_path / "nope.jsonl"))

@@ -113,6 +113,8 @@ def model_shape(name: str) -> ModelShape:
 
 
 def shape_from_model_config(model, name: str = "model") -> ModelShape:
-    """A :class:`ModelShape` from an :class:`rlhf.config.ModelConfig`."""
-    return _shape(name, model.vocab_size, model.hidden_size, model.intermediate_size,
-                  model.num_layers, model.num_heads, model.num_kv_heads)
+    """A :class:`ModelShape` from an :class:`rlhf.config.ModelConfig` (its resolved
+    architecture: the checkpoint's or the built-in one)."""
+    c = model.llama()
+    return _shape(name, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers,
+                  c.num_heads, c.num_kv_heads)

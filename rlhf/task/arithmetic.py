@@ -23,10 +23,16 @@ DIGITS = "0123456789"
 
 @dataclass(frozen=True)
 class Example:
-    prompt: str
-    """Question text, e.g. ``"12+345="``."""
+    """One prompt row (the built-in task's, or a dataset row in verl's layout)."""
+
+    prompt: str | list
+    """Question text, e.g. ``"12+345="``, or a chat list of ``{role, content}`` dicts."""
     answer: str
-    """Correct answer text, e.g. ``"357"`` (the response the policy should produce)."""
+    """Ground truth, e.g. ``"357"`` (a dataset's ``ground_truth``; "" when it has none)."""
+    data_source: str = "arithmetic"
+    """Where the row comes from (passed to a reward function)."""
+    extra_info: dict | None = None
+    """Anything else of the row (passed to a reward function)."""
 
 
 @dataclass(frozen=True)

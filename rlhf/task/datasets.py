@@ -1,8 +1,8 @@
-"""Prompt datasets: jsonl / parquet readers and a resumable prompt stream.
+"""Prompt datasets (jsonl, parquet, saved ``datasets`` folders) and a resumable prompt stream.
 
-Records are dicts with at least a prompt and an answer field (names configurable).  Parquet
-needs ``pyarrow``, which is optional: without it :func:`read_parquet` raises an ImportError that
-says so.
+Rows use verl's layout: ``prompt`` (a string or a chat list of ``{role, content}``), optional
+``ground_truth``, ``data_source`` and ``extra_info`` (the key names of the first two are
+configurable: ``data.prompt_key``, ``data.ground_truth_key``).
 """
 
 from __future__ import annotations
@@ -15,19 +15,29 @@ from collections.abc import Sequence
 from rlhf.task.arithmetic import AdditionTask, Example
 
 
-def _check_fields(rec: dict, where: str, prompt_key: str, answer_key: str) -> Example:
-    missing = [k for k in (prompt_key, answer_key) if k not in rec]
-    if missing:
-        raise ValueError(f"{where}: record lacks field(s) {missing}; it has {sorted(rec)}")
-    return Example(str(rec[prompt_key]), str(rec[answer_key]))
+def _example(rec: dict, where: str, prompt_key: str, answer_key: str, source: str) -> Example:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be an object, got {rec!r:.80}")
+    if prompt_key not in rec:
+        raise ValueError(f"{where}: record lacks field(s) {[prompt_key]}; it has {sorted(rec)}")
+    prompt = rec[prompt_key]
+    if not isinstance(prompt, (str, list)):
+        raise ValueError(f"{where}: {prompt_key} must be a string or a chat list of "
+                         f"{{role, content}}, got {type(prompt).__name__}")
+    if isinstance(prompt, list):
+        prompt = [dict(m) for m in prompt]
+    answer = rec.get(answer_key)
+    extra = rec.get("extra_info")
+    return Example(prompt, "" if answer is None else str(answer),
+                   str(rec.get("data_source") or source), dict(extra) if extra else None)
 
 
 def read_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",
-               answer_key: str = "answer") -> list[Example]:
+               answer_key: str = "ground_truth") -> list[Example]:
     """One JSON object per line; blank lines are skipped."""
     if not os.path.isfile(path):
         raise ValueError(f"dataset file {str(path)!r} does not exist")
-    out = []
+    out, source = [], _source_name(path)
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -36,7 +46,7 @@ def read_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            out.append(_check_fields(rec, f"{path}:{n}", prompt_key, answer_key))
+            out.append(_example(rec, f"{path}:{n}", prompt_key, answer_key, source))
     return out
 
 
@@ -47,29 +57,59 @@ def write_jsonl(path: str | os.PathLike, records: Sequence[dict]) -> None:
 
 
 def read_parquet(path: str | os.PathLike, prompt_key: str = "prompt",
-                 answer_key: str = "answer") -> list[Example]:
-    """Read a parquet file with prompt/answer columns (needs the optional ``pyarrow``)."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError(f"reading {str(path)!r} needs pyarrow (pip install pyarrow); "
-                          f"or convert the data to jsonl") from None
+                 answer_key: str = "ground_truth") -> list[Example]:
+    """A parquet file with one row per prompt (needs ``pyarrow``)."""
+    import pyarrow.parquet as pq
+
     if not os.path.isfile(path):
         raise ValueError(f"dataset file {str(path)!r} does not exist")
-    rows = pq.read_table(path).to_pylist()
-    return [_check_fields(r, f"{path}:row {i}", prompt_key, answer_key)
+    rows, source = pq.read_table(path).to_pylist(), _source_name(path)
+    return [_example(r, f"{path}:row {i}", prompt_key, answer_key, source)
             for i, r in enumerate(rows)]
 
 
-def read_dataset(path: str | os.PathLike, prompt_key: str = "prompt",
-                 answer_key: str = "answer") -> list[Example]:
-    """Dispatch on the extension: ``.jsonl`` / ``.json`` or ``.parquet``."""
-    ext = os.path.splitext(str(path))[1].lower()
-    if ext in (".jsonl", ".json"):
-        return read_jsonl(path, prompt_key, answer_key)
-    if ext == ".parquet":
-        return read_parquet(path, prompt_key, answer_key)
-    raise ValueError(f"dataset {str(path)!r}: unknown extension {ext!r} (use .jsonl or .parquet)")
+def read_saved_dataset(path: str | os.PathLike, prompt_key: str = "prompt",
+                       answer_key: str = "ground_truth") -> list[Example]:
+    """A folder written by ``datasets.Dataset.save_to_disk``."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"dataset folder {str(path)!r} holds splits {list(ds)}; give the "
+                             f"folder of one split")
+        ds = ds["train"]
+    source = _source_name(path)
+    return [_example(r, f"{path}:row {i}", prompt_key, answer_key, source)
+            for i, r in enumerate(ds)]
+
+
+def _source_name(path: str | os.PathLike) -> str:
+    return os.path.splitext(os.path.basename(os.path.normpath(str(path))))[0]
+
+
+def read_dataset(paths: str | os.PathLike, prompt_key: str = "prompt",
+                 answer_key: str = "ground_truth") -> list[Example]:
+    """Rows of one or more datasets (``paths`` comma-separated), in order: ``.jsonl`` /
+    ``.json``, ``.parquet`` or a saved ``datasets`` folder.  A row has ``prompt`` (a string
+    or a chat list) and optionally ``ground_truth``, ``data_source``, ``extra_info``;
+    ``prompt_key`` / ``answer_key`` rename the first two."""
+    out: list[Example] = []
+    for path in [p.strip() for p in str(paths).split(",") if p.strip()]:
+        ext = os.path.splitext(path)[1].lower()
+        if os.path.isdir(path):
+            out += read_saved_dataset(path, prompt_key, answer_key)
+        elif ext in (".jsonl", ".json"):
+            out += read_jsonl(path, prompt_key, answer_key)
+        elif ext == ".parquet":
+            out += read_parquet(path, prompt_key, answer_key)
+        else:
+            what = "unknown extension" if ext else "no such folder, and no extension"
+            raise ValueError(f"dataset {path!r}: {what} {ext!r} (use .jsonl, .parquet or a "
+                             f"folder saved by datasets)")
+    if not out:
+        raise ValueError(f"datasets {str(paths)!r} hold no rows")
+    return out
 
 
 class PromptStream:

@@ -54,6 +54,10 @@ class CharTokenizer:
     def save(self, path: str | os.PathLike) -> None:
         self.tok.save(str(path))
 
+    def save_files(self, folder: str | os.PathLike) -> None:
+        """``folder/tokenizer.json`` (what :func:`rlhf.task.load_tokenizer` reads back)."""
+        self.save(os.path.join(folder, "tokenizer.json"))
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
@@ -81,23 +85,36 @@ class CharTokenizer:
             ids = ids[:ids.index(self.eos_id)]
         return self.decode([i for i in ids if i != self.pad_id])
 
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """``<bos> prompt`` ids (the built-in task's prompts are plain strings)."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"the character tokenizer takes string prompts, got "
+                             f"{type(prompt).__name__}: {prompt!r:.80}; chat prompts need an HF "
+                             f"tokenizer with a chat template (tokenizer=DIR)")
+        return self.encode(prompt, add_bos=True)
+
     def pad_batch(self, seqs: list[list[int]], side: str = "left", length: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad id lists to ``[B, L]`` int64 ids and a ``[B, L]`` bool attention mask.
+        return pad_sequences(seqs, self.pad_id, side, length)
 
-        ``side="left"`` for prompts (generation appends on the right), ``"right"`` for responses.
-        """
-        if side not in ("left", "right"):
-            raise ValueError(f"side={side!r} must be 'left' or 'right'")
-        longest = max((len(s) for s in seqs), default=0)
-        length = longest if length is None else length
-        if length < longest:
-            raise ValueError(f"length={length} is shorter than the longest sequence ({longest})")
-        # rows built as lists, one tensor each (per-row tensor writes cost the controller more)
-        pads = [[self.pad_id] * (length - len(s)) for s in seqs]
-        rows = [p + s if side == "left" else s + p for s, p in zip(seqs, pads)]
-        marks = [[False] * len(p) + [True] * len(s) if side == "left"
-                 else [True] * len(s) + [False] * len(p) for s, p in zip(seqs, pads)]
-        shape = (len(seqs), length)
-        return (torch.tensor(rows, dtype=torch.long).reshape(shape),
-                torch.tensor(marks, dtype=torch.bool).reshape(shape))
+
+def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "left",
+                  length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad id lists to ``[B, L]`` int64 ids and a ``[B, L]`` bool attention mask.
+
+    ``side="left"`` for prompts (generation appends on the right), ``"right"`` for responses.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side={side!r} must be 'left' or 'right'")
+    longest = max((len(s) for s in seqs), default=0)
+    length = longest if length is None else length
+    if length < longest:
+        raise ValueError(f"length={length} is shorter than the longest sequence ({longest})")
+    # rows built as lists, one tensor each (per-row tensor writes cost the controller more)
+    pads = [[pad_id] * (length - len(s)) for s in seqs]
+    rows = [p + s if side == "left" else s + p for s, p in zip(seqs, pads)]
+    marks = [[False] * len(p) + [True] * len(s) if side == "left"
+             else [True] * len(s) + [False] * len(p) for s, p in zip(seqs, pads)]
+    shape = (len(seqs), length)
+    return (torch.tensor(rows, dtype=torch.long).reshape(shape),
+            torch.tensor(marks, dtype=torch.bool).reshape(shape))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import torch
 
+from engine.hf_interop import save_hf_checkpoint
 from engine.hybrid_engine import HybridEngine
 from engine.sampling import SamplingParams
 from engine.train import TrainEngine
@@ -95,6 +96,11 @@ class ActorWorker(Worker):
     @protocol(ONE_TO_ALL)
     def full_state(self) -> dict | None:
         return gather_full_state(self.model, self.engine.train)
+
+    @protocol(ONE_TO_ALL)
+    def save_hf(self, folder: str) -> None:
+        """The policy as an HF checkpoint in ``folder`` (collective; layout rank 0 writes)."""
+        save_hf_checkpoint(self.model, folder)
 
     @protocol(ONE_TO_ALL)
     def load_state(self, state: dict) -> None:

@@ -1,7 +1,8 @@
-"""Reward and cost workers: a scalar model (value head read at the last real token) and/or
-rule functions of the decoded response, summed.
+"""Reward and cost workers: a scalar model (value head read at the last real token), rule
+functions and/or a user's reward function of the decoded response, summed.
 
     score = model_weight * RM(prompt + response)[last token]  +  sum_k w_k * rule_k(text, answer)
+            + compute_score(data_source, text, ground_truth, extra_info)
 
 Rule components are returned per row (``reward/<name>``) so the controller logs each one.
 Without a model the worker is CPU arithmetic on its DP share of the rows.
@@ -13,7 +14,8 @@ import torch
 
 from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
-from rlhf.task import CharTokenizer, CompositeReward
+from rlhf.task import CompositeReward, load_tokenizer
+from rlhf.task.reward_fn import FunctionReward
 from rlhf.workers.common import (build_model, gather_full_state, last_token_index,
                                  load_full_state, model_inputs, prompt_width)
 from rlhf.workers.specs import ScoreSpec
@@ -34,7 +36,8 @@ class _ScoreWorker(Worker):
 
     def __init__(self, args: ScoreSpec) -> None:
         self.args = args
-        self.tokenizer = CharTokenizer.build()
+        self.tokenizer = load_tokenizer(args.tokenizer)
+        self.function = FunctionReward(args.function) if args.function else None
         self.model = build_model(args.model, self.groups) if args.model else None
         self.engine = TrainEngine(self.model) if self.model is not None else None
         self.rules = CompositeReward.from_weights(args.rule_weights) \
@@ -59,6 +62,12 @@ class _ScoreWorker(Worker):
             for name, v in r.components.items():
                 out[f"reward/{name}"] = v
             total += r.total
+        if self.function is not None:
+            scores, fields = self.function(texts, batch["answer"], batch["data_source"],
+                                           batch["extra_info"], batch["uid"])
+            for name, v in fields.items():
+                out[f"reward/{name}"] = v
+            total += scores
         if self.args.cost_rule is not None:
             total += torch.tensor([self.args.cost_rule.cost(t) for t in texts])
         out[self.key] = total

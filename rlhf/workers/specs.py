@@ -85,3 +85,7 @@ class ScoreSpec:
     """Reward rules by name (``exact``, ``partial``, ``format``); empty = none."""
     cost_rule: CostRule | None
     """Cost rule (cost worker)."""
+    function: str | None
+    """A user's ``compute_score`` (``path.py:name``, :mod:`rlhf.task.reward_fn`); None = none."""
+    tokenizer: str | None
+    """Tokenizer folder that decodes the responses (None: the built-in character tokenizer)."""

@@ -1,0 +1,173 @@
+"""A user's own model, tokenizer, data and reward function (nothing downloaded): the shipped
+example (examples/gsm8k_style) makes a BPE tokenizer with a chat template and GSM8K-format
+data; a Llama checkpoint is written with transformers.  Pure-logic checks first, then one
+2-rank torchrun job that runs GRPO on them end to end (and a reward function that raises)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.task import CharTokenizer, HFTokenizer, load_tokenizer
+from rlhf.task.reward_fn import FunctionReward, RewardFunctionError, load_function
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REWARD = ROOT / "examples" / "gsm8k_style" / "reward.py"
+
+
+def _make_example():
+    spec = importlib.util.spec_from_file_location(
+        "gsm8k_style_make", ROOT / "examples" / "gsm8k_style" / "make_example.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> pathlib.Path:
+    """The example's tokenizer and data, plus a small Llama checkpoint that uses them."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("gsm8k")
+    _make_example().build(str(out), seed=0, train=48, val=8, sft=8)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(out / "llama"))
+    tok.save_pretrained(str(out / "llama"))
+    return out
+
+
+def test_chat_prompts_render_with_the_tokenizers_template(example):
+    import transformers
+
+    ref = transformers.AutoTokenizer.from_pretrained(str(example / "tokenizer"))
+    tok = load_tokenizer(str(example / "llama"))
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == len(ref)
+    row = json.loads((example / "train.jsonl").read_text().splitlines()[0])
+    want = ref.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert tok.encode_prompt(row["prompt"]) == list(want)
+    assert tok.encode_prompt("12 apples") == ref("12 apples")["input_ids"]
+    ids = ref("#### 42", add_special_tokens=False)["input_ids"]
+    assert tok.decode_response(ids + [tok.eos_id, tok.pad_id, 7]) == "#### 42"
+    with pytest.raises(ValueError, match="string or a chat list"):
+        tok.encode_prompt([{"text": "hi"}])
+    with pytest.raises(ValueError, match="chat prompts need an HF tokenizer"):
+        CharTokenizer.build().encode_prompt(row["prompt"])
+
+
+def test_reward_function_scores_and_reports_where_it_failed(tmp_path):
+    fn = FunctionReward(f"{REWARD}:compute_score")
+    scores, fields = fn(["so #### 7", "it is 8", "no idea"], ["7", "7", "7"], ["g"] * 3,
+                        [None] * 3, [10, 11, 12])
+    assert scores.tolist() == [1.0, 0.0, 0.0] and fields["format"].tolist() == [1.0, 0.0, 0.0]
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    if 'boom' in solution_str:\n"
+                   "        raise KeyError('no ' + ground_truth)\n"
+                   "    return 1.0\n")
+    with pytest.raises(RewardFunctionError, match=rf"{bad}:compute_score raised KeyError: "
+                                                  rf"'no 5' at {bad}:3 on sample 31"):
+        FunctionReward(f"{bad}:compute_score")(["ok", "boom"], ["4", "5"], ["g", "g"],
+                                               [None, None], [30, 31])
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_function(f"{bad}:nope")
+    with pytest.raises(ValueError, match="must be path/to/file.py:function_name"):
+        load_function(str(bad))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_function("/nonexistent.py:f")
+
+
+def test_bad_inputs_fail_before_any_rank_starts(example, tmp_path):
+    from rlhf.builders import check_run, tokenizer_of
+    from rlhf.config import load_config
+
+    user = [f"actor.model.init_from={example / 'llama'}", "algo=grpo", "actor.layout.tp=1",
+            "actor.layout.gen_tp=0", f"data.train_files={example / 'train.jsonl'}"]
+    cfg = load_config(user)
+    assert isinstance(tokenizer_of(cfg), HFTokenizer)
+    check_run(cfg, tokenizer_of(cfg))
+    small = tmp_path / "small"
+    import transformers
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(small))
+    cfg = load_config(user + [f"actor.model.init_from={small}",
+                              f"tokenizer={example / 'tokenizer'}"])
+    with pytest.raises(ValueError, match=r"vocab_size=100 but the tokenizer .* has \d+ tokens"):
+        check_run(cfg, tokenizer_of(cfg))
+    cfg = load_config(user + ["reward.kind=function", "reward.function=/nope.py:f"])
+    with pytest.raises(ValueError, match="does not exist"):
+        check_run(cfg, tokenizer_of(cfg))
+    cfg = load_config(user + ["data.val_files=/nope.jsonl"])
+    with pytest.raises(ValueError, match=r"data.val_files: \['/nope.jsonl'\] do not exist"):
+        check_run(cfg, tokenizer_of(cfg))
+    with pytest.raises(ValueError, match="needs both kind=function and function="):
+        load_config(user + ["reward.kind=function"])
+
+
+def test_long_prompts_are_dropped_with_one_warning(example, capsys):
+    from rlhf.prompts import fitting_prompts
+    from rlhf.task import read_dataset
+
+    tok = load_tokenizer(str(example / "llama"))
+    rows = read_dataset(str(example / "train.jsonl"))
+    lengths = sorted(len(tok.encode_prompt(e.prompt)) for e in rows)
+    width = lengths[len(lengths) // 2]
+    keep = fitting_prompts(rows, tok, width, "data.train_files")
+    assert len(keep) == sum(n <= width for n in lengths) < len(rows)
+    assert capsys.readouterr().out.count("warning") == 1
+    with pytest.raises(ValueError, match="all 48 prompts are longer"):
+        fitting_prompts(rows, tok, lengths[0] - 1, "data.train_files")
+
+
+def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
+    """GRPO, 2 iterations, 2 ranks, on the HF checkpoint, the chat JSONL and the example's
+    reward file: metrics with the reward's fields and the held-out evaluation, and an HF
+    export that transformers loads; a reward function that raises stops the run naming it."""
+    import transformers
+
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    raise ZeroDivisionError('from the user')\n")
+    common = [f"actor.model.init_from={example / 'llama'}", "algo=grpo", "iterations=2",
+              "actor.layout.tp=1", "actor.layout.gen_tp=0", "reference.layout.tp=1",
+              f"data.train_files={example / 'train.jsonl'}", "data.prompts_per_iter=4",
+              "data.samples_per_prompt=2", "data.mini_batch_size=8", "data.micro_batch_size=2",
+              "data.max_prompt_len=96", "data.max_response_len=8", "reward.kind=function",
+              f"log.runs_dir={tmp_path / 'runs'}", "log.progress=false",
+              "log.tensorboard=false", "log.plot=false", "checkpoint.resume=never"]
+    spec = {"user": common + [f"data.val_files={example / 'val.jsonl'}", "log.run_name=user",
+                              f"reward.function={REWARD}:compute_score"],
+            "raises": common + ["log.run_name=raises", f"reward.function={bad}:compute_score"]}
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "tests.rlhf_jobs", str(spec_path), str(out_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(out_path.read_text())
+    assert "records" in out["user"], out["user"].get("traceback")
+    recs = out["user"]["records"]
+    assert [r["step"] for r in recs] == [0, 1]
+    assert all("reward/format/mean" in r and 0 <= r["reward/mean"] <= 1 for r in recs)
+    assert "val/accuracy" in recs[1] and 0 <= recs[1]["val/reward"] <= 1
+    hf = tmp_path / "runs" / "user" / "hf" / "actor"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf))
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    assert model.config.vocab_size == len(tok)
+    err = out["raises"]["error"]
+    assert f"reward function {bad}:compute_score raised ZeroDivisionError: from the user at " \
+           f"{bad}:2 on sample" in err, err
