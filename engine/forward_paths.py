@@ -22,8 +22,10 @@ KV cache at ``[cache.length, cache.length + S)`` without advancing it:
     kernel_layers  decode            engine._kernels.decode_attention / decode_mlp per layer,
                                      the TP all-reduces between them
 
-A prefill step starts from an empty cache with the prompt (``S = P``); a decode step feeds one
-token per row (``S = 1``).  A path registers itself in :data:`LAYER_PATHS`, which the test
+The three kernel paths read plain float32 Llama layers only: a layer with q/k/v/o biases or
+q/k norms (the Qwen families) runs on the python path for every step.  A prefill step starts
+from an empty cache with the prompt (``S = P``); a decode step feeds one token per row
+(``S = 1``).  A path registers itself in :data:`LAYER_PATHS`, which the test
 against the reference reads.
 """
 
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from engine import fused_layers
 from engine.kv_cache import KVCache
 from engine.layers import decoder_layer
-from engine.model import LAYER_KEYS
+from engine.llama_spec import LAYER_KEYS
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -57,7 +59,8 @@ class StageLayers:
     """What every layer path reads: this rank's layers of one generation stage."""
 
     weights: tuple[Mapping[str, torch.Tensor], ...]
-    """Per local layer, its weights by :data:`engine.model.LAYER_KEYS` name (generation shards:
+    """Per local layer, its weights by layer-key name (:attr:`engine.llama_spec.LlamaConfig.
+    layer_keys`; generation shards:
     views, never copies; row-parallel weights 2-D or stacked ``[m, H, in/m]``)."""
     q_per_group: int
     head_dim: int
@@ -105,7 +108,8 @@ def register_layer_path(cls: type[LayerPath]) -> type[LayerPath]:
 
 
 def _kernels_for(stage: StageLayers) -> bool:
-    return fused_layers.available(stage.dtype)
+    """The kernels read plain float32 Llama layers only (no biases, no q/k norms)."""
+    return fused_layers.available(stage.dtype, {k for w in stage.weights for k in w})
 
 
 def _decode_tables(rope: Rope, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -178,7 +182,8 @@ class KernelStage:
     steps: ClassVar[frozenset[str]] = frozenset({DECODE})
     stage: StageLayers
     flat_weights: tuple[torch.Tensor, ...]
-    """Every layer's weights in :data:`engine.model.LAYER_KEYS` order, layer after layer."""
+    """Every layer's weights in :data:`engine.llama_spec.LAYER_KEYS` order, layer after
+    layer."""
 
     @classmethod
     def build(cls, stage: StageLayers) -> KernelStage | None:

@@ -10,18 +10,20 @@ has them, so any training TP works::
     x -> RMSNorm -> copy_to_tp -> Attention(qkv, RoPE, softmax, o) -> reduce_from_tp -> + x = h
     h -> RMSNorm -> copy_to_tp -> MLP(gate_up, silu * up, down)     -> reduce_from_tp -> + h
 
-Float32 CPU only (:func:`available`); without the extension or for other dtypes the model
-uses the Python layers.  Under ``torch.no_grad()`` the kernels are called directly (nothing
+Float32 CPU plain Llama layers only (:func:`available`): without the extension, for other
+dtypes, or for layers with q/k/v/o biases or q/k norms (Qwen) the model uses the Python
+layers.  Under ``torch.no_grad()`` the kernels are called directly (nothing
 saved for backward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from engine.llama_spec import LAYER_KEYS
 from engine.tp_ops import copy_to_tp, reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -42,20 +44,29 @@ AUTO_MAX_SEQ = 64
 KVSink = Callable[[torch.Tensor, torch.Tensor], None]
 
 
-def available(dtype: torch.dtype) -> bool:
-    """Whether the fused blocks can run a model of ``dtype`` (extension built, float32)."""
-    return _kernels is not None and dtype == torch.float32
+def available(dtype: torch.dtype, layer_keys: Iterable[str]) -> bool:
+    """Whether the fused blocks can run a model of ``dtype`` whose layers have the weights
+    ``layer_keys`` (extension built, float32, only the plain Llama weights
+    :data:`engine.llama_spec.LAYER_KEYS`: the kernels have no biases and no q/k norms)."""
+    return _kernels is not None and dtype == torch.float32 and not _lacking(layer_keys)
 
 
-def resolve(requested: bool | None, dtype: torch.dtype, option: str) -> bool:
-    """Whether to run a model of ``dtype`` on the kernels when the user's ``option`` is
-    ``requested`` (None: where :func:`available`); ValueError naming ``option`` for True where
-    they are not."""
-    ok = available(dtype)
+def _lacking(layer_keys: Iterable[str]) -> list[str]:
+    return [k for k in layer_keys if k not in LAYER_KEYS]
+
+
+def resolve(requested: bool | None, dtype: torch.dtype, layer_keys: Iterable[str],
+            option: str) -> bool:
+    """Whether to run a model of ``dtype`` with layer weights ``layer_keys`` on the kernels
+    when the user's ``option`` is ``requested`` (None: where :func:`available`); ValueError
+    naming ``option`` for True where they are not."""
+    layer_keys = tuple(layer_keys)
+    ok = available(dtype, layer_keys)
     if requested and not ok:
-        raise ValueError(f"{option}=True needs the engine._kernels extension and float32 "
-                         f"(dtype={dtype}, extension "
-                         f"{'present' if _kernels is not None else 'missing'})")
+        raise ValueError(f"{option}=True needs the engine._kernels extension, float32 and plain "
+                         f"Llama layers (dtype={dtype}, extension "
+                         f"{'present' if _kernels is not None else 'missing'}, weights the "
+                         f"kernels lack: {_lacking(layer_keys)}); use {option}=None or False")
     return ok if requested is None else bool(requested)
 
 

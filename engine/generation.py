@@ -5,9 +5,10 @@ generation shards, e.g. :meth:`hybridflow_comm.reshard.Resharder.generation_para
 the flat buffer: column weights ``[rows/t_g, H]``, row weights stacked ``[m, H, in/t]``), the
 generation TP group for the collectives and the generation PP group for stages.  How a step
 runs is chosen once (:mod:`engine.forward_paths`): the stage boundary when the engine is built,
-the layer paths when the weights are set.  Float32 models run the decode steps through the C++
-kernels of ``engine._kernels`` (the whole stage in one call without TP, two calls per layer
-with it), reading the same views, and the prefill through the training blocks of
+the layer paths when the weights are set.  Float32 plain-Llama models (no biases or q/k
+norms: Llama and Mistral, not Qwen) run the decode steps through the C++ kernels of
+``engine._kernels`` (the whole stage in one call without TP, two calls per layer with it),
+reading the same views, and the prefill through the training blocks of
 :mod:`engine.fused_layers` (their forward, which also hands each layer's keys and values to
 the cache) when the layer's weights are 2-D (no stacked row-parallel weights, i.e. ``tp_g``
 equal to the training ``tp``) and the prompts are at most ``fused_layers.AUTO_MAX_SEQ`` tokens
@@ -45,7 +46,6 @@ from engine.forward_paths import ForwardPaths, LayerPath, PipelineStage, Rope, S
 from engine.kv_cache import KVCache, kv_cache_nbytes
 from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
-from engine.model import LAYER_KEYS
 from engine.sampling import SamplingParams, sample_next
 from engine.tp_ops import column_linear, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
@@ -121,8 +121,9 @@ class GenerationEngine:
         fused_decode: run the forward passes through the C++ kernels of ``engine._kernels``
             instead of ~30 tensor ops per layer: the one-token decode steps (one call per step
             without TP, two per layer with it) and the prefill (the fused blocks' forward, when
-            the weights are 2-D); default: when the extension is built and the model is
-            float32.  False: every step through the Python layers.
+            the weights are 2-D); default: when the extension is built and the model is a
+            float32 plain Llama (no biases or q/k norms).  False: every step through the
+            Python layers.
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -145,7 +146,8 @@ class GenerationEngine:
         self.head_name = head_weight_name(config, layout.train.pp)
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
-        self.fused_decode = fused_layers.resolve(fused_decode, config.dtype, "fused_decode")
+        self.fused_decode = fused_layers.resolve(fused_decode, config.dtype, config.layer_keys,
+                                                 "fused_decode")
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
                                        hidden_size=config.hidden_size, dtype=config.dtype))
@@ -155,7 +157,7 @@ class GenerationEngine:
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
-        names = [f"layers.{i}.{k}" for i in self.layer_ids for k in LAYER_KEYS]
+        names = [f"layers.{i}.{k}" for i in self.layer_ids for k in self.config.layer_keys]
         if self.is_first:
             names.insert(0, "embed_tokens")
         if self.is_last:
@@ -171,7 +173,7 @@ class GenerationEngine:
             raise ValueError(f"generation weights lack {missing[:4]} (stage {self.stage})")
         c = self.config
         stage = StageLayers(
-            weights=tuple({k: weights[f"layers.{i}.{k}"] for k in LAYER_KEYS}
+            weights=tuple({k: weights[f"layers.{i}.{k}"] for k in c.layer_keys}
                           for i in self.layer_ids),
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
             tp_group=self.tp_group, dtype=c.dtype)
@@ -228,7 +230,8 @@ class GenerationEngine:
         # row's later positions are never used).
         full_mask = torch.cat([mask, torch.ones(batch, n_new, dtype=torch.long)], dim=1)
         positions = position_ids_from_mask(full_mask)
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.dtype)  # [B, P+N, D]
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.dtype,
+                               c.rope_scaling)  # [B, P+N, D]
         keys_ok = full_mask.bool()[:, None, None, :]  # [B, 1, 1, P+N]
         cache = KVCache(**self._kv_cache_sizes(batch, plen, n_new))
         kv_bytes = cache.nbytes

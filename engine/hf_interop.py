@@ -1,10 +1,16 @@
-"""Load and save transformers ``LlamaForCausalLM`` checkpoints (save_pretrained folders,
-safetensors) into and from a :class:`ParallelLlama` of any layout.
+"""Load and save transformers checkpoints (``save_pretrained`` folders, safetensors, single
+file or sharded with ``model.safetensors.index.json``) into and from a :class:`ParallelLlama`
+of any layout.
 
-Loading: every rank reads only its own training shard of the tensors of its own pipeline stage
-(``safe_open`` slices).  Fused tensors need no full read either: TP shard ``t`` of the fused
-QKV (gate/up) is the fusion of chunk ``t`` of q, k and v (gate and up), because the stored
-layout is per query group (interleaved rows), so each part's chunk is one contiguous slice.
+Families: Llama (with Llama-3 RoPE scaling), Qwen2/2.5, Qwen3 and Mistral, each as
+``*ForCausalLM`` (lm head) or ``*ForSequenceClassification`` with one label (value head);
+:mod:`engine.hf_families` is the registry, ``config.json`` <-> :class:`LlamaConfig` is
+:func:`config_from_hf` / :func:`config_to_hf`.
+
+Loading: every rank reads only the blocks of its own training shards, of its own pipeline
+stage (``safe_open(...).get_slice(name)[block]``, :func:`engine.hf_shards.hf_reads`), and
+copies each straight into its view of the flat buffer (:func:`engine.hf_shards.shard_parts`);
+no rank ever holds a full tensor it does not train.
 
 Saving: the DP-rank-0 replica all-gathers each tensor over its TP group; inner stages send
 whole tensors to layout rank 0, which writes ``config.json`` and ``model.safetensors`` (so
@@ -13,62 +19,107 @@ rank 0 holds the full model while saving).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.hf_families import family, family_of_hf
+from engine.hf_shards import hf_reads, shard_parts
+from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig
 from engine.model import ParallelLlama
 from hybridflow_comm.shard_spec import ShardSpec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+ROPE_TYPES = ("default", "llama3")
 
 
-def config_from_hf(hf: dict) -> LlamaConfig:
-    """Our config from a transformers Llama ``config.json`` dict (ValueError if unsupported)."""
-    bad = {k: hf.get(k) for k in ("attention_bias", "mlp_bias") if hf.get(k)}
+def config_from_hf(hf: dict, max_position_embeddings: int | None = None) -> LlamaConfig:
+    """Our config from a transformers ``config.json`` dict (ValueError if unsupported).
+
+    Args:
+        hf: the dict; its ``architectures`` (or ``model_type``) picks the family.
+        max_position_embeddings: the longest sequence the run feeds the model (default: the
+            checkpoint's); a sliding window must not be shorter.
+    """
+    fam, _ = family_of_hf(hf)
+    bad = {k: hf[k] for k in ("mlp_bias",) if hf.get(k)}
     if hf.get("hidden_act", "silu") != "silu":
         bad["hidden_act"] = hf["hidden_act"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        bad["rope_type"] = rope.get("rope_type")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
-        bad["head_dim"] = head_dim
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        bad["rope_type"] = f"{rope_type!r} (supported: {ROPE_TYPES})"
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        bad["partial_rotary_factor"] = rope.get("partial_rotary_factor",
+                                                hf.get("partial_rotary_factor"))
     if bad:
-        raise ValueError(f"unsupported Llama config values: {bad}")
+        raise ValueError(f"unsupported {fam.model_type} config values: {bad}")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = RopeScaling(rope_type="llama3", factor=float(rope["factor"]),
+                              low_freq_factor=float(rope["low_freq_factor"]),
+                              high_freq_factor=float(rope["high_freq_factor"]),
+                              original_max_position_embeddings=int(
+                                  rope["original_max_position_embeddings"]))
     return LlamaConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048))
+        max_position_embeddings=(max_position_embeddings
+                                 or hf.get("max_position_embeddings", 2048)),
+        rope_scaling=scaling, model_type=fam.model_type, **fam.switches_from_hf(hf))
 
 
-def config_to_hf(config: LlamaConfig):
-    """A ``transformers.LlamaConfig`` with the same architecture."""
+def config_to_hf(config: LlamaConfig, head: str = "lm"):
+    """The transformers config of ``config``'s family (``architectures`` set for ``head``:
+    ``*ForCausalLM`` or, for ``"value"``, ``*ForSequenceClassification`` with one label)."""
     import transformers
 
-    return transformers.LlamaConfig(
+    fam = family(config.model_type)
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        rope |= asdict(config.rope_scaling)
+    kwargs = fam.hf_kwargs(config, config.num_layers, config.head_dim)
+    if head == "value":
+        kwargs["num_labels"] = 1
+    hf = getattr(transformers, fam.config_class)(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps, rope_parameters=rope,
         tie_word_embeddings=config.tie_word_embeddings,
-        max_position_embeddings=config.max_position_embeddings, head_dim=config.head_dim)
+        max_position_embeddings=config.max_position_embeddings,
+        dtype=str(config.dtype).removeprefix("torch."), **kwargs)
+    hf.architectures = [fam.architecture(head)]
+    return hf
 
 
-def read_hf_config(folder: str) -> LlamaConfig:
+def _read_json(folder: str) -> dict:
     with open(os.path.join(folder, "config.json")) as f:
-        return config_from_hf(json.load(f))
+        return json.load(f)
+
+
+def read_hf_config(folder: str, max_position_embeddings: int | None = None) -> LlamaConfig:
+    """:func:`config_from_hf` of ``folder/config.json``."""
+    return config_from_hf(_read_json(folder), max_position_embeddings)
+
+
+def read_hf_head(folder: str) -> str:
+    """``"lm"`` for a ``*ForCausalLM`` checkpoint, ``"value"`` for ``*ForSequenceClassification``
+    (ValueError for an unsupported architecture)."""
+    return family_of_hf(_read_json(folder))[1]
 
 
 def _tensor_files(folder: str) -> dict[str, str]:
@@ -85,48 +136,62 @@ def _tensor_files(folder: str) -> dict[str, str]:
         return {k: path for k in f.keys()}
 
 
-def _read_shard(files: dict[str, str], name: str, dim: int | None, index: int,
-                parts: int) -> torch.Tensor:
-    """Tensor ``name``, or only chunk ``index`` of ``parts`` along ``dim`` (reads the chunk)."""
-    if name not in files:
-        raise KeyError(f"checkpoint has no tensor {name!r}")
-    with safe_open(files[name], framework="pt") as f:
-        if dim is None or parts == 1:
-            return f.get_tensor(name)
-        sl = f.get_slice(name)
-        size = sl.get_shape()[dim] // parts
-        key = [slice(None)] * len(sl.get_shape())
-        key[dim] = slice(index * size, (index + 1) * size)
-        return sl[tuple(key)]
-
-
-def hf_full_tensor(spec: ShardSpec, parts: list[torch.Tensor]) -> torch.Tensor:
-    """``spec``'s tensor in stored layout from its HF parts (or from one TP chunk of each)."""
-    return spec.fusion.fuse(*parts) if spec.fusion is not None else parts[0]
-
-
-def load_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
-    """Load a ``save_pretrained`` folder into ``model`` (this rank's shards only).
-
-    Raises ValueError if the folder's architecture differs from ``model.config`` (checked
-    before anything is read).
-    """
-    cfg = read_hf_config(folder)
+def _check_checkpoint(model: ParallelLlama, folder: str) -> None:
+    """ValueError unless ``folder`` holds ``model``'s architecture and a usable head."""
+    hf = _read_json(folder)
+    cfg = config_from_hf(hf, model.config.max_position_embeddings)
     mine = {k: v for k, v in model.config.to_dict().items() if k != "dtype"}
     theirs = {k: v for k, v in cfg.to_dict().items() if k != "dtype"}
     diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
     if diff:
         raise ValueError(f"checkpoint {folder} does not match the model config "
                          f"(model, checkpoint): {diff}")
+    fam, head = family_of_hf(hf)
+    if model.head == "lm" and head == "value":
+        raise ValueError(f"checkpoint {folder} is a {fam.architecture(head)} (value head): it "
+                         f"cannot initialise a model with head='lm'")
+
+
+def load_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
+    """Load a ``save_pretrained`` folder into ``model`` (this rank's shards only).
+
+    A value-head model takes ``score.weight`` of a sequence-classification checkpoint (one
+    label) and keeps its initialised head with a causal-LM checkpoint.  Raises ValueError if
+    the folder's architecture differs from ``model.config`` or a tensor has another shape
+    (checked before anything is copied).
+    """
+    _check_checkpoint(model, folder)
     files = _tensor_files(folder)
-    tp, tp_rank = model.layout.tp, model.coords.tp
+    plan = []
     for spec in model.local_specs:
-        if spec.name == "value_head" and spec.hf_names[0] not in files:
+        reads = hf_reads(spec, model.layout, model.groups.rank)
+        if spec.name == "value_head" and reads[0].hf_name not in files:
             continue  # a causal-LM checkpoint has no value head: keep the initialised one
-        parts = [_read_shard(files, n, spec.partition_dim, tp_rank, tp) for n in spec.hf_names]
-        shard = hf_full_tensor(spec, parts)  # fuse() works on TP shards as on full tensors
+        missing = [r.hf_name for r in reads if r.hf_name not in files]
+        if missing:
+            raise KeyError(f"checkpoint {folder} has no tensor {missing[0]!r}")
+        plan.append((spec, reads))
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, object] = {}
+
+        def block_slice(name: str):
+            path = files[name]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return handles[path].get_slice(name)
+
+        for spec, reads in plan:  # every shape first: a bad checkpoint changes no weight
+            for r in reads:
+                shape = tuple(block_slice(r.hf_name).get_shape())
+                if shape != r.hf_shape:
+                    raise ValueError(f"checkpoint tensor {r.hf_name} has shape {shape}, the "
+                                     f"model expects {r.hf_shape}")
         with torch.no_grad():
-            model.params[spec.name].copy_(shard.to(spec.dtype))
+            for spec, reads in plan:
+                parts = shard_parts(spec, model.params[spec.name])  # views of the flat buffer
+                for r in reads:
+                    dst = parts[r.part]
+                    dst.copy_(block_slice(r.hf_name)[r.index].view(dst.shape))
 
 
 def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] | None = None
@@ -183,11 +248,13 @@ def full_to_hf_state_dict(full: dict[str, torch.Tensor], specs: list[ShardSpec]
 
 
 def save_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
-    """Write ``model`` as a transformers ``save_pretrained`` folder (collective; rank 0 writes)."""
+    """Write ``model`` as a transformers ``save_pretrained`` folder of its family (collective;
+    rank 0 writes): ``*ForCausalLM``, or ``*ForSequenceClassification`` with one label for a
+    value head (``AutoModelFor...from_pretrained`` loads it)."""
     full = gather_full_state_dict(model)
     if full is None:
         return
     os.makedirs(folder, exist_ok=True)
-    config_to_hf(model.config).save_pretrained(folder)
+    config_to_hf(model.config, model.head).save_pretrained(folder)
     save_file(full_to_hf_state_dict(full, model.specs), os.path.join(folder, SINGLE_FILE),
               metadata={"format": "pt"})

@@ -11,16 +11,27 @@ head counts ``h_q = Q/t``, ``h_kv = G/t``::
     o_proj                  [H, h_q*D]  or [m, H, h_q*D/m]
     gate_up                 [2*F/t, H]                gate/up rows interleaved
     down_proj               [H, F/t]    or [m, H, F/t/m]
+  optional (the model families of engine.hf_families; absent keys = plain Llama):
+    qkv_bias                [h_kv*(Q/G+2)*D]          fused like qkv's rows (Qwen2, attention_bias)
+    q_norm, k_norm          [D]                       RMSNorm of each head before RoPE (Qwen3)
+    o_proj_bias             [H]                       added after the row-parallel sum
+
+The head dim D is its own size (``Q*D`` need not equal H, as in Qwen3).  The q/k norm weights
+are replicated but each TP rank applies them to its own heads only, so their gradient is a
+partial sum: they enter through :func:`engine.tp_ops.copy_to_tp` (identity forward, TP
+all-reduce of the gradient), as the inputs of column-parallel layers do.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.tp_ops import column_linear, row_linear
+from engine.tp_ops import column_linear, copy_to_tp, row_linear
 from hybridflow_comm.groups import Group
 
 # kv_hook(k, v) -> (k_all, v_all): lets a KV cache append the new keys/values ([B, S, h_kv, D])
@@ -35,11 +46,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 frequency scaling of RoPE (transformers' ``rope_type="llama3"``): wavelengths
+    longer than ``original_max_position_embeddings / low_freq_factor`` are stretched by
+    ``factor``, shorter than ``.../ high_freq_factor`` kept, those between interpolated."""
+
+    rope_type: str
+    """Only ``"llama3"``."""
+    factor: float
+    """Stretch of the low frequencies (8 in Llama 3.1)."""
+    low_freq_factor: float
+    """Wavelength bound of the stretched band, as a divisor of the original context."""
+    high_freq_factor: float
+    """Wavelength bound of the kept band, as a divisor of the original context."""
+    original_max_position_embeddings: int
+    """Context length of pre-training (8192 in Llama 3.1)."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type != "llama3":
+            raise ValueError(f"rope_type={self.rope_type!r}: only 'llama3' scaling is supported")
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor
+                and self.original_max_position_embeddings > 0):
+            raise ValueError(f"llama3 rope scaling needs factor > 0, 0 < low_freq_factor < "
+                             f"high_freq_factor and original_max_position_embeddings > 0, got "
+                             f"{self}")
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (the operations of transformers, in its order)."""
+        old = self.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor
+                                                            - self.low_freq_factor)
+        smoothed = (1 - smooth) * out / self.factor + smooth * out
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out)
+
+
 def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary ``(cos, sin)``, each ``[B, S, D]``, for integer ``position_ids [B, S]``."""
+                dtype: torch.dtype = torch.float32, scaling: RopeScaling | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary ``(cos, sin)``, each ``[B, S, D]``, for integer ``position_ids [B, S]``
+    (optionally with Llama-3 frequency ``scaling``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                 / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.scale(inv_freq)
     freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [B, S, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -95,16 +149,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                     rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                    q_per_group: int, head_dim: int, tp_group: Group | None,
+                    q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
                     kv_hook: KVHook | None = None) -> torch.Tensor:
-    """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``."""
+    """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``,
+    with the optional biases and q/k norms of ``w`` (see the module docstring)."""
     qkv = column_linear(x, w["qkv"], tp_group)  # [B, S, h_kv*(qpg+2)*D]
+    if "qkv_bias" in w:
+        qkv = qkv + w["qkv_bias"]
     qkv = qkv.unflatten(-1, (-1, q_per_group + 2, head_dim))  # [B, S, h_kv, qpg+2, D]
     q = qkv[..., :q_per_group, :].flatten(2, 3)  # [B, S, h_q, D]
     k, v = qkv[..., q_per_group, :], qkv[..., q_per_group + 1, :]  # [B, S, h_kv, D]
+    if "q_norm" in w:
+        q = rms_norm(q, copy_to_tp(w["q_norm"], tp_group), eps)
+        k = rms_norm(k, copy_to_tp(w["k_norm"], tp_group), eps)
     cos, sin = rope
     out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask, kv_hook)
-    return row_linear(out, w["o_proj"], tp_group)
+    out = row_linear(out, w["o_proj"], tp_group)
+    return out + w["o_proj_bias"] if "o_proj_bias" in w else out
 
 
 def swiglu_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
@@ -122,5 +183,5 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   kv_hook: KVHook | None = None) -> torch.Tensor:
     """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``."""
     h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
-                            head_dim, tp_group, kv_hook)
+                            head_dim, eps, tp_group, kv_hook)
     return h + swiglu_block(rms_norm(h, w["post_norm"], eps), w, tp_group)

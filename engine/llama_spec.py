@@ -5,7 +5,10 @@ Parameter names are global (the same on every rank) and use global layer indices
     embed_tokens                 [V, H]            vocab-parallel, dim 0            stage 0
     layers.{i}.input_norm        [H]               replicated                       stage(i)
     layers.{i}.qkv               [G*(Q/G+2)*D, H]  column-parallel, QKVFusion       stage(i)
+    layers.{i}.qkv_bias          [G*(Q/G+2)*D]     column-parallel, QKVFusion       stage(i) *
+    layers.{i}.q_norm, k_norm    [D]               replicated                       stage(i) *
     layers.{i}.o_proj            [H, Q*D]          row-parallel, dim 1              stage(i)
+    layers.{i}.o_proj_bias       [H]               replicated                       stage(i) *
     layers.{i}.post_norm         [H]               replicated                       stage(i)
     layers.{i}.gate_up           [2*F, H]          column-parallel, GateUpFusion    stage(i)
     layers.{i}.down_proj         [H, F]            row-parallel, dim 1              stage(i)
@@ -14,9 +17,11 @@ Parameter names are global (the same on every rank) and use global layer indices
     value_head                   [1, H]            replicated                       last
 
 (V vocab, H hidden, F intermediate, Q query heads, G KV heads, D head dim; layers are split
-evenly over the ``pp`` stages.)  With tied embeddings the LM head *is* ``embed_tokens``: for
-``pp == 1`` there is no ``lm_head`` spec; for ``pp > 1`` the last stage keeps a copy named
-``lm_head`` whose gradient is summed with the embedding's every step (see :mod:`engine.train`).
+evenly over the ``pp`` stages; ``*``: only where the config switch of the same name is on,
+``qk_norm`` for the norms, see :mod:`engine.hf_families` for the families that use them.)
+With tied embeddings the LM head *is* ``embed_tokens``: for ``pp == 1`` there is no
+``lm_head`` spec; for ``pp > 1`` the last stage keeps a copy named ``lm_head`` whose gradient
+is summed with the embedding's every step (see :mod:`engine.train`).
 """
 
 from __future__ import annotations
@@ -25,14 +30,22 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.hf_families import family
+from engine.layers import RopeScaling
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec
 
 HEADS = ("lm", "value")
+# Weights of every layer (the C++ kernels read exactly these, in this order) and the optional
+# ones with the config switch that adds them (engine.layers documents their shapes).
+LAYER_KEYS = ("input_norm", "qkv", "o_proj", "post_norm", "gate_up", "down_proj")
+OPTIONAL_LAYER_KEYS = {"qkv_bias": "qkv_bias", "q_norm": "qk_norm", "k_norm": "qk_norm",
+                       "o_proj_bias": "o_proj_bias"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
-    """Architecture of a Llama decoder (the subset of transformers' LlamaConfig we support)."""
+    """Architecture of a Llama-style decoder: Llama, Qwen2, Qwen3 and Mistral checkpoints
+    (:mod:`engine.hf_families`) are this layer with some switches set."""
 
     vocab_size: int
     """Number of tokens; must be divisible by tp (vocab-parallel embedding and head)."""
@@ -54,9 +67,27 @@ class LlamaConfig:
     """The LM head reuses the embedding matrix (no default: the run config's model section
     holds it)."""
     max_position_embeddings: int = 2048
-    """Longest sequence the rotary tables are built for."""
+    """Longest sequence the run feeds the model (rotary tables, generation limit)."""
     dtype: torch.dtype = torch.float32
     """Element type of every parameter."""
+    head_dim: int | None = None
+    """Per-head width D; None = hidden_size / num_heads (set in ``__post_init__``).  Qwen3
+    checkpoints have ``num_heads * head_dim != hidden_size``."""
+    rope_scaling: RopeScaling | None = None
+    """Llama-3 RoPE frequency scaling, or None for plain RoPE."""
+    qkv_bias: bool = False
+    """The q, k and v projections have biases (Qwen2; Llama/Qwen3 ``attention_bias``)."""
+    o_proj_bias: bool = False
+    """The output projection has a bias (Llama/Qwen3 ``attention_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm (weight ``[D]``) of every query and key head before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """The checkpoint's attention window (Mistral, Qwen with ``use_sliding_window``); None =
+    full attention.  The engine runs full causal attention, the same maths while sequences fit
+    the window, so it must be >= max_position_embeddings."""
+    model_type: str = "llama"
+    """transformers family the checkpoint is written as (:data:`engine.hf_families.FAMILIES`);
+    it must be able to state the switches above."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -64,26 +95,44 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
-                             f"num_heads={self.num_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
+                                 f"num_heads={self.num_heads} (or give head_dim)")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) \
+                or self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim!r} must be a positive even int for "
+                             f"rotary embeddings")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} (hidden_size/num_heads) must be even "
-                             f"for rotary embeddings")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta="
                              f"{self.rope_theta} must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"rope_scaling must be a RopeScaling or None, got "
+                            f"{type(self.rope_scaling).__name__}")
+        if self.sliding_window is not None and \
+                self.sliding_window < self.max_position_embeddings:
+            raise ValueError(f"sliding_window={self.sliding_window} is shorter than "
+                             f"max_position_embeddings={self.max_position_embeddings}: the "
+                             f"engine has no windowed attention; build the model for at most "
+                             f"{self.sliding_window} tokens (max_position_embeddings <= "
+                             f"{self.sliding_window}, e.g. read_hf_config(folder, "
+                             f"max_position_embeddings=...))")
+        family(self.model_type).check(self)
 
     @property
     def q_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def layer_keys(self) -> tuple[str, ...]:
+        """The weights of every decoder layer: :data:`LAYER_KEYS` and the optional ones this
+        config switches on."""
+        return LAYER_KEYS + tuple(k for k, switch in OPTIONAL_LAYER_KEYS.items()
+                                  if getattr(self, switch))
 
     def check_parallel(self, pp: int, tp: int) -> None:
         """Raise ValueError unless the model can be split ``pp`` stages x ``tp`` shards."""
@@ -128,6 +177,7 @@ def llama_shard_specs(config: LlamaConfig, pp: int, head: str = "lm") -> list[Sh
     c, dt, last = config, config.dtype, pp - 1
     H, F, D = c.hidden_size, c.intermediate_size, c.head_dim
     qkv = QKVFusion(c.num_heads, c.num_kv_heads, D)
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * D
     specs = [ShardSpec("embed_tokens", (c.vocab_size, H), dtype=dt, partition_dim=0, stage=0,
                        fusion=None, hf_names=("model.embed_tokens.weight",))]
     for i in range(c.num_layers):
@@ -135,11 +185,26 @@ def llama_shard_specs(config: LlamaConfig, pp: int, head: str = "lm") -> list[Sh
         specs += [
             ShardSpec(f"layers.{i}.input_norm", (H,), dtype=dt, partition_dim=None, stage=s,
                       fusion=None, hf_names=(hf + "input_layernorm.weight",)),
-            ShardSpec(f"layers.{i}.qkv", ((c.num_heads + 2 * c.num_kv_heads) * D, H), dtype=dt,
-                      partition_dim=0, stage=s, fusion=qkv,
-                      hf_names=tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv")),
-            ShardSpec(f"layers.{i}.o_proj", (H, c.num_heads * D), dtype=dt, partition_dim=1,
-                      stage=s, fusion=None, hf_names=(hf + "self_attn.o_proj.weight",)),
+            ShardSpec(f"layers.{i}.qkv", (qkv_rows, H), dtype=dt, partition_dim=0, stage=s,
+                      fusion=qkv, hf_names=tuple(hf + f"self_attn.{p}_proj.weight"
+                                                 for p in "qkv")),
+        ]
+        if c.qkv_bias:
+            specs.append(ShardSpec(f"layers.{i}.qkv_bias", (qkv_rows,), dtype=dt,
+                                   partition_dim=0, stage=s, fusion=qkv,
+                                   hf_names=tuple(hf + f"self_attn.{p}_proj.bias"
+                                                  for p in "qkv")))
+        if c.qk_norm:
+            specs += [ShardSpec(f"layers.{i}.{p}_norm", (D,), dtype=dt, partition_dim=None,
+                                stage=s, fusion=None, hf_names=(hf + f"self_attn.{p}_norm.weight",))
+                      for p in "qk"]
+        specs.append(ShardSpec(f"layers.{i}.o_proj", (H, c.num_heads * D), dtype=dt,
+                               partition_dim=1, stage=s, fusion=None,
+                               hf_names=(hf + "self_attn.o_proj.weight",)))
+        if c.o_proj_bias:
+            specs.append(ShardSpec(f"layers.{i}.o_proj_bias", (H,), dtype=dt, partition_dim=None,
+                                   stage=s, fusion=None, hf_names=(hf + "self_attn.o_proj.bias",)))
+        specs += [
             ShardSpec(f"layers.{i}.post_norm", (H,), dtype=dt, partition_dim=None, stage=s,
                       fusion=None, hf_names=(hf + "post_attention_layernorm.weight",)),
             ShardSpec(f"layers.{i}.gate_up", (2 * F, H), dtype=dt, partition_dim=0, stage=s,
@@ -175,14 +240,15 @@ def init_full_state_dict(config: LlamaConfig, seed: int = 0, head: str = "lm",
     """The global (unsharded) weights of a freshly initialised model, in stored layout.
 
     Deterministic in ``seed`` and independent of any parallel layout: norms start at one
-    plus a small perturbation (so norm gradients are not trivially symmetric), every matrix is
-    normal(0, std).  Names follow :func:`llama_shard_specs` with ``pp=1``; a tied ``lm_head``
-    copy (pp > 1) is filled from ``embed_tokens`` by :func:`engine.model.load_full_state_dict`.
+    plus a small perturbation (so norm gradients are not trivially symmetric), every matrix and
+    bias is normal(0, std).  Names follow :func:`llama_shard_specs` with ``pp=1``; a tied
+    ``lm_head`` copy (pp > 1) is filled from ``embed_tokens`` by
+    :func:`engine.model.load_full_state_dict`.
     """
     g = torch.Generator().manual_seed(seed)
     out = {}
     for spec in llama_shard_specs(config, 1, head):
-        if spec.partition_dim is None and len(spec.shape) == 1:
+        if spec.name.endswith("norm"):
             t = 1.0 + 0.1 * torch.randn(spec.shape, generator=g)
         else:
             t = std * torch.randn(spec.shape, generator=g)

@@ -90,6 +90,11 @@ def transformer_config(config: LlamaConfig, layout: ParallelLayout):
     dropout, interleaved SwiGLU through the layer spec's activation module)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    extras = {k: getattr(config, k) for k in ("rope_scaling", "qkv_bias", "o_proj_bias",
+                                              "qk_norm") if getattr(config, k)}
+    if extras:
+        raise ValueError(f"the megatron-core backend builds plain Llama layers; this "
+                         f"{config.model_type} config also has {extras}: use the native engine")
     return TransformerConfig(
         num_layers=config.num_layers, hidden_size=config.hidden_size,
         num_attention_heads=config.num_heads, num_query_groups=config.num_kv_heads,

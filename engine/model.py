@@ -22,13 +22,12 @@ from torch import nn
 from engine import fused_layers as fused
 from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rms_norm, \
     rope_tables
+from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
 from engine.tp_ops import column_linear, vocab_embedding, vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import HybridGroups
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs, train_shard
-
-LAYER_KEYS = ("input_norm", "qkv", "o_proj", "post_norm", "gate_up", "down_proj")
 
 
 class ParallelLlama(nn.Module):
@@ -42,19 +41,22 @@ class ParallelLlama(nn.Module):
             built from ``slot_specs(specs, groups.layout, groups.rank)``.
         fused_layers: run the layers and the final norm as C++ blocks with hand-written
             backward passes (:mod:`engine.fused_layers`); None = when available (extension
-            built, float32) for sequences of up to ``fused_layers.AUTO_MAX_SEQ`` tokens, True =
-            always, False = the Python layers of :mod:`engine.layers`.
+            built, float32, no biases or q/k norms) for sequences of up to
+            ``fused_layers.AUTO_MAX_SEQ`` tokens, True = always, False = the Python layers of
+            :mod:`engine.layers`.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
                  buffer: FlatParamBuffer | None = None,
                  fused_layers: bool | None = None) -> None:
         super().__init__()
-        self.fused_layers = fused.resolve(fused_layers, config.dtype, "fused_layers")
+        self.fused_layers = fused.resolve(fused_layers, config.dtype, config.layer_keys,
+                                          "fused_layers")
         self.fused_max_seq = fused.AUTO_MAX_SEQ if fused_layers is None else None
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
         self.config, self.groups, self.head = config, groups, head
+        self.layer_keys = config.layer_keys  # the weights of every layer (engine.layers)
         self.layout = train
         self.coords = train.coords(groups.rank)
         self.specs: list[ShardSpec] = llama_shard_specs(config, train.pp, head)
@@ -83,7 +85,7 @@ class ParallelLlama(nn.Module):
         return self.groups.train_tp
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        return {k: self.params[f"layers.{layer}.{k}"] for k in LAYER_KEYS}
+        return {k: self.params[f"layers.{layer}.{k}"] for k in self.layer_keys}
 
     # Forward --------------------------------------------------------------------------------
     def stage_forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -100,10 +102,13 @@ class ParallelLlama(nn.Module):
         """
         c = self.config
         batch, seq = inputs.shape[:2]
+        if c.sliding_window is not None and seq > c.sliding_window:
+            raise ValueError(f"sequence of {seq} tokens is longer than the model's "
+                             f"sliding_window={c.sliding_window} (no windowed attention)")
         if position_ids is None:
             position_ids = (position_ids_from_mask(attention_mask) if attention_mask is not None
                             else torch.arange(seq).expand(batch, seq))
-        rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype)
+        rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
         mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)

@@ -121,7 +121,7 @@ class ModelConfig:
             raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
                              f"config.json); create it with rlhf.sft / rlhf.train_rm or "
                              f"save_pretrained")
-        hf = read_hf_config(self.init_from)
+        hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len)
         clash = {k: (v, getattr(hf, k)) for k, v in explicit.items() if getattr(hf, k) != v}
         if clash:
             raise ValueError(f"model init_from={self.init_from!r}: the config sets " + ", ".join(
@@ -177,7 +177,8 @@ class PolicyLossConfig:
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (formulas: rlhf.algos.agg_loss); over the whole mini-batch."""
 
     def __post_init__(self) -> None:
         from rlhf.algos import LOSS_AGG_MODES
@@ -202,7 +203,8 @@ class ValueLossConfig:
     value_clip: float | None = 0.2
     """Value clip range around the rollout's values; None disables it."""
     loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (formulas: rlhf.algos.agg_loss); over the whole mini-batch."""
 
     def __post_init__(self) -> None:
         from rlhf.algos import LOSS_AGG_MODES
@@ -342,6 +344,10 @@ class AlgoConfig:
     """Where the KL to the reference goes: reward (penalty), loss, or none."""
     kl_estimator: str = "k1"
     """k1, k2 or k3 (Schulman)."""
+    kl_log_ratio_clamp: float = 20.0
+    """Every KL estimator sees log pi - log pi_ref clamped to +- this (exp(20) stays finite)."""
+    kl_k3_clamp: float = 10.0
+    """k3 (unbounded, ~exp(-log ratio)) is clamped to +- this per token, as in verl."""
     kl_coef: float = 0.05
     """KL coefficient (initial value if adaptive)."""
     kl_ctrl: str = "fixed"
@@ -367,7 +373,8 @@ class AlgoConfig:
         _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("algo.kl_ctrl", self.kl_ctrl, ("fixed", "adaptive"))
         _positive(epochs=self.epochs, kl_target=self.kl_target, kl_horizon=self.kl_horizon,
-                  lagrange_lr=self.lagrange_lr)
+                  lagrange_lr=self.lagrange_lr, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
+                  kl_k3_clamp=self.kl_k3_clamp)
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")

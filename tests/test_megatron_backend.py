@@ -159,3 +159,16 @@ def test_megatron_actor_pipeline_stages_reshard(pool4):
     assert "output_layer.weight" in reports[2][0]
     n_hf = 3 + CONFIG.num_layers * 9
     assert all(r[1] == n_hf and r[2] == n_hf for r in reports)  # pp_g = 1: the whole model
+
+
+def test_megatron_backend_refuses_layers_it_cannot_build():
+    from engine.llama_spec import LlamaConfig
+    from engine.megatron_backend import transformer_config
+    from hybridflow_comm.layout import ParallelLayout
+
+    qwen3 = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, tie_word_embeddings=False,
+                        model_type="qwen3", qk_norm=True)
+    with pytest.raises(ValueError, match=r"plain Llama layers; this qwen3 config also has "
+                                         r"\{'qk_norm': True\}"):
+        transformer_config(qwen3, ParallelLayout(1, 1, 1))
