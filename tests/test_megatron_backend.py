@@ -3,6 +3,7 @@ transformers Llama with the same weights; its parameters alias the Resharder's f
 the generation shards (Hugging Face names) equal the reference cut of the full weights, also
 after an optimizer step.  megatron's parallel_state is re-initialised per layout."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
