@@ -50,7 +50,8 @@ def make_model(folder: str) -> None:
 
     cfg = load_config(["algo=grpo"])
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    spec = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=0)
+    spec = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=0,
+                     fresh_head=False)
     save_hf_checkpoint(build_model(spec, groups), folder)
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)

@@ -152,11 +152,12 @@ def _check_checkpoint(model: ParallelLlama, folder: str) -> None:
                          f"cannot initialise a model with head='lm'")
 
 
-def load_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
+def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True) -> None:
     """Load a ``save_pretrained`` folder into ``model`` (this rank's shards only).
 
     A value-head model takes ``score.weight`` of a sequence-classification checkpoint (one
-    label) and keeps its initialised head with a causal-LM checkpoint.  Raises ValueError if
+    label; unless ``load_head`` is False) and keeps its initialised head with a causal-LM
+    checkpoint.  Raises ValueError if
     the folder's architecture differs from ``model.config`` or a tensor has another shape
     (checked before anything is copied).
     """
@@ -165,7 +166,7 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
     plan = []
     for spec in model.local_specs:
         reads = hf_reads(spec, model.layout, model.groups.rank)
-        if spec.name == "value_head" and reads[0].hf_name not in files:
+        if spec.name == "value_head" and (not load_head or reads[0].hf_name not in files):
             continue  # a causal-LM checkpoint has no value head: keep the initialised one
         missing = [r.hf_name for r in reads if r.hf_name not in files]
         if missing:

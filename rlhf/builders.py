@@ -24,6 +24,7 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.config import Config, WorldPlan
 from rlhf.controller import Controller, WorkerGroup
 from rlhf.programs import Roles, algorithm
+from rlhf.programs.common import VALUE_ROLES
 from rlhf.task import AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer
 from rlhf.task.reward_fn import load_function
 from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
@@ -89,7 +90,7 @@ def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0) -> Model
     if own is None and role in ("reward_model", "cost_model"):
         init = None  # a reward model never starts from the policy checkpoint by accident
     return ModelSpec(config=cfg.model_of(role).llama(), head=head, init_from=init,
-                     seed=cfg.seed + seed_offset)
+                     seed=cfg.seed + seed_offset, fresh_head=role in VALUE_ROLES)
 
 
 def update_spec(cfg: Config, plan: WorldPlan, role: str) -> UpdateSpec:
@@ -102,7 +103,8 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
     a = cfg.algo
     return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
                      loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
-                     kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator)
+                     kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator,
+                     kl_log_ratio_clamp=a.kl_log_ratio_clamp, kl_k3_clamp=a.kl_k3_clamp)
 
 
 def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> CriticSpec:

@@ -135,7 +135,8 @@ def main_builtin(a: argparse.Namespace) -> int:
                 return 0
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
-    args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=cfg.seed)
+    args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=cfg.seed,
+                     fresh_head=False)
     result = train_sft(args, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
                        width=width, noise=a.noise)
     with open(meta_path, "w") as f:
@@ -398,7 +399,7 @@ def train_user(job: UserSFT) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, world), 1, 1))
     model = build_model(ModelSpec(config=job.config, head="lm", init_from=job.model_dir,
-                                  seed=0), groups)
+                                  seed=0, fresh_head=False), groups)
     engine = TrainEngine(model, OptimConfig(lr=job.lr, weight_decay=0.0, max_grad_norm=1.0))
     dp, main_rank = groups.train_dp, groups.rank == 0
     t0, first = time.perf_counter(), float("nan")

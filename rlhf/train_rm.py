@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(a.overrides)
     role = "reward_model" if a.kind == "reward" else "cost_model"
     args = ModelSpec(config=cfg.model_of(role).llama(), head="value", init_from=a.init,
-                     seed=cfg.seed + 3)
+                     seed=cfg.seed + 3, fresh_head=False)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), out=a.out,

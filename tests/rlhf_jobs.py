@@ -26,9 +26,16 @@ from rlhf.builders import build_roles, tokenizer_of
 from rlhf.runtime import RunState, restore, save, train
 from rlhf.train import single_process_env
 
+QUIET = ["log.progress=false", "log.tensorboard=false", "log.plot=false"]
 TINY = ["actor.model.hidden_size=32", "actor.model.intermediate_size=64",
-        "actor.model.num_heads=4", "actor.model.num_kv_heads=2", "actor.model.num_layers=2",
-        "log.progress=false", "log.tensorboard=false", "log.plot=false"]
+        "actor.model.num_heads=4", "actor.model.num_kv_heads=2",
+        "actor.model.num_layers=2"] + QUIET
+
+
+def base_overrides(overrides: list[str]) -> list[str]:
+    """The tiny built-in model, unless the run brings a checkpoint (its config.json rules)."""
+    own_model = any(o.startswith("actor.model.init_from=") for o in overrides)
+    return QUIET if own_model else TINY
 
 
 def main(spec_path: str, out_path: str) -> int:
@@ -37,7 +44,7 @@ def main(spec_path: str, out_path: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plans = {}
     for name, overrides in spec.items():  # every rank validates every run before any work
-        cfg = resolve_config(load_config(TINY + overrides), world)
+        cfg = resolve_config(load_config(base_overrides(overrides) + overrides), world)
         plans[name] = (cfg, validate_for_world(cfg, world))
 
     def program(ctl: Controller) -> None:

@@ -188,7 +188,7 @@ def _our_logits(folder: pathlib.Path, ids: torch.Tensor) -> torch.Tensor:
 
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = build_model(ModelSpec(config=read_hf_config(str(folder)), head="lm",
-                                  init_from=str(folder), seed=0), groups)
+                                  init_from=str(folder), seed=0, fresh_head=False), groups)
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return TrainEngine(model).forward([mb], with_logits=True)[0]["logits"]
 

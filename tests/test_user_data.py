@@ -134,7 +134,7 @@ def test_long_prompts_are_dropped_with_one_warning(example, capsys):
 
 
 def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
-    """GRPO, 2 iterations, 2 ranks, on the HF checkpoint, the chat JSONL and the example's
+    """GRPO, 2 iterations, 2 ranks, on the example's Qwen3-style checkpoint, chat JSONL and
     reward file: metrics with the reward's fields and the held-out evaluation, and an HF
     export that transformers loads; a reward function that raises stops the run naming it."""
     import transformers
@@ -142,7 +142,7 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                    "    raise ZeroDivisionError('from the user')\n")
-    common = [f"actor.model.init_from={example / 'llama'}", "algo=grpo", "iterations=2",
+    common = [f"actor.model.init_from={example / 'qwen3'}", "algo=grpo", "iterations=2",
               "actor.layout.tp=1", "actor.layout.gen_tp=0", "reference.layout.tp=1",
               f"data.train_files={example / 'train.jsonl'}", "data.prompts_per_iter=4",
               "data.samples_per_prompt=2", "data.mini_batch_size=8", "data.micro_batch_size=2",
@@ -171,3 +171,31 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     err = out["raises"]["error"]
     assert f"reward function {bad}:compute_score raised ZeroDivisionError: from the user at " \
            f"{bad}:2 on sample" in err, err
+
+
+def test_critic_from_a_reward_model_takes_the_backbone_with_a_fresh_head(example, tmp_path):
+    import transformers
+
+    from engine.hf_interop import read_hf_config
+    from hybridflow_comm.groups import build_hybrid_groups
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+    from rlhf.workers.common import build_model
+    from rlhf.workers.specs import ModelSpec
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    torch.manual_seed(1)
+    rm = transformers.LlamaForSequenceClassification(hf_cfg)
+    rm.save_pretrained(str(tmp_path / "rm"))
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    models = {fresh: build_model(ModelSpec(config=read_hf_config(str(tmp_path / "rm")),
+                                           head="value", init_from=str(tmp_path / "rm"),
+                                           seed=0, fresh_head=fresh), groups)
+              for fresh in (False, True)}
+    score = rm.score.weight.detach()
+    torch.testing.assert_close(models[False].params["value_head"].detach(), score)
+    assert not torch.equal(models[True].params["value_head"].detach(), score)
+    emb = rm.model.embed_tokens.weight.detach()
+    for m in models.values():
+        torch.testing.assert_close(m.params["embed_tokens"].detach(), emb)

@@ -33,7 +33,7 @@ def build_model(args: ModelSpec, groups: HybridGroups) -> ParallelLlama:
     model = ParallelLlama(args.config, groups, head=args.head)
     load_full_state_dict(model, init_full_state_dict(args.config, args.seed, args.head))
     if args.init_from:
-        load_hf_checkpoint(model, args.init_from)
+        load_hf_checkpoint(model, args.init_from, load_head=not args.fresh_head)
     return model
 
 

@@ -27,6 +27,9 @@ class ModelSpec:
     """HF-format folder to load; None = :func:`engine.llama_spec.init_full_state_dict`."""
     seed: int
     """Initialisation seed (also of a value head missing from ``init_from``)."""
+    fresh_head: bool
+    """Keep the initialised value head even when ``init_from`` has one (a critic started from
+    a reward model's checkpoint takes its backbone only)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class ActorSpec:
     """KL-as-loss coefficient; None = no KL loss term (KL in the reward, or none)."""
     kl_estimator: str
     """k1, k2 or k3."""
+    kl_log_ratio_clamp: float
+    """Bound on the KL estimators' log-ratio (:func:`rlhf.algos.kl_estimate`)."""
+    kl_k3_clamp: float
+    """Bound on k3 per token."""
 
 
 @dataclass(frozen=True)
