@@ -3,16 +3,21 @@
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs checks OUT.json
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs raise
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs kill PIDFILE
+    torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs intruders OUT.json MARKER
 
 ``checks`` runs every multi-rank check in one job and writes ``{name: {"got", "expected"}}``;
 the expectations come from direct loops over the layout maths of hybridflow_comm.layout, never
-from the C++ plans under test.
+from the C++ plans under test.  ``intruders``: strangers attack the controller's port during
+the start-up and during the job (see :func:`_intruders`).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import socket
+import struct
 import sys
 import time
 
@@ -22,6 +27,8 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.controller import (ALL_TO_ALL, DP_COMPUTE, DP_PROTO, ONE_TO_ALL, THREE_D_PROTO,
                              Batch, Controller, Plan, Worker, WorkerError,
                              protocol, register_protocol, run)
+from rlhf.controller import handshake, rendezvous
+from rlhf.controller.messages import Hello
 from rlhf.controller.protocols import CONCAT, SPLIT
 
 N_ROWS = 7  # uneven on purpose: padding must be added and removed again
@@ -126,6 +133,14 @@ class Probe(Worker):
         # Only layout rank 1 enters the TP collective: it must time out, not hang.
         if self.rank == 1:
             torch.distributed.all_reduce(torch.ones(1), group=self.groups.train_tp.pg)
+
+    @protocol(ONE_TO_ALL)
+    def knock(self, marker: str) -> dict | None:
+        """Rank 1 attacks the controller's port during the job; the strangers' report."""
+        if self.global_rank != 1:
+            return None
+        return _STRANGERS | {"during_job": _attack(_STRANGERS["host"], _STRANGERS["port"],
+                                                   marker)}
 
     def not_a_worker_method(self) -> None:
         pass
@@ -337,7 +352,104 @@ def _kill(pid_file: str, target: int) -> None:
     sys.exit(run(program, collective_timeout_s=60))
 
 
+# Strangers at the controller's port ----------------------------------------------------------
+HANDSHAKE_TIMEOUT_S = 2.0
+_STRANGERS: dict = {}  # what rank 1's strangers saw (reported by Probe.knock)
+_OPEN: list[socket.socket] = []  # the stalled stranger's socket, kept open on purpose
+
+
+def code_payloads(marker: str) -> dict[str, bytes]:
+    """Pickles that create ``marker`` when plain ``pickle.loads`` runs them, by the callable
+    they name (hand-written opcodes, so that the names are exactly these)."""
+    def call(module: str, name: str, arg: str) -> bytes:
+        return f"c{module}\n{name}\n(V{arg}\ntR.".encode()
+
+    return {"os.system": call("os", "system", f"touch {marker}"),
+            "builtins.eval": call("builtins", "eval", f"open({marker!r}, 'w').close()"),
+            "subprocess.Popen": (b"csubprocess\nPopen\n((V" + b"touch\nV" + marker.encode()
+                                 + b"\nltR.")}
+
+
+def frame_of(pickled: bytes, kind: int = 0) -> bytes:
+    """A control-plane frame around raw pickle bytes (the header of rlhf.controller.wire)."""
+    return struct.pack("<QIH", len(pickled), 0, kind) + pickled
+
+
+def _outcome(sock: socket.socket) -> str:
+    """How the controller treated a stranger: ``closed`` (it hung up after at most its
+    challenge), ``still open`` (no answer within 20 s) or ``answered ...``."""
+    sock.settimeout(20)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except socket.timeout:
+        return "still open"
+    finally:
+        sock.close()
+    if data.startswith(b"HFC1"):
+        data = data[36:]  # the challenge that every connection gets first
+    return "closed" if not data else f"answered {data[:40]!r}"
+
+
+def _strangers_at_start_up(host: str, port: int, marker: str) -> None:
+    """Rank 1, before it connects: a wrong HMAC claiming to be rank 1, pickles that would run
+    code, and a half-sent Hello that then stalls."""
+    s = socket.create_connection((host, port), timeout=20)
+    s.recv(36)  # the challenge
+    s.sendall(handshake.pack_hello(Hello(1, "cmd", bytes(32), bytes(32))))
+    _STRANGERS["wrong_hmac"] = _outcome(s)
+    for name, pickled in code_payloads(marker).items():
+        s = socket.create_connection((host, port), timeout=20)
+        try:
+            s.sendall(frame_of(pickled))
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        _STRANGERS[f"payload {name}"] = _outcome(s)
+    s = socket.create_connection((host, port), timeout=20)
+    s.sendall(handshake.pack_hello(Hello(1, "ctl", bytes(32), bytes(32)))[:10])
+    _OPEN.append(s)
+
+
+def _attack(host: str, port: int, marker: str) -> str:
+    try:
+        s = socket.create_connection((host, port), timeout=5)
+    except ConnectionRefusedError:
+        return "refused"
+    s.sendall(frame_of(code_payloads(marker)["os.system"]))
+    return _outcome(s)
+
+
+def _intruders(path: str, marker: str) -> None:
+    """Strangers connect to the controller's port before the real ranks (rank 1 sends them,
+    ranks 2 and 3 connect 1 s later, rank 1 itself after the stalled stranger's handshake timed
+    out); during the job, rank 1 knocks again (:meth:`Probe.knock`)."""
+    rank = int(os.environ["RANK"])
+    if rank != 0:
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        if rank == 1:
+            endpoint = rendezvous.lookup(rendezvous.default_store(), {}, rank)
+            _STRANGERS.update(host=endpoint.host, port=endpoint.port)
+            _strangers_at_start_up(endpoint.host, endpoint.port, marker)
+            time.sleep(HANDSHAKE_TIMEOUT_S + 2)
+            _STRANGERS["stalled"] = _outcome(_OPEN.pop())
+        else:
+            time.sleep(1)
+
+    def program(ctl: Controller) -> None:
+        group = ctl.group(Probe, _layout((1, 1, 4)), name="probe")
+        report = next(r for r in group.knock(marker).get() if r is not None)
+        out = {"report": report, "square": group.square([1, 2, 3, 4]).get()}
+        with open(path, "w") as f:
+            json.dump(out, f)
+
+    sys.exit(run(program, collective_timeout_s=60, handshake_timeout_s=HANDSHAKE_TIMEOUT_S))
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     {"checks": lambda: _checks(sys.argv[2]), "raise": _raise,
-     "kill": lambda: _kill(sys.argv[2], int(sys.argv[3]))}[mode]()
+     "kill": lambda: _kill(sys.argv[2], int(sys.argv[3])),
+     "intruders": lambda: _intruders(sys.argv[2], sys.argv[3])}[mode]()

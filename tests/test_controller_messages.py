@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rlhf.controller import Batch, wire
-from rlhf.controller.messages import (MESSAGES, Abort, Bye, Call, Create, Done, Failed, Fetch,
-                                      GetOutput, Hello, Send, SendOnly, Shutdown, Value)
+from rlhf.controller.messages import (MESSAGES, Abort, Bye, Call, Challenge, Create, Done,
+                                      Failed, Fetch, GetOutput, Hello, Send, SendOnly, Shutdown,
+                                      Value, Welcome)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "rlhf.controller"
@@ -29,7 +30,9 @@ CALL = Call(7, 4, "add_one", (FETCH, _batch(), 3), {"scale": torch.ones(2), "b":
 EXAMPLES = [
     FETCH,
     SEND,
-    Hello(3, "cmd"),
+    Challenge(bytes(range(32))),
+    Hello(3, "cmd", b"n" * 32, b"m" * 32),
+    Welcome(b"w" * 32),
     Abort("the controller failed: RuntimeError: boom"),
     Create(5, 4, "tests.controller_jobs:Probe", "actor", (0, 1, 2, 3), (1, 2, 2), (1, 2),
            (0.5, None), {"offset": 0.5}, 2.0),

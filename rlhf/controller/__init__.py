@@ -12,6 +12,7 @@ Modules, each importing only modules listed before it (no import cycle): :mod:`.
 (Batch container), :mod:`.protocols` (protocols, registry, decorator), :mod:`.calls` (issued
 calls and the controller interface that groups and futures use), :mod:`.worker` (Worker base,
 per-rank loop, data plane), :mod:`.futures`, :mod:`.worker_group`, :mod:`.controller`,
+:mod:`.handshake` (who may connect), :mod:`.rendezvous` (where to connect, the job's secret),
 :mod:`.launch` (``run`` under torchrun).
 """
 

@@ -28,6 +28,7 @@ from rlhf.controller import wire
 PAD_KEY = "_pad"
 
 
+@wire.allow
 @dataclass
 class Batch:
     """Named tensors sharing dim 0, per-row python objects and meta info.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import selectors
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -64,10 +65,12 @@ class Controller:
         ctl_socks: global rank -> abort socket (ranks other than 0).
         call_timeout_s: limit on any single wait for replies (None: wait; collective timeouts
             on the workers still bound every collective).
+        max_message_bytes: largest command the controller sends and largest reply it accepts.
     """
 
     def __init__(self, socks: dict[int, socket.socket], ctl_socks: dict[int, socket.socket],
-                 call_timeout_s: float | None = None) -> None:
+                 call_timeout_s: float | None = None, *,
+                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES) -> None:
         self.world_size = len(socks)
         self._socks = socks
         self._ctl_socks = ctl_socks
@@ -76,6 +79,7 @@ class Controller:
         for s in socks.values():
             self._selector.register(s, selectors.EVENT_READ)
         self.call_timeout_s = call_timeout_s
+        self.max_message_bytes = max_message_bytes
         self.stats = TransferStats()
         self._ids = itertools.count(1)
         self._tags = itertools.count(0, 2)
@@ -114,22 +118,30 @@ class Controller:
             self._pending_frees[r].append(oid)
 
     def issue(self, what: str, messages: Mapping[int, Command]) -> CallState:
-        """Send one command per rank; returns the state that collects their replies."""
+        """Send one command per rank; returns the state that collects their replies.
+
+        Raises:
+            wire.MessageError: a command cannot travel (a value outside the allow-list, or
+                too large); then no rank got any part of the call.
+        """
         self.poll()
+        # Every rank's frame first: a refused value fails the call before any rank runs it.
+        # Rank 0's worker last: it is a thread of this process and, once woken, holds the GIL
+        # while it works, so a send after it could wait a whole GIL switch interval
+        frames = [(rank, wire.frame(msg, self.max_message_bytes))
+                  for rank, msg in sorted(messages.items(), key=lambda item: item[0] == 0)]
         cid = next(iter(messages.values())).cid
         state = CallState(cid, what, frozenset(messages))
         self._calls[cid] = state
-        # Rank 0's worker last: it is a thread of this process and, once woken, holds the GIL
-        # while it works, so a send after it could wait a whole GIL switch interval
-        for rank, msg in sorted(messages.items(), key=lambda item: item[0] == 0):
-            self._send(rank, msg, what)
+        for rank, frame in frames:
+            self._send(rank, frame, what)
         return state
 
-    def _send(self, rank: int, msg: Command | Shutdown, what: str) -> None:
+    def _send(self, rank: int, frame: wire.Frame, what: str) -> None:
         if rank in self._lost:
             raise RankLostError(rank, f"before {what} could be sent to it")
         try:
-            n, payload = wire.send_msg(self._socks[rank], msg)
+            n, payload = wire.send_frame(self._socks[rank], frame)
         except (ConnectionError, OSError):
             self._lost.add(rank)
             raise RankLostError(rank, f"while sending {what}") from None
@@ -171,7 +183,7 @@ class Controller:
 
     def _read(self, rank: int) -> None:
         try:
-            msg, n, payload = wire.recv_msg(self._socks[rank])
+            msg, n, payload = wire.recv_msg(self._socks[rank], self.max_message_bytes)
         except (ConnectionError, OSError):
             self._lost.add(rank)
             self._selector.unregister(self._socks[rank])
@@ -179,6 +191,14 @@ class Controller:
                     c.replies]
             raise RankLostError(rank, f"during {', '.join(busy)}" if busy else "while idle"
                                 ) from None
+        except wire.MessageError as exc:  # nothing of it was run; the stream is not trusted
+            self._lost.add(rank)
+            self._selector.unregister(self._socks[rank])
+            self._socks[rank].close()
+            print(f"[hybridflow] controller: dropped the connection of rank {rank}: {exc}",
+                  file=sys.stderr, flush=True)
+            raise ControllerError(f"rank {rank} sent a message that the control plane refuses "
+                                  f"({exc}); its connection was dropped") from None
         self.stats.total_in += n
         self.stats.payload_in += payload
         match msg:
@@ -216,17 +236,19 @@ class Controller:
         bye = CallState(0, "shutdown", frozenset(self._socks))
         self._calls[0] = bye
         for rank in self._socks:
-            self._send(rank, Shutdown(), "shutdown")
+            self._send(rank, wire.frame(Shutdown()), "shutdown")
         self.pump(lambda: bye.done, timeout_s=timeout_s)
         self.close()
 
     def abort(self, reason: str) -> None:
-        """Tell every live rank to exit non-zero now (they may be stuck in a collective)."""
-        for rank, s in self._ctl_socks.items():
-            if rank in self._lost:
-                continue
+        """Tell every rank to exit non-zero now (they may be stuck in a collective).
+
+        Lost ranks too: one whose command connection was dropped for a refused message still
+        listens on its abort connection (a dead one just fails the send).
+        """
+        for s in self._ctl_socks.values():
             try:
-                wire.send_msg(s, Abort(reason))
+                wire.send_msg(s, Abort(reason), self.max_message_bytes)
             except (ConnectionError, OSError):
                 pass
         self.close()

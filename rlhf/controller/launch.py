@@ -22,6 +22,12 @@ not handle it, rank 0 prints it, tells every other rank to exit (on a second, ab
 connection watched by a daemon thread, because their main thread may be stuck in a collective
 with the lost rank), and exits non-zero; torchrun then reports the job as failed.  If rank 0
 disappears, the other ranks see their connections close and exit non-zero too.
+
+Start-up (see :mod:`.rendezvous` and :mod:`.handshake`): rank 0 listens on loopback or on
+MASTER_ADDR's interface and publishes the address and the job's secret in the job's store; every
+other rank opens its two connections and proves, by an HMAC of a fresh challenge, that it knows
+the secret.  Connections that fail are closed and logged; the start-up waits for the real ranks.
+The listening socket closes as soon as every rank is in, so nothing can connect during the job.
 """
 
 from __future__ import annotations
@@ -32,15 +38,16 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from rlhf.controller import wire
+from rlhf.controller import handshake, rendezvous, wire
 from rlhf.controller.controller import Controller
 from rlhf.controller.errors import ControllerError
-from rlhf.controller.messages import Hello
 from rlhf.controller.worker import WorkerRuntime, watch_controller
+
+MAX_MESSAGE_ENV = "HYBRIDFLOW_MAX_MESSAGE_BYTES"
 
 
 def _init_dist(timeout_s: float) -> None:
@@ -52,68 +59,67 @@ def _init_dist(timeout_s: float) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _connect(addr: tuple[str, int], rank: int, channel: str) -> socket.socket:
-    s = socket.create_connection(addr)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    wire.send_msg(s, Hello(rank, channel))
-    return s
-
-
-def _accept_all(server: socket.socket, world_size: int, timeout_s: float
-                ) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
-    server.settimeout(timeout_s)
-    cmd: dict[int, socket.socket] = {}
-    ctl: dict[int, socket.socket] = {}
-    for _ in range(2 * (world_size - 1)):
-        s, _ = server.accept()
-        s.settimeout(None)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello, _, _ = wire.recv_msg(s)
-        if not isinstance(hello, Hello):
-            raise ControllerError(f"a rank connected with {type(hello).__name__}, not Hello")
-        (cmd if hello.channel == "cmd" else ctl)[hello.rank] = s
-    return cmd, ctl
+def message_limit(max_message_bytes: int | None, env: Mapping[str, str]) -> int:
+    """``max_message_bytes``, else ``HYBRIDFLOW_MAX_MESSAGE_BYTES``, else 1 GiB."""
+    value: Any = max_message_bytes
+    if value is None:
+        value = env.get(MAX_MESSAGE_ENV, wire.MAX_MESSAGE_BYTES)
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"{MAX_MESSAGE_ENV}={value!r} is not a number of bytes") from None
+    if limit < 1 << 16:
+        raise ValueError(f"max_message_bytes={limit} must be at least 65536 (64 KiB)")
+    return limit
 
 
 def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 300.0,
-        call_timeout_s: float | None = None, hard_exit: bool = True) -> int:
+        call_timeout_s: float | None = None, hard_exit: bool = True,
+        handshake_timeout_s: float = 10.0, max_message_bytes: int | None = None) -> int:
     """Run ``program`` as the single controller on rank 0 and the worker loop on every rank.
 
     Args:
         program: ``program(controller)``, called on rank 0 only.
-        collective_timeout_s: timeout of every gloo collective (job group and role groups).
+        collective_timeout_s: timeout of every gloo collective (job group and role groups), and
+            of the start-up (every rank connected to the controller).
         call_timeout_s: limit on one wait of the controller for replies (None: no limit).
         hard_exit: on failure, exit the process at once with code 1 (threads may be stuck in a
             collective). False returns 1 instead (for embedding in a harness).
+        handshake_timeout_s: limit on one connection's handshake with the controller.
+        max_message_bytes: largest control-plane frame either side sends or accepts (None:
+            ``HYBRIDFLOW_MAX_MESSAGE_BYTES``, else 1 GiB); the same on every rank.
 
     Returns:
         The exit code: 0 on success, 1 on failure.
     """
     if collective_timeout_s <= 0:
         raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
+    if handshake_timeout_s <= 0:
+        raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s}")
+    limit = message_limit(max_message_bytes, os.environ)
     _init_dist(collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    data_pg = dist.new_group(list(range(world_size)),
-                             timeout=datetime.timedelta(seconds=collective_timeout_s))
-    if rank == 0:
-        server = socket.create_server(("0.0.0.0", 0))
-        server.listen(2 * world_size)
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        addr = [(host, server.getsockname()[1])]
-    else:
-        addr = [None]
-    dist.broadcast_object_list(addr, src=0)
+    store = rendezvous.default_store()
     if rank != 0:
-        return _serve_worker(rank, addr[0], data_pg, collective_timeout_s)
-    cmd, ctl_socks = _accept_all(server, world_size, collective_timeout_s)
-    server.close()
+        return _serve_worker(rank, rendezvous.lookup(store, os.environ, rank),
+                             collective_timeout_s, handshake_timeout_s, limit)
+    server, endpoint = rendezvous.open_controller(store, os.environ, world_size)
+    try:
+        cmd, ctl_socks = handshake.accept_ranks(server, world_size, endpoint.secret,
+                                                collective_timeout_s, handshake_timeout_s)
+    finally:
+        server.close()  # nothing can connect during the job
+        rendezvous.retract(store)
+    data_pg = _data_group(world_size, collective_timeout_s)
     local_ctl, local_worker = socket.socketpair()
     cmd[0] = local_ctl
-    runtime = WorkerRuntime(0, local_worker, data_pg, collective_timeout_s)
+    runtime = WorkerRuntime(0, local_worker, data_pg, collective_timeout_s,
+                            max_message_bytes=limit)
     thread = threading.Thread(target=_serve_local, args=(runtime,), daemon=True,
                               name="hybridflow-worker-0")
     thread.start()
-    controller = Controller(dict(sorted(cmd.items())), ctl_socks, call_timeout_s)
+    controller = Controller(dict(sorted(cmd.items())), ctl_socks, call_timeout_s,
+                            max_message_bytes=limit)
     try:
         program(controller)
         controller.shutdown()
@@ -137,12 +143,31 @@ def _serve_local(runtime: WorkerRuntime) -> None:
         runtime.serve()
     except (ConnectionError, OSError):
         pass  # the controller closed the socket pair (shutdown or abort)
+    except wire.MessageError as exc:
+        print(f"[hybridflow] rank 0: refused a message from the controller: {exc}",
+              file=sys.stderr, flush=True)
+        runtime.sock.close()  # the controller sees rank 0's worker gone instead of waiting
 
 
-def _serve_worker(rank: int, addr: tuple[str, int], data_pg: Any, timeout_s: float) -> int:
-    cmd = _connect(addr, rank, "cmd")
-    ctl = _connect(addr, rank, "ctl")
-    runtime = WorkerRuntime(rank, cmd, data_pg, timeout_s)
+def _data_group(world_size: int, timeout_s: float) -> Any:
+    """Process group of every rank for the data plane (collective: after the start-up)."""
+    return dist.new_group(list(range(world_size)),
+                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _serve_worker(rank: int, endpoint: rendezvous.Endpoint, timeout_s: float,
+                  handshake_timeout_s: float, max_message_bytes: int) -> int:
+    wait_s = max(timeout_s, handshake_timeout_s)  # rank 0 may still be busy with other ranks
+    try:
+        cmd = handshake.connect(endpoint.host, endpoint.port, rank, "cmd", endpoint.secret,
+                                wait_s)
+        ctl = handshake.connect(endpoint.host, endpoint.port, rank, "ctl", endpoint.secret,
+                                wait_s)
+    except ControllerError as exc:
+        print(f"[hybridflow] rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    data_pg = _data_group(dist.get_world_size(), timeout_s)
+    runtime = WorkerRuntime(rank, cmd, data_pg, timeout_s, max_message_bytes=max_message_bytes)
     threading.Thread(target=watch_controller, args=(ctl, rank, runtime), daemon=True,
                      name="hybridflow-watchdog").start()
     try:
@@ -152,5 +177,9 @@ def _serve_worker(rank: int, addr: tuple[str, int], data_pg: Any, timeout_s: flo
             return 0
         print(f"[hybridflow] rank {rank}: lost the controller (rank 0)", file=sys.stderr,
               flush=True)
+        return 1
+    except wire.MessageError as exc:
+        print(f"[hybridflow] rank {rank}: refused a message from the controller, dropping the "
+              f"connection: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

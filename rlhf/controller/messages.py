@@ -1,11 +1,12 @@
 """Every message between the controller (rank 0) and the workers: one frozen dataclass each.
 
 Control plane (one command socket and one abort socket per rank; rank 0's own worker talks
-over a socket pair and sends no Hello)::
+over a socket pair and needs no handshake)::
 
-    controller (rank 0)                                  rank r
-        <---------------------------- Hello(rank, "cmd")    connect the command socket
-        <---------------------------- Hello(rank, "ctl")    connect the abort socket
+    controller (rank 0)                                  rank r, on each of its two sockets
+        Challenge(nonce) ------------------------------>    (handshake: fixed-size frames,
+        <------------------- Hello(rank, channel, ...)       never pickled, see
+        Welcome(mac) ---------------------------------->     rlhf.controller.handshake)
         Create | Call | SendOnly | GetOutput ---------->    run one at a time, in order
         <------------------------ Done | Value | Failed    one reply per command
         Shutdown -------------------------------------->    stop the command loop
@@ -87,14 +88,37 @@ class Send:
 
 
 # Handshake and abort -----------------------------------------------------------------------
+# The three handshake messages travel as fixed-size byte strings (rlhf.controller.handshake),
+# not pickles: they come before the peer has proved that it belongs to the job.
+@message
+class Challenge:
+    """Controller -> a new connection: prove that you know the job's secret."""
+
+    nonce: bytes
+    """32 random bytes, fresh for every connection (an answer recorded on another connection
+    does not fit this one)."""
+
+
 @message
 class Hello:
-    """First message of a rank on each of its two connections to the controller."""
+    """Rank -> controller: the answer to :class:`Challenge` on each of its two connections."""
 
     rank: int
     """Global rank of the sender."""
     channel: str
     """``"cmd"`` (commands and replies) or ``"ctl"`` (abort only)."""
+    nonce: bytes
+    """32 random bytes of the rank, which :class:`Welcome` must cover."""
+    mac: bytes
+    """HMAC-SHA256 under the job's secret of the challenge, rank, channel and ``nonce``."""
+
+
+@message
+class Welcome:
+    """Controller -> rank: the controller knows the secret too (the rank checks it)."""
+
+    mac: bytes
+    """HMAC-SHA256 under the job's secret of the rank's nonce, the challenge, rank, channel."""
 
 
 @message

@@ -105,25 +105,34 @@ class WorkerRuntime:
         sock: the command socket (to the controller).
         data_pg: process group of all ranks used for point-to-point data transfers.
         collective_timeout_s: timeout of the process groups that roles create.
+        max_message_bytes: largest command this rank accepts and largest reply it sends.
     """
 
     def __init__(self, rank: int, sock: socket.socket, data_pg: dist.ProcessGroup | None,
-                 collective_timeout_s: float) -> None:
+                 collective_timeout_s: float, *,
+                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES) -> None:
         self.rank = rank
         self.sock = sock
         self.data_pg = data_pg
         self.collective_timeout_s = collective_timeout_s
+        self.max_message_bytes = max_message_bytes
         self.workers: dict[int, Worker] = {}
         self.store: dict[int, Any] = {}
         self.stopping = threading.Event()
 
     def serve(self) -> None:
-        """Run commands until :class:`Shutdown`. ConnectionError if the controller goes away."""
+        """Run commands until :class:`Shutdown`.
+
+        Raises:
+            ConnectionError: the controller went away.
+            wire.MessageError: the controller sent a frame this rank refuses (too large, or
+                naming a class outside the allow-list); the caller drops the connection.
+        """
         while True:
-            msg, _, _ = wire.recv_msg(self.sock)
+            msg, _, _ = wire.recv_msg(self.sock, self.max_message_bytes)
             if isinstance(msg, Shutdown):
                 self.stopping.set()
-                wire.send_msg(self.sock, Bye(self.rank))
+                wire.send_msg(self.sock, Bye(self.rank), self.max_message_bytes)
                 return
             try:
                 reply: Reply
@@ -141,7 +150,15 @@ class WorkerRuntime:
             except BaseException as exc:  # noqa: BLE001 - every failure goes to the controller
                 reply = Failed(msg.cid, self.rank, f"{type(exc).__name__}: {exc}",
                                traceback.format_exc())
-            wire.send_msg(self.sock, reply)
+            wire.send_frame(self.sock, self._frame(reply))
+
+    def _frame(self, reply: Reply) -> wire.Frame:
+        """The reply's frame; a Failed naming the reason if the output cannot travel."""
+        try:
+            return wire.frame(reply, self.max_message_bytes)
+        except wire.MessageError as exc:
+            return wire.frame(Failed(reply.cid, self.rank, f"{type(exc).__name__}: {exc}",
+                                     traceback.format_exc()), self.max_message_bytes)
 
     # Commands ---------------------------------------------------------------------------------
     def _create(self, msg: Create) -> Done:
@@ -229,11 +246,13 @@ def watch_controller(ctl_sock: socket.socket, rank: int, runtime: WorkerRuntime)
     is sure to stop it; the exit code is non-zero so that torchrun reports the job as failed.
     """
     try:
-        msg, _, _ = wire.recv_msg(ctl_sock)
+        msg, _, _ = wire.recv_msg(ctl_sock, runtime.max_message_bytes)
         reason = msg.reason if isinstance(msg, Abort) else f"unexpected message {msg!r}"
     except (ConnectionError, OSError):
         if runtime.stopping.is_set():
             return
         reason = "lost the controller (rank 0): its connection closed"
+    except wire.MessageError as exc:
+        reason = f"refused a message on the abort connection: {exc}"
     print(f"[hybridflow] rank {rank}: stopping: {reason}", file=sys.stderr, flush=True)
     os._exit(1)
