@@ -172,8 +172,8 @@ class PolicyLossConfig:
     """Lower clip epsilon (DAPO); None = clip_ratio."""
     clip_ratio_high: float | None = None
     """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
-    clip_ratio_c: float | None = None
-    """Dual-clip bound (> 1) for negative advantages; None disables it."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip bound (> 1) for negative advantages (Ye et al. 2020); None disables it."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     loss_agg_mode: str = "token-mean"
@@ -334,8 +334,8 @@ class AlgoConfig:
     engine; keep True for a backend with other numerics, e.g. vLLM)."""
     gamma: float = 1.0
     """Discount (GAE, REINFORCE++)."""
-    lam: float = 0.95
-    """GAE lambda."""
+    lam: float = 1.0
+    """GAE lambda (1: Monte-Carlo return minus the critic's baseline; docs/algorithms.md)."""
     whiten_advantages: bool = True
     """Whiten GAE advantages over the batch (ppo, safe_rlhf)."""
     norm_adv_by_std: bool = True
@@ -352,8 +352,8 @@ class AlgoConfig:
     """KL coefficient (initial value if adaptive)."""
     kl_ctrl: str = "fixed"
     """fixed or adaptive (Ziegler et al.; kl_mode=reward only)."""
-    kl_target: float = 6.0
-    """Adaptive controller: target KL."""
+    kl_target: float = 0.1
+    """Adaptive controller: target KL per token (the measured KL is a per-token mean)."""
     kl_horizon: float = 10000.0
     """Adaptive controller: horizon in samples."""
     cost_limit: float = 0.0

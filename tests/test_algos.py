@@ -11,6 +11,8 @@ from rlhf import algos
 
 SEEDS = [0, 1, 2]
 B, T = 6, 7
+BOUNDS = {"log_ratio_clamp": 20.0, "k3_clamp": 10.0}        # the defaults of rlhf.config
+KL_BOUNDS = {"kl_log_ratio_clamp": 20.0, "kl_k3_clamp": 10.0}
 
 
 def _inputs(seed: int):
@@ -144,15 +146,22 @@ def test_reinforce_pp(seed):
 
 # Losses -------------------------------------------------------------------------------------
 def _ref_agg(loss, mask, mode):
+    """The aggregation modes from their formulas: token-mean / token-sum over every valid token;
+    seq-mean-* = mean over the non-empty rows of a per-row quantity."""
+    rows, width = mask.shape
+    vals = [loss[b][t] for b in range(rows) for t in _valid(mask, b)]
     if mode == "token-mean":
-        vals = [loss[b][t] for b in range(B) for t in _valid(mask, b)]
         return sum(vals) / len(vals)
+    if mode == "token-sum":
+        return sum(vals)
     per_seq = []
-    for b in range(B):
-        vals = [loss[b][t] for t in _valid(mask, b)]
-        s = sum(vals)
-        per_seq.append(s if mode == "seq-mean-token-sum" else (s / len(vals) if vals else 0.0))
-    return sum(per_seq) / B
+    for b in range(rows):
+        v = [loss[b][t] for t in _valid(mask, b)]
+        if not v:
+            continue                                   # an empty row is not a sequence
+        per_seq.append({"seq-mean-token-sum": sum(v), "seq-mean-token-mean": sum(v) / len(v),
+                        "seq-mean-token-sum-norm": sum(v) / width}[mode])
+    return sum(per_seq) / len(per_seq)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -258,8 +267,11 @@ def test_entropy(seed):
 
 
 # KL ----------------------------------------------------------------------------------------
-def _ref_k(x, est):
-    return {"k1": x, "k2": 0.5 * x * x, "k3": math.exp(-x) - 1 + x}[est]
+def _ref_k(x, est, log_ratio_clamp=20.0, k3_clamp=10.0):
+    """Schulman's estimators with the documented bounds: |x| <= 20, |k3| <= 10."""
+    x = min(max(x, -log_ratio_clamp), log_ratio_clamp)
+    k3 = min(max(math.exp(-x) - 1 + x, -k3_clamp), k3_clamp)
+    return {"k1": x, "k2": 0.5 * x * x, "k3": k3}[est]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -267,7 +279,7 @@ def _ref_k(x, est):
 def test_kl_estimators_and_penalty(seed, est):
     g, mask, rnd = _inputs(seed)
     logp, ref = rnd() - 1, rnd() - 1
-    k = algos.kl_estimate(logp, ref, est)
+    k = algos.kl_estimate(logp, ref, est, **BOUNDS)
     for b in range(B):
         for t in range(T):
             assert math.isclose(float(k[b, t]), _ref_k(float(logp[b, t] - ref[b, t]), est),
@@ -275,7 +287,7 @@ def test_kl_estimators_and_penalty(seed, est):
     scores = torch.randn(B, generator=g, dtype=torch.float64)
     tok_scores = algos.scores_to_token_rewards(scores, mask)
     beta = 0.05
-    rewards, m = algos.kl_penalty_rewards(tok_scores, logp, ref, mask, beta, est)
+    rewards, m = algos.kl_penalty_rewards(tok_scores, logp, ref, mask, beta, est, **BOUNDS)
     expected = [[0.0] * T for _ in range(B)]
     seq_kl = []
     for b in range(B):
@@ -286,7 +298,7 @@ def test_kl_estimators_and_penalty(seed, est):
         seq_kl.append(sum(ks) / len(ks) if ks else 0.0)
     _close(rewards, expected)
     assert math.isclose(float(m["kl"]), sum(seq_kl) / B, rel_tol=1e-10, abs_tol=1e-12)
-    loss, _ = algos.kl_loss(logp, ref, mask, est, "seq-mean-token-mean")
+    loss, _ = algos.kl_loss(logp, ref, mask, est, "seq-mean-token-mean", **BOUNDS)
     ref_mat = [[_ref_k(float(logp[b, t] - ref[b, t]), est) for t in range(T)] for b in range(B)]
     assert math.isclose(float(loss), _ref_agg(ref_mat, mask, "seq-mean-token-mean"), rel_tol=1e-10)
 
@@ -297,9 +309,9 @@ def test_k3_is_nonnegative_and_unbiased():
     q = torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
     kl = sum(float(p[i] * math.log(p[i] / q[i])) for i in range(3))
     for est in ("k1", "k3"):
-        k = algos.kl_estimate(p.log(), q.log(), est)
+        k = algos.kl_estimate(p.log(), q.log(), est, **BOUNDS)
         assert math.isclose(float((p * k).sum()), kl, rel_tol=1e-12)
-    assert (algos.kl_estimate(p.log(), q.log(), "k3") >= 0).all()
+    assert (algos.kl_estimate(p.log(), q.log(), "k3", **BOUNDS) >= 0).all()
 
 
 def test_kl_controllers():
@@ -318,7 +330,7 @@ def test_kl_controllers():
     with pytest.raises(ValueError, match="kind='pid'"):
         algos.make_kl_controller("pid", 0.1, target_kl=1.0, horizon=100.0)
     with pytest.raises(ValueError, match="'k4'"):
-        algos.kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
+        algos.kl_estimate(torch.zeros(1), torch.zeros(1), "k4", **BOUNDS)
 
 
 # Safe-RLHF ---------------------------------------------------------------------------------
@@ -391,7 +403,7 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     logits = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
     H = algos.entropy_from_logits(logits)
     loss, m = algos.actor_loss(logp, old, A, mask, ref_log_prob=ref, kl_loss_coef=0.1,
-                               kl_estimator="k2", entropy=H, entropy_coeff=0.01,
+                               kl_estimator="k2", entropy=H, entropy_coeff=0.01, **KL_BOUNDS,
                                loss_agg_mode="seq-mean-token-sum", clip_ratio=0.2,
                                clip_ratio_low=None, clip_ratio_high=0.3, clip_ratio_c=None)
     # each term from the loop references above
@@ -406,6 +418,218 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     assert {"pg_loss", "clipfrac", "approx_kl", "kl_loss", "entropy"} <= set(m)
     plain, m2 = algos.actor_loss(logp, old, A, mask, loss_agg_mode="seq-mean-token-sum",
                                  kl_loss_coef=0.0, kl_estimator="k3", entropy_coeff=0.0,
+                                 **KL_BOUNDS,
                                  clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.3,
                                  clip_ratio_c=None)
     assert math.isclose(float(plain), pg, rel_tol=1e-10) and "kl_loss" not in m2
+
+
+# Group statistics in float32 -------------------------------------------------------------
+def _ref_grpo(scores, norm_by_std, eps=1e-6):
+    """GRPO from its formula, float64 python loop: (s - mean_g) / (std_g + eps)."""
+    out = []
+    for i, s in enumerate(scores):
+        members = [float(v) for v in scores]          # one group
+        mean = statistics.mean(members)
+        std = statistics.stdev(members)
+        out.append((float(s) - mean) / (std + eps) if norm_by_std else float(s) - mean)
+    return out
+
+
+def test_grpo_group_std_survives_a_large_offset_in_float32():
+    s = torch.tensor([100.00, 100.01, 100.02, 100.03], dtype=torch.float32)
+    got = algos.grpo_scores(s, [0, 0, 0, 0], norm_by_std=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor([-1.162, -0.387, 0.387, 1.162]),
+                               atol=1e-3, rtol=0)
+    g = torch.Generator().manual_seed(0)
+    for offset in (5.0, 100.0, 1000.0):
+        for spread in (0.01, 0.1):
+            for n in (2, 4, 8):
+                for _ in range(20):
+                    s = (offset + spread * torch.randn(n, generator=g)).float()
+                    # the answer in float64 of the same float32 scores
+                    for norm in (True, False):
+                        got = algos.grpo_scores(s, [7] * n, norm_by_std=norm)
+                        torch.testing.assert_close(got.double(), torch.tensor(
+                            _ref_grpo(s.tolist(), norm), dtype=torch.float64),
+                            atol=1e-3, rtol=0)
+
+
+def test_identical_scores_give_exactly_zero_advantage():
+    g = torch.Generator().manual_seed(0)
+    scores, uid = [], []
+    for k in range(600):
+        n = int(torch.randint(3, 9, (1,), generator=g))
+        value = float(torch.randn(1, generator=g) * 10 ** float(torch.randint(-3, 4, (1,),
+                                                                          generator=g)))
+        scores += [value] * n
+        uid += [f"p{k}"] * n
+    s = torch.tensor(scores, dtype=torch.float32)
+    zero = torch.zeros_like(s)
+    for norm in (True, False):
+        assert torch.equal(algos.grpo_scores(s, uid, norm_by_std=norm), zero)
+    assert torch.equal(algos.rloo_scores(s, uid), zero)
+    # through the token-level estimators: the score on the last token of each response
+    mask = torch.ones(len(scores), 3, dtype=torch.bool)
+    rewards = algos.scores_to_token_rewards(s, mask)
+    for adv in (algos.grpo(rewards, mask, uid, True)[0], algos.grpo(rewards, mask, uid, False)[0],
+                algos.rloo(rewards, mask, uid)[0]):
+        assert torch.equal(adv, torch.zeros_like(adv))
+
+
+# Garbage at masked positions -------------------------------------------------------------
+def _garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN, +inf, -inf cycling over the positions where ``mask`` is 0."""
+    out = x.detach().clone()
+    off = ~mask.bool()
+    bad = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype)
+    out[off] = bad[torch.arange(int(off.sum())) % 3]
+    return out
+
+
+def _same(clean, dirty):
+    """Equal nested results (tensors or dicts of tensors), all finite."""
+    if isinstance(clean, dict):
+        assert clean.keys() == dirty.keys()
+        for k in clean:
+            _same(clean[k], dirty[k])
+        return
+    if isinstance(clean, (tuple, list)):
+        for a, b in zip(clean, dirty):
+            _same(a, b)
+        return
+    assert torch.isfinite(dirty).all(), dirty
+    assert torch.equal(clean, dirty), (clean, dirty)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_garbage_at_masked_positions_changes_nothing(seed):
+    g, mask, rnd = _inputs(seed)
+    r, v, c, cv, old, ref, A, H = (rnd() for _ in range(8))
+    lp_clean = rnd() * 0.5 - 1
+    bad = {k: _garbage(t, mask) for k, t in dict(r=r, v=v, c=c, cv=cv, old=old, ref=ref, A=A,
+                                                   H=H, lp=lp_clean).items()}
+    clean = dict(r=r, v=v, c=c, cv=cv, old=old, ref=ref, A=A, H=H, lp=lp_clean)
+    uid = _groups(seed)
+    base = torch.randn(B, generator=g, dtype=torch.float64)
+    estimators = {
+        "masked_sum": lambda x: (algos.masked_sum(x["r"], mask),
+                                 algos.masked_sum(x["r"], mask, -1)),
+        "masked_mean": lambda x: (algos.masked_mean(x["r"], mask),
+                                  algos.masked_mean(x["r"], mask, -1)),
+        "masked_var": lambda x: algos.masked_var(x["r"], mask),
+        "masked_whiten": lambda x: algos.masked_whiten(x["r"], mask),
+        "gae": lambda x: algos.gae(x["r"], x["v"], mask, 0.9, 0.8, True),
+        "remax": lambda x: algos.remax(x["r"], base, mask),
+        "grpo": lambda x: algos.grpo(x["r"], mask, uid, True),
+        "dr_grpo": lambda x: algos.grpo(x["r"], mask, uid, False),
+        "rloo": lambda x: algos.rloo(x["r"], mask, uid),
+        "reinforce_pp": lambda x: algos.reinforce_pp(x["r"], mask, 0.95),
+        "safe_rlhf": lambda x: algos.safe_rlhf_advantages(x["r"], x["v"], x["c"], x["cv"], mask,
+                                                          0.5, gamma=1.0, lam=0.9, whiten=True),
+        "kl_penalty": lambda x: algos.kl_penalty_rewards(x["r"], x["lp"], x["ref"], mask, 0.1,
+                                                         "k3", **BOUNDS),
+    }
+    for name, f in estimators.items():
+        _same(f(clean), f(bad))
+    empty_score = torch.tensor([1.0, 2, 3, 4, 5, math.nan], dtype=torch.float64)  # row 5: empty
+    _same(algos.scores_to_token_rewards(empty_score.nan_to_num(0.0), mask),
+          algos.scores_to_token_rewards(empty_score, mask))
+
+    def losses(x, mode):
+        lp = x["lp"].clone().requires_grad_(True)
+        vals = x["v"].clone().requires_grad_(True)
+        out = {
+            "policy": algos.policy_loss(lp, x["old"], x["A"], mask, clip_ratio=0.2,
+                                        clip_ratio_low=None, clip_ratio_high=0.28,
+                                        clip_ratio_c=3.0, loss_agg_mode=mode),
+            "value": algos.value_loss(vals, x["old"], x["r"], mask, 0.2, mode),
+            "entropy": algos.entropy_loss(x["H"], mask, 0.01, mode),
+            **{f"kl_{e}": algos.kl_loss(lp, x["ref"], mask, e, mode, **BOUNDS)
+               for e in algos.KL_ESTIMATORS},
+            "actor": algos.actor_loss(lp, x["old"], x["A"], mask, ref_log_prob=x["ref"],
+                                      kl_loss_coef=0.1, kl_estimator="k3", entropy=x["H"],
+                                      entropy_coeff=0.01, loss_agg_mode=mode, clip_ratio=0.2,
+                                      clip_ratio_low=None, clip_ratio_high=None,
+                                      clip_ratio_c=None, **KL_BOUNDS),
+            "agg": (algos.agg_loss(lp, mask, mode), {}),
+        }
+        total = sum(loss for loss, _ in out.values())
+        total.backward()
+        return ({k: (loss.detach(), m) for k, (loss, m) in out.items()}, lp.grad, vals.grad)
+
+    for mode in algos.LOSS_AGG_MODES:
+        _same(losses(clean, mode), losses(bad, mode))
+
+
+# KL bounds ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_estimators_are_bounded_with_finite_gradients(dtype):
+    x = torch.tensor([-1000.0, -40.0, -20.5, -3.0, -2.0, -0.5, 0.0, 0.5, 3.0, 20.5, 40.0,
+                      1000.0], dtype=dtype)
+    for est in algos.KL_ESTIMATORS:
+        lp = x.clone().requires_grad_(True)
+        k = algos.kl_estimate(lp, torch.zeros_like(x), est, **BOUNDS)
+        k.sum().backward()
+        k = k.detach()
+        assert torch.isfinite(k).all() and torch.isfinite(lp.grad).all()
+        for i, xi in enumerate(x.tolist()):
+            assert math.isclose(float(k[i]), _ref_k(xi, est), rel_tol=1e-6, abs_tol=1e-6)
+            # d/dx of the formula where no bound is active, 0 where one is
+            xc = min(max(xi, -20.0), 20.0)
+            raw3 = math.exp(-xc) - 1 + xc
+            active = abs(xi) > 20 or (est == "k3" and abs(raw3) > 10)
+            want = 0.0 if active else {"k1": 1.0, "k2": xi, "k3": 1 - math.exp(-xi)}[est]
+            assert math.isclose(float(lp.grad[i]), want, rel_tol=1e-5, abs_tol=1e-6), (est, xi)
+    k3 = algos.kl_estimate(x, torch.zeros_like(x), "k3", **BOUNDS)
+    assert float(k3.max()) == 10.0 and float(k3.min()) >= 0.0
+    assert float(algos.kl_estimate(x, torch.zeros_like(x), "k1", **BOUNDS).abs().max()) == 20.0
+    # other bounds are honoured, and a non-positive one is refused
+    tight = algos.kl_estimate(x, torch.zeros_like(x), "k3", log_ratio_clamp=1.0, k3_clamp=0.5)
+    assert float(tight.max()) == 0.5
+    with pytest.raises(ValueError, match="k3_clamp=0"):
+        algos.kl_estimate(x, x, "k3", log_ratio_clamp=1.0, k3_clamp=0)
+
+
+def test_kl_loss_of_one_wild_token_stays_bounded():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    lp = torch.full((2, 3), -1.0, requires_grad=True)
+    ref = torch.full((2, 3), -1.0)
+    ref[0, 1] = 35.0                                    # log-ratio -36: raw k3 ~ 4e15
+    loss, m = algos.kl_loss(lp, ref, mask, "k3", "token-mean", **BOUNDS)
+    loss.backward()
+    assert math.isclose(float(loss.detach()), 10.0 / 6, rel_tol=1e-6)
+    assert torch.isfinite(lp.grad).all() and float(lp.grad[0, 1]) == 0.0
+
+
+def test_kl_bounds_are_config_fields():
+    from rlhf.config import AlgoConfig
+
+    a = AlgoConfig()
+    assert (a.kl_log_ratio_clamp, a.kl_k3_clamp) == (20.0, 10.0)
+    assert BOUNDS == {"log_ratio_clamp": a.kl_log_ratio_clamp, "k3_clamp": a.kl_k3_clamp}
+    with pytest.raises(ValueError, match="kl_k3_clamp=0"):
+        AlgoConfig(kl_k3_clamp=0.0)
+    with pytest.raises(ValueError, match="kl_log_ratio_clamp=-1"):
+        AlgoConfig(kl_log_ratio_clamp=-1.0)
+
+
+def test_docs_list_every_algorithm_and_default():
+    import dataclasses
+    import pathlib
+
+    from rlhf.config import AlgoConfig, PolicyLossConfig, ValueLossConfig
+    from rlhf.programs import ALGORITHMS
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    for name in ALGORITHMS:
+        assert f"\n| `{name}` |" in doc, f"docs/algorithms.md has no row for {name}"
+    def as_yaml(v) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    for section, cls in (("algo", AlgoConfig), ("actor.loss", PolicyLossConfig),
+                         ("critic.loss", ValueLossConfig)):
+        for f in dataclasses.fields(cls):
+            row = f"| `{section}.{f.name}` | `{as_yaml(f.default)}` |"
+            assert row in doc, f"docs/algorithms.md: expected the row {row!r}"

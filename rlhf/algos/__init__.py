@@ -10,14 +10,15 @@ from rlhf.algos.kl import (KL_ESTIMATORS, AdaptiveKLController, FixedKLControlle
                            kl_loss, kl_penalty_rewards, make_kl_controller)
 from rlhf.algos.losses import (actor_loss, entropy_from_logits, entropy_loss, policy_loss,
                                value_loss)
-from rlhf.algos.masked import (LOSS_AGG_MODES, agg_loss, masked_mean, masked_sum, masked_var,
-                               masked_whiten, scores_to_token_rewards)
+from rlhf.algos.masked import (LOSS_AGG_MODES, agg_count, agg_denominator, agg_loss, kept,
+                               masked_mean, masked_sum, masked_var, masked_whiten,
+                               scores_to_token_rewards)
 from rlhf.algos.safe_rlhf import LagrangeMultiplier, combine_advantages, safe_rlhf_advantages
 
 __all__ = ["gae", "group_index", "grpo", "grpo_scores", "reinforce_pp", "remax", "rloo",
            "rloo_scores", "KL_ESTIMATORS", "AdaptiveKLController",
            "FixedKLController", "kl_estimate", "kl_loss", "kl_penalty_rewards",
            "make_kl_controller", "actor_loss", "entropy_from_logits", "entropy_loss", "policy_loss",
-           "value_loss", "LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_sum", "masked_var",
-           "masked_whiten", "scores_to_token_rewards", "LagrangeMultiplier",
-           "combine_advantages", "safe_rlhf_advantages"]
+           "value_loss", "LOSS_AGG_MODES", "agg_count", "agg_denominator", "agg_loss", "kept",
+           "masked_mean", "masked_sum", "masked_var", "masked_whiten", "scores_to_token_rewards",
+           "LagrangeMultiplier", "combine_advantages", "safe_rlhf_advantages"]

@@ -8,34 +8,54 @@ KL divergence", 2020), with ``x = log pi(a) - log pi_ref(a)``::
     k2 = x^2 / 2                 biased, low variance, >= 0
     k3 = exp(-x) - 1 + x         unbiased, low variance, >= 0
 
-Shapes: ``[B, T]`` with a response mask ``[B, T]``.
+Bounds: ``k3`` grows like ``exp(-x)``, so one token whose policy probability fell far below
+the reference's (``x = -30``: ``k3 ~ 1e13``) would swamp a loss or a reward.  Every estimator
+therefore sees ``x`` clamped to ``[-log_ratio_clamp, log_ratio_clamp]`` (``algo.
+kl_log_ratio_clamp``, 20: ``exp(20) ~ 5e8`` stays finite in float32), and ``k3`` is clamped to
+``[-k3_clamp, k3_clamp]`` (``algo.kl_k3_clamp``, 10, verl's bound).  Where a clamp is active
+the token's gradient is 0 (``torch.clamp``), as in verl: such a token is an outlier the
+estimate no longer describes.
+
+Shapes: ``[B, T]`` with a response mask ``[B, T]``; masked positions are ignored by
+``torch.where`` (NaN and inf there never reach a result or a gradient).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlhf.algos.masked import agg_loss, check_same_shape, masked_mean
+from rlhf.algos.masked import agg_loss, check_same_shape, kept, masked_mean
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                estimator: str = "k1") -> torch.Tensor:
-    """Per-token KL estimate ``[B, T]`` (see the module docstring)."""
-    x = log_prob - ref_log_prob
+def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str, *,
+                log_ratio_clamp: float, k3_clamp: float) -> torch.Tensor:
+    """Per-token KL estimate ``[B, T]`` (see the module docstring for the formulas and bounds).
+
+    Args:
+        log_prob, ref_log_prob: ``[B, T]`` log-probs under the policy and the reference.
+        estimator: ``k1``, ``k2`` or ``k3``.
+        log_ratio_clamp: bound on ``|x|`` (> 0).
+        k3_clamp: bound on ``|k3|`` (> 0).
+    """
+    if not (log_ratio_clamp > 0 and k3_clamp > 0):
+        raise ValueError(f"kl log_ratio_clamp={log_ratio_clamp} and k3_clamp={k3_clamp} must "
+                         f"be > 0")
+    x = (log_prob - ref_log_prob).clamp(-log_ratio_clamp, log_ratio_clamp)
     if estimator == "k1":
         return x
     if estimator == "k2":
         return 0.5 * x * x
     if estimator == "k3":
-        return torch.expm1(-x) + x
+        return (torch.expm1(-x) + x).clamp(-k3_clamp, k3_clamp)
     raise ValueError(f"kl estimator={estimator!r} is not one of {KL_ESTIMATORS}")
 
 
 def kl_penalty_rewards(token_scores: torch.Tensor, log_prob: torch.Tensor,
                        ref_log_prob: torch.Tensor, mask: torch.Tensor, beta: float,
-                       estimator: str = "k1") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       estimator: str, *, log_ratio_clamp: float, k3_clamp: float
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL penalty folded into the reward (Ziegler et al. 2019)::
 
         r_t = s_t - beta * k(log_prob_t, ref_log_prob_t)     on valid tokens, 0 elsewhere
@@ -44,30 +64,37 @@ def kl_penalty_rewards(token_scores: torch.Tensor, log_prob: torch.Tensor,
         token_scores: ``[B, T]`` task scores (typically the sequence score on the last token).
         log_prob, ref_log_prob: ``[B, T]`` rollout and reference log-probs.
         beta: KL coefficient (from a :class:`FixedKLController` / :class:`AdaptiveKLController`).
+        estimator, log_ratio_clamp, k3_clamp: see :func:`kl_estimate`.
     Returns:
         ``(token_rewards, {"kl", "kl_coef"})``; ``kl`` is the batch mean of each sequence's
         token-mean KL, the quantity the adaptive controller tracks.
     """
     check_same_shape(mask, token_scores=token_scores, log_prob=log_prob,
                      ref_log_prob=ref_log_prob)
-    m = mask.to(token_scores.dtype)
     with torch.no_grad():
-        kl = kl_estimate(log_prob, ref_log_prob, estimator) * m
-        rewards = (token_scores - beta * kl) * m
-        seq_kl = masked_mean(kl, m, dim=-1)
+        kl = kl_estimate(kept(log_prob, mask), kept(ref_log_prob, mask), estimator,
+                         log_ratio_clamp=log_ratio_clamp, k3_clamp=k3_clamp)
+        rewards = kept(token_scores - beta * kl, mask)
+        seq_kl = masked_mean(kl, mask, dim=-1)
     return rewards, {"kl": seq_kl.mean(), "kl_coef": torch.tensor(float(beta))}
 
 
 def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor,
-            estimator: str, loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            estimator: str, loss_agg_mode: str, *, log_ratio_clamp: float, k3_clamp: float,
+            denominator: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL as a loss term (GRPO style): ``agg(k(log_prob, ref_log_prob))``; scale it by the
     coefficient when adding it to the policy loss.
 
+    Args:
+        estimator, log_ratio_clamp, k3_clamp: see :func:`kl_estimate`.
+        loss_agg_mode, denominator: see :func:`rlhf.algos.masked.agg_loss`.
     Returns:
         ``(loss, {"kl_loss"})``.
     """
     check_same_shape(mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
-    loss = agg_loss(kl_estimate(log_prob, ref_log_prob, estimator), mask, loss_agg_mode)
+    k = kl_estimate(kept(log_prob, mask), kept(ref_log_prob, mask), estimator,
+                    log_ratio_clamp=log_ratio_clamp, k3_clamp=k3_clamp)
+    loss = agg_loss(k, mask, loss_agg_mode, denominator)
     return loss, {"kl_loss": loss.detach()}
 
 

@@ -2,16 +2,19 @@
 loss, entropy bonus.
 
 Shapes: ``[B, T]`` per response token with a response mask ``[B, T]``; every loss is reduced
-with :func:`rlhf.algos.masked.agg_loss` in one of ``LOSS_AGG_MODES``.  Each function returns
-``(loss, metrics)`` where ``loss`` is a differentiable scalar and ``metrics`` holds detached
-scalars for logging.
+with :func:`rlhf.algos.masked.agg_loss` in one of ``LOSS_AGG_MODES``, with the mini-batch's
+``denominator`` when the rows are one micro-batch of it (None: the rows are the whole
+mini-batch).  Each function returns ``(loss, metrics)`` where ``loss`` is a differentiable
+scalar and ``metrics`` holds detached scalars for logging.  Every input is passed through
+:func:`rlhf.algos.masked.kept` first, so NaN or inf at masked positions never reaches a loss,
+a metric or a gradient.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlhf.algos.masked import agg_loss, check_same_shape, masked_mean
+from rlhf.algos.masked import agg_loss, check_same_shape, kept, masked_mean
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild ratio finite; such tokens are clipped anyway
 
@@ -19,7 +22,8 @@ _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild ratio finite; such tokens a
 def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, *, clip_ratio: float, clip_ratio_low: float | None,
                 clip_ratio_high: float | None, clip_ratio_c: float | None,
-                loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                loss_agg_mode: str, denominator: float | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017), optional dual-clip (Ye et al. 2020).
 
     With ``rho = exp(log_prob - old_log_prob)``, ``eps_lo = clip_ratio_low or clip_ratio``,
@@ -35,7 +39,7 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
         mask: ``[B, T]`` response mask.
         clip_ratio, clip_ratio_low, clip_ratio_high: clip range.
         clip_ratio_c: dual-clip bound ``c > 1`` or None.
-        loss_agg_mode: see :func:`agg_loss`.
+        loss_agg_mode, denominator: see :func:`agg_loss`.
     Returns:
         ``(loss, {"pg_loss", "clipfrac", "clipfrac_lower", "approx_kl"})``; ``clipfrac`` is the
         masked fraction of tokens where the clipped term is the larger one, ``clipfrac_lower``
@@ -49,6 +53,8 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
                          f"{eps_hi} >= 0")
     if clip_ratio_c is not None and not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (or None to disable)")
+    log_prob, old_log_prob = kept(log_prob, mask), kept(old_log_prob, mask)
+    advantages = kept(advantages, mask)
     log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     loss1 = -advantages * ratio
@@ -62,7 +68,7 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
     else:
         lower = torch.zeros_like(mask, dtype=torch.bool)
         losses = clipped
-    loss = agg_loss(losses, mask, loss_agg_mode)
+    loss = agg_loss(losses, mask, loss_agg_mode, denominator)
     with torch.no_grad():
         metrics = {"pg_loss": loss.detach(),
                    "clipfrac": masked_mean((loss2 > loss1).to(log_prob.dtype), mask),
@@ -72,8 +78,9 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, clip_range: float | None,
-               loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               mask: torch.Tensor, clip_range: float | None, loss_agg_mode: str,
+               denominator: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO2 style)::
 
         V_clip = old_V + clip(V - old_V, -c, c)
@@ -85,12 +92,14 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         returns: ``[B, T]`` targets (GAE returns).
         mask: ``[B, T]``.
         clip_range: ``c`` or None for no value clipping.
+        loss_agg_mode, denominator: see :func:`agg_loss`.
     Returns:
         ``(loss, {"vf_loss", "vf_clipfrac", "vpred_mean"})``.
     """
     check_same_shape(mask, values=values, old_values=old_values, returns=returns)
     if clip_range is not None and not clip_range > 0:
         raise ValueError(f"value clip_range={clip_range} must be > 0 (or None to disable)")
+    values, old_values, returns = kept(values, mask), kept(old_values, mask), kept(returns, mask)
     loss1 = (values - returns) ** 2
     if clip_range is None:
         losses, loss2 = loss1, loss1
@@ -98,7 +107,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         loss2 = (clipped - returns) ** 2
         losses = torch.maximum(loss1, loss2)
-    loss = 0.5 * agg_loss(losses, mask, loss_agg_mode)
+    loss = 0.5 * agg_loss(losses, mask, loss_agg_mode, denominator)
     with torch.no_grad():
         metrics = {"vf_loss": loss.detach(),
                    "vf_clipfrac": masked_mean((loss2 > loss1).to(values.dtype), mask),
@@ -112,33 +121,37 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
 
 
-def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float,
-                 loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float, loss_agg_mode: str,
+                 denominator: float | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy bonus as a loss term: ``-coeff * agg(H)`` (minimising it raises the entropy).
 
     Args:
         entropy: ``[B, T]`` per-token entropy (e.g. :func:`entropy_from_logits`).
+        loss_agg_mode, denominator: see :func:`agg_loss`.
     Returns:
         ``(loss, {"entropy"})`` with the aggregated entropy (not scaled).
     """
     check_same_shape(mask, entropy=entropy)
-    h = agg_loss(entropy, mask, loss_agg_mode)
+    h = agg_loss(entropy, mask, loss_agg_mode, denominator)
     return -coeff * h, {"entropy": h.detach()}
 
 
 def actor_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, *, ref_log_prob: torch.Tensor | None = None,
-               kl_loss_coef: float, kl_estimator: str,
-               entropy: torch.Tensor | None = None, entropy_coeff: float,
-               loss_agg_mode: str, **clip) -> tuple[torch.Tensor,
-                                                                   dict[str, torch.Tensor]]:
+               kl_loss_coef: float, kl_estimator: str, kl_log_ratio_clamp: float,
+               kl_k3_clamp: float, entropy: torch.Tensor | None = None, entropy_coeff: float,
+               loss_agg_mode: str, denominator: float | None = None,
+               **clip) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's whole loss for one micro-batch::
 
         L = L_pg + kl_loss_coef * agg(k(log_prob, ref_log_prob)) - entropy_coeff * agg(H)
 
-    The KL term is added only when ``ref_log_prob`` is given (KL as a loss, GRPO style), the
-    entropy term only when ``entropy`` (``[B, T]``) is given.  ``clip`` goes to
-    :func:`policy_loss` (clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c).
+    The KL term is added only when ``ref_log_prob`` is given (KL as a loss, GRPO style; its
+    estimator and bounds are :func:`rlhf.algos.kl.kl_estimate`'s), the entropy term only when
+    ``entropy`` (``[B, T]``) is given.  Every term is aggregated with ``loss_agg_mode`` and the
+    same ``denominator``.  ``clip`` goes to :func:`policy_loss` (clip_ratio, clip_ratio_low,
+    clip_ratio_high, clip_ratio_c).
 
     Returns:
         ``(loss, metrics)`` with the :func:`policy_loss` metrics plus ``kl_loss`` and
@@ -147,13 +160,15 @@ def actor_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: t
     from rlhf.algos.kl import kl_loss
 
     loss, metrics = policy_loss(log_prob, old_log_prob, advantages, mask,
-                                loss_agg_mode=loss_agg_mode, **clip)
+                                loss_agg_mode=loss_agg_mode, denominator=denominator, **clip)
     if ref_log_prob is not None:
-        kl, m = kl_loss(log_prob, ref_log_prob, mask, kl_estimator, loss_agg_mode)
+        kl, m = kl_loss(log_prob, ref_log_prob, mask, kl_estimator, loss_agg_mode,
+                        log_ratio_clamp=kl_log_ratio_clamp, k3_clamp=kl_k3_clamp,
+                        denominator=denominator)
         loss = loss + kl_loss_coef * kl
         metrics.update(m)
     if entropy is not None:
-        ent, m = entropy_loss(entropy, mask, entropy_coeff, loss_agg_mode)
+        ent, m = entropy_loss(entropy, mask, entropy_coeff, loss_agg_mode, denominator)
         loss = loss + ent
         metrics.update(m)
     return loss, metrics

@@ -180,11 +180,14 @@ def shape_rewards(batch: Batch, it: Iteration) -> tuple[Batch, dict]:
     token = scores_to_token_rewards(batch["scores"], mask)
     metrics = {}
     if "ref_log_probs" in batch.tensors:
-        kl = kl_estimate(batch["old_log_probs"], batch["ref_log_probs"], "k1")
+        bounds = {"log_ratio_clamp": it.algo.kl_log_ratio_clamp,
+                  "k3_clamp": it.algo.kl_k3_clamp}
+        kl = kl_estimate(batch["old_log_probs"], batch["ref_log_probs"], "k1", **bounds)
         metrics["actor/kl"] = float(masked_mean(kl, mask, dim=-1).mean())
         if it.algo.kl_mode == "reward":
             token, m = kl_penalty_rewards(token, batch["old_log_probs"], batch["ref_log_probs"],
-                                          mask, it.kl_ctrl.value, it.algo.kl_estimator)
+                                          mask, it.kl_ctrl.value, it.algo.kl_estimator,
+                                          **bounds)
             metrics["actor/kl_coef"] = float(m["kl_coef"])
             it.kl_ctrl.update(float(m["kl"]), len(batch))
     out = Batch({**batch.tensors, "token_level_rewards": token}, batch.non_tensors, batch.meta)

@@ -9,7 +9,9 @@ and the controller collects from (pp = last, tp = 0) of every replica.
 
 from __future__ import annotations
 
+import functools
 import time
+
 import torch
 
 from engine.hf_interop import save_hf_checkpoint
@@ -19,8 +21,8 @@ from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.programs import algorithm
 from rlhf.workers.common import (build_model, gather_full_state, load_full_state,
-                                 mean_row, minibatches, model_inputs, response_head_from,
-                                 response_outputs)
+                                 loss_denominator, mean_row, minibatches, model_inputs,
+                                 response_head_from, response_outputs)
 from rlhf.workers.specs import ActorSpec, ModelSpec
 
 
@@ -68,17 +70,17 @@ class ActorWorker(Worker):
         data = batch.select(fields)
         records: list[dict[str, float]] = []
 
-        def loss_fn(outputs: dict, mb: dict) -> torch.Tensor:
+        def loss_fn(outputs: dict, mb: dict, denominator: float) -> torch.Tensor:
             lp = response_outputs(outputs["log_probs"], batch)
             ent = response_outputs(outputs["entropy"], batch)
-            mask = mb["response_mask"].float()
             total, m = self.policy_loss(
-                lp, mb["old_log_probs"], mb["advantages"], mask,
+                lp, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
                 ref_log_prob=mb.get("ref_log_probs"), kl_loss_coef=s.kl_loss_coef or 0.0,
-                kl_estimator=s.kl_estimator, entropy=ent, entropy_coeff=loss.entropy_coeff,
-                loss_agg_mode=loss.loss_agg_mode, clip_ratio=loss.clip_ratio,
-                clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high,
-                clip_ratio_c=loss.clip_ratio_c)
+                kl_estimator=s.kl_estimator, kl_log_ratio_clamp=s.kl_log_ratio_clamp,
+                kl_k3_clamp=s.kl_k3_clamp, entropy=ent, entropy_coeff=loss.entropy_coeff,
+                loss_agg_mode=loss.loss_agg_mode, denominator=denominator,
+                clip_ratio=loss.clip_ratio, clip_ratio_low=loss.clip_ratio_low,
+                clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c)
             records.append({k: float(v) for k, v in m.items()})
             return total
 
@@ -86,8 +88,11 @@ class ActorWorker(Worker):
         u = s.update
         for _ in range(u.epochs):
             for mbs in minibatches(data, u.mini_batch_rows, u.micro_batch_size):
+                # one denominator for the whole mini-batch (all micro-batches, all DP ranks)
+                d = loss_denominator(mbs, loss.loss_agg_mode, self.groups.train_dp)
                 grad_norms.append(self.engine.train.train_step(
-                    mbs, loss_fn, head_from=response_head_from(batch))["grad_norm"])
+                    mbs, functools.partial(loss_fn, denominator=d),
+                    head_from=response_head_from(batch))["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})

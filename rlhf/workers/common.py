@@ -18,12 +18,14 @@ action.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint
 from engine.llama_spec import init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
-from hybridflow_comm.groups import HybridGroups
+from hybridflow_comm.groups import Group, HybridGroups
 from hybridflow_comm.shard_spec import train_shard
+from rlhf.algos import agg_count, agg_denominator
 from rlhf.controller import Batch
 from rlhf.workers.specs import ModelSpec
 
@@ -60,6 +62,37 @@ def minibatches(batch: Batch, rows: int, micro: int) -> list[list[dict]]:
     """Mini-batches of ``rows`` rows, each a list of equal micro-batch dicts."""
     return [[{k: v for k, v in mb.tensors.items()} for mb in split_micro(batch.rows(
         slice(i, i + rows)), micro)] for i in range(0, len(batch), rows)]
+
+
+def micro_batch_denominator(count: float, mode: str, micro_batches: int, dp: int) -> float:
+    """The denominator each micro-batch's loss takes, ``D / (micro_batches * dp)``.
+
+    :meth:`engine.train.TrainEngine.train_step` minimises the mean of the losses of the
+    ``micro_batches`` micro-batches of each of the ``dp`` ranks.  ``D`` is the mini-batch's
+    :func:`rlhf.algos.agg_denominator` of ``count`` (its :func:`rlhf.algos.agg_count` over
+    every micro-batch and DP rank).  A micro-batch that returns ``numerator / (D / (n * dp))``
+    makes the engine's mean ``sum of all numerators / D``: the loss of the whole mini-batch in
+    ``mode``, whatever its split (token-mean = mean over all its valid tokens, seq-mean-* =
+    mean over all its non-empty sequences).
+    """
+    return agg_denominator(count, mode) / (micro_batches * dp)
+
+
+def loss_denominator(micro_batches: list[dict], mode: str, dp: Group) -> float:
+    """:func:`micro_batch_denominator` of one mini-batch: its local :func:`rlhf.algos.agg_count`
+    summed over the DP group with one all-reduce (a collective: every rank of the role calls it
+    once per mini-batch, before the step).
+
+    Args:
+        micro_batches: this rank's micro-batches of the mini-batch (``response_mask [b, N]``).
+        mode: the loss's ``loss_agg_mode``.
+        dp: the role's training DP group (``groups.train_dp``).
+    """
+    local = sum(agg_count(mb["response_mask"], mode) for mb in micro_batches)
+    count = torch.tensor(float(local), dtype=torch.float64)
+    if dp.pg is not None:
+        dist.all_reduce(count, group=dp.pg)
+    return micro_batch_denominator(float(count), mode, len(micro_batches), dp.size)
 
 
 def mean_row(records: list[dict[str, float]]) -> Batch:

@@ -6,14 +6,16 @@ The Safe-RLHF cost critic is the same class on other fields (``cost_values`` /
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.programs import algorithm
 from rlhf.workers.common import (build_model, gather_full_state, load_full_state,
-                                 mean_row, minibatches, model_inputs, response_head_from,
-                                 response_outputs)
+                                 loss_denominator, mean_row, minibatches, model_inputs,
+                                 response_head_from, response_outputs)
 from rlhf.workers.specs import CriticSpec
 
 
@@ -41,19 +43,22 @@ class CriticWorker(Worker):
                              s.return_key])
         records: list[dict[str, float]] = []
 
-        def loss_fn(outputs: dict, mb: dict) -> torch.Tensor:
+        def loss_fn(outputs: dict, mb: dict, denominator: float) -> torch.Tensor:
             values = response_outputs(outputs["values"], batch)
             loss, m = self.value_loss(values, mb[s.value_key], mb[s.return_key],
-                                      mb["response_mask"].float(), s.loss.value_clip,
-                                      s.loss.loss_agg_mode)
+                                      mb["response_mask"], s.loss.value_clip,
+                                      s.loss.loss_agg_mode, denominator)
             records.append({k: float(v) for k, v in m.items()})
             return loss
 
         norms = []
         for _ in range(s.update.epochs):
             for mbs in minibatches(data, s.update.mini_batch_rows, s.update.micro_batch_size):
+                # one denominator for the whole mini-batch (all micro-batches, all DP ranks)
+                d = loss_denominator(mbs, s.loss.loss_agg_mode, self.groups.train_dp)
                 norms.append(self.engine.train_step(
-                    mbs, loss_fn, head_from=response_head_from(batch))["grad_norm"])
+                    mbs, functools.partial(loss_fn, denominator=d),
+                    head_from=response_head_from(batch))["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})
