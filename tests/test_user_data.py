@@ -62,6 +62,7 @@ def test_chat_prompts_render_with_the_tokenizers_template(example):
     assert tok.encode_prompt("12 apples") == ref("12 apples")["input_ids"]
     ids = ref("#### 42", add_special_tokens=False)["input_ids"]
     assert tok.decode_response(ids + [tok.eos_id, tok.pad_id, 7]) == "#### 42"
+    assert tok.decode_response(ids[:2] + [len(ref) + 5] + ids[2:]) == "#### 42"  # padded row
     with pytest.raises(ValueError, match="string or a chat list"):
         tok.encode_prompt([{"text": "hi"}])
     with pytest.raises(ValueError, match="chat prompts need an HF tokenizer"):

@@ -230,7 +230,10 @@ def make_models(tok, out_dir: str, seed: int) -> None:
     from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM)
 
-    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    # the embedding is padded to a multiple of 64 rows, as real checkpoints do (tensor
+    # parallelism splits the vocabulary); the extra ids are never produced by the tokenizer
+    vocab = -(-len(tok) // 64) * 64
+    ids = dict(vocab_size=vocab, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id, max_position_embeddings=512,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                rms_norm_eps=1e-6, initializer_range=0.02, dtype="float32")

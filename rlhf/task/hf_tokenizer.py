@@ -85,7 +85,8 @@ class HFTokenizer:
         ids = list(ids)
         if self.eos_id in ids:
             ids = ids[:ids.index(self.eos_id)]
-        return self.tok.decode(ids, skip_special_tokens=True)
+        n = self.vocab_size  # a model's padded embedding rows have no token
+        return self.tok.decode([i for i in ids if i < n], skip_special_tokens=True)
 
     def pad_batch(self, seqs: list[list[int]], side: str = "left", length: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
