@@ -168,7 +168,7 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     hf = tmp_path / "runs" / "user" / "hf" / "actor"
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf))
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
-    assert model.config.vocab_size == len(tok)
+    assert model.config.vocab_size >= len(tok) and model.config.model_type == "qwen3"
     err = out["raises"]["error"]
     assert f"reward function {bad}:compute_score raised ZeroDivisionError: from the user at " \
            f"{bad}:2 on sample" in err, err
