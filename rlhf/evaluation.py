@@ -1,6 +1,7 @@
 """Held-out evaluation: greedy rollouts of ``data.val_files`` scored by the run's reward.
 
-Logged every ``eval_every`` iterations and at the end::
+Logged in the first iteration's record for the starting policy (a fresh run), then after every
+``eval_every`` iterations' updates and after the last one::
 
     val/reward     mean score of the greedy responses
     val/accuracy   fraction of responses with score >= 1 (a correct answer under an exact-match

@@ -163,7 +163,8 @@ def _plain(key: str, v: Any) -> Any:
 
 
 def plot_metrics(jsonl_path: str, png_path: str) -> str:
-    """Reward curve (left) and stacked per-phase time per iteration (right) as a PNG."""
+    """Reward and held-out (val/*) curves (left) and stacked per-phase time per iteration
+    (right) as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,10 +173,11 @@ def plot_metrics(jsonl_path: str, png_path: str) -> str:
     records = read_metrics(jsonl_path)
     steps = [r["step"] for r in records]
     fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({k for r in records for k in r if k.startswith("reward/")}):
+    for key in sorted({k for r in records for k in r if k.startswith(("reward/", "val/"))}):
         pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        if pts:
-            ax_r.plot(*zip(*pts), label=key, lw=2 if key == "reward/mean" else 1)
+        if pts:  # held-out evaluations (val/*) are sparse: markers
+            style = dict(marker="o", ls="--") if key.startswith("val/") else {}
+            ax_r.plot(*zip(*pts), label=key, lw=2 if key == "reward/mean" else 1, **style)
     ax_r.set_xlabel("iteration")
     ax_r.set_ylabel("reward")
     ax_r.set_title("reward")

@@ -131,6 +131,8 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     program, d, records = algorithm(cfg.algo.name).program, cfg.data, []
     logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
                            tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
+    # the starting policy's held-out score goes into the first record (a fresh run only)
+    start = val.run(roles, state.step) if val is not None and state.step == 0 else {}
     while state.step < cfg.iterations:
         timer = PhaseTimer()
         t0 = time.perf_counter()
@@ -144,8 +146,10 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
             "timing_s/reshard": float(batch.meta.get("reshard_s", 0.0)),
             "timing_s/step": step_s, "perf/throughput_tokens_per_s": tokens / step_s,
             "perf/tokens": tokens}
+        metrics |= start
         if val is not None and val.due(state.step):
             metrics |= val.run(roles, state.step)
+        start = {}
         records.append(logger.log(state.step, metrics))
         state.step += 1
         every = cfg.checkpoint.save_every

@@ -164,7 +164,8 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     recs = out["user"]["records"]
     assert [r["step"] for r in recs] == [0, 1]
     assert all("reward/format/mean" in r and 0 <= r["reward/mean"] <= 1 for r in recs)
-    assert "val/accuracy" in recs[1] and 0 <= recs[1]["val/reward"] <= 1
+    assert "val/accuracy" in recs[0] and "val/accuracy" in recs[1]  # start, and after the end
+    assert 0 <= recs[1]["val/reward"] <= 1
     hf = tmp_path / "runs" / "user" / "hf" / "actor"
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf))
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
