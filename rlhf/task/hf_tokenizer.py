@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from rlhf.task.tokenizer import CharTokenizer, pad_sequences
+from rlhf.task.tokenizer import CharTokenizer, pad_sequences, response_ids
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -80,13 +80,9 @@ class HFTokenizer:
         return list(ids)
 
     def decode_response(self, ids) -> str:
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
         n = self.vocab_size  # a model's padded embedding rows have no token
-        return self.tok.decode([i for i in ids if i < n], skip_special_tokens=True)
+        return self.tok.decode([i for i in response_ids(ids, self.eos_id) if i < n],
+                               skip_special_tokens=True)
 
     def pad_batch(self, seqs: list[list[int]], side: str = "left", length: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,12 +78,7 @@ class CharTokenizer:
 
     def decode_response(self, ids) -> str:
         """Text of a generated response: everything before the first ``<eos>``, pads dropped."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        ids = list(ids)
-        if self.eos_id in ids:
-            ids = ids[:ids.index(self.eos_id)]
-        return self.decode([i for i in ids if i != self.pad_id])
+        return self.decode([i for i in response_ids(ids, self.eos_id) if i != self.pad_id])
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """``<bos> prompt`` ids (the built-in task's prompts are plain strings)."""
@@ -96,6 +91,12 @@ class CharTokenizer:
     def pad_batch(self, seqs: list[list[int]], side: str = "left", length: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         return pad_sequences(seqs, self.pad_id, side, length)
+
+
+def response_ids(ids, eos_id: int) -> list[int]:
+    """A generated response's ids (list or 1-D tensor) before its first ``eos_id``."""
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    return ids[:ids.index(eos_id)] if eos_id in ids else ids
 
 
 def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "left",
