@@ -10,48 +10,24 @@ logits, the 2-rank data-parallel run against one process, and bad inputs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
 
 from rlhf import sft
 from rlhf.task import HFTokenizer
+from tests.example_data import build_example
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAKE_EXAMPLE = ROOT / "examples" / "gsm8k_style" / "make_example.py"
 SFT_ROWS = 48
-
-
-def _make_example():
-    spec = importlib.util.spec_from_file_location("gsm8k_style_make_sft", MAKE_EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory) -> pathlib.Path:
     """The example's tokenizer and rows, plus ``llama/``: a small Llama with that tokenizer."""
-    import transformers
-
-    out = tmp_path_factory.mktemp("gsm8k_sft")
-    _make_example().build(str(out), seed=0, train=4, val=4, sft=SFT_ROWS)
-    tok = transformers.AutoTokenizer.from_pretrained(str(out / "tokenizer"))
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(out / "llama"))
-    tok.save_pretrained(str(out / "llama"))
-    return out
+    return build_example(tmp_path_factory.mktemp("gsm8k_sft"), train=4, val=4, sft=SFT_ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,7 @@ data; a Llama checkpoint is written with transformers.  Pure-logic checks first,
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -17,36 +15,15 @@ import torch
 
 from rlhf.task import CharTokenizer, HFTokenizer, load_tokenizer
 from rlhf.task.reward_fn import FunctionReward, RewardFunctionError, load_function
+from tests.example_data import ROOT, build_example
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 REWARD = ROOT / "examples" / "gsm8k_style" / "reward.py"
-
-
-def _make_example():
-    spec = importlib.util.spec_from_file_location(
-        "gsm8k_style_make", ROOT / "examples" / "gsm8k_style" / "make_example.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory) -> pathlib.Path:
     """The example's tokenizer and data, plus a small Llama checkpoint that uses them."""
-    import transformers
-
-    out = tmp_path_factory.mktemp("gsm8k")
-    _make_example().build(str(out), seed=0, train=48, val=8, sft=8)
-    tok = transformers.AutoTokenizer.from_pretrained(str(out / "tokenizer"))
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(out / "llama"))
-    tok.save_pretrained(str(out / "llama"))
-    return out
+    return build_example(tmp_path_factory.mktemp("gsm8k"), train=48, val=8, sft=8)
 
 
 def test_chat_prompts_render_with_the_tokenizers_template(example):
@@ -96,7 +73,8 @@ def test_bad_inputs_fail_before_any_rank_starts(example, tmp_path):
     from rlhf.config import load_config
 
     user = [f"actor.model.init_from={example / 'llama'}", "algo=grpo", "actor.layout.tp=1",
-            "actor.layout.gen_tp=0", f"data.train_files={example / 'train.jsonl'}"]
+            "actor.layout.gen_tp=0", f"data.train_files={example / 'train.jsonl'}",
+            "data.max_prompt_len=96"]
     cfg = load_config(user)
     assert isinstance(tokenizer_of(cfg), HFTokenizer)
     check_run(cfg, tokenizer_of(cfg))
