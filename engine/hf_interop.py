@@ -14,14 +14,18 @@ no rank ever holds a full tensor it does not train.
 
 Saving: the DP-rank-0 replica all-gathers each tensor over its TP group; inner stages send
 whole tensors to layout rank 0, which writes ``config.json`` and ``model.safetensors`` (so
-rank 0 holds the full model while saving).
+rank 0 holds the full model while saving).  :func:`stream_hf_checkpoint` writes the same
+checkpoint with at most one global tensor in any rank's memory: rank 0 writes the safetensors
+header first (every offset follows from the specs) and then each tensor as it arrives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import struct
 from dataclasses import asdict
 
 import torch
@@ -30,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.hf_families import family, family_of_hf
-from engine.hf_shards import hf_reads, shard_parts
+from engine.hf_shards import hf_reads, hf_shapes, shard_parts
 from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig
 from engine.model import ParallelLlama
@@ -259,3 +263,84 @@ def save_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
     config_to_hf(model.config, model.head).save_pretrained(folder)
     save_file(full_to_hf_state_dict(full, model.specs), os.path.join(folder, SINGLE_FILE),
               metadata={"format": "pt"})
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.float64: "F64"}
+
+
+def _exported_specs(model: ParallelLlama) -> list[ShardSpec]:
+    """The specs an HF checkpoint holds (a tied LM-head copy is the embedding)."""
+    return [s for s in model.specs
+            if not (s.name == "lm_head" and model.config.tie_word_embeddings)]
+
+
+def safetensors_header(specs: list[ShardSpec]) -> bytes:
+    """The safetensors header of the HF tensors of ``specs``, in spec order (fused tensors as
+    their parts), data packed back to back: the 8-byte length, then the JSON padded to 8."""
+    entries: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{spec.name}: no safetensors dtype for {spec.dtype}")
+        for name, shape in zip(spec.hf_names, hf_shapes(spec), strict=True):
+            n = math.prod(shape) * spec.dtype.itemsize
+            entries[name] = {"dtype": _SAFETENSORS_DTYPES[spec.dtype], "shape": list(shape),
+                             "data_offsets": [offset, offset + n]}
+            offset += n
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+def _global_on_rank0(model: ParallelLlama, spec: ShardSpec) -> torch.Tensor | None:
+    """The global tensor of ``spec`` on layout rank 0 (None elsewhere): gathered to TP rank 0
+    of its stage, then sent to rank 0 from another stage.  Collective over the DP-rank-0
+    replica; every member calls it for every spec, in the same order."""
+    g, c = model.groups, model.coords
+    if spec.stage != c.pp:
+        if c.pp == 0 and c.tp == 0:
+            t = torch.empty(spec.shape, dtype=spec.dtype)
+            dist.recv(t, src=g.train_pp.ranks[spec.stage], group=g.train_pp.pg)
+            return t
+        return None
+    full = model.params[spec.name].detach()
+    if spec.partition_dim is not None and g.train_tp.pg is not None:
+        local = full.contiguous()
+        pieces = [torch.empty_like(local) for _ in range(g.train_tp.size)] if c.tp == 0 else None
+        dist.gather(local, pieces, dst=g.train_tp.ranks[0], group=g.train_tp.pg)
+        if c.tp != 0:
+            return None
+        full = torch.cat(pieces, dim=spec.partition_dim)
+    if c.tp != 0:
+        return None
+    if c.pp != 0:
+        dist.send(full.contiguous(), dst=g.train_pp.ranks[0], group=g.train_pp.pg)
+        return None
+    return full
+
+
+def stream_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
+    """:func:`save_hf_checkpoint` with bounded memory (collective; layout rank 0 writes).
+
+    Rank 0 writes ``config.json`` and the ``model.safetensors`` header, then, spec by spec,
+    receives one global tensor (TP-gathered on its stage's TP rank 0) and appends its HF
+    parts; no rank holds more than one global tensor (and its TP pieces) at a time.
+    """
+    c = model.coords
+    if c.dp != 0:
+        return
+    specs = _exported_specs(model)
+    with contextlib.ExitStack() as stack:
+        out = None
+        if c.pp == 0 and c.tp == 0:
+            os.makedirs(folder, exist_ok=True)
+            config_to_hf(model.config, model.head).save_pretrained(folder)
+            out = stack.enter_context(open(os.path.join(folder, SINGLE_FILE), "wb"))
+            out.write(safetensors_header(specs))
+        for spec in specs:
+            full = _global_on_rank0(model, spec)
+            if full is None:
+                continue
+            for part in spec.fusion.split(full) if spec.fusion is not None else (full,):
+                out.write(part.contiguous().view(-1).view(torch.uint8).numpy())

@@ -3,14 +3,17 @@ checkpoints and resume.
 
 Checkpoint contents (one folder per save, see :mod:`rlhf.checkpoint`)::
 
-    <role>.safetensors              full (unsharded) weights of every role, by spec name
-    <role>.exp_avg/.exp_avg_sq      full Adam moments of the trained roles
+    <role>/                         DCP folder: every rank's blocks of the role's weights and
+                                    (trained roles) Adam moments and step, by HF name
     state.pt                        next step, prompt-stream position, KL controller, Lagrange
-                                    multiplier, optimizer step counts, controller RNG
+                                    multiplier, controller RNG
 
-Everything is layout-free (global tensors), so a run resumes on another world size or
-layout: each worker cuts its own shards out of the full tensors.  Sampling seeds are a pure
-function of (seed, step), so a resumed run repeats an uninterrupted run exactly on CPU.
+The controller only names folders: each rank writes its own blocks (no tensor goes through
+the controller or one rank), in a background thread while training goes on
+(:class:`Checkpointer`).  Global names and shapes make it layout-free: a run resumes on
+another world size or layout, each rank reading the saved chunks that overlap its shards.
+Sampling seeds are a pure function of (seed, step), so a resumed run repeats an uninterrupted
+run exactly on CPU.
 """
 
 from __future__ import annotations
@@ -23,15 +26,13 @@ from rlhf.algos import LagrangeMultiplier, make_kl_controller
 from rlhf.builders import build_roles, check_run, sampling_of, task_of, tokenizer_of
 from rlhf.evaluation import Evaluator
 from rlhf.prompts import encode_prompts, fitting_prompts
-from rlhf.checkpoint import (capture_rng_state, load_checkpoint, resolve_resume,
-                             restore_rng_state, save_checkpoint)
+from rlhf.checkpoint import (PendingCheckpoint, begin_checkpoint, capture_rng_state,
+                             commit_checkpoint, read_state, resolve_resume, restore_rng_state)
 from rlhf.config import Config, WorldPlan, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.task import PromptStream, read_dataset
-
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class RunState:
@@ -61,19 +62,49 @@ class RunState:
         restore_rng_state(s["rng"])
 
 
+class Checkpointer:
+    """Asynchronous checkpoints of a run, at most one pending.
+
+    :meth:`start` returns once every rank of every role has copied its blocks (then writes
+    them in the background); :meth:`finish` waits for the files and makes the checkpoint
+    complete (before that a crash leaves only an ignored ``.tmp-`` folder).
+
+    Args:
+        roles: the run's worker groups.
+        root: checkpoint root folder.
+        keep_last: complete checkpoints to keep; 0 keeps all.
+    """
+
+    def __init__(self, roles: Roles, root: str, keep_last: int) -> None:
+        self.roles, self.root, self.keep_last = roles, root, keep_last
+        self._pending: PendingCheckpoint | None = None
+
+    def start(self, state: RunState) -> None:
+        """Checkpoint ``state.step``: the controller state now, the roles' blocks in parallel
+        (a still pending checkpoint is finished first)."""
+        self.finish()
+        pending = begin_checkpoint(self.root, state.step, state.state_dict())
+        groups = self.roles.checkpointed()
+        for call in [g.save_checkpoint(os.path.join(pending.tmp, name))
+                     for name, g in groups.items()]:
+            call.wait()
+        self._pending = pending
+
+    def finish(self) -> str | None:
+        """Complete the pending checkpoint (None if there is none); returns its path."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        for call in [g.finish_checkpoint() for g in self.roles.checkpointed().values()]:
+            call.wait()
+        return commit_checkpoint(pending, self.keep_last)
+
+
 def save(roles: Roles, state: RunState, root: str, keep_last: int) -> str:
-    tensors, extra = {}, {}
-    for name, group in roles.checkpointed().items():
-        full = next((s for s in group.full_state().get() if s is not None), None)
-        if full is None:
-            continue  # a rule-only reward or cost has no weights
-        tensors[name] = full["weights"]
-        if "exp_avg" in full:
-            for k in ADAM_KEYS:
-                tensors[f"{name}.{k}"] = full[k]
-            extra[name] = full["optim_step"]
-    return save_checkpoint(root, state.step, tensors, state.state_dict() | {"optim": extra},
-                           keep_last)
+    """A complete checkpoint of ``state.step`` (start and finish at once)."""
+    ckpt = Checkpointer(roles, root, keep_last)
+    ckpt.start(state)
+    return ckpt.finish()
 
 
 def export_hf(roles: Roles, tok, run_dir: str) -> str:
@@ -94,15 +125,11 @@ def export_hf(roles: Roles, tok, run_dir: str) -> str:
 
 
 def restore(roles: Roles, state: RunState, path: str) -> None:
-    _, tensors, s = load_checkpoint(path)
-    for name, group in roles.checkpointed().items():
-        if name not in tensors:
-            continue
-        full = {"weights": tensors[name]}
-        if name in s["optim"]:
-            full |= {k: tensors[f"{name}.{k}"] for k in ADAM_KEYS}
-            full["optim_step"] = s["optim"][name]
-        group.load_state(full).wait()
+    """Load checkpoint ``path`` into the roles (each rank reads its own chunks) and ``state``."""
+    s = read_state(path)
+    for call in [g.load_checkpoint(os.path.join(path, name))
+                 for name, g in roles.checkpointed().items()]:
+        call.wait()
     state.load_state_dict(s)
 
 
@@ -121,6 +148,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.checkpoint.resume, root)
     roles = build_roles(ctl, cfg, plan)
+    ckpt = Checkpointer(roles, root, cfg.checkpoint.keep_last)
     state = RunState(cfg, tok)
     val = Evaluator(cfg, tok) if cfg.data.val_files else None
     if resume_from:
@@ -141,6 +169,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
                                  d.max_prompt_len, d.samples_per_prompt, first_uid)
         batch, metrics = program(roles, prompts, iteration_of(cfg, state, tok, timer))
         step_s = time.perf_counter() - t0
+        ckpt.finish()  # the last save's files were written while this iteration ran
         tokens = int(batch["attention_mask"].sum())
         metrics |= _task_metrics(batch) | timer.metrics() | {
             "timing_s/reshard": float(batch.meta.get("reshard_s", 0.0)),
@@ -154,8 +183,9 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         state.step += 1
         every = cfg.checkpoint.save_every
         if (every and state.step % every == 0) or state.step == cfg.iterations:
-            save(roles, state, root, cfg.checkpoint.keep_last)
+            ckpt.start(state)
             export_hf(roles, tok, run_dir)
+    ckpt.finish()
     logger.close(plot=cfg.log.plot)
     return records
 

@@ -7,9 +7,9 @@
 the same controller (every run creates its own worker groups).  ``OUT.json`` gets
 ``{name: {"records": [...]} | {"error": "..."}}``.
 
-``reshard``: build the roles of the config (any layout), load checkpoint CKPT into them (each
-rank cuts its shards from the full tensors), gather everything back and save it under ROOT,
-so a test can compare the two checkpoints bit for bit.
+``reshard``: build the roles of the config (any layout), load the sharded checkpoint CKPT into
+them (each rank reads the saved chunks that overlap its shards) and save them again under ROOT
+(each rank writes its own shards), so a test can compare the two checkpoints bit for bit.
 """
 
 from __future__ import annotations

@@ -173,19 +173,26 @@ def test_kill_and_resume_exact(tmp_path):
 
 
 def test_resume_on_other_world_size_and_layout(tmp_path):
-    """A checkpoint of the 2-rank run (actor 1-2-1, critic 1-1-2) loads bit-exact into other
-    layouts (actor pp=2, critic tp=2 on 2 ranks; everything 1-1-1 in one process), and a run
-    resumes from it in one process."""
+    """A sharded checkpoint of the 2-rank run (actor 1-2-1, critic 1-1-2) loads bit-exact into
+    other layouts (actor pp=2, critic tp=2 on 2 ranks; everything 1-1-1 in one process; every
+    role tp=2 on 4 ranks, then tp=1 on 2 ranks from that one and back to 4 ranks tp=2), each
+    job saving what it loaded, and a run resumes from it in one process."""
     _run(_torchrun(2, "-m", "rlhf.train", *KILL_RUN, "iterations=4",
                    f"log.runs_dir={tmp_path}", "log.run_name=src"))
     ckpt = str(tmp_path / "src" / "checkpoints" / "step_00000002")
+    tp2 = ["actor.layout.tp=2", "critic.layout.tp=2", "reference.layout.tp=2"]
     layouts = {"pp2": (2, ["actor.layout.pp=2", "actor.layout.tp=1", "actor.layout.gen_tp=1",
-                           "critic.layout.tp=2", "reference.layout.pp=2"]),
-               "single": (1, ["actor.layout.tp=1"])}
+                           "critic.layout.tp=2", "reference.layout.pp=2"], None),
+               "single": (1, ["actor.layout.tp=1"], None),
+               # each from the previous job's checkpoint
+               "tp2_4ranks": (4, tp2, None),
+               "tp1_2ranks": (2, ["actor.layout.tp=1"], "tp2_4ranks"),
+               "tp2_4ranks_back": (4, tp2, "tp1_2ranks")}
     _, want, want_state = load_checkpoint(ckpt)
-    for name, (nproc, over) in layouts.items():
+    for name, (nproc, over, source) in layouts.items():
         root = str(tmp_path / name)
-        job = ["-m", "tests.rlhf_jobs", "reshard", ckpt, root, *KILL_RUN, *over]
+        src = ckpt if source is None else str(tmp_path / source / "step_00000002")
+        job = ["-m", "tests.rlhf_jobs", "reshard", src, root, *KILL_RUN, *over]
         _run(_torchrun(nproc, *job) if nproc > 1 else [sys.executable, *job])
         _, got, got_state = load_checkpoint(os.path.join(root, "step_00000002"))
         assert sorted(got) == sorted(want)

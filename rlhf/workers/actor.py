@@ -14,15 +14,15 @@ import time
 
 import torch
 
-from engine.hf_interop import save_hf_checkpoint
+from engine.hf_interop import stream_hf_checkpoint
 from engine.hybrid_engine import HybridEngine
 from engine.sampling import SamplingParams
 from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.programs import algorithm
-from rlhf.workers.common import (build_model, gather_full_state, load_full_state,
-                                 loss_denominator, mean_row, minibatches, model_inputs,
-                                 response_head_from, response_outputs)
+from rlhf.workers.common import (ShardCheckpoint, build_model, loss_denominator, mean_row,
+                                 minibatches, model_inputs, response_head_from,
+                                 response_outputs)
 from rlhf.workers.specs import ActorSpec, ModelSpec
 
 
@@ -34,6 +34,7 @@ class ActorWorker(Worker):
         self.model = build_model(spec.model, self.groups)
         self.engine = HybridEngine(self.model, spec.optim)
         self.policy_loss = algorithm(spec.algo).policy_loss
+        self.checkpoint = ShardCheckpoint(self.model, self.engine.train)
 
     @protocol(THREE_D_PROTO)
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
@@ -99,17 +100,28 @@ class ActorWorker(Worker):
         return mean_row(records)
 
     @protocol(ONE_TO_ALL)
-    def full_state(self) -> dict | None:
-        return gather_full_state(self.model, self.engine.train)
+    def save_checkpoint(self, folder: str) -> None:
+        """Start writing this rank's blocks of the weights and Adam state into the DCP
+        folder ``folder`` (every rank its own file, in a background thread); returns once
+        they are copied."""
+        self.checkpoint.start_save(folder)
+
+    @protocol(ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        """Wait for the pending save's files; the role's rank 0 writes its index."""
+        self.checkpoint.finish_save()
+
+    @protocol(ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        """Load the weights and Adam state from a DCP folder of any layout (this rank's
+        chunks only)."""
+        self.checkpoint.load(folder)
 
     @protocol(ONE_TO_ALL)
     def save_hf(self, folder: str) -> None:
-        """The policy as an HF checkpoint in ``folder`` (collective; layout rank 0 writes)."""
-        save_hf_checkpoint(self.model, folder)
-
-    @protocol(ONE_TO_ALL)
-    def load_state(self, state: dict) -> None:
-        load_full_state(self.model, state, self.engine.train)
+        """The policy as an HF checkpoint in ``folder`` (collective; layout rank 0 writes it
+        one tensor at a time, never holding the whole model)."""
+        stream_hf_checkpoint(self.model, folder)
 
 
 class ReferenceWorker(Worker):
@@ -118,6 +130,7 @@ class ReferenceWorker(Worker):
     def __init__(self, model: ModelSpec) -> None:
         self.model = build_model(model, self.groups)
         self.engine = TrainEngine(self.model)  # forward only; the optimizer is never stepped
+        self.checkpoint = ShardCheckpoint(self.model)
 
     @protocol(THREE_D_PROTO)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
@@ -127,9 +140,17 @@ class ReferenceWorker(Worker):
         return Batch({"ref_log_probs": response_outputs(outs[0]["log_probs"], batch)})
 
     @protocol(ONE_TO_ALL)
-    def full_state(self) -> dict | None:
-        return gather_full_state(self.model)
+    def save_checkpoint(self, folder: str) -> None:
+        """Start writing this rank's blocks of the weights into the DCP folder ``folder``
+        (every rank its own file, in a background thread); returns once they are copied."""
+        self.checkpoint.start_save(folder)
 
     @protocol(ONE_TO_ALL)
-    def load_state(self, state: dict) -> None:
-        load_full_state(self.model, state)
+    def finish_checkpoint(self) -> None:
+        """Wait for the pending save's files; the role's rank 0 writes its index."""
+        self.checkpoint.finish_save()
+
+    @protocol(ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        """Load the weights from a DCP folder of any layout (this rank's chunks only)."""
+        self.checkpoint.load(folder)

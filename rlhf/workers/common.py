@@ -1,5 +1,5 @@
-"""Pieces every role worker shares: building a model from its :class:`ModelSpec`, full-state
-checkpoint I/O through the toolkit, and the sequence layout of a rollout batch.
+"""Pieces every role worker shares: building a model from its :class:`ModelSpec`, sharded
+checkpoint I/O (:class:`ShardCheckpoint`), and the sequence layout of a rollout batch.
 
 Rollout batch (rows = sequences; P = prompt width, N = response width, S = P + N)::
 
@@ -20,12 +20,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint
+from engine.hf_interop import load_hf_checkpoint
+from engine.hf_shards import hf_reads, shard_parts
 from engine.llama_spec import init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
+from engine.train import TrainEngine
 from hybridflow_comm.groups import Group, HybridGroups
-from hybridflow_comm.shard_spec import train_shard
 from rlhf.algos import agg_count, agg_denominator
+from rlhf.checkpoint import MOMENTS, OPTIM_STEP, Block, ShardedSave, load_blocks, moment_key
 from rlhf.controller import Batch
 from rlhf.workers.specs import ModelSpec
 
@@ -112,41 +114,108 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(attention_mask.bool(), pos, torch.zeros_like(pos)).max(dim=1).values
 
 
-# Full-state checkpoints ----------------------------------------------------------------------
-def _adam_state(engine, model: ParallelLlama, key: str) -> dict[str, torch.Tensor]:
+# Sharded checkpoints ------------------------------------------------------------------------
+def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: str = ""
+                 ) -> dict[str, Block]:
+    """This rank's boxes of the global HF-named tensors, over ``shards`` (no copy).
+
+    Args:
+        model: the rank's model (its specs and layout say which boxes it holds).
+        shards: tensors shaped like this rank's training shards, by spec name (the
+            parameters, or Adam moments).
+        prefix: put before every HF name (``optim.exp_avg.`` ...).
+
+    Each HF tensor a spec stands for (q/k/v and gate/up separately) gets one box, the block
+    :func:`engine.hf_shards.hf_reads` reads for this rank; a tied LM-head copy (pp > 1) names
+    the embedding's boxes, so DCP keeps one of the two.
+    """
     out = {}
-    for name, p in model.params.items():
-        st = engine.optimizer.state.get(p, {})
-        out[name] = st[key] if key in st else torch.zeros_like(p)
+    for spec in model.local_specs:
+        parts = shard_parts(spec, shards[spec.name].detach())
+        for r in hf_reads(spec, model.layout, model.groups.rank):
+            sizes = tuple(s.stop - s.start for s in r.index)
+            part = parts[r.part]
+            try:
+                local = part.view(sizes)
+            except RuntimeError:  # q/k/v rows of a fused shard: a grouped Block
+                local = part
+            out[prefix + r.hf_name] = Block(local, r.hf_shape, tuple(s.start for s in r.index),
+                                            sizes)
     return out
 
 
-def gather_full_state(model: ParallelLlama, engine=None) -> dict | None:
-    """Global weights (and Adam moments) of a role on its layout rank 0, None elsewhere.
+class ShardCheckpoint:
+    """A role's sharded checkpoint on one rank (see :mod:`rlhf.checkpoint`): its weights and,
+    for a trained role, Adam moments and step, as DCP blocks saved and loaded over the role's
+    process group, so no tensor ever goes through one rank or the controller.
 
-    Collective over the role.  Layout-free: spec names and global shapes only, so a
-    checkpoint loads into any ``(pp, tp, dp)`` (see :func:`load_full_state`).
+    Args:
+        model: the rank's model; None for a role without weights (every call does nothing).
+        engine: the training engine of a trained role (Adam state), None for a frozen one.
     """
-    out = {"weights": gather_full_state_dict(model)}
-    if engine is not None:
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key] = gather_full_state_dict(model, _adam_state(engine, model, key))
-        out["optim_step"] = engine.step_count
-    return out if out["weights"] is not None else None
 
+    def __init__(self, model: ParallelLlama | None, engine: TrainEngine | None = None) -> None:
+        self.model, self.engine = model, engine
+        self._pending: ShardedSave | None = None
 
-def load_full_state(model: ParallelLlama, state: dict, engine=None) -> None:
-    """Cut this rank's shards out of a :func:`gather_full_state` result (any source layout)."""
-    load_full_state_dict(model, state["weights"])
-    if engine is None or "exp_avg" not in state:
-        return
-    n = int(state["optim_step"])
-    engine.step_count = n
-    if n == 0:
-        return
-    for spec in model.local_specs:
-        p = model.params[spec.name]
-        engine.optimizer.state[p] = {
-            "step": torch.tensor(float(n)),
-            **{k: train_shard(state[k][spec.name], spec, model.layout, model.groups.rank)
-               .clone() for k in ("exp_avg", "exp_avg_sq")}}
+    def _state(self, moments: dict[str, dict[str, torch.Tensor]] | None, step: int
+               ) -> dict[str, Block | torch.Tensor]:
+        state: dict[str, Block | torch.Tensor] = dict(model_blocks(self.model, self.model.params))
+        if moments is not None:
+            for m in MOMENTS:
+                state |= model_blocks(self.model, moments[m], moment_key(m, ""))
+            state[OPTIM_STEP] = torch.tensor(step, dtype=torch.int64)
+        return state
+
+    def _moments(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The optimizer's Adam moments by moment and spec name (None for a frozen role);
+        zeros where it has no state yet (before the first step)."""
+        if self.engine is None:
+            return None
+        state = self.engine.optimizer.state
+        return {m: {n: state[p][m] if m in state.get(p, {}) else torch.zeros_like(p)
+                    for n, p in self.model.params.items()} for m in MOMENTS}
+
+    def start_save(self, folder: str) -> None:
+        """Copy this rank's blocks and start writing them into ``folder`` (collective over the
+        role; the file is written by a background thread)."""
+        if self.model is None:
+            return
+        if self._pending is not None:
+            raise RuntimeError("a sharded save is still pending: finish_save() it first")
+        step = self.engine.step_count if self.engine is not None else 0
+        self._pending = ShardedSave(folder, self._state(self._moments(), step),
+                                    self.model.groups.world.pg)
+
+    def finish_save(self) -> None:
+        """Wait until every rank's file is on disk; the role's rank 0 writes the index
+        (collective over the role)."""
+        if self.model is None:
+            return
+        if self._pending is None:
+            raise RuntimeError("finish_save() without a pending start_save()")
+        pending, self._pending = self._pending, None
+        pending.finish()
+
+    def load(self, folder: str) -> int:
+        """Fill the weights (and Adam state) from the role's DCP folder of any layout, reading
+        only the saved chunks that overlap this rank's shards (collective over the role).
+
+        Returns:
+            Bytes of saved chunks this rank read.
+        """
+        if self.model is None:
+            return 0
+        moments = self._moments()  # filled in place
+        state = self._state(moments, 0)
+        read = load_blocks(folder, state, self.model.groups.world.pg)
+        if self.engine is not None:
+            n = int(state[OPTIM_STEP])
+            self.engine.step_count = n
+            self.engine.optimizer.state.clear()
+            if n:
+                for name, p in self.model.params.items():
+                    self.engine.optimizer.state[p] = {
+                        "step": torch.tensor(float(n)),
+                        **{m: moments[m][name] for m in MOMENTS}}
+        return read

@@ -13,9 +13,9 @@ import torch
 from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.programs import algorithm
-from rlhf.workers.common import (build_model, gather_full_state, load_full_state,
-                                 loss_denominator, mean_row, minibatches, model_inputs,
-                                 response_head_from, response_outputs)
+from rlhf.workers.common import (ShardCheckpoint, build_model, loss_denominator, mean_row,
+                                 minibatches, model_inputs, response_head_from,
+                                 response_outputs)
 from rlhf.workers.specs import CriticSpec
 
 
@@ -27,6 +27,7 @@ class CriticWorker(Worker):
         self.model = build_model(spec.model, self.groups)
         self.engine = TrainEngine(self.model, spec.optim)
         self.value_loss = algorithm(spec.algo).value_loss
+        self.checkpoint = ShardCheckpoint(self.model, self.engine)
 
     @protocol(THREE_D_PROTO)
     def compute_values(self, batch: Batch) -> Batch | None:
@@ -65,9 +66,19 @@ class CriticWorker(Worker):
         return mean_row(records)
 
     @protocol(ONE_TO_ALL)
-    def full_state(self) -> dict | None:
-        return gather_full_state(self.model, self.engine)
+    def save_checkpoint(self, folder: str) -> None:
+        """Start writing this rank's blocks of the weights and Adam state into the DCP
+        folder ``folder`` (every rank its own file, in a background thread); returns once
+        they are copied."""
+        self.checkpoint.start_save(folder)
 
     @protocol(ONE_TO_ALL)
-    def load_state(self, state: dict) -> None:
-        load_full_state(self.model, state, self.engine)
+    def finish_checkpoint(self) -> None:
+        """Wait for the pending save's files; the role's rank 0 writes its index."""
+        self.checkpoint.finish_save()
+
+    @protocol(ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        """Load the weights and Adam state from a DCP folder of any layout (this rank's
+        chunks only)."""
+        self.checkpoint.load(folder)

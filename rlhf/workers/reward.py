@@ -16,8 +16,8 @@ from engine.train import TrainEngine
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.task import CompositeReward, load_tokenizer
 from rlhf.task.reward_fn import FunctionReward
-from rlhf.workers.common import (build_model, gather_full_state, last_token_index,
-                                 load_full_state, model_inputs, prompt_width)
+from rlhf.workers.common import (ShardCheckpoint, build_model, last_token_index, model_inputs,
+                                 prompt_width)
 from rlhf.workers.specs import ScoreSpec
 
 
@@ -40,6 +40,7 @@ class _ScoreWorker(Worker):
         self.function = FunctionReward(args.function) if args.function else None
         self.model = build_model(args.model, self.groups) if args.model else None
         self.engine = TrainEngine(self.model) if self.model is not None else None
+        self.checkpoint = ShardCheckpoint(self.model)  # no model: nothing to save
         self.rules = CompositeReward.from_weights(args.rule_weights) \
             if any(args.rule_weights.values()) else None
 
@@ -74,13 +75,20 @@ class _ScoreWorker(Worker):
         return Batch(out)
 
     @protocol(ONE_TO_ALL)
-    def full_state(self) -> dict | None:
-        return gather_full_state(self.model) if self.model is not None else None
+    def save_checkpoint(self, folder: str) -> None:
+        """Start writing this rank's blocks of the weights into the DCP folder ``folder``
+        (every rank its own file, in a background thread); returns once they are copied."""
+        self.checkpoint.start_save(folder)
 
     @protocol(ONE_TO_ALL)
-    def load_state(self, state: dict) -> None:
-        if self.model is not None:
-            load_full_state(self.model, state)
+    def finish_checkpoint(self) -> None:
+        """Wait for the pending save's files; the role's rank 0 writes its index."""
+        self.checkpoint.finish_save()
+
+    @protocol(ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        """Load the weights from a DCP folder of any layout (this rank's chunks only)."""
+        self.checkpoint.load(folder)
 
 
 class RewardWorker(_ScoreWorker):
