@@ -17,15 +17,20 @@ critic's pool (or the actor's when there is no critic), one DP rank per pool ran
 
 from __future__ import annotations
 
+import inspect
 import os
 
+from engine.hf_interop import INDEX_FILE, SINGLE_FILE, read_hf_head
 from engine.sampling import SamplingParams
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from rlhf.config import Config, WorldPlan
+from rlhf.checkpoint import resolve_resume
+from rlhf.config import MAX_MODEL_PARAMS, Config, WorldPlan
 from rlhf.controller import Controller, WorkerGroup
+from rlhf.planner.models import ModelShape
 from rlhf.programs import Roles, algorithm
 from rlhf.programs.common import VALUE_ROLES
-from rlhf.task import AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer
+from rlhf.task import (AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer,
+                       read_dataset)
 from rlhf.task.reward_fn import load_function
 from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
                           ModelSpec, ReferenceWorker, RewardWorker, ScoreSpec, UpdateSpec)
@@ -52,12 +57,12 @@ def task_of(cfg: Config) -> AdditionTask:
 
 
 def check_run(cfg: Config, tokenizer) -> None:
-    """ValueError naming the values unless every model, tokenizer, dataset and reward function
-    of the run can be loaded and fits the lengths (run on every rank before any process group
-    exists, so a bad input never reaches a collective)."""
+    """ValueError naming the values unless every model, tokenizer, dataset, reward function and
+    resume checkpoint of the run can be loaded and fits the lengths (run on every rank before
+    any process group exists, so a bad input never reaches a collective)."""
     for role in cfg.roles:
         try:
-            cfg.model_of(role).llama()  # init_from readable, explicit sizes agree with it
+            _check_model(cfg, role)
         except ValueError as e:
             raise ValueError(f"{role}: {e}") from None
     vocab = cfg.actor.model.llama().vocab_size
@@ -68,13 +73,14 @@ def check_run(cfg: Config, tokenizer) -> None:
                          f"tokens: use a tokenizer made for this model (tokenizer=DIR) or set "
                          f"actor.model.vocab_size={tokenizer.vocab_size}")
     if cfg.reward.function is not None:
-        load_function(cfg.reward.function)
+        _check_reward_function(cfg.reward.function)
     for key in ("train_files", "val_files"):
-        files = getattr(cfg.data, key)
-        missing = [p.strip() for p in (files or "").split(",")
-                   if p.strip() and not os.path.exists(p.strip())]
-        if missing:
-            raise ValueError(f"data.{key}: {missing} do not exist")
+        _check_dataset(cfg, key, tokenizer)
+    try:
+        resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir
+                       or os.path.join(cfg.log.run_dir, "checkpoints"))
+    except OSError as e:
+        raise ValueError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {e}") from None
     if cfg.data.train_files is None:
         task = task_of(cfg)
         need = task.max_prompt_chars + 1  # + <bos>
@@ -82,6 +88,73 @@ def check_run(cfg: Config, tokenizer) -> None:
             raise ValueError(f"data.max_prompt_len={cfg.data.max_prompt_len} < {need} (longest "
                              f"prompt of max_digits={task.max_digits}, num_operands="
                              f"{task.num_operands}, plus <bos>)")
+
+
+def _check_model(cfg: Config, role: str) -> None:
+    """The role's architecture is sane and its checkpoint (if any) holds weights."""
+    llama = cfg.model_of(role).llama()  # init_from readable, explicit sizes agree with it
+    params = ModelShape(role, llama).params
+    if params > MAX_MODEL_PARAMS:
+        raise ValueError(f"the model has about {params:.2e} parameters (hidden_size="
+                         f"{llama.hidden_size}, num_layers={llama.num_layers}, vocab_size="
+                         f"{llama.vocab_size}), more than {MAX_MODEL_PARAMS:.2e}; use smaller "
+                         f"model sizes")
+    init = model_spec(cfg, role, "lm").init_from
+    if init is None:
+        return
+    if not any(os.path.isfile(os.path.join(init, f)) for f in (SINGLE_FILE, INDEX_FILE)):
+        raise ValueError(f"model init_from={init!r} has config.json but no weights ({SINGLE_FILE} "
+                         f"or {INDEX_FILE}); save the checkpoint with save_pretrained")
+    if role in ("actor", "reference") and read_hf_head(init) == "value":
+        raise ValueError(f"model init_from={init!r} is a value-head checkpoint (a reward model);"
+                         f" the policy needs a causal LM checkpoint")
+
+
+def _check_reward_function(spec: str) -> None:
+    """``spec`` imports and names a callable that takes verl's four arguments."""
+    try:
+        fn = load_function(spec)
+    except SystemExit as e:
+        raise ValueError(f"reward.function={spec!r}: importing it called sys.exit({e.code})"
+                         ) from None
+    try:
+        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", None)
+    except TypeError as e:
+        raise ValueError(f"reward.function={spec!r} cannot be called as compute_score("
+                         f"data_source, solution_str, ground_truth, extra_info): {e}") from None
+    except ValueError:
+        pass  # a callable without a signature (a builtin): it is called as it is
+
+
+ENCODED_ROWS = 1000
+"""Prompts that :func:`check_run` encodes at least (a prompt format the tokenizer cannot take
+shows in the first rows; encoding a large dataset whole would slow every start)."""
+
+
+def _check_dataset(cfg: Config, key: str, tokenizer) -> None:
+    """``data.<key>`` (if set) exists and parses into rows with prompts (all of them), the
+    first :data:`ENCODED_ROWS` prompts encode, and some prompt fits ``data.max_prompt_len``."""
+    d, files = cfg.data, getattr(cfg.data, key)
+    if files is None:
+        return
+    missing = [p.strip() for p in files.split(",") if p.strip() and not os.path.exists(p.strip())]
+    if missing:
+        raise ValueError(f"data.{key}: {missing} do not exist")
+    try:
+        rows = read_dataset(files, d.prompt_key, d.ground_truth_key)
+        shortest = None
+        for i, row in enumerate(rows):
+            n = len(tokenizer.encode_prompt(row.prompt))
+            shortest = n if shortest is None else min(shortest, n)
+            if shortest <= d.max_prompt_len and i + 1 >= ENCODED_ROWS:
+                break
+    except Exception as e:  # noqa: BLE001 - a user's file read by third-party readers
+        why = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise ValueError(f"data.{key}: {why}") from None
+    if shortest > d.max_prompt_len:
+        raise ValueError(f"data.{key}: all {len(rows)} prompts are longer than "
+                         f"data.max_prompt_len={d.max_prompt_len} tokens (shortest: "
+                         f"{shortest}); raise it")
 
 
 def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0) -> ModelSpec:

@@ -41,6 +41,7 @@ Placement of the roles on the ranks ``0..W-1`` (pools are consecutive rank range
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,10 +55,42 @@ PLACEMENTS = ("colocated", "split", "standalone", "auto")
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 
+MAX_COUNT = 10**7
+"""Largest batch size, length, model dimension, layer, iteration or step count a config
+accepts: a typo such as ``data.prompts_per_iter=99999999999999999999`` stops at validation
+instead of allocating (or looping) for ever."""
+MAX_ROLLOUT_TOKENS = 2**31
+"""Largest rollout batch in tokens, ``prompts_per_iter x samples_per_prompt x
+(max_prompt_len + max_response_len)``: beyond it the batch's ids alone need 16 GiB."""
+MAX_MODEL_PARAMS = 2**40
+"""Largest model a config accepts, in parameters estimated from its architecture."""
+SEED_LIMIT = 2**32
+"""Seeds lie in ``[0, SEED_LIMIT)``: the sampling seed ``seed * 1_000_003 + step`` then fits a
+64-bit generator seed."""
+
+
 def _positive(**values: int | float) -> None:
     for name, v in values.items():
         if isinstance(v, bool) or not v > 0:
             raise ValueError(f"{name}={v!r} must be > 0")
+
+
+def _at_most(limit: int, **values: int | None) -> None:
+    """ValueError naming the first value above ``limit`` (None is skipped)."""
+    for name, v in values.items():
+        if v is not None and v > limit:
+            raise ValueError(f"{name}={v!r} is larger than the sane maximum {limit:_}; use a "
+                             f"smaller value")
+
+
+def _seed(name: str, v: int) -> None:
+    if not 0 <= v < SEED_LIMIT:
+        raise ValueError(f"{name}={v!r} must be in [0, 2**32)")
+
+
+def _path(name: str, v: str | None) -> None:
+    if v is not None and not v.strip():
+        raise ValueError(f"{name}={v!r} is empty; give a path, or null for the default")
 
 
 def _one_of(name: str, value: Any, choices: tuple) -> None:
@@ -101,10 +134,12 @@ class ModelConfig:
     or 64)."""
 
     def __post_init__(self) -> None:
+        _path("model.init_from", self.init_from)
         for name in (*ARCH_FIELDS[:-1], "max_seq_len"):
             v = getattr(self, name)
             if v is not None:
                 _positive(**{name: v})
+                _at_most(MAX_COUNT, **{name: v})
 
     def llama(self):
         """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
@@ -121,7 +156,13 @@ class ModelConfig:
             raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
                              f"config.json); create it with rlhf.sft / rlhf.train_rm or "
                              f"save_pretrained")
-        hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len)
+        try:
+            hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len)
+        except ValueError as e:  # an unsupported architecture, a bad value, not JSON
+            raise ValueError(f"model init_from={self.init_from!r}: {e}") from None
+        except (KeyError, TypeError, AttributeError, OSError) as e:
+            raise ValueError(f"model init_from={self.init_from!r}: its config.json is not a "
+                             f"usable HF config ({type(e).__name__}: {e})") from None
         clash = {k: (v, getattr(hf, k)) for k, v in explicit.items() if getattr(hf, k) != v}
         if clash:
             raise ValueError(f"model init_from={self.init_from!r}: the config sets " + ", ".join(
@@ -160,6 +201,8 @@ class LayoutConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}={v!r} must be >= 0 (0 = derive it)")
+        _at_most(MAX_COUNT, pp=self.pp, tp=self.tp, dp=self.dp, gen_pp=self.gen_pp,
+                 gen_tp=self.gen_tp)
 
 
 @dataclass(frozen=True)
@@ -290,14 +333,35 @@ class DataConfig:
     """Seed of the prompt order and of the task's examples."""
 
     def __post_init__(self) -> None:
-        _positive(prompts_per_iter=self.prompts_per_iter,
-                  samples_per_prompt=self.samples_per_prompt,
-                  mini_batch_size=self.mini_batch_size, micro_batch_size=self.micro_batch_size,
-                  max_prompt_len=self.max_prompt_len, max_response_len=self.max_response_len,
-                  temperature=self.temperature)
+        sizes = {f"data.{k}": getattr(self, k) for k in (
+            "prompts_per_iter", "samples_per_prompt", "mini_batch_size", "micro_batch_size",
+            "max_prompt_len", "max_response_len")}
+        _positive(**sizes, **{"data.temperature": self.temperature})
+        # bounds first: the checks below compute with these sizes
+        _at_most(MAX_COUNT, **sizes, **{"data.min_digits": self.min_digits,
+                                        "data.max_digits": self.max_digits,
+                                        "data.num_operands": self.num_operands})
+        _seed("data.seed", self.seed)
+        for key in ("train_files", "val_files"):
+            files = getattr(self, key)
+            if files is not None and not any(p.strip() for p in files.split(",")):
+                raise ValueError(f"data.{key}={files!r} names no file; give comma-separated "
+                                 f"paths, or null for " + ("the built-in addition task"
+                                                           if key == "train_files" else
+                                                           "no evaluation"))
+        for key in ("prompt_key", "ground_truth_key"):
+            if not getattr(self, key):
+                raise ValueError(f"data.{key} is empty; give the name of a field of the rows")
         if not 1 <= self.min_digits <= self.max_digits or self.num_operands < 2:
             raise ValueError(f"need 1 <= min_digits={self.min_digits} <= max_digits="
                              f"{self.max_digits} and num_operands={self.num_operands} >= 2")
+        tokens = self.rollout_batch_size * (self.max_prompt_len + self.max_response_len)
+        if tokens > MAX_ROLLOUT_TOKENS:
+            raise ValueError(
+                f"a rollout batch of data.prompts_per_iter={self.prompts_per_iter} x "
+                f"samples_per_prompt={self.samples_per_prompt} sequences of max_prompt_len="
+                f"{self.max_prompt_len} + max_response_len={self.max_response_len} tokens is "
+                f"{tokens:_} tokens, more than {MAX_ROLLOUT_TOKENS:_}; use smaller values")
         rollout = self.rollout_batch_size
         if rollout % self.mini_batch_size:
             raise ValueError(
@@ -378,9 +442,13 @@ class AlgoConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")
+        _at_most(MAX_COUNT, **{"algo.epochs": self.epochs})
         if self.kl_coef < 0 or self.lagrange_init < 0:
             raise ValueError(f"kl_coef={self.kl_coef} and lagrange_init={self.lagrange_init} "
                              f"must be >= 0")
+        if self.lagrange_max is not None and not self.lagrange_max >= self.lagrange_init:
+            raise ValueError(f"algo.lagrange_max={self.lagrange_max} must be >= lagrange_init="
+                             f"{self.lagrange_init} (or null: unbounded)")
         if self.kl_ctrl == "adaptive" and self.kl_mode != "reward":
             raise ValueError(f"algo.kl_ctrl='adaptive' needs algo.kl_mode='reward', got "
                              f"kl_mode={self.kl_mode!r}")
@@ -429,6 +497,9 @@ class RewardConfig:
                              f"{self.rule_weights}")
         if self.forbidden_digit not in "0123456789" or len(self.forbidden_digit) != 1:
             raise ValueError(f"reward.forbidden_digit={self.forbidden_digit!r} must be one digit")
+        if self.max_answer_len is not None:
+            _positive(**{"reward.max_answer_len": self.max_answer_len})
+            _at_most(MAX_COUNT, **{"reward.max_answer_len": self.max_answer_len})
 
 
 @dataclass(frozen=True)
@@ -447,6 +518,7 @@ class PlacementConfig:
         for k, v in self.pool_sizes.items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"placement.pool_sizes.{k}={v!r} must be a positive int")
+            _at_most(MAX_COUNT, **{f"placement.pool_sizes.{k}": v})
 
 
 @dataclass(frozen=True)
@@ -467,6 +539,9 @@ class LogConfig:
     def __post_init__(self) -> None:
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ValueError(f"log.run_name={self.run_name!r} must be a plain folder name")
+        if not self.runs_dir.strip():
+            raise ValueError(f"log.runs_dir={self.runs_dir!r} is empty; give a folder (the "
+                             f"default is 'runs')")
 
     @property
     def run_dir(self) -> str:
@@ -490,6 +565,9 @@ class CheckpointConfig:
         if self.save_every < 0 or self.keep_last < 0:
             raise ValueError(f"checkpoint.save_every={self.save_every} and keep_last="
                              f"{self.keep_last} must be >= 0")
+        _at_most(MAX_COUNT, **{"checkpoint.save_every": self.save_every,
+                               "checkpoint.keep_last": self.keep_last})
+        _path("checkpoint.dir", self.dir)
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'auto', 'never' or a checkpoint path")
 
@@ -537,6 +615,9 @@ class Config:
         _positive(iterations=self.iterations)
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 = at the end only)")
+        _at_most(MAX_COUNT, iterations=self.iterations, eval_every=self.eval_every)
+        _seed("seed", self.seed)
+        _path("tokenizer", self.tokenizer)
         spec = algorithm(self.algo.name)
         if spec.grouped and self.data.samples_per_prompt < 2:
             raise ValueError(f"algo={spec.name} compares samples of one prompt: set "
@@ -645,7 +726,9 @@ class WorldPlan:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of ``n`` in ascending order (O(sqrt n): ``n`` may come straight from a user)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _pools(config: Config, world_size: int) -> tuple[dict[str, int], dict[str, str]]:

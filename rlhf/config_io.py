@@ -7,13 +7,17 @@ Generic: knows nothing about :mod:`rlhf.config`.  How a recipe and overrides com
     schema (the dataclass defaults)
       <- recipe YAML        section by section; a mapping-valued field (rule_weights,
       <- key=value ...      pool_sizes) or a whole section given as one value is replaced
+    -> check_values         every float finite, every int within 64 bits, no NUL in a string
     -> OmegaConf.to_object  builds the frozen dataclasses (their __post_init__ validates)
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import functools
+import math
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -23,12 +27,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 T = typing.TypeVar("T")
+_hints = functools.cache(typing.get_type_hints)  # a dataclass's field types never change
 
 
 def _field_paths(cls, prefix: str = "") -> list[str]:
     """Every dotted key of the dataclass ``cls`` (sections and leaves)."""
     out = []
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         out.append(key)
@@ -52,7 +57,7 @@ def _type_of(cls, key: str) -> Any:
         node = _dataclass_of(node)
         if node is None:
             return None
-        node = typing.get_type_hints(node).get(part)
+        node = _hints(node).get(part)
     return node
 
 
@@ -127,6 +132,13 @@ def _check_parent(cfg: DictConfig, key: str) -> None:
                              f"({node!r}), not a section")
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """One line: what YAML found wrong, and where."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+
+
 def parse_value(key: str, text: str) -> Any:
     """One override's value, read as YAML (``1e-5`` is a float, ``null`` None, ``[1, 2]`` a
     list, ``{a: 1}`` a mapping; ``none`` stays a string)."""
@@ -134,8 +146,9 @@ def parse_value(key: str, text: str) -> Any:
     try:
         return yaml.safe_load(text) if text else ""
     except yaml.YAMLError as e:
-        raise ValueError(f"{key}={text!r} is not a valid YAML value ({e.problem}); quote the "
-                         f"whole argument, e.g. '{key}={{actor: 2, critic: 2}}'") from None
+        raise ValueError(f"{key}={text!r} is not a valid YAML value ({_yaml_problem(e)}); "
+                         f"quote the whole argument, e.g. '{key}={{actor: 2, critic: 2}}'"
+                         ) from None
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
@@ -145,6 +158,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         key, sep, text = arg.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"argument {arg!r} is not key=value (e.g. actor.optim.lr=1e-5)")
+        if not all(part.strip() for part in key.split(".")):
+            raise ValueError(f"argument {arg!r}: the key {key.strip()!r} has an empty part "
+                             f"(e.g. actor.optim.lr=1e-5)")
         out.append((key.strip(), parse_value(key.strip(), text)))
     return out
 
@@ -156,12 +172,46 @@ def _writable(node: Any) -> None:
             _writable(node[k])  # a section's child section is the node itself, not a copy
 
 
-def _build(cls: type[T], recipe: dict, overrides: list[tuple[str, Any]]) -> T:
+INT_LIMIT = 2**63
+"""Every int of a config lies in ``(-INT_LIMIT, INT_LIMIT)`` (a 64-bit integer, what torch and
+numpy take); each section bounds its own sizes far lower."""
+
+
+def check_values(data: Any, key: str = "") -> None:
+    """ValueError naming the dotted key of the first float that is not finite (NaN, inf: no
+    size, rate or coefficient makes sense as one), int beyond 64 bits or string holding a NUL
+    character, in the plain nested ``data``.  Generic: no section needs to restate it."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            check_values(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, (list, tuple)):
+        for i, v in enumerate(data):
+            check_values(v, f"{key}[{i}]")
+    elif isinstance(data, float) and not math.isfinite(data):
+        raise ValueError(f"config key {key!r} is {data}; give a finite number")
+    elif isinstance(data, int) and not isinstance(data, bool) and abs(data) >= INT_LIMIT:
+        raise ValueError(f"config key {key!r}={data} does not fit a 64-bit integer; give a "
+                         f"smaller value")
+    elif isinstance(data, str) and "\x00" in data:
+        raise ValueError(f"config key {key!r}={data!r} holds a NUL character")
+
+
+@functools.cache
+def _schema(cls: type) -> DictConfig:
+    """The structured config of ``cls``'s defaults, writable (copied for every build: a copy
+    costs a sixth of building it from the dataclasses)."""
     cfg = OmegaConf.structured(cls)
     _writable(cfg)  # frozen dataclasses: writable while it is built
-    for key, value in [*recipe.items(), *overrides]:
-        _apply(cls, cfg, str(key), value)
+    return cfg
+
+
+def _build(cls: type[T], recipe: dict, overrides: list[tuple[str, Any]]) -> T:
+    cfg = copy.deepcopy(_schema(cls))
     try:
+        for key, value in [*recipe.items(), *overrides]:
+            _apply(cls, cfg, str(key), value)
+        # before any __post_init__: the sections' own checks compute with these values
+        check_values(OmegaConf.to_container(cfg, resolve=True))
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise _error(cls, e) from None
@@ -191,8 +241,10 @@ def from_args(cls: type[T], args: list[str], recipe_of: Callable[[str | None], s
             recipe = yaml.safe_load(f)
     except FileNotFoundError:
         raise ValueError(f"recipe={path!r} is not a file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"recipe={path!r} cannot be read: {type(e).__name__}: {e}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"recipe={path!r} is not valid YAML: {e}") from None
+        raise ValueError(f"recipe={path!r} is not valid YAML: {_yaml_problem(e)}") from None
     if recipe is None:
         recipe = {}
     if not isinstance(recipe, dict):

@@ -3,9 +3,10 @@
     torchrun --nproc_per_node=4 -m rlhf.train algo=ppo [key=value ...]
     python -m rlhf.train algo=grpo iterations=2        # one process (CPU development)
 
-Every rank loads and validates the config against the world size before any process group
-exists, so a bad value stops the job with a message naming it; then rank 0 runs the
-controller program (:func:`rlhf.runtime.train`) and every rank serves its workers.
+Every rank loads and validates the config, its files (recipe, checkpoints, tokenizer, data,
+reward function) and the launch settings against the world size before any process group
+exists, so a bad value stops the job with one line naming it (exit code 2); then rank 0 runs
+the controller program (:func:`rlhf.runtime.train`) and every rank serves its workers.
 """
 
 from __future__ import annotations
@@ -14,11 +15,20 @@ import os
 import socket
 import sys
 
-from rlhf.builders import check_run, tokenizer_of
-from rlhf.config import load_config, validate_for_world
+import yaml
+from omegaconf.errors import OmegaConfBaseException
+
+from rlhf.builders import check_run, tokenizer_of, tokenizer_path
+from rlhf.config import Config, WorldPlan, load_config, validate_for_world
 from rlhf.controller import run
+from rlhf.controller.launch import message_limit, stall_timeout
 from rlhf.planner.config_bridge import resolve_config
 from rlhf.runtime import train
+
+# What a bad input can raise on its way through the checks (ValueError: every message of our
+# own; the rest from the parsers and readers underneath).  Anything else is a bug: traceback.
+INVALID = (ValueError, TypeError, OverflowError, OSError, OmegaConfBaseException,
+           yaml.YAMLError, RecursionError)
 
 
 def single_process_env() -> None:
@@ -32,16 +42,41 @@ def single_process_env() -> None:
                       MASTER_PORT=str(port))
 
 
+def validated(argv: list[str]) -> tuple[Config, WorldPlan]:
+    """The run's config and its plan for ``WORLD_SIZE`` ranks; raises one of :data:`INVALID`
+    (normally a ValueError naming the key and the fix) for any bad input.  Cheap: reads files
+    and does arithmetic, builds nothing."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.strip().isdigit():
+        raise ValueError(f"WORLD_SIZE={text!r} is not a number of ranks")
+    world = int(text)
+    message_limit(None, os.environ)
+    stall_timeout(None, os.environ)
+    # placement.mode=auto: the planner picks placement and layouts (same on every rank)
+    cfg = resolve_config(load_config(argv), world)
+    plan = validate_for_world(cfg, world)
+    path = tokenizer_path(cfg)
+    try:
+        tok = tokenizer_of(cfg)
+    except Exception as e:  # noqa: BLE001 - a user's tokenizer files, read by transformers
+        if isinstance(e, ValueError) and str(path) in str(e):
+            raise  # our own message, naming the folder
+        raise ValueError(f"tokenizer={path!r} cannot be loaded: {_one_line(e)}") from None
+    check_run(cfg, tok)
+    return cfg, plan
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or repr(e)
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
 def main(argv: list[str]) -> int:
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        # placement.mode=auto: the planner picks placement and layouts (same on every rank)
-        cfg = resolve_config(load_config(argv), world)
-        plan = validate_for_world(cfg, world)
-        check_run(cfg, tokenizer_of(cfg))
-    except ValueError as e:
+        cfg, plan = validated(argv)
+    except INVALID as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"[rlhf] invalid configuration: {e}", file=sys.stderr, flush=True)
+            print(f"[rlhf] invalid configuration: {_one_line(e)}", file=sys.stderr, flush=True)
         return 2
     single_process_env()
     code = run(lambda ctl: train(ctl, cfg, plan))

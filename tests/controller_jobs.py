@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs checks OUT.json
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs raise
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs kill PIDFILE
+    torchrun --standalone --nproc_per_node N -m tests.controller_jobs stall PIDFILE RANK
     torchrun --standalone --nproc_per_node 4 -m tests.controller_jobs intruders OUT.json MARKER
 
 ``checks`` runs every multi-rank check in one job and writes ``{name: {"got", "expected"}}``;
@@ -352,6 +353,16 @@ def _kill(pid_file: str, target: int) -> None:
     sys.exit(run(program, collective_timeout_s=60))
 
 
+def _stall(pid_file: str, target: int) -> None:
+    """Rank ``target`` writes its pid and sleeps in a call (the test SIGSTOPs it); the stall
+    timeout comes from HYBRIDFLOW_STALL_TIMEOUT_S."""
+    def program(ctl: Controller) -> None:
+        group = ctl.group(Probe, _layout((1, 1, ctl.world_size)), name="actor")
+        group.sleep_on_rank(target, pid_file).get()
+
+    sys.exit(run(program, collective_timeout_s=60))
+
+
 # Strangers at the controller's port ----------------------------------------------------------
 HANDSHAKE_TIMEOUT_S = 2.0
 _STRANGERS: dict = {}  # what rank 1's strangers saw (reported by Probe.knock)
@@ -452,4 +463,5 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     {"checks": lambda: _checks(sys.argv[2]), "raise": _raise,
      "kill": lambda: _kill(sys.argv[2], int(sys.argv[3])),
+     "stall": lambda: _stall(sys.argv[2], int(sys.argv[3])),
      "intruders": lambda: _intruders(sys.argv[2], sys.argv[3])}[mode]()

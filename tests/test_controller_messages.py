@@ -10,8 +10,8 @@ import torch
 
 from rlhf.controller import Batch, wire
 from rlhf.controller.messages import (MESSAGES, Abort, Bye, Call, Challenge, Create, Done,
-                                      Failed, Fetch, GetOutput, Hello, Send, SendOnly, Shutdown,
-                                      Value, Welcome)
+                                      Failed, Fetch, GetOutput, Heartbeat, Hello, Send, SendOnly,
+                                      Shutdown, Value, Welcome)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "rlhf.controller"
@@ -34,6 +34,7 @@ EXAMPLES = [
     Hello(3, "cmd", b"n" * 32, b"m" * 32),
     Welcome(b"w" * 32),
     Abort("the controller failed: RuntimeError: boom"),
+    Heartbeat(2, 4242, "node-a"),
     Create(5, 4, "tests.controller_jobs:Probe", "actor", (0, 1, 2, 3), (1, 2, 2), (1, 2),
            (0.5, None), {"offset": 0.5}, 2.0),
     Create(6, 4, "bench.dispatch:Bench", "critic", (2, 3), (1, 1, 2), (1, 1), (), {}, None),

@@ -11,14 +11,24 @@ the metadata of a future passed to the next call, or a value (:meth:`Future.get`
 read by :meth:`Controller.pump` from whichever ranks have answered.  Any error reply or lost
 connection is raised at the next interaction with the workers, so a failure stops the program
 promptly instead of waiting for the failing call's future.
+
+Stalls.  Every other rank sends a :class:`~rlhf.controller.messages.Heartbeat` on its abort
+connection from a thread of its own; a :class:`HeartbeatMonitor` thread on rank 0 reads them.
+A rank silent for ``stall_timeout_s`` (its process stopped, frozen or swapped out: a rank busy
+in a long call or blocked in a collective still beats) is raised as a ControllerError naming
+it at the controller's next wait, which it wakes for that, instead of the program waiting for
+the 300 s collective timeout.  Nothing of this is on the path of a call.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import selectors
+import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -27,8 +37,8 @@ from hybridflow_comm.layout import HybridLayout
 from rlhf.controller import wire
 from rlhf.controller.calls import CallState
 from rlhf.controller.errors import ControllerError, RankLostError, WorkerError
-from rlhf.controller.messages import (Abort, Bye, Command, Done, Failed, GetOutput, Shutdown,
-                                      Value)
+from rlhf.controller.messages import (Abort, Bye, Command, Done, Failed, GetOutput, Heartbeat,
+                                      Shutdown, Value)
 from rlhf.controller.worker_group import WorkerGroup
 
 
@@ -55,6 +65,105 @@ class TransferStats:
                              self.payload_in - before.payload_in, self.messages - before.messages)
 
 
+def heartbeat_interval(stall_timeout_s: float) -> float:
+    """Seconds between two heartbeats of a rank: a quarter of the stall timeout, at most 1 s."""
+    return min(1.0, stall_timeout_s / 4)
+
+
+class HeartbeatMonitor:
+    """Watches the heartbeats of ranks 1..W-1 on their abort connections (a daemon thread).
+
+    A rank is stalled once ``stall_timeout_s`` passed since its last heartbeat (or since the
+    start); then the monitor records it, writes one byte to ``wake`` (registered in the
+    controller's selector) and stops.  A rank whose connection closes is no longer watched:
+    its command connection reports it as lost.
+
+    Args:
+        ctl_socks: global rank -> abort socket (read here; the controller writes aborts).
+        stall_timeout_s: silence after which a rank counts as stalled.
+        wake: socket written once when a rank stalls.
+    """
+
+    MAX_BYTES = 1 << 16  # a heartbeat is under 100 bytes
+
+    def __init__(self, ctl_socks: Mapping[int, socket.socket], stall_timeout_s: float,
+                 wake: socket.socket) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self.stalled: dict[int, float] = {}
+        """Stalled rank -> seconds since its last heartbeat (set once, by the thread)."""
+        self.beats: dict[int, Heartbeat] = {}
+        """Rank -> its latest heartbeat (pid and host)."""
+        self._socks = dict(ctl_socks)
+        self._wake = wake
+        self._stop = threading.Event()
+        for s in self._socks.values():
+            s.settimeout(stall_timeout_s)  # a frame cut short counts as silence
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="hybridflow-heartbeats")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        tick = heartbeat_interval(self.stall_timeout_s)
+        selector = selectors.DefaultSelector()
+        for rank, s in self._socks.items():
+            selector.register(s, selectors.EVENT_READ, rank)
+        last = dict.fromkeys(self._socks, time.monotonic())
+        try:
+            while not self._stop.is_set():
+                events = selector.select(tick)
+                now = time.monotonic()  # after the wait: a late thread reads what queued up
+                for key, _ in events:
+                    if not self._beat(key.data, now, last):
+                        selector.unregister(key.fileobj)
+                        last.pop(key.data)
+                stalled = {r: now - t for r, t in last.items() if now - t > self.stall_timeout_s}
+                if stalled and not self._stop.is_set():
+                    self.stalled = stalled
+                    self._wake.send(b"!")
+                    return
+        except (OSError, ValueError):
+            if not self._stop.is_set():
+                raise
+        finally:
+            selector.close()
+
+    def _beat(self, rank: int, now: float, last: dict[int, float]) -> bool:
+        """Read one heartbeat of ``rank``; False once its connection is no longer watched."""
+        try:
+            msg, _, _ = wire.recv_msg(self._socks[rank], self.MAX_BYTES)
+        except socket.timeout:
+            return True  # a frame cut short: the rank's silence decides
+        except (ConnectionError, OSError):
+            return False  # gone: the command connection reports it
+        except wire.MessageError as exc:
+            print(f"[hybridflow] controller: stopped watching rank {rank}'s heartbeats: {exc}",
+                  file=sys.stderr, flush=True)
+            return False
+        if not (isinstance(msg, Heartbeat) and msg.rank == rank):
+            print(f"[hybridflow] controller: stopped watching rank {rank}'s heartbeats: it sent "
+                  f"{type(msg).__name__} on its abort connection", file=sys.stderr, flush=True)
+            return False
+        self.beats[rank] = msg
+        last[rank] = now
+        return True
+
+    def resume_stalled(self) -> None:
+        """SIGCONT to every stalled rank that runs on this host, so that a stopped one reads
+        its abort (and takes torchrun's SIGTERM) instead of holding the job until torchrun's
+        30 s shutdown grace ends; a rank on another host is left to its own torchrun."""
+        host = socket.gethostname()
+        for rank in self.stalled:
+            beat = self.beats.get(rank)
+            if beat is not None and beat.host == host and beat.pid > 1:
+                try:
+                    os.kill(beat.pid, signal.SIGCONT)
+                except OSError:
+                    pass
+
+
 class Controller:
     """Handle of the single controller (exists on global rank 0 only).
 
@@ -66,18 +175,26 @@ class Controller:
         call_timeout_s: limit on any single wait for replies (None: wait; collective timeouts
             on the workers still bound every collective).
         max_message_bytes: largest command the controller sends and largest reply it accepts.
+        stall_timeout_s: a rank whose heartbeats stop for this long is raised as stalled (0:
+            no heartbeat monitor; see :class:`HeartbeatMonitor`).
     """
 
     def __init__(self, socks: dict[int, socket.socket], ctl_socks: dict[int, socket.socket],
                  call_timeout_s: float | None = None, *,
-                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+                 stall_timeout_s: float = 0.0) -> None:
         self.world_size = len(socks)
         self._socks = socks
         self._ctl_socks = ctl_socks
-        self._rank_of = {s.fileno(): r for r, s in socks.items()}
         self._selector = selectors.DefaultSelector()
-        for s in socks.values():
-            self._selector.register(s, selectors.EVENT_READ)
+        for r, s in socks.items():
+            self._selector.register(s, selectors.EVENT_READ, r)  # key.data: the rank
+        self._heartbeats: HeartbeatMonitor | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+        if stall_timeout_s > 0 and ctl_socks:
+            self._wake = socket.socketpair()
+            self._selector.register(self._wake[0], selectors.EVENT_READ, None)
+            self._heartbeats = HeartbeatMonitor(ctl_socks, stall_timeout_s, self._wake[1])
         self.call_timeout_s = call_timeout_s
         self.max_message_bytes = max_message_bytes
         self.stats = TransferStats()
@@ -171,7 +288,9 @@ class Controller:
             wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
             events = self._selector.select(wait_s)
             for key, _ in events:
-                self._read(self._rank_of[key.fd])
+                if key.data is None:
+                    raise self._stall_error()
+                self._read(key.data)
             if until() and (timeout_s != 0.0 or not events):
                 return
             if deadline is not None and time.monotonic() >= deadline:
@@ -221,6 +340,18 @@ class Controller:
             case _:
                 raise ControllerError(f"rank {rank} sent {type(msg).__name__}, not a reply")
 
+    def _stall_error(self) -> ControllerError:
+        assert self._heartbeats is not None
+        parts = []
+        for rank, silent_s in sorted(self._heartbeats.stalled.items()):
+            busy = [c.what for c in self._calls.values() if rank in c.ranks
+                    and rank not in c.replies]
+            parts.append(f"rank {rank} stalled: no heartbeat for {silent_s:.1f} s "
+                         + (f"during {', '.join(busy)}" if busy else "while idle"))
+        return ControllerError(
+            f"{'; '.join(parts)} (stall_timeout_s={self._heartbeats.stall_timeout_s:g}: its "
+            f"process is stopped, frozen or swapped out)")
+
     def fetch(self, oid: int, ranks: Sequence[int], what: str) -> CallState:
         """Ask ``ranks`` for their stored output ``oid``; wait for the values."""
         cid = self.next_id()
@@ -244,18 +375,24 @@ class Controller:
         """Tell every rank to exit non-zero now (they may be stuck in a collective).
 
         Lost ranks too: one whose command connection was dropped for a refused message still
-        listens on its abort connection (a dead one just fails the send).
+        listens on its abort connection (a dead one just fails the send).  A stalled rank on
+        this host is resumed to read it (:meth:`HeartbeatMonitor.resume_stalled`).
         """
         for s in self._ctl_socks.values():
             try:
                 wire.send_msg(s, Abort(reason), self.max_message_bytes)
             except (ConnectionError, OSError):
                 pass
+        if self._heartbeats is not None:
+            self._heartbeats.stop()
+            self._heartbeats.resume_stalled()
         self.close()
 
     def close(self) -> None:
         self._closed = True
+        if self._heartbeats is not None:
+            self._heartbeats.stop()  # before its sockets close under it
         self._selector.close()
-        for s in list(self._socks.values()) + list(self._ctl_socks.values()):
+        for s in [*self._socks.values(), *self._ctl_socks.values(), *(self._wake or ())]:
             s.close()
 

@@ -21,7 +21,14 @@ connection closes (killed, crashed) as :class:`RankLostError`.  Either way, if t
 not handle it, rank 0 prints it, tells every other rank to exit (on a second, abort-only
 connection watched by a daemon thread, because their main thread may be stuck in a collective
 with the lost rank), and exits non-zero; torchrun then reports the job as failed.  If rank 0
-disappears, the other ranks see their connections close and exit non-zero too.
+disappears, the other ranks see their connections close and exit non-zero too.  A rank whose
+process stops (SIGSTOP, frozen, swapped out) is caught by its heartbeats: every other rank
+sends one on its abort connection every ``min(1 s, stall_timeout_s / 4)`` from a thread of its
+own, and after ``stall_timeout_s`` (60 s; ``run(stall_timeout_s=...)`` or the environment
+variable ``HYBRIDFLOW_STALL_TIMEOUT_S``, the same on every node; 0 turns it off) without one
+the program gets a ControllerError naming the rank and the job ends as above, instead of
+waiting for the collective timeout.  A stalled rank on rank 0's host is sent SIGCONT after the
+abort so that it can read it; one on another host is stopped by its own torchrun.
 
 Start-up (see :mod:`.rendezvous` and :mod:`.handshake`): rank 0 listens on loopback or on
 MASTER_ADDR's interface and publishes the address and the job's secret in the job's store; every
@@ -43,11 +50,15 @@ from typing import Any, Callable, Mapping
 import torch.distributed as dist
 
 from rlhf.controller import handshake, rendezvous, wire
-from rlhf.controller.controller import Controller
+from rlhf.controller.controller import Controller, heartbeat_interval
 from rlhf.controller.errors import ControllerError
-from rlhf.controller.worker import WorkerRuntime, watch_controller
+from rlhf.controller.worker import WorkerRuntime, send_heartbeats, watch_controller
 
 MAX_MESSAGE_ENV = "HYBRIDFLOW_MAX_MESSAGE_BYTES"
+STALL_TIMEOUT_ENV = "HYBRIDFLOW_STALL_TIMEOUT_S"
+STALL_TIMEOUT_S = 60.0
+"""Default silence after which a rank counts as stalled (far above any GIL or scheduling
+hiccup of a heartbeat thread, far below the 300 s collective timeout)."""
 
 
 def _init_dist(timeout_s: float) -> None:
@@ -73,9 +84,28 @@ def message_limit(max_message_bytes: int | None, env: Mapping[str, str]) -> int:
     return limit
 
 
+def stall_timeout(stall_timeout_s: float | None, env: Mapping[str, str]) -> float:
+    """``stall_timeout_s``, else ``HYBRIDFLOW_STALL_TIMEOUT_S``, else 60 s (0: no heartbeat
+    check); ValueError for anything but a finite number >= 0."""
+    value: Any = stall_timeout_s
+    name = "stall_timeout_s"
+    if value is None:
+        value = env.get(STALL_TIMEOUT_ENV, STALL_TIMEOUT_S)
+        name = STALL_TIMEOUT_ENV
+    try:
+        timeout = float(value)
+    except (TypeError, ValueError):
+        timeout = float("nan")
+    if not 0 <= timeout < float("inf"):
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds >= 0 (0 turns "
+                         f"the heartbeat check off)")
+    return timeout
+
+
 def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 300.0,
         call_timeout_s: float | None = None, hard_exit: bool = True,
-        handshake_timeout_s: float = 10.0, max_message_bytes: int | None = None) -> int:
+        handshake_timeout_s: float = 10.0, max_message_bytes: int | None = None,
+        stall_timeout_s: float | None = None) -> int:
     """Run ``program`` as the single controller on rank 0 and the worker loop on every rank.
 
     Args:
@@ -88,6 +118,8 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
         handshake_timeout_s: limit on one connection's handshake with the controller.
         max_message_bytes: largest control-plane frame either side sends or accepts (None:
             ``HYBRIDFLOW_MAX_MESSAGE_BYTES``, else 1 GiB); the same on every rank.
+        stall_timeout_s: a rank without a heartbeat for this long fails the job naming it
+            (None: ``HYBRIDFLOW_STALL_TIMEOUT_S``, else 60 s; 0: off); the same on every rank.
 
     Returns:
         The exit code: 0 on success, 1 on failure.
@@ -97,12 +129,13 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
     if handshake_timeout_s <= 0:
         raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s}")
     limit = message_limit(max_message_bytes, os.environ)
+    stall_s = stall_timeout(stall_timeout_s, os.environ)
     _init_dist(collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = rendezvous.default_store()
     if rank != 0:
         return _serve_worker(rank, rendezvous.lookup(store, os.environ, rank),
-                             collective_timeout_s, handshake_timeout_s, limit)
+                             collective_timeout_s, handshake_timeout_s, limit, stall_s)
     server, endpoint = rendezvous.open_controller(store, os.environ, world_size)
     try:
         cmd, ctl_socks = handshake.accept_ranks(server, world_size, endpoint.secret,
@@ -119,7 +152,7 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
                               name="hybridflow-worker-0")
     thread.start()
     controller = Controller(dict(sorted(cmd.items())), ctl_socks, call_timeout_s,
-                            max_message_bytes=limit)
+                            max_message_bytes=limit, stall_timeout_s=stall_s)
     try:
         program(controller)
         controller.shutdown()
@@ -156,7 +189,7 @@ def _data_group(world_size: int, timeout_s: float) -> Any:
 
 
 def _serve_worker(rank: int, endpoint: rendezvous.Endpoint, timeout_s: float,
-                  handshake_timeout_s: float, max_message_bytes: int) -> int:
+                  handshake_timeout_s: float, max_message_bytes: int, stall_s: float) -> int:
     wait_s = max(timeout_s, handshake_timeout_s)  # rank 0 may still be busy with other ranks
     try:
         cmd = handshake.connect(endpoint.host, endpoint.port, rank, "cmd", endpoint.secret,
@@ -166,6 +199,9 @@ def _serve_worker(rank: int, endpoint: rendezvous.Endpoint, timeout_s: float,
     except ControllerError as exc:
         print(f"[hybridflow] rank {rank}: {exc}", file=sys.stderr, flush=True)
         return 1
+    if stall_s > 0:
+        threading.Thread(target=send_heartbeats, args=(ctl, rank, heartbeat_interval(stall_s)),
+                         daemon=True, name="hybridflow-heartbeat").start()
     data_pg = _data_group(dist.get_world_size(), timeout_s)
     runtime = WorkerRuntime(rank, cmd, data_pg, timeout_s, max_message_bytes=max_message_bytes)
     threading.Thread(target=watch_controller, args=(ctl, rank, runtime), daemon=True,

@@ -12,6 +12,7 @@ over a socket pair and needs no handshake)::
         Shutdown -------------------------------------->    stop the command loop
         <----------------------------------------- Bye
         Abort(reason) --------------------------------->    (abort socket) exit 1 now
+        <---------------------- Heartbeat(rank, pid, host)  (abort socket) every interval
 
 Data plane plans ride inside commands: a :class:`Fetch` stands in for a call argument whose rows
 the consumer rank receives from producer ranks, a :class:`Send` is one producer's order to send
@@ -106,7 +107,7 @@ class Hello:
     rank: int
     """Global rank of the sender."""
     channel: str
-    """``"cmd"`` (commands and replies) or ``"ctl"`` (abort only)."""
+    """``"cmd"`` (commands and replies) or ``"ctl"`` (aborts; heartbeats the other way)."""
     nonce: bytes
     """32 random bytes of the rank, which :class:`Welcome` must cover."""
     mac: bytes
@@ -127,6 +128,21 @@ class Abort:
 
     reason: str
     """One line the rank prints before it exits."""
+
+
+@message
+class Heartbeat:
+    """Rank -> controller on the abort socket, from a thread of its own, every heartbeat
+    interval: the rank's process runs (a busy or blocked main thread still beats; a stopped
+    process does not)."""
+
+    rank: int
+    """Global rank of the sender."""
+    pid: int
+    """Process id of the sender (the controller resumes a stopped rank on its own host, so
+    that the rank can read the abort)."""
+    host: str
+    """Host name of the sender (``socket.gethostname()``)."""
 
 
 # Commands (controller -> rank) -------------------------------------------------------------

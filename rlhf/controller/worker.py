@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -35,7 +36,7 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.controller import wire
 from rlhf.controller.batch import Batch
 from rlhf.controller.messages import (Abort, Bye, Call, Create, Done, Failed, Fetch, GetOutput,
-                                      Reply, Send, SendOnly, Shutdown, Value)
+                                      Heartbeat, Reply, Send, SendOnly, Shutdown, Value)
 
 
 class Worker:
@@ -256,3 +257,17 @@ def watch_controller(ctl_sock: socket.socket, rank: int, runtime: WorkerRuntime)
         reason = f"refused a message on the abort connection: {exc}"
     print(f"[hybridflow] rank {rank}: stopping: {reason}", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def send_heartbeats(ctl_sock: socket.socket, rank: int, interval_s: float) -> None:
+    """Tell the controller every ``interval_s`` that this process runs (daemon thread, on the
+    abort connection, which only this thread writes).  It needs nothing but the GIL, so a main
+    thread busy in a call or blocked in a collective does not silence it; a stopped process
+    does.  Ends when the connection closes (the job ended)."""
+    frame = wire.frame(Heartbeat(rank, os.getpid(), socket.gethostname()))
+    while True:
+        try:
+            wire.send_frame(ctl_sock, frame)
+        except (ConnectionError, OSError):
+            return
+        time.sleep(interval_s)
