@@ -18,15 +18,15 @@ from engine.hf_interop import stream_hf_checkpoint
 from engine.hybrid_engine import HybridEngine
 from engine.sampling import SamplingParams
 from engine.train import TrainEngine
-from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
+from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, protocol
 from rlhf.programs import algorithm
-from rlhf.workers.common import (ShardCheckpoint, build_model, loss_denominator, mean_row,
-                                 minibatches, model_inputs, response_head_from,
+from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model, loss_denominator,
+                                 mean_row, minibatches, model_inputs, response_head_from,
                                  response_outputs)
 from rlhf.workers.specs import ActorSpec, ModelSpec
 
 
-class ActorWorker(Worker):
+class ActorWorker(CheckpointedWorker):
     """The policy: generation (HybridEngine), log-probs and the PPO-style update."""
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -99,23 +99,6 @@ class ActorWorker(Worker):
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
         return mean_row(records)
 
-    @protocol(ONE_TO_ALL)
-    def save_checkpoint(self, folder: str) -> None:
-        """Start writing this rank's blocks of the weights and Adam state into the DCP
-        folder ``folder`` (every rank its own file, in a background thread); returns once
-        they are copied."""
-        self.checkpoint.start_save(folder)
-
-    @protocol(ONE_TO_ALL)
-    def finish_checkpoint(self) -> None:
-        """Wait for the pending save's files; the role's rank 0 writes its index."""
-        self.checkpoint.finish_save()
-
-    @protocol(ONE_TO_ALL)
-    def load_checkpoint(self, folder: str) -> None:
-        """Load the weights and Adam state from a DCP folder of any layout (this rank's
-        chunks only)."""
-        self.checkpoint.load(folder)
 
     @protocol(ONE_TO_ALL)
     def save_hf(self, folder: str) -> None:
@@ -124,7 +107,7 @@ class ActorWorker(Worker):
         stream_hf_checkpoint(self.model, folder)
 
 
-class ReferenceWorker(Worker):
+class ReferenceWorker(CheckpointedWorker):
     """The frozen initial policy: log-probs for the KL term."""
 
     def __init__(self, model: ModelSpec) -> None:
@@ -138,19 +121,3 @@ class ReferenceWorker(Worker):
         if outs is None:
             return None
         return Batch({"ref_log_probs": response_outputs(outs[0]["log_probs"], batch)})
-
-    @protocol(ONE_TO_ALL)
-    def save_checkpoint(self, folder: str) -> None:
-        """Start writing this rank's blocks of the weights into the DCP folder ``folder``
-        (every rank its own file, in a background thread); returns once they are copied."""
-        self.checkpoint.start_save(folder)
-
-    @protocol(ONE_TO_ALL)
-    def finish_checkpoint(self) -> None:
-        """Wait for the pending save's files; the role's rank 0 writes its index."""
-        self.checkpoint.finish_save()
-
-    @protocol(ONE_TO_ALL)
-    def load_checkpoint(self, folder: str) -> None:
-        """Load the weights from a DCP folder of any layout (this rank's chunks only)."""
-        self.checkpoint.load(folder)

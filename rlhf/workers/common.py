@@ -28,7 +28,7 @@ from engine.train import TrainEngine
 from hybridflow_comm.groups import Group, HybridGroups
 from rlhf.algos import agg_count, agg_denominator
 from rlhf.checkpoint import MOMENTS, OPTIM_STEP, Block, ShardedSave, load_blocks, moment_key
-from rlhf.controller import Batch
+from rlhf.controller import ONE_TO_ALL, Batch, Worker, protocol
 from rlhf.workers.specs import ModelSpec
 
 
@@ -219,3 +219,27 @@ class ShardCheckpoint:
                         "step": torch.tensor(float(n)),
                         **{m: moments[m][name] for m in MOMENTS}}
         return read
+
+
+class CheckpointedWorker(Worker):
+    """A role worker with a sharded checkpoint: its constructor sets ``self.checkpoint`` (a
+    :class:`ShardCheckpoint`, of the weights and, for a trained role, the Adam state); these
+    are the checkpoint calls every role answers."""
+
+    checkpoint: ShardCheckpoint
+
+    @protocol(ONE_TO_ALL)
+    def save_checkpoint(self, folder: str) -> None:
+        """Start writing this rank's blocks into the DCP folder ``folder`` (every rank its own
+        file, in a background thread); returns once they are copied."""
+        self.checkpoint.start_save(folder)
+
+    @protocol(ONE_TO_ALL)
+    def finish_checkpoint(self) -> None:
+        """Wait for the pending save's files; the role's rank 0 writes its index."""
+        self.checkpoint.finish_save()
+
+    @protocol(ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        """Load from a DCP folder of any layout (this rank's chunks only)."""
+        self.checkpoint.load(folder)

@@ -11,15 +11,15 @@ import functools
 import torch
 
 from engine.train import TrainEngine
-from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
+from rlhf.controller import THREE_D_PROTO, Batch, protocol
 from rlhf.programs import algorithm
-from rlhf.workers.common import (ShardCheckpoint, build_model, loss_denominator, mean_row,
-                                 minibatches, model_inputs, response_head_from,
+from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model, loss_denominator,
+                                 mean_row, minibatches, model_inputs, response_head_from,
                                  response_outputs)
 from rlhf.workers.specs import CriticSpec
 
 
-class CriticWorker(Worker):
+class CriticWorker(CheckpointedWorker):
     """Value model: ``compute_values`` and ``update_critic``."""
 
     def __init__(self, spec: CriticSpec) -> None:
@@ -64,21 +64,3 @@ class CriticWorker(Worker):
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})
         return mean_row(records)
-
-    @protocol(ONE_TO_ALL)
-    def save_checkpoint(self, folder: str) -> None:
-        """Start writing this rank's blocks of the weights and Adam state into the DCP
-        folder ``folder`` (every rank its own file, in a background thread); returns once
-        they are copied."""
-        self.checkpoint.start_save(folder)
-
-    @protocol(ONE_TO_ALL)
-    def finish_checkpoint(self) -> None:
-        """Wait for the pending save's files; the role's rank 0 writes its index."""
-        self.checkpoint.finish_save()
-
-    @protocol(ONE_TO_ALL)
-    def load_checkpoint(self, folder: str) -> None:
-        """Load the weights and Adam state from a DCP folder of any layout (this rank's
-        chunks only)."""
-        self.checkpoint.load(folder)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from engine.train import TrainEngine
-from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
+from rlhf.controller import THREE_D_PROTO, Batch, protocol
 from rlhf.task import CompositeReward, load_tokenizer
 from rlhf.task.reward_fn import FunctionReward
-from rlhf.workers.common import (ShardCheckpoint, build_model, last_token_index, model_inputs,
-                                 prompt_width)
+from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model, last_token_index,
+                                 model_inputs, prompt_width)
 from rlhf.workers.specs import ScoreSpec
 
 
@@ -31,7 +31,7 @@ def model_scores(engine: TrainEngine, batch: Batch) -> torch.Tensor | None:
     return outs[0]["values"].gather(1, idx[:, None]).squeeze(1)
 
 
-class _ScoreWorker(Worker):
+class _ScoreWorker(CheckpointedWorker):
     key = "scores"
 
     def __init__(self, args: ScoreSpec) -> None:
@@ -74,21 +74,6 @@ class _ScoreWorker(Worker):
         out[self.key] = total
         return Batch(out)
 
-    @protocol(ONE_TO_ALL)
-    def save_checkpoint(self, folder: str) -> None:
-        """Start writing this rank's blocks of the weights into the DCP folder ``folder``
-        (every rank its own file, in a background thread); returns once they are copied."""
-        self.checkpoint.start_save(folder)
-
-    @protocol(ONE_TO_ALL)
-    def finish_checkpoint(self) -> None:
-        """Wait for the pending save's files; the role's rank 0 writes its index."""
-        self.checkpoint.finish_save()
-
-    @protocol(ONE_TO_ALL)
-    def load_checkpoint(self, folder: str) -> None:
-        """Load the weights from a DCP folder of any layout (this rank's chunks only)."""
-        self.checkpoint.load(folder)
 
 
 class RewardWorker(_ScoreWorker):
