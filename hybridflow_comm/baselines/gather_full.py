@@ -119,75 +119,67 @@ class GatherThenSlice:
         return scratch.numel()
 
 
-class DsChat:
-    """DeepSpeed-Chat's transition (``method = "ds_chat"``): the whole model over all ranks.
+class _GatherFull:
+    """A baseline that gathers a whole model copy, then slices every generation shard out of
+    it; subclasses name the group the copy is gathered over (:meth:`gathered_over`).
 
     Implements :class:`~hybridflow_comm.transition.Transition`.  Args as for
     :class:`~hybridflow_comm.reshard.Resharder`; ``bucket_bytes`` is checked but unused (one
     all-gather moves the model) and ``buffer`` must be on CPU.
     """
+
+    method: str
+
+    @staticmethod
+    def gathered_over(groups: HybridGroups):
+        """``(group, replicas)``: the group one model copy is gathered over, and how many
+        copies the world holds."""
+        raise NotImplementedError
+
+    def __init__(self, specs: list[ShardSpec], groups: HybridGroups, *,
+                 bucket_bytes: int = BUCKET_BYTES, verify_every: bool = False,
+                 ledger: CommLedger | None = None, buffer: FlatParamBuffer | None = None,
+                 backend: comm.Backend = comm.TORCH) -> None:
+        check_bucket_bytes(bucket_bytes)
+        _check_cpu(buffer, self.method)
+        self.weights = HybridWeights(specs, groups, self.method, verify_every=verify_every,
+                                     ledger=ledger, buffer=buffer)
+        self._fill = GatherThenSlice(self.weights, *self.gathered_over(groups), backend)
+        self._last: TransitionStats | None = None
+
+    def to_generation(self) -> TransitionStats:
+        """Gather the model copy, then slice every generation shard out of it."""
+        self._last = self.weights.enter_generation(self._fill)
+        return self._last
+
+    def to_training(self, release: bool = True) -> int:
+        """Back to the training layout; returns the bytes of generation-only pages released."""
+        return self.weights.enter_training(release)
+
+    def accounting(self) -> TransitionStats | None:
+        """Stats of the last :meth:`to_generation` (None before the first)."""
+        return self._last
+
+
+class DsChat(_GatherFull):
+    """DeepSpeed-Chat's transition (``method = "ds_chat"``): the whole model over all ranks."""
 
     method = "ds_chat"
 
-    def __init__(self, specs: list[ShardSpec], groups: HybridGroups, *,
-                 bucket_bytes: int = BUCKET_BYTES, verify_every: bool = False,
-                 ledger: CommLedger | None = None, buffer: FlatParamBuffer | None = None,
-                 backend: comm.Backend = comm.TORCH) -> None:
-        check_bucket_bytes(bucket_bytes)
-        _check_cpu(buffer, self.method)
-        self.weights = HybridWeights(specs, groups, self.method, verify_every=verify_every,
-                                     ledger=ledger, buffer=buffer)
-        self._fill = GatherThenSlice(self.weights, groups.world, groups.layout.train.dp, backend)
-        self._last: TransitionStats | None = None
-
-    def to_generation(self) -> TransitionStats:
-        """Gather the whole model, then slice every generation shard out of it."""
-        self._last = self.weights.enter_generation(self._fill)
-        return self._last
-
-    def to_training(self, release: bool = True) -> int:
-        """Back to the training layout; returns the bytes of generation-only pages released."""
-        return self.weights.enter_training(release)
-
-    def accounting(self) -> TransitionStats | None:
-        """Stats of the last :meth:`to_generation` (None before the first)."""
-        return self._last
+    @staticmethod
+    def gathered_over(groups: HybridGroups):
+        return groups.world, groups.layout.train.dp
 
 
-class HybridFlowV:
+class HybridFlowV(_GatherFull):
     """HybridFlow-V's transition (``method = "hybridflow_v"``): the whole model inside the
-    training model-parallel group.
-
-    Implements :class:`~hybridflow_comm.transition.Transition`.  Args as for
-    :class:`~hybridflow_comm.reshard.Resharder`; ``bucket_bytes`` is checked but unused (one
-    all-gather moves the model) and ``buffer`` must be on CPU.
-    """
+    training model-parallel group."""
 
     method = "hybridflow_v"
 
-    def __init__(self, specs: list[ShardSpec], groups: HybridGroups, *,
-                 bucket_bytes: int = BUCKET_BYTES, verify_every: bool = False,
-                 ledger: CommLedger | None = None, buffer: FlatParamBuffer | None = None,
-                 backend: comm.Backend = comm.TORCH) -> None:
-        check_bucket_bytes(bucket_bytes)
-        _check_cpu(buffer, self.method)
-        self.weights = HybridWeights(specs, groups, self.method, verify_every=verify_every,
-                                     ledger=ledger, buffer=buffer)
-        self._fill = GatherThenSlice(self.weights, groups.train_mp, 1, backend)
-        self._last: TransitionStats | None = None
-
-    def to_generation(self) -> TransitionStats:
-        """Gather the training replica's model, then slice every generation shard out of it."""
-        self._last = self.weights.enter_generation(self._fill)
-        return self._last
-
-    def to_training(self, release: bool = True) -> int:
-        """Back to the training layout; returns the bytes of generation-only pages released."""
-        return self.weights.enter_training(release)
-
-    def accounting(self) -> TransitionStats | None:
-        """Stats of the last :meth:`to_generation` (None before the first)."""
-        return self._last
+    @staticmethod
+    def gathered_over(groups: HybridGroups):
+        return groups.train_mp, 1
 
 
 def _check_cpu(buffer: FlatParamBuffer | None, method: str) -> None:
