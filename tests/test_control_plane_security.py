@@ -30,6 +30,7 @@ from rlhf.controller.messages import MESSAGES, Abort, Call, Challenge, Hello, as
 from rlhf.controller.protocols import ONE_TO_ALL, protocol
 from rlhf.controller.worker import WorkerRuntime
 from tests.controller_jobs import HANDSHAKE_TIMEOUT_S, code_payloads, frame_of
+from tests.values import same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"s" * 32
@@ -133,22 +134,6 @@ def test_malformed_frames_are_refused():
 
 
 # What the runtime sends still travels ---------------------------------------------------------
-def _same(a, b) -> bool:
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, Batch):
-        return a.equal(b)
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
 
 
 def test_plain_values_tensors_and_numpy_roundtrip():
@@ -168,7 +153,7 @@ def test_plain_values_tensors_and_numpy_roundtrip():
         "registered": Registered("r", (1, torch.ones(2))),
         "batch": Batch({"x": torch.ones(2, 2)}, {"uid": ["a", "b"]}, {"t": 0.5}),
     }
-    assert _same(wire.loads(wire.dumps(value)), value)
+    assert same(wire.loads(wire.dumps(value)), value)
 
 
 def _runtime_objects() -> list:
@@ -190,7 +175,7 @@ def _runtime_objects() -> list:
 
 def test_runtime_specs_and_configs_roundtrip():
     objects = _runtime_objects()
-    assert _same(wire.loads(wire.dumps(objects)), objects)
+    assert same(wire.loads(wire.dumps(objects)), objects)
 
 
 def _dataclasses_in(tp, seen: set) -> None:

@@ -12,6 +12,7 @@ from rlhf.controller import Batch, wire
 from rlhf.controller.messages import (MESSAGES, Abort, Bye, Call, Challenge, Create, Done,
                                       Failed, Fetch, GetOutput, Heartbeat, Hello, Send, SendOnly,
                                       Shutdown, Value, Welcome)
+from tests.values import same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "rlhf.controller"
@@ -51,23 +52,6 @@ EXAMPLES = [
 ]
 
 
-def _same(a, b) -> bool:
-    """Equal values, tensors bit-exact with their dtype, of the same types all the way down."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, Batch):
-        return a.equal(b)
-    if dataclasses.is_dataclass(a):
-        return all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
 def test_every_message_class_has_an_example():
     assert {type(m) for m in EXAMPLES} == set(MESSAGES)
 
@@ -79,14 +63,14 @@ def test_message_roundtrips_field_by_field(msg):
     names = [f.name for f in dataclasses.fields(msg)]
     assert [f.name for f in dataclasses.fields(back)] == names
     for name in names:
-        assert _same(getattr(back, name), getattr(msg, name)), name
+        assert same(getattr(back, name), getattr(msg, name)), name
 
 
 def test_messages_inside_other_objects_roundtrip():
     """Messages nested in containers are pickled by their own reduction, not the frame kind."""
     obj = {"plans": [FETCH, SEND], "call": CALL}
     back = wire.loads(wire.dumps(obj))
-    assert _same(back, obj)
+    assert same(back, obj)
 
 
 def test_unknown_message_kind_is_refused():
