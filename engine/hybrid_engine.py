@@ -30,7 +30,7 @@ import torch
 
 from engine.generation import GenerationEngine, GenerationOutput, check_prompts
 from engine.model import ParallelLlama
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, derive_seed
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.reshard import Resharder, TransitionStats
@@ -111,7 +111,8 @@ class HybridEngine:
             input_ids: ``[B, P]`` left-padded prompts of this DP rank (the same on every rank
                 of the training replica); ``B`` must be divisible by the micro-DP size.
             attention_mask: ``[B, P]`` (default all ones).
-            sampling: settings; generation replica ``dp_g`` samples with ``seed + dp_g``.
+            sampling: settings; generation replica ``dp_g`` samples with its own stream,
+                ``derive_seed(seed, "replica", dp_g)``.
 
         Returns:
             The :class:`GenerationOutput` of all ``B`` rows in prompt order (training data
@@ -133,7 +134,7 @@ class HybridEngine:
         rows = slice(k * batch // m, (k + 1) * batch // m)
         mine = self.rollout.generate(
             input_ids[rows], mask[rows],
-            replace(sampling, seed=sampling.seed + coords.dp_g))
+            replace(sampling, seed=derive_seed(sampling.seed, "replica", coords.dp_g)))
         t0 = time.perf_counter()
         gathered = GenerationOutput(
             input_ids=_all_gather_rows(mine.input_ids, group),

@@ -23,12 +23,23 @@ sequence, so rollout and training can be compared token by token.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 
 import torch
 
 from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import Group
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed for the random stream named by ``parts`` (run seed, purpose, step,
+    replica, ...): a 64-bit hash, so streams of different names never overlap the way sums
+    do (``seed + step + replica`` gives step s, replica r the stream of step s + 1, replica
+    r - 1)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import inspect
 import os
 
 from engine.hf_interop import INDEX_FILE, SINGLE_FILE, read_hf_head
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, derive_seed
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.checkpoint import resolve_resume
 from rlhf.config import MAX_MODEL_PARAMS, Config, WorldPlan
@@ -190,11 +190,12 @@ def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> Cr
 
 def sampling_of(cfg: Config, step: int, tokenizer,
                 greedy: bool = False) -> SamplingParams:
-    """Rollout sampling of iteration ``step`` (seeded by run seed and step: resumable)."""
+    """Rollout sampling of iteration ``step``: its own random stream, a pure function of the
+    run seed and the step (resumable; each generation replica derives its own from it)."""
     return SamplingParams(max_new_tokens=cfg.data.max_response_len,
                           temperature=0.0 if greedy else cfg.data.temperature,
                           eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-                          seed=cfg.seed * 1_000_003 + step)
+                          seed=derive_seed(cfg.seed, "rollout", step))
 
 
 def _rule_group(ctl: Controller, plan: WorldPlan, cls: type, args: ScoreSpec,

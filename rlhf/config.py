@@ -65,8 +65,8 @@ MAX_ROLLOUT_TOKENS = 2**31
 MAX_MODEL_PARAMS = 2**40
 """Largest model a config accepts, in parameters estimated from its architecture."""
 SEED_LIMIT = 2**32
-"""Seeds lie in ``[0, SEED_LIMIT)``: the sampling seed ``seed * 1_000_003 + step`` then fits a
-64-bit generator seed."""
+"""Seeds lie in ``[0, SEED_LIMIT)`` (a run's seed; the sampling streams are hashed from it,
+:func:`engine.sampling.derive_seed`)."""
 
 
 def _positive(**values: int | float) -> None:

@@ -258,3 +258,24 @@ def test_unfiltered_sampling_without_tp_equals_the_gathered_path():
         ref_lp = (ref_z.double() - torch.logsumexp(z.double(), dim=-1)).float()
         assert torch.equal(tok, ref_tok)
         assert torch.equal(lp, ref_lp)
+
+
+def test_random_streams_of_steps_and_replicas_never_coincide():
+    """Every (run seed, step, replica) gets its own stream: the rollout seed of a step and each
+    generation replica's seed derived from it are all distinct (the former seed + step +
+    replica gave replica r at step s the stream of replica r - 1 at step s + 1)."""
+    from engine.sampling import derive_seed
+
+    streams = {}
+    for seed in range(3):
+        for step in range(200):
+            rollout = derive_seed(seed, "rollout", step)
+            for replica in range(16):
+                key = derive_seed(rollout, "replica", replica)
+                assert key not in streams, ((seed, step, replica), streams.get(key))
+                assert 0 <= key < 2**63
+                streams[key] = (seed, step, replica)
+    old = {seed * 1_000_003 + step + replica for seed in range(3) for step in range(200)
+           for replica in range(16)}
+    assert len(old) < 3 * 200 * 16  # what the old formula did
+    assert derive_seed(0, "rollout", 1) == derive_seed(0, "rollout", 1)  # a pure function

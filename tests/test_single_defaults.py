@@ -74,7 +74,8 @@ def code_defaults(path: pathlib.Path) -> list[tuple[str, int, str]]:
 
 
 # ``seed`` is the run's seed in the config; the engine's seeds are per-call RNG seeds that the
-# runtime derives from it (SamplingParams.seed = seed * 1_000_003 + step), another quantity.
+# runtime derives from it (SamplingParams.seed = derive_seed(seed, "rollout", step)), another
+# quantity.
 NOT_THE_SAME_QUANTITY = {"seed"}
 
 
