@@ -157,12 +157,15 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         lse = torch.logsumexp(z.double(), dim=-1)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id
-    if params.greedy and whole_vocab:
+    # top_k == 1 keeps one token, the most likely: greedy's choice, ties to the lowest id
+    # (torch.topk's order among equal logits is unspecified), with no random draw
+    argmax_only = params.greedy or params.top_k == 1
+    if argmax_only and whole_vocab:
         return arg, lmax - torch.logsumexp(z, dim=-1)
     v_local = z.shape[-1]
     start = (0 if group is None else group.rank) * v_local
     lsum = torch.exp(z - lmax.unsqueeze(-1)).sum(dim=-1)
-    if params.greedy:
+    if argmax_only:
         packed = torch.stack([lmax.double(), lsum.double(), (arg + start).double()], dim=-1)
         table = _all_gather(packed, group)  # [t, B, 3]
         lse = _log_normaliser(table[..., 0], table[..., 1])

@@ -279,3 +279,20 @@ def test_random_streams_of_steps_and_replicas_never_coincide():
            for replica in range(16)}
     assert len(old) < 3 * 200 * 16  # what the old formula did
     assert derive_seed(0, "rollout", 1) == derive_seed(0, "rollout", 1)  # a pure function
+
+
+def test_top_k_one_breaks_ties_like_greedy():
+    """top_k=1 is greedy: among equal top logits both take the lowest id (torch.topk's order
+    is unspecified), with the model's log-prob of that token, and draw no random number."""
+    from engine.sampling import sample_next
+
+    for vocab, tied in ((16, [3, 7, 11]), (4096, [2000, 100, 4000]), (8, [5, 6])):
+        z = torch.randn(4, vocab)
+        z[:, tied] = z.max() + 1.0
+        greedy = sample_next(z, SamplingParams(temperature=0.0), None, None)
+        g = torch.Generator().manual_seed(3)
+        state = g.get_state()
+        top1 = sample_next(z, SamplingParams(temperature=0.7, top_k=1), None, g)
+        assert top1[0].tolist() == greedy[0].tolist() == [min(tied)] * 4
+        torch.testing.assert_close(top1[1], torch.log_softmax(z, -1)[:, min(tied)])
+        assert torch.equal(g.get_state(), state)
