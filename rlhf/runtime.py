@@ -23,7 +23,7 @@ import shutil
 import time
 
 from rlhf.algos import LagrangeMultiplier, make_kl_controller
-from rlhf.builders import build_roles, check_run, sampling_of, task_of, tokenizer_of
+from rlhf.builders import build_roles, sampling_of, task_of, tokenizer_of
 from rlhf.evaluation import Evaluator
 from rlhf.prompts import encode_prompts, fitting_prompts
 from rlhf.checkpoint import (PendingCheckpoint, begin_checkpoint, capture_rng_state,
@@ -142,8 +142,7 @@ def iteration_of(cfg: Config, state: RunState, tok, timer: PhaseTimer
 
 def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     """Run ``cfg`` on the controller's job; returns the metric records this process logged."""
-    tok = tokenizer_of(cfg)
-    check_run(cfg, tok)
+    tok = tokenizer_of(cfg)  # cfg passed check_run on every rank before launch (rlhf.train)
     run_dir = cfg.log.run_dir
     root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     resume_from = resolve_resume(cfg.checkpoint.resume, root)

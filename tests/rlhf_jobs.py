@@ -22,7 +22,7 @@ import traceback
 from rlhf.config import load_config, validate_for_world
 from rlhf.controller import Controller, ControllerError, run
 from rlhf.planner.config_bridge import resolve_config
-from rlhf.builders import build_roles, tokenizer_of
+from rlhf.builders import build_roles, check_run, tokenizer_of
 from rlhf.runtime import RunState, restore, save, train
 from rlhf.train import single_process_env
 
@@ -46,6 +46,7 @@ def main(spec_path: str, out_path: str) -> int:
     for name, overrides in spec.items():  # every rank validates every run before any work
         cfg = resolve_config(load_config(base_overrides(overrides) + overrides), world)
         plans[name] = (cfg, validate_for_world(cfg, world))
+        check_run(cfg, tokenizer_of(cfg))  # as rlhf.train does before any process group
 
     def program(ctl: Controller) -> None:
         out = {}
