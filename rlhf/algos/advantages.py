@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, ReMax, GRPO, RLOO, REINFORCE++.
+"""Advantage estimators: GAE, ReMax, GRPO, RLOO, REINFORCE++ (with and without a group
+baseline), Dr. GRPO, OPO, pass@k.
 
 Shapes: token-level tensors are ``[B, T]`` over response positions with a response mask
 ``[B, T]``; sequence scores are ``[B]``.  Every estimator returns ``(advantages, returns)``, both
@@ -20,8 +21,11 @@ of identical scores gets an advantage of exactly 0.
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -228,3 +232,159 @@ def _check_unit(name: str, value: float) -> None:
 def _check_rows(name: str, t: torch.Tensor, mask: torch.Tensor) -> None:
     if t.dim() != 1 or t.shape[0] != mask.shape[0]:
         raise ValueError(f"{name} must have shape [B]=[{mask.shape[0]}], got {tuple(t.shape)}")
+
+
+# Outcome estimators with group baselines: REINFORCE++-baseline, Dr. GRPO, OPO, pass@k ----------
+def _row_groups(group: Sequence | torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+    """Dense group index ``[B]`` and the number of groups; ValueError unless one id per row."""
+    idx = group_index(group)
+    if idx.shape[0] != rows:
+        raise ValueError(f"group has {idx.shape[0]} ids but token_rewards has {rows} rows")
+    return idx, (int(idx.max()) + 1 if rows else 0)
+
+
+def reinforce_pp_baseline(token_rewards: torch.Tensor, mask: torch.Tensor,
+                          group: Sequence | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu et al. 2025, "REINFORCE++"; verl's
+    ``reinforce_plus_plus_baseline``).
+
+    With ``s_i = sum_t m r`` the row's score and ``mu_g`` the mean score of its group::
+
+        b_i = s_i - mu_g                  (a group of one keeps b_i = s_i, as in verl)
+        A   = whiten(b broadcast to the valid tokens)   over all masked tokens of the batch
+        R   = b broadcast to the valid tokens           (centred, not whitened)
+
+    The group mean is taken in float64 (:class:`GroupStats`), so a group of identical scores has
+    ``b = 0`` exactly; the whitening runs in float64 too.  Both results are in the dtype of
+    ``token_rewards``.
+
+    Args:
+        token_rewards: ``[B, T]`` per-token rewards (KL penalty folded in, if any).
+        mask: ``[B, T]`` response mask.
+        group: one id per row (the prompt uid).
+    Returns:
+        ``(advantages, returns)``, ``[B, T]`` each, 0 off the mask.
+    """
+    check_same_shape(mask, token_rewards=token_rewards)
+    with torch.no_grad():
+        s = masked_sum(token_rewards, mask, -1).to(torch.float64)
+        st = _group_stats(s, group)
+        centred, returns = _broadcast(torch.where(st.n == 1, s, st.centred), mask)
+        adv = masked_whiten(centred, mask)
+        return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
+
+
+def dr_grpo(token_rewards: torch.Tensor, mask: torch.Tensor, group: Sequence | torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective")
+    estimator: ``A_i = s_i - mu_g`` on every valid token, no division by the group std.
+
+    This is the estimator half of Dr. GRPO; the other half is the length-unbiased loss
+    aggregation ``seq-mean-token-sum-norm`` (:func:`rlhf.algos.masked.agg_loss`).  Same as
+    :func:`grpo` with ``norm_by_std=False`` (a group of one keeps its score).
+    """
+    return grpo(token_rewards, mask, group, norm_by_std=False)
+
+
+def opo(token_rewards: torch.Tensor, mask: torch.Tensor, group: Sequence | torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline"): length-weighted
+    group baseline.
+
+    The variance-optimal baseline ``E[|grad log pi|^2 s] / E[|grad log pi|^2]`` with the
+    squared gradient norm approximated by the response length ``L_j = sum_t m_jt``::
+
+        b_g = sum_{j in g} L_j s_j / sum_{j in g} L_j
+        A_i = s_i - b_g            on every valid token of row i;  returns = A
+
+    All-masked rows (``L = 0``) get 0 and do not enter the baseline; a group of one has
+    ``A = 0``.  Computed in float64 on scores shifted by the group's first non-empty row, so a
+    group of identical scores gets ``A = 0`` exactly and a shared offset never enters a sum.
+    Results are in the dtype of ``token_rewards``.
+    """
+    check_same_shape(mask, token_rewards=token_rewards)
+    rows = mask.shape[0]
+    idx, n_groups = _row_groups(group, rows)
+    with torch.no_grad():
+        s = masked_sum(token_rewards, mask, -1).to(torch.float64)
+        length = mask.bool().sum(-1).to(torch.float64)
+        live = length > 0
+        pos = torch.arange(rows)
+        first = torch.full((n_groups,), rows, dtype=torch.long).scatter_reduce(
+            0, idx[live], pos[live], reduce="amin")      # `rows` for a group with no tokens
+        ref = torch.cat([s, s.new_zeros(1)])[first]
+        zero = s.new_zeros(())
+        d = torch.where(live, s - ref[idx], zero)
+        zeros = torch.zeros(n_groups, dtype=torch.float64)
+        base = (zeros.index_add(0, idx, length * d)
+                / zeros.index_add(0, idx, length).clamp(min=1))
+        adv, returns = _broadcast(torch.where(live, d - base[idx], zero), mask)
+        return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
+
+
+def passk_group_advantages(n: int, n_neg: int, k: int) -> tuple[float, float]:
+    """``(A_pos, A_neg)`` of the analytic pass@k advantage for a group of ``n`` samples with
+    ``n_neg`` incorrect ones (see :func:`grpo_passk`); ``(0, 0)`` when ``sigma == 0``.
+
+    Exact rational arithmetic (:class:`fractions.Fraction` of ``math.comb``) up to the square
+    root, so ``sigma == 0`` is decided exactly.
+    """
+    r_bar = 1 - Fraction(math.comb(n_neg, k), math.comb(n, k))
+    var = r_bar * (1 - r_bar)
+    if var == 0:        # every k-subset passes (n_neg < k) or none does (n_neg == n)
+        return 0.0, 0.0
+    sigma = math.sqrt(var)
+    a_neg = 1 - r_bar - Fraction(math.comb(n_neg - 1, k - 1), math.comb(n - 1, k - 1))
+    return float(1 - r_bar) / sigma, float(a_neg) / sigma
+
+
+def grpo_passk(token_rewards: torch.Tensor, mask: torch.Tensor, group: Sequence | torch.Tensor,
+               k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k advantage, analytic form (Chen et al. 2025, "Pass@k Training for Adaptively
+    Balancing Exploration and Exploitation of Large Reasoning Models").
+
+    The scores ``s_i = sum_t m r`` must be binary (correct 1, incorrect 0).  For a group of
+    ``N`` samples with ``N_neg`` incorrect, the reward of a k-subset is 1 if it holds a correct
+    sample; over all ``C(N, k)`` subsets its mean and (population) std are::
+
+        R_bar = 1 - C(N_neg, k) / C(N, k)
+        sigma = sqrt(R_bar (1 - R_bar))
+        A_pos = (1 - R_bar) / sigma
+        A_neg = (1 - R_bar - C(N_neg - 1, k - 1) / C(N - 1, k - 1)) / sigma
+
+    i.e. a sample's advantage is the mean of ``(R_subset - R_bar) / sigma`` over the subsets
+    that contain it.  ``sigma == 0`` (all correct, all incorrect, or ``N_neg < k``: no subset
+    can fail) gives 0.  ``A`` is put on every valid token; returns = A.  An all-masked row is a
+    sample with score 0 (an incorrect answer), as in :func:`grpo`.
+
+    Args:
+        token_rewards: ``[B, T]``, each row summing to 0 or 1 (within 1e-6).
+        mask: ``[B, T]`` response mask.
+        group: one id per row (the prompt uid).
+        k: the k of pass@k, ``1 <= k <= N`` for every group.
+    Returns:
+        ``(advantages, returns)``, ``[B, T]`` each, 0 off the mask, dtype of ``token_rewards``.
+    """
+    check_same_shape(mask, token_rewards=token_rewards)
+    k = operator.index(k)
+    idx, n_groups = _row_groups(group, mask.shape[0])
+    sizes = torch.bincount(idx, minlength=n_groups).tolist()
+    if k < 1:
+        raise ValueError(f"grpo_passk needs k >= 1, got k={k}")
+    if k > min(sizes, default=k):
+        raise ValueError(f"grpo_passk needs k <= N for every group of N samples; got k={k} and "
+                         f"a group of N={min(sizes)} (group sizes {sorted(set(sizes))}); lower "
+                         f"algo.pass_k or sample more responses per prompt")
+    with torch.no_grad():
+        s = masked_sum(token_rewards, mask, -1).to(torch.float64)
+        correct = (s - 1).abs() <= 1e-6
+        binary = correct | (s.abs() <= 1e-6)
+        if not bool(binary.all()):
+            row = int((~binary).nonzero()[0])
+            raise ValueError(f"grpo_passk needs binary scores (0 or 1 within 1e-6); row {row} "
+                             f"has score {float(s[row])!r}")
+        n_neg = torch.bincount(idx[~correct], minlength=n_groups).tolist()
+        table = [passk_group_advantages(n, neg, k) for n, neg in zip(sizes, n_neg)]
+        a_pos, a_neg = torch.tensor(table, dtype=torch.float64).reshape(n_groups, 2).unbind(1)
+        adv, returns = _broadcast(torch.where(correct, a_pos[idx], a_neg[idx]), mask)
+        return adv.to(token_rewards.dtype), returns.to(token_rewards.dtype)
