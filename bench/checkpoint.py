@@ -122,7 +122,8 @@ def _trained_model(name: str, world: int):
     load_full_state_dict(model, init_full_state_dict(config, seed=0))
     engine = TrainEngine(model, OptimConfig(lr=1e-4))
     ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    engine.train_step([{"input_ids": ids}], lambda out, mb: -out["log_probs"].mean())
+    engine.train_step([{"input_ids": ids}], lambda out, mb: -out["log_probs"].mean(),
+                      temperature=1.0)
     return model, engine
 
 

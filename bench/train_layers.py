@@ -60,7 +60,7 @@ def run(preset: str, repeat: int) -> dict:
     weight = mask[:, 1:].float()
 
     def ours(model):
-        out = model.head_outputs(model.stage_forward(ids, mask), ids)
+        out = model.head_outputs(model.stage_forward(ids, mask), ids, temperature=1.0)
         return -(out["log_probs"] * weight).sum() / weight.sum()
 
     def theirs():

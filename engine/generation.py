@@ -19,7 +19,9 @@ One call::
     prompts [B, P] left-padded  --prefill-->  token 0  --decode x (N-1), KV cache-->  tokens
     output input_ids [B, P + N] = | pad..pad prompt | response pad..pad |
            attention_mask        = | 0 .. 0  1 .. 1  | 1 .. 1   0 .. 0   |
-           log_probs [B, N]      model log-prob of each response token, 0 where masked
+           log_probs [B, N]      log-prob of each response token under softmax(logits / T),
+                                 the sampled distribution before top-k/top-p (T = 1 when
+                                 greedy), 0 where masked
 
 Positions skip the left padding (``cumsum(mask) - 1``, as transformers).  With ``pp_g > 1``
 a step runs the stages one after the other (hidden states sent stage to stage over the
@@ -60,7 +62,8 @@ class GenerationOutput:
     attention_mask: torch.Tensor
     """``[B, P + N]`` int64, 1 for real tokens."""
     log_probs: torch.Tensor
-    """``[B, N]`` float32 model log-probs of the response tokens (0 where masked)."""
+    """``[B, N]`` float32 log-probs of the response tokens under ``softmax(logits / T)``
+    before top-k/top-p truncation (greedy: ``T = 1``); 0 where masked (:mod:`engine.sampling`)."""
     prompt_length: int
     """P."""
     stats: dict = field(default_factory=dict)

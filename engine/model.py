@@ -131,7 +131,7 @@ class ParallelLlama(nn.Module):
         return column_linear(hidden, self.params[self.head_name], self.tp_group)
 
     def head_outputs(self, hidden: torch.Tensor, input_ids: torch.Tensor,
-                     with_logits: bool = False, start: int = 0) -> dict:
+                     with_logits: bool = False, start: int = 0, *, temperature: float) -> dict:
         """Per-token outputs of the head from the last stage's hidden states.
 
         Args:
@@ -140,12 +140,17 @@ class ParallelLlama(nn.Module):
             with_logits: also return this rank's vocab slice of the logits (lm head).
             start: first position computed (RLHF roles need only the response: the head and
                 the vocab-parallel log-softmax skip the prompt positions).
+            temperature: lm head: log-probs and entropy are those of
+                ``softmax(logits / temperature)``, the distribution the rollouts were sampled
+                from before any top-k/top-p truncation (:mod:`engine.sampling`); 1.0 for the
+                model's own (SFT, greedy rollouts).  The value head ignores it.
 
         Returns:
             lm head: ``log_probs`` and ``entropy`` ``[B, S-1-start]`` (float32) of the next
-            token at positions ``start..S-2`` (and ``logits [B, S-start, V/t]``); value head:
-            ``values [B, S-start]`` at positions ``start..S-1``.
+            token at positions ``start..S-2`` (and the unscaled ``logits [B, S-start, V/t]``);
+            value head: ``values [B, S-start]`` at positions ``start..S-1``.
         """
+        check_temperature(temperature)
         if not 0 <= start < hidden.shape[1]:
             raise ValueError(f"head start={start} outside the {hidden.shape[1]} positions")
         hidden = hidden[:, start:]
@@ -159,8 +164,18 @@ class ParallelLlama(nn.Module):
             logits = logits[:, :-1]
         else:
             logits, extra = self.local_logits(hidden[:, :-1]), {}  # [B, S-1-start, V/t]
+        if temperature != 1.0:  # a new tensor: the returned logits stay unscaled
+            logits = logits / temperature
         log_probs, entropy = vocab_log_prob_entropy(logits, targets, self.tp_group)
         return {"log_probs": log_probs, "entropy": entropy, **extra}
+
+
+def check_temperature(temperature: float) -> None:
+    """ValueError unless ``temperature`` (of the head's log-probs) is a number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not temperature > 0:
+        raise ValueError(f"head temperature={temperature!r} must be a number > 0 (greedy "
+                         f"rollouts are scored at 1.0)")
 
 
 def load_full_state_dict(model: ParallelLlama, full: dict[str, torch.Tensor]) -> None:

@@ -16,9 +16,14 @@ distribution really needs the whole vocabulary:
 The log-normaliser is combined from the per-rank ``(max, sum exp(z - max))`` pairs in float64
 (``lse = m + log sum_r s_r exp(m_r - m)``), so no rank needs the full softmax.
 
-Returned log-probs are those of the *model* distribution ``log_softmax(logits)`` of the chosen
-token (temperature 1, no truncation): exactly what the training model recomputes for the same
-sequence, so rollout and training can be compared token by token.
+Returned log-probs are those of the distribution actually sampled *before* any truncation,
+``log_softmax(logits / temperature)`` of the chosen token (top-k/top-p only restrict the draw):
+exactly what the training model recomputes for the same sequence at the same temperature
+(:meth:`engine.model.ParallelLlama.head_outputs`), so the PPO ratio starts at 1 and rollout
+and training can be compared token by token.  Greedy (``temperature == 0``) has no sampled
+distribution; its log-probs are the model's, ``log_softmax(logits)`` at temperature 1.
+Every sampling mode divides the logits by the temperature once, first (which keeps their
+order, so what each mode gathers and selects is unchanged).
 """
 
 from __future__ import annotations
@@ -49,8 +54,10 @@ class SamplingParams:
     max_new_tokens: int = 16
     """Tokens to generate per sequence at most (the response width)."""
     temperature: float
-    """Softmax temperature; 0 means greedy (argmax, lowest id on ties).  No default: the run
-    config's rollout temperature (data.temperature) is the one."""
+    """Softmax temperature; 0 means greedy (argmax, lowest id on ties).  Tokens are drawn from
+    ``softmax(logits / temperature)`` and their log-probs are of that distribution (greedy: of
+    ``softmax(logits)``).  No default: the run config's rollout temperature
+    (data.temperature) is the one."""
     top_k: int = 0
     """Keep only the k most likely tokens before sampling; 0 disables."""
     top_p: float = 1.0
@@ -109,27 +116,28 @@ def _draw(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: SamplingParams,
                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k, top-p over candidate logits ``values [B, C]`` with global ``ids``.
+    """Top-k, top-p over candidate logits ``values [B, C]`` (already divided by the
+    temperature) with global ``ids``.
 
-    Returns the chosen ids ``[B]`` and their raw logits ``[B]``.
+    Returns the chosen ids ``[B]`` and their (temperature-scaled) logits ``[B]``.
     """
     if params.top_p == 1 and not 0 < params.top_k < values.shape[-1]:
         # nothing is filtered: sample from the candidates as they come (no sort)
-        pick = _draw(values / params.temperature, generator)
+        pick = _draw(values, generator)
         return (torch.gather(ids, -1, pick).squeeze(-1),
                 torch.gather(values, -1, pick).squeeze(-1))
     sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
     sorted_ids = torch.gather(ids, -1, order)
-    scaled = sorted_z / params.temperature
-    if 0 < params.top_k < scaled.shape[-1]:
-        scaled[:, params.top_k:] = float("-inf")
+    kept = sorted_z.clone()  # truncated in place; sorted_z keeps every logit
+    if 0 < params.top_k < kept.shape[-1]:
+        kept[:, params.top_k:] = float("-inf")
     if params.top_p < 1:
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(kept, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop = mass_before >= params.top_p
         drop[:, 0] = False  # the most likely token always stays
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    pick = _draw(scaled, generator)
+        kept = kept.masked_fill(drop, float("-inf"))
+    pick = _draw(kept, generator)
     return torch.gather(sorted_ids, -1, pick).squeeze(-1), torch.gather(sorted_z, -1,
                                                                         pick).squeeze(-1)
 
@@ -147,13 +155,15 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
 
     Returns:
         ``(tokens [B] int64, log_probs [B] float32)``, identical on every member; log-probs of
-        the model distribution (see the module docstring).
+        ``softmax(logits / temperature)`` before top-k/top-p truncation (temperature 1 when
+        greedy; see the module docstring).
     """
-    z = logits.float()
+    # z: the logits of the sampled distribution (greedy: the model's own)
+    z = logits.float() if params.greedy else logits.float() / params.temperature
     whole_vocab = group is None or group.pg is None
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
-        pick = _draw(z / params.temperature, generator)
+        pick = _draw(z, generator)
         lse = torch.logsumexp(z.double(), dim=-1)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id

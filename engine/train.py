@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.model import ParallelLlama
+from engine.model import ParallelLlama, check_temperature
 from engine.pipeline import SCHEDULES, PipelineExecutor, make_schedule
 
 LossFn = Callable[[dict, dict], torch.Tensor]
@@ -135,8 +135,8 @@ class TrainEngine:
         return PipelineExecutor(self.groups.train_pp, lambda i: (b, s, cfg.hidden_size),
                                 cfg.dtype)
 
-    def _forward_fn(self, micro_batches: list[dict], with_logits: bool = False,
-                    head_from: int = 0):
+    def _forward_fn(self, micro_batches: list[dict], with_logits: bool, head_from: int,
+                    temperature: float):
         model = self.model
 
         def forward(i: int, x: torch.Tensor | None):
@@ -146,12 +146,13 @@ class TrainEngine:
                                          mb.get("position_ids"))
             if not model.is_last:
                 return hidden
-            return model.head_outputs(hidden, mb["input_ids"], with_logits, head_from)
+            return model.head_outputs(hidden, mb["input_ids"], with_logits, head_from,
+                                      temperature=temperature)
 
         return forward
 
     def train_step(self, micro_batches: list[dict], loss_fn: LossFn,
-                   head_from: int = 0) -> dict[str, float]:
+                   head_from: int = 0, *, temperature: float) -> dict[str, float]:
         """One optimiser step over this rank's micro-batches.
 
         Args:
@@ -160,12 +161,16 @@ class TrainEngine:
             loss_fn: ``loss_fn(outputs, micro_batch) -> scalar`` mean loss of the micro-batch;
                 ``outputs`` as :meth:`ParallelLlama.head_outputs` from position ``head_from``.
             head_from: first position the head computes (e.g. the last prompt position).
+            temperature: the lm head's log-probs and entropy are of ``softmax(logits / T)``
+                (the rollouts' sampling temperature; 1.0 for the model's own distribution;
+                ignored by a value head), see :meth:`ParallelLlama.head_outputs`.
 
         Returns:
             ``loss`` (mean over all micro-batches of all DP ranks), ``grad_norm`` (before
             clipping), ``lr``; identical on every rank.
         """
         _check_micro_batches(micro_batches)
+        check_temperature(temperature)
         model, n = self.model, len(micro_batches)
         self.grads.zero_()
         losses: list[torch.Tensor] = []
@@ -178,9 +183,8 @@ class TrainEngine:
             return loss / n
 
         actions = make_schedule(self.optim_cfg.schedule, model.layout.pp, model.stage, n)
-        self._executor(micro_batches).run(actions, self._forward_fn(micro_batches,
-                                                                    head_from=head_from),
-                                          loss_of)
+        forward = self._forward_fn(micro_batches, False, head_from, temperature)
+        self._executor(micro_batches).run(actions, forward, loss_of)
         self._sync_tied_embedding()
         loss_sum = (torch.stack(losses).sum() if losses else torch.zeros(())).float()
         dp = self.groups.train_dp
@@ -201,22 +205,24 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], with_logits: bool = False,
-                head_from: int = 0) -> list[dict] | None:
+                head_from: int = 0, *, temperature: float) -> list[dict] | None:
         """Inference: head outputs of every micro-batch (``compute_log_prob``/``compute_values``).
 
         Args:
             micro_batches: as for :meth:`train_step`.
             with_logits: lm head: also return this rank's vocab slice ``logits [B, S, V/t]``.
             head_from: first position the head computes (see :meth:`train_step`).
+            temperature: of the lm head's log-probs and entropy (see :meth:`train_step`).
 
         Returns:
             On the last stage the per-micro-batch outputs (replicated over TP); None elsewhere.
         """
         _check_micro_batches(micro_batches)
+        check_temperature(temperature)
         n = len(micro_batches)
-        out = self._executor(micro_batches).run([("F", i) for i in range(n)],
-                                                self._forward_fn(micro_batches, with_logits,
-                                                                 head_from))
+        out = self._executor(micro_batches).run(
+            [("F", i) for i in range(n)],
+            self._forward_fn(micro_batches, with_logits, head_from, temperature))
         return [out[i] for i in range(n)] if self.model.is_last else None
 
     # Gradients -------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from rlhf.task import (AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, 
                        read_dataset)
 from rlhf.task.reward_fn import load_function
 from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
-                          ModelSpec, ReferenceWorker, RewardWorker, ScoreSpec, UpdateSpec)
+                          ModelSpec, OverlongShaping, ReferenceSpec, ReferenceWorker,
+                          RewardWorker, ScoreSpec, UpdateSpec)
 
 
 def tokenizer_path(cfg: Config) -> str | None:
@@ -177,7 +178,12 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
     return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
                      loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
                      kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator,
-                     kl_log_ratio_clamp=a.kl_log_ratio_clamp, kl_k3_clamp=a.kl_k3_clamp)
+                     kl_log_ratio_clamp=a.kl_log_ratio_clamp, kl_k3_clamp=a.kl_k3_clamp,
+                     temperature=cfg.data.temperature)
+
+
+def reference_spec(cfg: Config) -> ReferenceSpec:
+    return ReferenceSpec(model=model_spec(cfg, "actor", "lm"), temperature=cfg.data.temperature)
 
 
 def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> CriticSpec:
@@ -216,7 +222,7 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
                          values_in_replies=True)
 
     actor = group("actor", ActorWorker, actor_spec(cfg, plan))
-    reference = group("reference", ReferenceWorker, model_spec(cfg, "actor", "lm")) \
+    reference = group("reference", ReferenceWorker, reference_spec(cfg)) \
         if "reference" in p else None
     critic = group("critic", CriticWorker, critic_spec(cfg, plan, "critic", 1)) \
         if "critic" in p else None
@@ -224,25 +230,28 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
         if "cost_critic" in p else None
     rules = dict(r.rule_weights) if r.kind in ("rule", "both") else {}
     tok = tokenizer_path(cfg)
+    overlong = OverlongShaping(max_len=cfg.data.max_response_len, buffer=r.overlong_buffer,
+                               factor=r.overlong_penalty_factor) if r.overlong_buffer else None
     if "reward_model" in p:
         reward = group("reward_model", RewardWorker, ScoreSpec(
             model=model_spec(cfg, "reward_model", "value", 3), model_weight=r.model_weight,
-            rule_weights=rules, cost_rule=None, function=None, tokenizer=tok))
+            rule_weights=rules, cost_rule=None, function=None, tokenizer=tok,
+            overlong=overlong))
     else:
         reward = _rule_group(ctl, plan, RewardWorker, ScoreSpec(
             model=None, model_weight=0.0, rule_weights=rules, cost_rule=None,
-            function=r.function, tokenizer=tok), "reward")
+            function=r.function, tokenizer=tok, overlong=overlong), "reward")
     cost = None
     if algorithm(cfg.algo.name).cost:
         if "cost_model" in p:
             cost = group("cost_model", CostWorker, ScoreSpec(
                 model=model_spec(cfg, "cost_model", "value", 4), model_weight=1.0,
                 rule_weights={}, cost_rule=None, function=None,
-                tokenizer=tok))  # the cost is the cost model's score
+                tokenizer=tok, overlong=None))  # the cost is the cost model's score
         else:
             rule = CostRule(r.forbidden_digit, r.max_answer_len)
             cost = _rule_group(ctl, plan, CostWorker, ScoreSpec(
                 model=None, model_weight=0.0, rule_weights={}, cost_rule=rule, function=None,
-                tokenizer=tok), "cost")
+                tokenizer=tok, overlong=None), "cost")
     return Roles(actor=actor, reward=reward, reference=reference, critic=critic,
                  cost_critic=cost_critic, cost=cost)

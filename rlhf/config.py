@@ -49,7 +49,7 @@ from typing import Any
 from engine.train import OptimConfig
 from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
 from rlhf.programs import algorithm, algorithm_names
-from rlhf.programs.common import ROLES, TRAINED_ROLES
+from rlhf.programs.common import ROLES, TRAINED_ROLES, load_algorithm_module
 
 PLACEMENTS = ("colocated", "split", "standalone", "auto")
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -222,11 +222,43 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or
     seq-mean-token-sum-norm (formulas: rlhf.algos.agg_loss); over the whole mini-batch."""
+    mode: str | None = None
+    """A registered policy loss (rlhf.algos.POLICY_LOSSES: ppo, gspo, cispo, clip_cov, kl_cov,
+    gmpo, sapo, gpg, or one a user's algo.module registers); None = the algorithm's own."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens whose gradient is cut (Cui et al. 2025)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: tokens are cut only with covariance in [clip_cov_lb, clip_cov_ub]."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper covariance bound."""
+    kl_cov_ratio: float = 0.002
+    """kl_cov: fraction of tokens (highest covariance) that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of |log pi - log pi_old| on those tokens."""
+    gmpo_clip: float = 0.4
+    """gmpo: per-token log-ratio clip range (+- this, in log space; Zhao et al. 2025)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: gate temperature for positive advantages (Gao et al. 2025)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: gate temperature for negative advantages."""
 
     def __post_init__(self) -> None:
         from rlhf.algos import LOSS_AGG_MODES
 
         _one_of("loss.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.mode is not None and not self.mode.strip():
+            raise ValueError("loss.mode='' is empty; name a registered policy loss, or null for "
+                             "the algorithm's own")
+        _positive(**{"loss.clip_cov_ub": self.clip_cov_ub, "loss.kl_cov_coef": self.kl_cov_coef,
+                     "loss.gmpo_clip": self.gmpo_clip, "loss.sapo_tau_pos": self.sapo_tau_pos,
+                     "loss.sapo_tau_neg": self.sapo_tau_neg})
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"loss.{name}={v} must be in [0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"loss.clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub="
+                             f"{self.clip_cov_ub}")
         for name in ("clip_ratio", "clip_ratio_low"):
             v = getattr(self, name)
             if v is not None and not 0 < v < 1:
@@ -303,8 +335,12 @@ class DataConfig:
     """Training prompts: comma-separated .jsonl / .parquet files or saved ``datasets`` folders
     (rows: prompt, ground_truth, data_source, extra_info); None = the built-in addition task."""
     val_files: str | None = None
-    """Held-out prompts in the same format, evaluated greedily every ``eval_every``
-    iterations and at the end; None = no evaluation."""
+    """Held-out prompts in the same format, evaluated every ``eval_every`` iterations and at
+    the end (rlhf.evaluation); None = the built-in task's held-out problems (val_size of
+    them), or no evaluation with train_files."""
+    val_size: int = 256
+    """Built-in task: distinct held-out problems evaluated (never in training or SFT data);
+    0 = no evaluation."""
     prompt_key: str = "prompt"
     """Field of a row holding the prompt (a string or a chat list of {role, content})."""
     ground_truth_key: str = "ground_truth"
@@ -342,6 +378,9 @@ class DataConfig:
                                         "data.max_digits": self.max_digits,
                                         "data.num_operands": self.num_operands})
         _seed("data.seed", self.seed)
+        if self.val_size < 0:
+            raise ValueError(f"data.val_size={self.val_size} must be >= 0 (0 = no evaluation)")
+        _at_most(MAX_COUNT, **{"data.val_size": self.val_size})
         for key in ("train_files", "val_files"):
             files = getattr(self, key)
             if files is not None and not any(p.strip() for p in files.split(",")):
@@ -420,6 +459,19 @@ class AlgoConfig:
     """Adaptive controller: target KL per token (the measured KL is a per-token mean)."""
     kl_horizon: float = 10000.0
     """Adaptive controller: horizon in samples."""
+    pass_k: int = 4
+    """grpo_passk: the k of the pass@k objective (1 <= k <= data.samples_per_prompt; k = 1
+    is GRPO with the population std)."""
+    max_gen_rounds: int = 4
+    """dapo: generation rounds per iteration at most while dynamic sampling fills the batch
+    with groups whose rewards differ (then it trains on the groups it has)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling between the rollout's log-probs and the recomputed old
+    policy's: each token's advantage times min(pi_old / pi_rollout, tis_cap) (needs
+    recompute_log_prob); None = off."""
+    module: str | None = None
+    """A user's Python file (``my_algo.py``) imported before ``name`` is looked up: it
+    registers algorithms, policy losses or estimators (README: "Your own algorithm")."""
     cost_limit: float = 0.0
     """Safe-RLHF: the constraint E[cost] <= cost_limit."""
     lagrange_init: float = 1.0
@@ -432,10 +484,15 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         from rlhf.algos import KL_ESTIMATORS
 
+        if self.module is not None:  # a user's file registers algorithms before the lookup
+            load_algorithm_module(self.module)
         _one_of("algo.name", self.name, algorithm_names())
         _one_of("algo.kl_mode", self.kl_mode, ("reward", "loss", "none"))
         _one_of("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _one_of("algo.kl_ctrl", self.kl_ctrl, ("fixed", "adaptive"))
+        _positive(**{"algo.pass_k": self.pass_k, "algo.max_gen_rounds": self.max_gen_rounds})
+        _at_most(MAX_COUNT, **{"algo.pass_k": self.pass_k,
+                               "algo.max_gen_rounds": self.max_gen_rounds})
         _positive(epochs=self.epochs, kl_target=self.kl_target, kl_horizon=self.kl_horizon,
                   lagrange_lr=self.lagrange_lr, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
                   kl_k3_clamp=self.kl_k3_clamp)
@@ -443,6 +500,11 @@ class AlgoConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")
         _at_most(MAX_COUNT, **{"algo.epochs": self.epochs})
+        if self.tis_cap is not None:
+            _positive(**{"algo.tis_cap": self.tis_cap})
+            if not self.recompute_log_prob:
+                raise ValueError("algo.tis_cap corrects the rollout's log-probs against the "
+                                 "recomputed old policy's: it needs algo.recompute_log_prob=true")
         if self.kl_coef < 0 or self.lagrange_init < 0:
             raise ValueError(f"kl_coef={self.kl_coef} and lagrange_init={self.lagrange_init} "
                              f"must be >= 0")
@@ -478,6 +540,12 @@ class RewardConfig:
     """Cost rule: every occurrence of this digit in a response costs 1."""
     max_answer_len: int | None = None
     """Cost rule: every character beyond this length costs 1; None = no length term."""
+    overlong_buffer: int = 0
+    """DAPO's overlong shaping: a penalty ramping linearly to -overlong_penalty_factor over
+    the last this many tokens before data.max_response_len (rlhf.algos.overlong_penalty);
+    0 = off."""
+    overlong_penalty_factor: float = 1.0
+    """Penalty at the length limit when overlong_buffer > 0."""
 
     def __post_init__(self) -> None:
         from rlhf.task.rewards import REWARD_FUNCTIONS
@@ -497,6 +565,11 @@ class RewardConfig:
                              f"{self.rule_weights}")
         if self.forbidden_digit not in "0123456789" or len(self.forbidden_digit) != 1:
             raise ValueError(f"reward.forbidden_digit={self.forbidden_digit!r} must be one digit")
+        if self.overlong_buffer < 0 or self.overlong_penalty_factor < 0:
+            raise ValueError(f"reward.overlong_buffer={self.overlong_buffer} and "
+                             f"overlong_penalty_factor={self.overlong_penalty_factor} must be "
+                             f">= 0 (buffer 0 = off)")
+        _at_most(MAX_COUNT, **{"reward.overlong_buffer": self.overlong_buffer})
         if self.max_answer_len is not None:
             _positive(**{"reward.max_answer_len": self.max_answer_len})
             _at_most(MAX_COUNT, **{"reward.max_answer_len": self.max_answer_len})
@@ -603,8 +676,11 @@ class Config:
     iterations: int = 20
     """RL iterations (one rollout batch each)."""
     eval_every: int = 0
-    """Evaluate on data.val_files every this many iterations (and always at the end); 0 = only
-    at the end."""
+    """Evaluate on the held-out prompts every this many iterations (and always at the start and
+    the end); 0 = only at the start and the end."""
+    eval_pass_k: int = 4
+    """Samples per held-out prompt at the rollout temperature for val/pass@k (a prompt passes
+    when one of them is right); 0 = greedy metrics only."""
     tokenizer: str | None = None
     """Tokenizer folder (HF files); None = the actor's init_from folder when it has tokenizer
     files, else the built-in character tokenizer."""
@@ -615,13 +691,31 @@ class Config:
         _positive(iterations=self.iterations)
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 = at the end only)")
-        _at_most(MAX_COUNT, iterations=self.iterations, eval_every=self.eval_every)
+        if self.eval_pass_k < 0:
+            raise ValueError(f"eval_pass_k={self.eval_pass_k} must be >= 0 (0 = off)")
+        _at_most(MAX_COUNT, iterations=self.iterations, eval_every=self.eval_every,
+                 eval_pass_k=self.eval_pass_k)
         _seed("seed", self.seed)
         _path("tokenizer", self.tokenizer)
         spec = algorithm(self.algo.name)
+        from rlhf.algos import POLICY_LOSSES
+
+        if spec.name == "grpo_passk" and self.algo.pass_k > self.data.samples_per_prompt:
+            raise ValueError(f"algo.pass_k={self.algo.pass_k} is more than the "
+                             f"data.samples_per_prompt={self.data.samples_per_prompt} samples of "
+                             f"a group; choose k <= samples_per_prompt")
+
+        loss_mode = self.actor.loss.mode or spec.policy_loss
+        if loss_mode not in POLICY_LOSSES:
+            raise ValueError(f"actor.loss.mode={loss_mode!r} is not a registered policy loss; "
+                             f"choose from {sorted(POLICY_LOSSES)} (a user's own: register it "
+                             f"in the file given as algo.module)")
         if spec.grouped and self.data.samples_per_prompt < 2:
             raise ValueError(f"algo={spec.name} compares samples of one prompt: set "
                              f"data.samples_per_prompt >= 2 (got {self.data.samples_per_prompt})")
+        if self.reward.overlong_buffer > self.data.max_response_len:
+            raise ValueError(f"reward.overlong_buffer={self.reward.overlong_buffer} is longer "
+                             f"than data.max_response_len={self.data.max_response_len}")
         if self.reference.model not in (None, self.actor.model):
             raise ValueError("reference.model must equal actor.model (leave it null)")
 
@@ -669,8 +763,17 @@ def load_config(args: list[str] | None = None) -> Config:
     def recipe_of(algo: str | None) -> str:
         name = algo or "ppo"
         if name not in recipe_names():
-            raise ValueError(f"algo={name!r} has no recipe; shipped recipes: {recipe_names()} "
-                             f"(or pass recipe=PATH)")
+            # a user's algorithm (algo.module) names the shipped recipe it starts from
+            module = next((a.partition("=")[2] for a in args or []
+                           if a.startswith("algo.module=")), None)
+            if module:
+                load_algorithm_module(module)
+            base = algorithm(name).recipe if name in algorithm_names() else None
+            if base is None:
+                raise ValueError(f"algo={name!r} has no recipe; shipped recipes: "
+                                 f"{recipe_names()} (or pass recipe=PATH, or register the "
+                                 f"algorithm with recipe=<a shipped one>)")
+            name = base
         return os.path.join(RECIPES_DIR, f"{name}.yaml")
 
     return from_args(Config, args or [], recipe_of)

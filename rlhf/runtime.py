@@ -24,7 +24,7 @@ import time
 
 from rlhf.algos import LagrangeMultiplier, make_kl_controller
 from rlhf.builders import build_roles, sampling_of, task_of, tokenizer_of
-from rlhf.evaluation import Evaluator
+from rlhf.evaluation import Evaluator, evaluation_examples
 from rlhf.prompts import encode_prompts, fitting_prompts
 from rlhf.checkpoint import (PendingCheckpoint, begin_checkpoint, capture_rng_state,
                              commit_checkpoint, read_state, resolve_resume, restore_rng_state)
@@ -133,11 +133,21 @@ def restore(roles: Roles, state: RunState, path: str) -> None:
     state.load_state_dict(s)
 
 
+def next_prompts(cfg: Config, state: RunState, tok) -> Batch:
+    """The next ``data.prompts_per_iter`` prompts of the stream, encoded (uids = stream
+    positions, so every prompt of the run has its own)."""
+    d = cfg.data
+    first_uid = state.stream.position
+    return encode_prompts(state.stream.next_batch(d.prompts_per_iter), tok, d.max_prompt_len,
+                          d.samples_per_prompt, first_uid)
+
+
 def iteration_of(cfg: Config, state: RunState, tok, timer: PhaseTimer
                  ) -> Iteration:
     return Iteration(algo=cfg.algo, sampling=sampling_of(cfg, state.step, tok),
                      greedy=sampling_of(cfg, state.step, tok, greedy=True), timer=timer,
-                     kl_ctrl=state.kl_ctrl, lagrange=state.lagrange)
+                     kl_ctrl=state.kl_ctrl, lagrange=state.lagrange,
+                     mini_batch_size=cfg.data.mini_batch_size, more_prompts=lambda: next_prompts(cfg, state, tok))
 
 
 def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
@@ -149,13 +159,14 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     roles = build_roles(ctl, cfg, plan)
     ckpt = Checkpointer(roles, root, cfg.checkpoint.keep_last)
     state = RunState(cfg, tok)
-    val = Evaluator(cfg, tok) if cfg.data.val_files else None
+    held_out = evaluation_examples(cfg, tok)
+    val = Evaluator(cfg, tok, held_out) if held_out else None
     if resume_from:
         restore(roles, state, resume_from)
         print(f"[rlhf] resumed from {resume_from} at step {state.step}", flush=True)
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    program, d, records = algorithm(cfg.algo.name).program, cfg.data, []
+    program, records = algorithm(cfg.algo.name).program, []
     logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
                            tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
     # the starting policy's held-out score goes into the first record (a fresh run only)
@@ -163,9 +174,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     while state.step < cfg.iterations:
         timer = PhaseTimer()
         t0 = time.perf_counter()
-        first_uid = state.stream.position
-        prompts = encode_prompts(state.stream.next_batch(d.prompts_per_iter), tok,
-                                 d.max_prompt_len, d.samples_per_prompt, first_uid)
+        prompts = next_prompts(cfg, state, tok)
         batch, metrics = program(roles, prompts, iteration_of(cfg, state, tok, timer))
         step_s = time.perf_counter() - t0
         ckpt.finish()  # the last save's files were written while this iteration ran

@@ -49,7 +49,8 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.builders import task_of
 from rlhf.config import load_config
-from rlhf.task import CharTokenizer, HFTokenizer, corrupt_answer, load_tokenizer
+from rlhf.task import (CharTokenizer, HFTokenizer, carry_free_sum, corrupt_answer,
+                       load_tokenizer)
 from rlhf.task.tokenizer import pad_sequences
 from rlhf.workers.common import build_model
 from rlhf.workers.specs import ModelSpec
@@ -76,14 +77,20 @@ def sft_batch(records: list[dict], tok: CharTokenizer, width: int) -> dict[str, 
     return {"input_ids": ids, "attention_mask": attn.long(), "loss_mask": loss_mask[:, 1:]}
 
 
-def noisy_records(task, count: int, start: int, noise: float) -> list[dict]:
-    """SFT records with a fraction ``noise`` of wrong answers (deterministic per index): a
-    warm start that imitates imperfect demonstrations, which RL on the verifiable reward then
-    corrects."""
+def noisy_records(task, count: int, start: int, noise: float,
+                  carry_errors: float = 0.0) -> list[dict]:
+    """SFT records with imperfect demonstrations (deterministic per index), which RL on the
+    verifiable reward then corrects: a fraction ``noise`` of random wrong answers, and on the
+    problems that carry, a fraction ``carry_errors`` answered without carrying
+    (:func:`rlhf.task.carry_free_sum`, a systematic mistake: above 0.5 the warm start's greedy
+    answer to such problems is the wrong one, while sampling still finds the right one)."""
     out = task.sft_records(count, start)
     for i, r in enumerate(out):
         rng = random.Random(f"sft-noise:{start + i}")
-        if rng.random() < noise:
+        wrong = carry_free_sum(r["prompt"])
+        if wrong != r["answer"] and rng.random() < carry_errors:
+            r["answer"] = wrong
+        elif rng.random() < noise:
             r["answer"] = corrupt_answer(r["answer"], rng)
     return out
 
@@ -99,17 +106,18 @@ def decayed_lr(lr: float, step: int, steps: int) -> float:
 
 
 def train_sft(args: ModelSpec, task, tok: CharTokenizer, *, out: str, steps: int, batch: int,
-              lr: float, width: int, noise: float) -> dict:
+              lr: float, width: int, noise: float, carry_errors: float) -> dict:
     """Train from ``args`` and save to ``out``; returns ``{"loss", "time_s"}``."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = build_model(args, groups)
     engine = TrainEngine(model, OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0))
     t0, loss = time.perf_counter(), float("nan")
     for step in range(steps):
-        mb = sft_batch(noisy_records(task, batch, step * batch, noise), tok, width)
+        mb = sft_batch(noisy_records(task, batch, step * batch, noise, carry_errors), tok,
+                       width)
         for g in engine.optimizer.param_groups:
             g["lr"] = decayed_lr(lr, step, steps)
-        loss = engine.train_step([mb], sft_loss)["loss"]
+        loss = engine.train_step([mb], sft_loss, temperature=1.0)["loss"]  # the model's NLL
         if step % 100 == 0 or step == steps - 1:
             print(f"[sft] step {step} loss {loss:.4f}", flush=True)
     save_hf_checkpoint(model, out)
@@ -124,10 +132,11 @@ def main_builtin(a: argparse.Namespace) -> int:
     task = task_of(cfg)
     settings = {"model": cfg.actor.model.llama().to_dict(), "task": vars(task),
                 "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
-                "noise": a.noise}
+                "noise": a.noise, "carry_errors": a.carry_errors}
     meta_path = os.path.join(a.out, META)
-    if not 0 <= a.noise < 1:
-        raise ValueError(f"--noise={a.noise} must be in [0, 1)")
+    for name in ("noise", "carry_errors"):
+        if not 0 <= getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)} must be in [0, 1)")
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             if json.load(f).get("settings") == settings:
@@ -138,7 +147,7 @@ def main_builtin(a: argparse.Namespace) -> int:
     args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=cfg.seed,
                      fresh_head=False)
     result = train_sft(args, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
-                       width=width, noise=a.noise)
+                       width=width, noise=a.noise, carry_errors=a.carry_errors)
     with open(meta_path, "w") as f:
         json.dump({"settings": settings, **result}, f)
     print(f"[sft] saved {a.out} (loss {result['loss']:.4f}, {result['time_s']:.1f} s)")
@@ -408,7 +417,7 @@ def train_user(job: UserSFT) -> dict:
         mb = dp_share(sft_user_batch(rows, job.tok.pad_id), dp.size, dp.rank)
         for g in engine.optimizer.param_groups:
             g["lr"] = decayed_lr(job.lr, step, job.steps)
-        loss = engine.train_step([mb], weighted_nll)["loss"]
+        loss = engine.train_step([mb], weighted_nll, temperature=1.0)["loss"]  # the model's NLL
         if step == 0:
             first = loss
         if main_rank and (step % 100 == 0 or step == job.steps - 1):
@@ -482,6 +491,9 @@ def main(argv: list[str]) -> int:
                    help="drop longer rows (--model; default: max_position_embeddings)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="built-in task: fraction of SFT answers replaced by a wrong answer")
+    p.add_argument("--carry-errors", type=float, default=0.0,
+                   help="built-in task: fraction of SFT answers to carrying problems given "
+                        "without the carry")
     p.add_argument("overrides", nargs="*", help="built-in task: key=value run-config overrides")
     a = p.parse_args(argv)
     if (a.model is None) != (a.data is None):
@@ -490,8 +502,8 @@ def main(argv: list[str]) -> int:
         if a.max_len is not None:
             p.error("--max-len applies to --model/--data runs")
         return main_builtin(a)
-    if a.noise or a.overrides:
-        p.error("--noise and key=value overrides apply to the built-in task only")
+    if a.noise or a.carry_errors or a.overrides:
+        p.error("--noise, --carry-errors and key=value overrides apply to the built-in task only")
     return main_user(a)
 
 

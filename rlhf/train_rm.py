@@ -58,7 +58,7 @@ def pairs_of(kind: str, task, count: int, start: int, rule: CostRule) -> list[tu
 
 @torch.no_grad()
 def accuracy(engine: TrainEngine, batch: dict) -> float:
-    out = engine.forward([batch])[0]
+    out = engine.forward([batch], temperature=1.0)[0]  # a value head: temperature unused
     idx = last_token_index(batch["attention_mask"])
     high, low = out["values"].gather(1, idx[:, None]).squeeze(1).chunk(2)
     return float((high > low).float().mean())
@@ -74,7 +74,7 @@ def train_rm(args: ModelSpec, kind: str, task, rule: CostRule, tok: CharTokenize
     before = accuracy(engine, held_out)
     for step in range(steps):
         mb = pair_batch(pairs_of(kind, task, batch, step * batch, rule), tok, width)
-        loss = engine.train_step([mb], bt_loss)["loss"]
+        loss = engine.train_step([mb], bt_loss, temperature=1.0)["loss"]
         if step % 100 == 0 or step == steps - 1:
             print(f"[train_rm] {kind} step {step} loss {loss:.4f}", flush=True)
     save_hf_checkpoint(model, out)

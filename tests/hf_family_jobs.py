@@ -73,7 +73,7 @@ def run_layouts(rank: int, world_size: int, layouts: dict, folder: str, ids: tor
                    "is_last": model.is_last,
                    "fused_layers": model.fused_layers}
         eng = TrainEngine(model, OPTIM)
-        out = eng.forward([{"input_ids": ids}], with_logits=True)
+        out = eng.forward([{"input_ids": ids}], with_logits=True, temperature=1.0)
         if model.is_last:
             r["logits"] = out[0]["logits"]
         resharder = Resharder(model.specs, model.groups, buffer=model.buffer)
@@ -87,9 +87,9 @@ def run_layouts(rank: int, world_size: int, layouts: dict, folder: str, ids: tor
         rollout.release()
         resharder.to_training()
         if step:
-            eng.train_step(train_batches(model.config.vocab_size), lm_loss)
+            eng.train_step(train_batches(model.config.vocab_size), lm_loss, temperature=1.0)
             save_hf_checkpoint(model, os.path.join(out_root, name))
-            out = eng.forward([{"input_ids": ids}], with_logits=True)
+            out = eng.forward([{"input_ids": ids}], with_logits=True, temperature=1.0)
             if model.is_last:
                 r["logits_after"] = out[0]["logits"]
         results[name] = r
@@ -103,7 +103,7 @@ def value_scores(rank: int, world_size: int, train: tuple, folder: str, ids: tor
     model = build(train, (train[0], train[1]), folder, head="value")
     if model is None:
         return None
-    out = TrainEngine(model).forward([{"input_ids": ids}])
+    out = TrainEngine(model).forward([{"input_ids": ids}], temperature=1.0)
     if out_folder is not None:
         save_hf_checkpoint(model, out_folder)
     return {"values": out[0]["values"]} if model.is_last else {}

@@ -1,6 +1,7 @@
 """Every estimator, loss and KL estimator against a reference written here with python loops
 over rows and tokens (no shared vectorised code), on random masked inputs, several seeds."""
 
+import dataclasses
 import math
 import statistics
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from rlhf import algos
+from rlhf.config import PolicyLossConfig
 
 SEEDS = [0, 1, 2]
 B, T = 6, 7
@@ -365,7 +367,8 @@ def _iteration(algo: str, lagrange: float = 0.0):
     return Iteration(algo=AlgoConfig(name=algo, gamma=1.0, lam=0.95, whiten_advantages=True),
                      sampling=sp, greedy=sp, timer=PhaseTimer(),
                      kl_ctrl=algos.FixedKLController(0.0),
-                     lagrange=algos.LagrangeMultiplier(lagrange, 0.1, 0.0))
+                     lagrange=algos.LagrangeMultiplier(lagrange, 0.1, 0.0), mini_batch_size=8,
+                     more_prompts=None)
 
 
 def test_registered_advantage_estimators():
@@ -383,11 +386,29 @@ def test_registered_advantage_estimators():
               "grpo": algos.grpo(r, mask, _groups(0), True)[0],
               "rloo": algos.rloo(r, mask, _groups(0))[0],
               "reinforce_pp": algos.reinforce_pp(r, mask, 1.0)[0],
-              "safe_rlhf": algos.gae(r, v, mask, 1.0, 0.95, True)[0]}   # lagrange 0: reward part only
-    assert set(direct) == set(ALGORITHMS)
+              "safe_rlhf": algos.gae(r, v, mask, 1.0, 0.95, True)[0],   # lagrange 0: reward only
+              "dr_grpo": algos.grpo(r, mask, _groups(0), False)[0],
+              "opo": algos.opo(r, mask, _groups(0))[0],
+              "reinforce_pp_baseline": algos.reinforce_pp_baseline(r, mask, _groups(0))[0]}
+    # GRPO's estimator under another policy loss, and DAPO (GRPO's after the group filter)
+    for name in ("dapo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "sapo", "gpg"):
+        direct[name] = direct["grpo"]
+    # pass@k: 0/1 scores, groups of 3 and k = 2
+    pairs = ["a", "b", "a", "b", "b", "a"]
+    binary = algos.scores_to_token_rewards(torch.tensor([1., 0, 0, 1, 0, 1], dtype=r.dtype),
+                                           mask)
+    passk = algos.grpo_passk(binary, mask, pairs, 2)[0]
+    assert set(direct) | {"grpo_passk"} == set(ALGORITHMS)
     for name, want in direct.items():
         got = algorithm(name).advantage(batch, _iteration(name))["advantages"]
         torch.testing.assert_close(got, want)
+    it = _iteration("grpo_passk")
+    it = dataclasses.replace(it, algo=dataclasses.replace(it.algo, pass_k=2))
+    got = algorithm("grpo_passk").advantage(
+        Batch(tensors={"token_level_rewards": binary, "response_mask": mask},
+              non_tensors={"uid": pairs}), it)["advantages"]
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, passk)
     with pytest.raises(ValueError, match="algo='ppo' needs batch field 'values'"):
         algorithm("ppo").advantage({"token_level_rewards": r, "response_mask": mask},
                                    _iteration("ppo"))
@@ -402,10 +423,11 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     logp = old + 0.3 * rnd()
     logits = torch.randn(B, T, 5, generator=g, dtype=torch.float64)
     H = algos.entropy_from_logits(logits)
-    loss, m = algos.actor_loss(logp, old, A, mask, ref_log_prob=ref, kl_loss_coef=0.1,
-                               kl_estimator="k2", entropy=H, entropy_coeff=0.01, **KL_BOUNDS,
-                               loss_agg_mode="seq-mean-token-sum", clip_ratio=0.2,
-                               clip_ratio_low=None, clip_ratio_high=0.3, clip_ratio_c=None)
+    cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum", clip_ratio=0.2,
+                           clip_ratio_high=0.3, clip_ratio_c=None, entropy_coeff=0.01)
+    loss, m = algos.actor_loss(logp, old, A, mask, pg_loss=algos.get_policy_loss("ppo"), cfg=cfg,
+                               ref_log_prob=ref, kl_loss_coef=0.1, kl_estimator="k2", entropy=H,
+                               **KL_BOUNDS)
     # each term from the loop references above
     pg = _ref_agg([[max(-float(A[b, t]) * math.exp(float(logp[b, t] - old[b, t])),
                         -float(A[b, t]) * min(max(math.exp(float(logp[b, t] - old[b, t])), 0.8),
@@ -416,11 +438,8 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     ent = _ref_agg(H.tolist(), mask, "seq-mean-token-sum")
     assert math.isclose(float(loss), pg + 0.1 * kl - 0.01 * ent, rel_tol=1e-10, abs_tol=1e-12)
     assert {"pg_loss", "clipfrac", "approx_kl", "kl_loss", "entropy"} <= set(m)
-    plain, m2 = algos.actor_loss(logp, old, A, mask, loss_agg_mode="seq-mean-token-sum",
-                                 kl_loss_coef=0.0, kl_estimator="k3", entropy_coeff=0.0,
-                                 **KL_BOUNDS,
-                                 clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.3,
-                                 clip_ratio_c=None)
+    plain, m2 = algos.actor_loss(logp, old, A, mask, pg_loss=algos.get_policy_loss("ppo"),
+                                 cfg=cfg, kl_loss_coef=0.0, kl_estimator="k3", **KL_BOUNDS)
     assert math.isclose(float(plain), pg, rel_tol=1e-10) and "kl_loss" not in m2
 
 
@@ -548,11 +567,12 @@ def test_garbage_at_masked_positions_changes_nothing(seed):
             "entropy": algos.entropy_loss(x["H"], mask, 0.01, mode),
             **{f"kl_{e}": algos.kl_loss(lp, x["ref"], mask, e, mode, **BOUNDS)
                for e in algos.KL_ESTIMATORS},
-            "actor": algos.actor_loss(lp, x["old"], x["A"], mask, ref_log_prob=x["ref"],
-                                      kl_loss_coef=0.1, kl_estimator="k3", entropy=x["H"],
-                                      entropy_coeff=0.01, loss_agg_mode=mode, clip_ratio=0.2,
-                                      clip_ratio_low=None, clip_ratio_high=None,
-                                      clip_ratio_c=None, **KL_BOUNDS),
+            "actor": algos.actor_loss(lp, x["old"], x["A"], mask,
+                                      pg_loss=algos.get_policy_loss("ppo"),
+                                      cfg=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01,
+                                                           clip_ratio_c=None),
+                                      ref_log_prob=x["ref"], kl_loss_coef=0.1, kl_estimator="k3",
+                                      entropy=x["H"], **KL_BOUNDS),
             "agg": (algos.agg_loss(lp, mask, mode), {}),
         }
         total = sum(loss for loss, _ in out.values())

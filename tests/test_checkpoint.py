@@ -335,7 +335,7 @@ def reshard_chain(rank: int, world: int, folder: str, config, chain: list) -> li
     if groups[0] is not None:
         model, engine = _model(config, groups[0], seed=3)
         for s in range(2):
-            engine.train_step(_micro_batches(s), _loss)
+            engine.train_step(_micro_batches(s), _loss, temperature=1.0)
         weights = gather_full_state_dict(model)
         moments = {m: gather_full_state_dict(model, {n: engine.optimizer.state[p][m] for n, p
                                                      in model.params.items()}) for m in MOMENTS}
@@ -344,7 +344,7 @@ def reshard_chain(rank: int, world: int, folder: str, config, chain: list) -> li
         ckpt = ShardCheckpoint(model, engine)
         with _held_writes() as release:
             ckpt.start_save(os.path.join(folder, "0"))  # returns while the write is held
-            engine.train_step(_micro_batches(2), _loss)  # training goes on meanwhile
+            engine.train_step(_micro_batches(2), _loss, temperature=1.0)  # training goes on
             release()
             ckpt.finish_save()
     reads = []
@@ -355,7 +355,7 @@ def reshard_chain(rank: int, world: int, folder: str, config, chain: list) -> li
             continue
         model, engine = _model(config, g, seed=4)
         if i % 2:  # load over existing Adam state (in place) or into a fresh engine
-            engine.train_step(_micro_batches(5), _loss)
+            engine.train_step(_micro_batches(5), _loss, temperature=1.0)
         ckpt = ShardCheckpoint(model, engine)
         reads.append(ckpt.load(os.path.join(folder, str(i - 1))))
         _check_against(model, engine, torch.load(ref_path), step=2)
@@ -410,7 +410,7 @@ def hf_exports(rank: int, world: int, folder: str, config, layout: tuple) -> Non
     if g is None:
         return
     model, engine = _model(config, g, seed=5)
-    engine.train_step(_micro_batches(0), _loss)
+    engine.train_step(_micro_batches(0), _loss, temperature=1.0)
     save_hf_checkpoint(model, os.path.join(folder, "gathered"))
     stream_hf_checkpoint(model, os.path.join(folder, "streamed"))
 

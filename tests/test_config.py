@@ -192,12 +192,15 @@ def test_mappings_are_replaced_sections_merged():
 def test_registry_drives_names_roles_and_checks():
     from rlhf.programs import ALGORITHMS, algorithm
 
-    assert set(algorithm_names()) == {"ppo", "remax", "safe_rlhf", "grpo", "rloo",
-                                      "reinforce_pp"}
+    assert set(algorithm_names()) == {
+        "ppo", "remax", "safe_rlhf", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+        "dr_grpo", "grpo_passk", "opo", "dapo", "gspo", "cispo", "clip_cov", "kl_cov", "gmpo",
+        "sapo", "gpg"}
     for name, spec in ALGORITHMS.items():
         cfg = load_config([f"algo={name}"])
-        want = {"actor", "reference", *spec.critics}
-        assert set(cfg.roles) == want, name        # shipped recipes: rule rewards, KL on
+        kl = {"reference"} if cfg.algo.kl_mode != "none" else set()
+        want = {"actor", *kl, *spec.critics}
+        assert set(cfg.roles) == want, name        # shipped recipes: rule rewards
         assert callable(spec.program) and callable(spec.advantage)
     assert algorithm("remax").generations == 2 and algorithm("ppo").generations == 1
     with pytest.raises(ValueError, match=r"algo='dpo' is not a registered algorithm"):

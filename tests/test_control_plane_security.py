@@ -161,16 +161,17 @@ def _runtime_objects() -> list:
     from rlhf import builders
     from rlhf.config import load_config, validate_for_world
     from rlhf.task import CostRule
-    from rlhf.workers import ScoreSpec
+    from rlhf.workers import OverlongShaping, ScoreSpec
 
     cfg = load_config(["algo=safe_rlhf", "actor.model.hidden_size=32",
                        "actor.model.intermediate_size=64"])
     plan = validate_for_world(cfg, 2)
     tok = builders.tokenizer_of(cfg)
     return [builders.actor_spec(cfg, plan), builders.critic_spec(cfg, plan, "critic", 1),
-            builders.model_spec(cfg, "actor", "lm"), builders.sampling_of(cfg, 3, tok),
+            builders.reference_spec(cfg), builders.sampling_of(cfg, 3, tok),
             ScoreSpec(model=None, model_weight=0.0, rule_weights={"exact": 1.0},
-                      cost_rule=CostRule("7", 4), function=None, tokenizer=None)]
+                      cost_rule=CostRule("7", 4), function=None, tokenizer=None,
+                      overlong=OverlongShaping(max_len=6, buffer=2, factor=0.5))]
 
 
 def test_runtime_specs_and_configs_roundtrip():
@@ -193,7 +194,7 @@ def test_every_dataclass_inside_the_worker_specs_is_allowed():
     from rlhf.workers import specs
 
     seen: set = set()
-    for cls in (specs.ActorSpec, specs.CriticSpec, specs.ScoreSpec):
+    for cls in (specs.ActorSpec, specs.CriticSpec, specs.ReferenceSpec, specs.ScoreSpec):
         _dataclasses_in(cls, seen)
     for cls in seen:
         assert wire._lookup(cls.__module__, cls.__qualname__) is cls

@@ -142,7 +142,8 @@ def test_hf_roundtrip_logits_and_grads(tmp_path, tied):
     ids = torch.randint(0, cfg.vocab_size, (2, 10), generator=g)
     mask = torch.ones_like(ids)
     mask[1, 7:] = 0  # right padding
-    out = model.head_outputs(model.stage_forward(ids, mask), ids, with_logits=True)
+    out = model.head_outputs(model.stage_forward(ids, mask), ids, with_logits=True,
+                             temperature=1.0)
     hf_logits = hf(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(out["logits"][real], hf_logits[real], atol=1e-5, rtol=1e-5)
@@ -195,7 +196,8 @@ def test_single_process_storage_identity_and_step():
     eng = TrainEngine(model, OptimConfig(lr=1e-2))
     ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in model.params.items()}
     ids = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
-    metrics = eng.train_step([{"input_ids": ids}], lambda o, mb: -o["log_probs"].mean())
+    metrics = eng.train_step([{"input_ids": ids}], lambda o, mb: -o["log_probs"].mean(),
+                             temperature=1.0)
     assert metrics["loss"] > 0 and metrics["grad_norm"] > 0
     assert {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in model.params.items()} == ptrs
     grad_flat = eng.grads.flat[torch.float32]
@@ -205,7 +207,7 @@ def test_single_process_storage_identity_and_step():
     gathered = gather_full_state_dict(model)
     assert torch.equal(gathered["layers.1.gate_up"], model.params["layers.1.gate_up"])
     with pytest.raises(ValueError, match="at least one micro-batch"):
-        eng.train_step([], lambda o, mb: o)
+        eng.train_step([], lambda o, mb: o, temperature=1.0)
 
 
 def test_layer_functions_read_generation_forms_in_place():
@@ -251,14 +253,15 @@ def test_head_from_a_later_position_equals_the_tail_of_the_full_head(head):
     ids = torch.randint(0, CFG.vocab_size, (3, 10), generator=g)
     with torch.no_grad():
         hidden = model.stage_forward(ids)
-        full = model.head_outputs(hidden, ids, with_logits=head == "lm")
-        part = model.head_outputs(hidden, ids, with_logits=head == "lm", start=6)
+        full = model.head_outputs(hidden, ids, with_logits=head == "lm", temperature=1.0)
+        part = model.head_outputs(hidden, ids, with_logits=head == "lm", start=6,
+                                  temperature=1.0)
     assert sorted(part) == sorted(full)
     for k, v in full.items():
         assert part[k].shape[1] == v.shape[1] - 6
         torch.testing.assert_close(part[k], v[:, 6:], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="head start=10 outside"):
-        model.head_outputs(hidden, ids, start=10)
+        model.head_outputs(hidden, ids, start=10, temperature=1.0)
     # a train step whose loss reads only positions >= 6 has the same gradients either way
     key = "log_probs" if head == "lm" else "values"
     results = []
@@ -269,7 +272,7 @@ def test_head_from_a_later_position_equals_the_tail_of_the_full_head(head):
         def loss_fn(out, mb, start=start):
             return out[key][:, 6 - start:].float().pow(2).mean()
 
-        eng.train_step([{"input_ids": ids}], loss_fn, head_from=start)
+        eng.train_step([{"input_ids": ids}], loss_fn, head_from=start, temperature=1.0)
         results.append({n: p.grad.clone() for n, p in model.params.items()})
     for name, grad in results[0].items():
         tol = 1e-5 * max(grad.abs().max().item(), 1e-3)

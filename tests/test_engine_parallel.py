@@ -84,9 +84,9 @@ def reference(variant: str) -> dict:
     load_full_state_dict(model, full)
     eng = TrainEngine(model, optim)
     mbs = make_micro_batches()
-    ref = {"full": full, "outputs": eng.forward(mbs), "metrics": []}
+    ref = {"full": full, "outputs": eng.forward(mbs, temperature=1.0), "metrics": []}
     for step in range(STEPS):
-        ref["metrics"].append(eng.train_step(mbs, loss_fn))
+        ref["metrics"].append(eng.train_step(mbs, loss_fn, temperature=1.0))
         if step == 0:
             ref["grads"] = {n: p.grad.clone() for n, p in model.params.items()}
     ref["weights"] = {n: p.detach().clone() for n, p in model.params.items()}
@@ -115,7 +115,7 @@ def check_layout(rank: int, world_size: int, layout, variant: str, ref: dict) ->
         spec = next(s for s in model.specs if s.name == name)
         return train_shard(full_tensors[_full_name(model, name)], spec, model.layout, lr)
 
-    out = eng.forward(mine)
+    out = eng.forward(mine, temperature=1.0)
     if model.is_last:
         for i, o in enumerate(out):
             for k, v in o.items():
@@ -125,7 +125,7 @@ def check_layout(rank: int, world_size: int, layout, variant: str, ref: dict) ->
                 checks += 1
     ptrs = {n: (p.data_ptr(), p.grad.data_ptr()) for n, p in model.params.items()}
     for step in range(STEPS):
-        metrics = eng.train_step(mine, loss_fn)
+        metrics = eng.train_step(mine, loss_fn, temperature=1.0)
         exp = ref["metrics"][step]
         assert abs(metrics["loss"] - exp["loss"]) < ATOL, (layout, step, metrics, exp)
         assert abs(metrics["grad_norm"] - exp["grad_norm"]) < ATOL, (layout, step, metrics, exp)
@@ -178,7 +178,8 @@ def hf_layouts(rank: int, world_size: int, layouts, folder: str, ids, hf_logits,
         if model is None:
             continue
         load_hf_checkpoint(model, folder)
-        outs = TrainEngine(model).forward([{"input_ids": ids}], with_logits=True)
+        outs = TrainEngine(model).forward([{"input_ids": ids}], with_logits=True,
+                                          temperature=1.0)
         if model.is_last:
             v_local = CFG.vocab_size // layout[1]
             start = model.coords.tp * v_local

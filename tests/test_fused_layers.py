@@ -119,7 +119,7 @@ def test_model_outputs_and_param_grads_match_python_layers(head):
     results = []
     for m in models:
         load_full_state_dict(m, full)
-        out = m.head_outputs(m.stage_forward(ids, am), ids)
+        out = m.head_outputs(m.stage_forward(ids, am), ids, temperature=1.0)
         key = "log_probs" if head == "lm" else "values"
         (out[key] * torch.linspace(0.5, 1.5, out[key].shape[-1])).sum().backward()
         results.append((out[key].detach(), {n: p.grad for n, p in m.params.items()}))

@@ -169,7 +169,8 @@ def test_sampling_distribution(t, k, p):
     freq = torch.bincount(tok, minlength=len(z)).double() / rows
     assert bool((freq[want == 0] == 0).all()), (freq, want)
     torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
-    torch.testing.assert_close(lp, torch.log_softmax(z, 0)[tok], atol=1e-6, rtol=0)
+    # the log-prob of the sampled distribution before truncation: softmax(z / t)
+    torch.testing.assert_close(lp, torch.log_softmax(z / t, 0)[tok], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("kwargs, word", [
@@ -245,8 +246,9 @@ def test_weights_are_views_of_the_flat_buffer():
 
 def test_unfiltered_sampling_without_tp_equals_the_gathered_path():
     """Without TP and without top-k/top-p, sample_next draws directly; same tokens and
-    log-probs as the general path (sample the softmax of the candidates, log-prob against the
-    float64 normaliser), written out here with the same generator state."""
+    log-probs as the general path (sample the softmax of the candidates divided by the
+    temperature, log-prob against their float64 normaliser), written out here with the same
+    generator state."""
     from engine.sampling import _filter_and_sample
 
     z = torch.randn(64, 37, generator=torch.Generator().manual_seed(3)) * 2
@@ -254,8 +256,10 @@ def test_unfiltered_sampling_without_tp_equals_the_gathered_path():
         params = SamplingParams(temperature=temperature, seed=5)
         tok, lp = sample_next(z, params, None, torch.Generator().manual_seed(5))
         ids = torch.arange(z.shape[-1]).expand_as(z)
-        ref_tok, ref_z = _filter_and_sample(z, ids, params, torch.Generator().manual_seed(5))
-        ref_lp = (ref_z.double() - torch.logsumexp(z.double(), dim=-1)).float()
+        scaled = z / temperature
+        ref_tok, ref_z = _filter_and_sample(scaled, ids, params,
+                                            torch.Generator().manual_seed(5))
+        ref_lp = (ref_z.double() - torch.logsumexp(scaled.double(), dim=-1)).float()
         assert torch.equal(tok, ref_tok)
         assert torch.equal(lp, ref_lp)
 
@@ -283,7 +287,8 @@ def test_random_streams_of_steps_and_replicas_never_coincide():
 
 def test_top_k_one_breaks_ties_like_greedy():
     """top_k=1 is greedy: among equal top logits both take the lowest id (torch.topk's order
-    is unspecified), with the model's log-prob of that token, and draw no random number."""
+    is unspecified), with that token's log-prob under softmax(z / temperature) (greedy's under
+    softmax(z)), and draw no random number."""
     from engine.sampling import sample_next
 
     for vocab, tied in ((16, [3, 7, 11]), (4096, [2000, 100, 4000]), (8, [5, 6])):
@@ -294,5 +299,6 @@ def test_top_k_one_breaks_ties_like_greedy():
         state = g.get_state()
         top1 = sample_next(z, SamplingParams(temperature=0.7, top_k=1), None, g)
         assert top1[0].tolist() == greedy[0].tolist() == [min(tied)] * 4
-        torch.testing.assert_close(top1[1], torch.log_softmax(z, -1)[:, min(tied)])
+        torch.testing.assert_close(greedy[1], torch.log_softmax(z, -1)[:, min(tied)])
+        torch.testing.assert_close(top1[1], torch.log_softmax(z / 0.7, -1)[:, min(tied)])
         assert torch.equal(g.get_state(), state)

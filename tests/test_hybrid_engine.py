@@ -4,8 +4,9 @@ Per cycle: reshard (version + 1, timed), every generation replica generates its 
 DP rank's prompts, the micro-DP all-gather returns the whole share to every rank of the
 training replica (equal to the single-process greedy result for those prompts), back to
 training with the training shard at the same addresses and unchanged, and the training
-model's recomputed log-probs equal the sampling log-probs (greedy, fp32, atol 1e-5); a train
-step in between shows the next cycle generates with the updated weights.
+model's recomputed log-probs equal the sampling log-probs (greedy at temperature 1, and
+sampled at temperature 1.7 on every layout; fp32, atol 1e-5); a train step in between shows the
+next cycle generates with the updated weights.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_laye
                   tie_word_embeddings=False)
 B_PER_DP, P, N_NEW = 4, 6, 8
 LP_ATOL = 1e-5
+HOT = 1.7  # a sampling temperature: rollout and training log-probs are of softmax(z / HOT)
 CASES = [((1, 4, 1), (1, 2)), ((1, 4, 1), (1, 1)), ((1, 2, 2), (1, 1)), ((2, 2, 1), (1, 1)),
          ((2, 2, 1), (2, 1))]
 
@@ -55,10 +57,12 @@ def build_engine(train: tuple, gen: tuple, full: dict) -> HybridEngine | None:
     return HybridEngine(model, OptimConfig(lr=5e-2))
 
 
-def logprob_gap(engine: HybridEngine, out) -> float | None:
-    """Max |training recompute - sampling log-prob| over response tokens (last stage only)."""
+def logprob_gap(engine: HybridEngine, out, temperature: float = 1.0) -> float | None:
+    """Max |training recompute - sampling log-prob| over response tokens (last stage only);
+    ``temperature``: the rollout's (1.0 for greedy)."""
     res = engine.train.forward([{"input_ids": out.input_ids,
-                                 "attention_mask": out.attention_mask}])
+                                 "attention_mask": out.attention_mask}],
+                               temperature=temperature)
     if res is None:
         return None
     recomputed = res[0]["log_probs"][:, out.prompt_length - 1:]  # [B, N]
@@ -84,6 +88,8 @@ def run_cycles(rank: int, world_size: int, train: tuple, gen: tuple, full: dict,
             views = all(w.untyped_storage().data_ptr() == buf
                         for w in engine.rollout.weights.values())
             rows_generated = out.stats["new_tokens"]
+            hot = engine.generate_sequences(ids[mine], mask[mine], SamplingParams(
+                max_new_tokens=N_NEW, temperature=HOT, seed=5 + cycle))
         back = {
             "ptrs_same": {n: p.data_ptr() for n, p in model.params.items()} == ptrs,
             "shard_same": all(torch.equal(p, before[n]) for n, p in model.params.items()),
@@ -91,9 +97,11 @@ def run_cycles(rank: int, world_size: int, train: tuple, gen: tuple, full: dict,
         }
         cycles.append({"version": stats.version, "time_s": stats.time_s, "views": views,
                        "out": (out.input_ids, out.attention_mask, out.log_probs),
-                       "gap": logprob_gap(engine, out), "own_tokens": rows_generated, **back})
+                       "gap": logprob_gap(engine, out), "hot_gap": logprob_gap(engine, hot, HOT),
+                       "own_tokens": rows_generated, **back})
         engine.train.train_step([{"input_ids": out.input_ids,
-                                  "attention_mask": out.attention_mask}], pg_loss)
+                                  "attention_mask": out.attention_mask}], pg_loss,
+                                temperature=1.0)
         before = {n: p.detach().clone() for n, p in model.params.items()}
     return {"cycles": cycles, "dp": dp, "engine_version": engine.version}
 
@@ -125,7 +133,7 @@ def test_hybrid_engine_cycle(pool4, full_and_reference, train, gen):
             assert c["views"] and c["ptrs_same"] and c["shard_same"], (rank, i)
             assert c["mode"] == "training" and c["weights_dropped"]
             if c["gap"] is not None:
-                gaps.append(c["gap"])
+                gaps.extend((c["gap"], c["hot_gap"]))
         # cycle 1: the whole DP share, in prompt order, on every rank of the replica
         got_ids, got_mask, got_lp = r["cycles"][0]["out"]
         rows = slice(r["dp"] * B_PER_DP, (r["dp"] + 1) * B_PER_DP)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from rlhf import algos
+from rlhf.config import PolicyLossConfig
 from rlhf.workers.common import loss_denominator, micro_batch_denominator
 
 MODES = algos.LOSS_AGG_MODES
@@ -119,10 +120,11 @@ def _loss_of_rows(x: dict, role: str, mode: str, leaf: torch.Tensor, rows: slice
                   denominator: float | None) -> torch.Tensor:
     m = x["mask"][rows]
     if role == "actor":
+        cfg = PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, **CLIP)
         loss, _ = algos.actor_loss(leaf[rows], x["old"][rows], x["A"][rows], m,
+                                   pg_loss=algos.get_policy_loss("ppo"), cfg=cfg,
                                    ref_log_prob=x["ref"][rows], entropy=x["H"][rows],
-                                   entropy_coeff=0.01, loss_agg_mode=mode,
-                                   denominator=denominator, **KL, **CLIP)
+                                   denominator=denominator, **KL)
     else:
         loss, _ = algos.value_loss(leaf[rows], x["old_v"][rows], x["R"][rows], m, 0.2, mode,
                                    denominator)
@@ -229,7 +231,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
             optim=optim,
             loss=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, clip_ratio_c=3.0),
             update=update, algo="grpo", kl_loss_coef=0.1, kl_estimator="k3",
-            kl_log_ratio_clamp=20.0, kl_k3_clamp=10.0)
+            kl_log_ratio_clamp=20.0, kl_k3_clamp=10.0, temperature=1.0)
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=ModelSpec(config=config, head="value", init_from=None, seed=0,

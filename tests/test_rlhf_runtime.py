@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from rlhf.checkpoint import load_checkpoint
+from rlhf.programs import algorithm_names
+from tests.test_user_algorithm import readme_algorithm
 from rlhf.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,14 +66,23 @@ RUNS = {
     "ppo_auto": ["algo=ppo", "placement.mode=auto"],
     "grpo_standalone": ["algo=grpo", "placement.mode=standalone", "actor.layout.tp=1",
                         "placement.pool_sizes={actor: 1, reference: 1}"],
+    # a user's algorithm from a file (the README's my_algo.py, written by the fixture)
+    "user_algo": ["algo=my_grpo", "algo.module={dir}/my_algo.py"],
 }
+RUNS["grpo_again"] = RUNS["grpo"]  # the same run twice: the same curve
+# every other registered algorithm with its shipped recipe (a new one is covered at once)
+RUNS |= {name: [f"algo={name}"] for name in algorithm_names() if name not in RUNS}
+# partial credit: groups that differ on the untrained model (exact match scores all 0)
+RUNS["dapo"] += ["reward.rule_weights={exact: 1.0, partial: 1.0}"]
 
 
 @pytest.fixture(scope="module")
 def all_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("algos")
-    spec = {name: [*o, "iterations=2", f"log.runs_dir={d}", f"log.run_name={name}",
-                   "checkpoint.resume=never"] for name, o in RUNS.items()}
+    (d / "my_algo.py").write_text(readme_algorithm())
+    spec = {name: [*(a.replace("{dir}", str(d)) for a in o), "iterations=2",
+                   f"log.runs_dir={d}", f"log.run_name={name}", "checkpoint.resume=never"]
+            for name, o in RUNS.items()}
     with open(d / "spec.json", "w") as f:
         json.dump(spec, f)
     _run(_torchrun(2, "-m", "tests.rlhf_jobs", str(d / "spec.json"), str(d / "out.json")))
@@ -91,6 +102,18 @@ def test_algorithm_two_iterations(all_runs, name):
         assert r["actor/entropy"] > 0 and "actor/pg_loss" in r
     assert read_metrics(str(d / name / "metrics.jsonl")) == recs
     assert os.path.isfile(d / name / "checkpoints" / "step_00000002" / "meta.json")
+    if name == "dapo":
+        assert all(r["dapo/trained_groups"] > 0 for r in recs)
+        assert all(1 <= r["dapo/gen_rounds"] <= 4 for r in recs)
+
+
+def test_same_seed_same_curve(all_runs):
+    """Reproducible: the same config twice in one job gives the same records (rewards, losses,
+    held-out metrics), bit for bit, apart from timings."""
+    _, out = all_runs
+    first, again = out["grpo"]["records"], out["grpo_again"]["records"]
+    assert [_exact(r) for r in first] == [_exact(r) for r in again]
+    assert "val/accuracy" in first[0] and "val/pass@k" in first[-1]
 
 
 def test_ppo_metrics_and_outputs(all_runs):
@@ -103,6 +126,10 @@ def test_ppo_metrics_and_outputs(all_runs):
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(d / "ppo"))
     assert "cost/lagrange" in out["safe_rlhf"]["records"][1]
     assert "reward/greedy_baseline" in out["remax"]["records"][0]
+    # the generation engine's log-probs against the training engine's: the same policy, the
+    # same temperature, other kernels (rounding only)
+    assert all(0 <= r["actor/rollout_logprob_diff"] < 1e-4 for r in recs)
+    assert "actor/rollout_logprob_diff" not in out["grpo"]["records"][0]  # not recomputed
 
 
 def test_batch_validation_names_values_before_launch():
@@ -284,7 +311,7 @@ def test_role_head_positions_match_the_rollout_log_probs():
     assert response_head_from(batch) == 6  # P - 1
     with torch.no_grad():
         outs = TrainEngine(model).forward([model_inputs(batch)],
-                                          head_from=response_head_from(batch))
+                                          head_from=response_head_from(batch), temperature=1.0)
     got = response_outputs(outs[0]["log_probs"], batch)
     keep = out.response_mask.bool()
     assert got.shape == out.log_probs.shape and keep.sum() > 10

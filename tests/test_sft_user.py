@@ -166,7 +166,7 @@ def _our_logits(folder: pathlib.Path, ids: torch.Tensor) -> torch.Tensor:
     model = build_model(ModelSpec(config=read_hf_config(str(folder)), head="lm",
                                   init_from=str(folder), seed=0, fresh_head=False), groups)
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return TrainEngine(model).forward([mb], with_logits=True)[0]["logits"]
+    return TrainEngine(model).forward([mb], with_logits=True, temperature=1.0)[0]["logits"]
 
 
 def test_sft_run_lowers_the_response_loss_and_saves_an_hf_checkpoint(example, tok, tmp_path,

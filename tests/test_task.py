@@ -149,3 +149,59 @@ def test_parquet_and_saved_dataset_readers(tmp_path):
     assert both[1].extra_info == {"index": 1} and both[4].extra_info is None
     with pytest.raises(ValueError, match="nope.jsonl' does not exist"):
         read_dataset(str(tmp_path / "nope.jsonl"))
+
+
+# Held-out problems and the warm start's systematic mistake ------------------------------------
+def test_heldout_problems_never_reach_training_or_sft_data():
+    import zlib
+
+    from rlhf.task.arithmetic import HELDOUT, is_heldout
+
+    task = AdditionTask(1, 2, seed=3)
+    held = task.heldout_examples(200)
+    prompts = [e.prompt for e in held]
+    assert len(set(prompts)) == len(prompts) == 200            # distinct
+    assert held == AdditionTask(1, 2, seed=3).heldout_examples(200)  # deterministic
+    for e in held:                                               # the hash rule, by hand
+        assert zlib.crc32(e.prompt.encode()) % 10 == 0
+        assert e.answer == str(sum(int(x) for x in e.prompt.rstrip("=").split("+")))
+    held_set = set(prompts)
+    for split in ("train", "sft", "pref", "cost", "eval"):
+        seen = {e.prompt for e in task.examples(0, 3000, split)}
+        assert not seen & held_set, split
+        assert not any(is_heldout(p) for p in seen)
+    # about a tenth of all problems are held out
+    every = [f"{a}+{b}=" for a in range(100) for b in range(100)]
+    assert 0.08 < sum(map(is_heldout, every)) / len(every) < 0.12
+    assert all(is_heldout(e.prompt) for e in task.examples(0, 50, HELDOUT))
+    # a task with few problems gives what it has
+    assert 0 < len(AdditionTask(1, 1).heldout_examples(500)) < 100
+
+
+def test_carry_free_sum_and_carry_errors():
+    import random
+
+    from rlhf.sft import noisy_records
+    from rlhf.task import carry_free_sum
+
+    def by_hand(a: int, b: int) -> int:
+        out, place = 0, 1
+        while a or b:
+            out += ((a % 10 + b % 10) % 10) * place
+            a, b, place = a // 10, b // 10, place * 10
+        return out
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a, b = rng.randrange(1000), rng.randrange(1000)
+        assert carry_free_sum(f"{a}+{b}=") == str(by_hand(a, b))
+    assert carry_free_sum("17+25=") == "32" and carry_free_sum("12+34=") == "46"
+    task = AdditionTask(1, 2)
+    recs = noisy_records(task, 4000, 0, noise=0.0, carry_errors=0.6)
+    clean = task.sft_records(4000, 0)
+    carry = [i for i, r in enumerate(clean) if carry_free_sum(r["prompt"]) != r["answer"]]
+    wrong = [i for i, (r, c) in enumerate(zip(recs, clean)) if r["answer"] != c["answer"]]
+    assert set(wrong) <= set(carry)                        # only carrying problems change
+    assert all(recs[i]["answer"] == carry_free_sum(clean[i]["prompt"]) for i in wrong)
+    assert abs(len(wrong) / len(carry) - 0.6) < 0.03
+    assert noisy_records(task, 100, 7, 0.0, 0.6) == noisy_records(task, 100, 7, 0.0, 0.6)

@@ -14,6 +14,7 @@ from rlhf.algos.masked import (LOSS_AGG_MODES, agg_count, agg_denominator, agg_l
                                masked_mean, masked_sum, masked_var, masked_whiten,
                                scores_to_token_rewards)
 from rlhf.algos.shaping import overlong_penalty, varied_groups
+from rlhf.algos.offpolicy import rollout_mismatch, truncated_is_weights
 from rlhf.algos.policy_losses import POLICY_LOSSES, get_policy_loss, register_policy_loss
 from rlhf.algos.safe_rlhf import LagrangeMultiplier, combine_advantages, safe_rlhf_advantages
 
@@ -24,5 +25,5 @@ __all__ = ["dr_grpo", "gae", "group_index", "grpo", "grpo_passk", "grpo_scores",
            "entropy_loss", "policy_loss", "value_loss", "LOSS_AGG_MODES", "agg_count",
            "agg_denominator", "agg_loss", "kept", "masked_mean", "masked_sum", "masked_var",
            "masked_whiten", "scores_to_token_rewards", "POLICY_LOSSES", "get_policy_loss",
-           "register_policy_loss", "overlong_penalty", "varied_groups", "LagrangeMultiplier",
+           "register_policy_loss", "rollout_mismatch", "truncated_is_weights", "overlong_penalty", "varied_groups", "LagrangeMultiplier",
            "combine_advantages", "safe_rlhf_advantages"]

@@ -12,6 +12,9 @@ a metric or a gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from rlhf.algos.masked import agg_loss, check_same_shape, kept, masked_mean
@@ -138,37 +141,40 @@ def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float, loss_a
 
 
 def actor_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-               mask: torch.Tensor, *, ref_log_prob: torch.Tensor | None = None,
-               kl_loss_coef: float, kl_estimator: str, kl_log_ratio_clamp: float,
-               kl_k3_clamp: float, entropy: torch.Tensor | None = None, entropy_coeff: float,
-               loss_agg_mode: str, denominator: float | None = None,
-               **clip) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               mask: torch.Tensor, *, pg_loss: Callable, cfg: Any,
+               ref_log_prob: torch.Tensor | None = None, kl_loss_coef: float,
+               kl_estimator: str, kl_log_ratio_clamp: float, kl_k3_clamp: float,
+               entropy: torch.Tensor | None = None, denominator: float | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's whole loss for one micro-batch::
 
         L = L_pg + kl_loss_coef * agg(k(log_prob, ref_log_prob)) - entropy_coeff * agg(H)
 
-    The KL term is added only when ``ref_log_prob`` is given (KL as a loss, GRPO style; its
-    estimator and bounds are :func:`rlhf.algos.kl.kl_estimate`'s), the entropy term only when
-    ``entropy`` (``[B, T]``) is given.  Every term is aggregated with ``loss_agg_mode`` and the
-    same ``denominator``.  ``clip`` goes to :func:`policy_loss` (clip_ratio, clip_ratio_low,
-    clip_ratio_high, clip_ratio_c).
+    ``L_pg`` is ``pg_loss`` (a registered policy loss, :mod:`rlhf.algos.policy_losses`) with
+    the loss section ``cfg`` (:class:`rlhf.config.PolicyLossConfig`: its clip ranges and
+    per-loss settings, ``loss_agg_mode``, ``entropy_coeff``).  The KL term is added only when
+    ``ref_log_prob`` is given (KL as a loss, GRPO style; its estimator and bounds are
+    :func:`rlhf.algos.kl.kl_estimate`'s), the entropy term only when ``entropy`` (``[B, T]``)
+    is given.  Every term is aggregated with ``cfg.loss_agg_mode`` and the same
+    ``denominator``.
 
     Returns:
-        ``(loss, metrics)`` with the :func:`policy_loss` metrics plus ``kl_loss`` and
-        ``entropy`` when those terms are present.
+        ``(loss, metrics)`` with the policy loss's metrics plus ``kl_loss`` and ``entropy``
+        when those terms are present.
     """
     from rlhf.algos.kl import kl_loss
 
-    loss, metrics = policy_loss(log_prob, old_log_prob, advantages, mask,
-                                loss_agg_mode=loss_agg_mode, denominator=denominator, **clip)
+    mode = cfg.loss_agg_mode
+    loss, metrics = pg_loss(log_prob, old_log_prob, advantages, mask, cfg=cfg,
+                            loss_agg_mode=mode, denominator=denominator)
     if ref_log_prob is not None:
-        kl, m = kl_loss(log_prob, ref_log_prob, mask, kl_estimator, loss_agg_mode,
+        kl, m = kl_loss(log_prob, ref_log_prob, mask, kl_estimator, mode,
                         log_ratio_clamp=kl_log_ratio_clamp, k3_clamp=kl_k3_clamp,
                         denominator=denominator)
         loss = loss + kl_loss_coef * kl
         metrics.update(m)
     if entropy is not None:
-        ent, m = entropy_loss(entropy, mask, entropy_coeff, loss_agg_mode, denominator)
+        ent, m = entropy_loss(entropy, mask, cfg.entropy_coeff, mode, denominator)
         loss = loss + ent
         metrics.update(m)
     return loss, metrics

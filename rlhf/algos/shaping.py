@@ -30,7 +30,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
         raise ValueError(f"overlong_penalty_factor={factor} must be >= 0")
     expected = max_len - buffer
     excess = lengths.to(torch.float32) - expected
-    return torch.where(excess > 0, -excess / buffer * factor, torch.zeros_like(excess))
+    penalty = (-excess / buffer * factor).clamp(min=-factor)  # a longer one: the full penalty
+    return torch.where(excess > 0, penalty, torch.zeros_like(excess))
 
 
 def varied_groups(scores: torch.Tensor, group: Sequence | torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,8 @@ PROJECT_CLASSES = frozenset({
     "rlhf.workers.specs:ActorSpec",
     "rlhf.workers.specs:CriticSpec",
     "rlhf.workers.specs:ModelSpec",
+    "rlhf.workers.specs:OverlongShaping",
+    "rlhf.workers.specs:ReferenceSpec",
     "rlhf.workers.specs:ScoreSpec",
     "rlhf.workers.specs:UpdateSpec",
 })

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from engine.sampling import SamplingParams
-from rlhf.algos import (LagrangeMultiplier, actor_loss, kl_estimate, kl_penalty_rewards,
-                        masked_mean, scores_to_token_rewards, value_loss)
+from rlhf.algos import (LagrangeMultiplier, kl_estimate, kl_penalty_rewards, masked_mean,
+                        rollout_mismatch, scores_to_token_rewards, truncated_is_weights,
+                        value_loss)
 from rlhf.controller import Batch, Future, WorkerGroup
 from rlhf.metrics import PhaseTimer
 
@@ -65,6 +66,12 @@ class Iteration:
     """Fixed or adaptive KL controller (``.value``, ``.update``)."""
     lagrange: LagrangeMultiplier
     """Safe-RLHF multiplier (unused by the other algorithms)."""
+    mini_batch_size: int
+    """Sequences per optimizer step (``data.mini_batch_size``): a batch a program trains on is
+    a whole number of them."""
+    more_prompts: Callable[[], Batch] | None
+    """The next ``data.prompts_per_iter`` prompts of the run's stream, encoded as the
+    iteration's own (DAPO's dynamic sampling draws more); None outside a run."""
 
 
 Program = Callable[[Roles, Batch, Iteration], tuple[Batch, dict]]
@@ -89,10 +96,14 @@ class AlgorithmSpec:
     """Compares the samples of one prompt (needs ``data.samples_per_prompt >= 2``)."""
     greedy_baseline: bool
     """Generates a second, greedy response per prompt (ReMax)."""
-    policy_loss: Callable
-    """The actor's loss (:func:`rlhf.algos.actor_loss` signature)."""
+    policy_loss: str
+    """The actor's registered policy loss (:mod:`rlhf.algos.policy_losses`; ``actor.loss.mode``
+    overrides it), inside :func:`rlhf.algos.actor_loss`."""
     value_loss: Callable
     """The critics' loss (:func:`rlhf.algos.value_loss` signature)."""
+    recipe: str | None
+    """The shipped recipe ``algo=NAME`` starts from when there is no ``recipes/NAME.yaml``
+    (a user's algorithm: ``recipe="grpo"``); None = its own."""
 
     @property
     def generations(self) -> int:
@@ -116,9 +127,11 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {}
 
 def register_algorithm(name: str, *, advantage: Advantage, critics: tuple[str, ...] = (),
                        cost: bool = False, grouped: bool = False,
-                       greedy_baseline: bool = False, policy_loss: Callable = actor_loss,
-                       value_loss: Callable = value_loss) -> Callable[[Program], Program]:
-    """Decorator registering a controller program as algorithm ``name``."""
+                       greedy_baseline: bool = False, policy_loss: str = "ppo",
+                       value_loss: Callable = value_loss, recipe: str | None = None
+                       ) -> Callable[[Program], Program]:
+    """Decorator registering a controller program as algorithm ``name`` (the keywords are the
+    fields of :class:`AlgorithmSpec`)."""
     unknown = [c for c in critics if c not in VALUE_ROLES]
     if unknown:
         raise ValueError(f"algorithm {name!r}: critics {unknown} are not value roles "
@@ -130,7 +143,7 @@ def register_algorithm(name: str, *, advantage: Advantage, critics: tuple[str, .
         ALGORITHMS[name] = AlgorithmSpec(
             name=name, program=program, advantage=advantage, critics=tuple(critics), cost=cost,
             grouped=grouped, greedy_baseline=greedy_baseline, policy_loss=policy_loss,
-            value_loss=value_loss)
+            value_loss=value_loss, recipe=recipe)
         return program
     return add
 
@@ -148,6 +161,39 @@ def algorithm(name: str) -> AlgorithmSpec:
                          f"{sorted(ALGORITHMS)}") from None
 
 
+_USER_MODULES: dict[str, Any] = {}
+
+
+def load_algorithm_module(path: str) -> Any:
+    """Import a user's algorithm file (``algo.module``) once per process: its
+    :func:`register_algorithm` / :func:`rlhf.algos.register_policy_loss` calls add entries that
+    ``algo.name`` and ``actor.loss.mode`` can then name.  The same file given again (every
+    config of a run is built once per rank, and again in tests) is not re-imported.
+
+    Raises:
+        ValueError: the file does not exist, is not ``.py``, or raises when imported (the
+            message names the file and the exception).
+    """
+    import importlib.util
+    import os
+
+    if not str(path).endswith(".py") or not os.path.isfile(path):
+        raise ValueError(f"algo.module={path!r} must be an existing .py file")
+    key = os.path.realpath(path)
+    if key in _USER_MODULES:
+        return _USER_MODULES[key]
+    name = "hybridflow_user_algo_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"algo.module={path!r}: importing it failed: {type(e).__name__}: "
+                         f"{e}") from None
+    _USER_MODULES[key] = module
+    return module
+
+
 # Steps shared by the programs -------------------------------------------------------------
 def field_of(batch: Any, key: str, algo: str):
     """``batch[key]``, or a ValueError naming the algorithm and the fields present."""
@@ -159,13 +205,14 @@ def field_of(batch: Any, key: str, algo: str):
             from None
 
 
-def gather(*futures: Future | None) -> Batch:
-    """The union of the results of several calls over the same rows (controller side)."""
+def gather(*futures: Future | Batch | None) -> Batch:
+    """The union of the results of several calls (or batches) over the same rows (controller
+    side)."""
     out = None
     for f in futures:
         if f is None:
             continue
-        b = f.get()
+        b = f if isinstance(f, Batch) else f.get()
         out = b if out is None else out.union(b)
     return out
 
@@ -179,6 +226,10 @@ def shape_rewards(batch: Batch, it: Iteration) -> tuple[Batch, dict]:
     mask = batch["response_mask"].float()
     token = scores_to_token_rewards(batch["scores"], mask)
     metrics = {}
+    if it.algo.recompute_log_prob and "rollout_log_probs" in batch.tensors:
+        gap = rollout_mismatch(batch["old_log_probs"], batch["rollout_log_probs"], mask)
+        metrics["actor/rollout_logprob_diff"] = gap["mean"]
+        metrics["actor/rollout_logprob_diff_max"] = gap["max"]
     if "ref_log_probs" in batch.tensors:
         bounds = {"log_ratio_clamp": it.algo.kl_log_ratio_clamp,
                   "k3_clamp": it.algo.kl_k3_clamp}
@@ -197,8 +248,14 @@ def shape_rewards(batch: Batch, it: Iteration) -> tuple[Batch, dict]:
 
 
 def advantages(batch: Batch, it: Iteration) -> Batch:
-    """``batch`` plus the fields of the registered estimator of ``it.algo.name``."""
+    """``batch`` plus the fields of the registered estimator of ``it.algo.name``; with
+    ``algo.tis_cap`` the advantages carry the truncated importance weights between the
+    rollout's and the recomputed old policy's log-probs (:func:`rlhf.algos.truncated_is_weights`)."""
     adv = algorithm(it.algo.name).advantage(batch, it)
+    if it.algo.tis_cap is not None and "rollout_log_probs" in batch.tensors:
+        w = truncated_is_weights(batch["old_log_probs"], batch["rollout_log_probs"],
+                                 batch["response_mask"], it.algo.tis_cap)
+        adv = adv | {"advantages": adv["advantages"] * w.to(adv["advantages"].dtype)}
     return Batch({**batch.tensors, **adv}, batch.non_tensors, batch.meta)
 
 

@@ -1,16 +1,28 @@
-"""REINFORCE++ (Hu 2025): discounted returns whitened over the batch; no critic."""
+"""REINFORCE++ (Hu 2025): discounted returns whitened over the batch; no critic.  Also
+``reinforce_pp_baseline``: each score minus its group's mean, then whitened over the batch
+(REINFORCE++ with the group baseline)."""
 
 from __future__ import annotations
 
-from rlhf.algos import reinforce_pp as reinforce_pp_estimator
+from rlhf.algos import reinforce_pp, reinforce_pp_baseline
 from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
 
 
 def reinforce_pp_advantage(batch, it: Iteration) -> dict:
     a = it.algo
-    adv, ret = reinforce_pp_estimator(field_of(batch, "token_level_rewards", a.name),
+    adv, ret = reinforce_pp(field_of(batch, "token_level_rewards", a.name),
                                       field_of(batch, "response_mask", a.name), a.gamma)
     return {"advantages": adv, "returns": ret}
 
 
+def reinforce_pp_baseline_advantage(batch, it: Iteration) -> dict:
+    name = it.algo.name
+    adv, ret = reinforce_pp_baseline(field_of(batch, "token_level_rewards", name),
+                                  field_of(batch, "response_mask", name),
+                                  field_of(batch, "uid", name))
+    return {"advantages": adv, "returns": ret}
+
+
 register_algorithm("reinforce_pp", advantage=reinforce_pp_advantage)(critic_free)
+register_algorithm("reinforce_pp_baseline", advantage=reinforce_pp_baseline_advantage,
+                   grouped=True)(critic_free)

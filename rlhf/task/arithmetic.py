@@ -4,6 +4,10 @@ Every example is a pure function of ``(seed, split, index)`` (a ``random.Random`
 that string), so any slice of the data can be regenerated from a checkpointed position, and the
 splits (``train``, ``eval``, ``sft``, ``pref``, ``cost``) never share a random stream.
 
+Held-out problems: a fixed tenth of all problems (:func:`is_heldout`, a hash of the problem
+text) belongs to split ``heldout`` only; every other split redraws when it hits one, so no
+held-out problem ever appears in training, SFT or reward-model data.
+
 Cost rule of the Safe-RLHF variant (:class:`CostRule`): a response is "unsafe" in proportion to
 
     cost(response) = (# of occurrences of the forbidden digit)
@@ -16,9 +20,19 @@ pull in different directions, which is what the Lagrange multiplier arbitrates.
 from __future__ import annotations
 
 import random
+import zlib
 from dataclasses import dataclass
 
 DIGITS = "0123456789"
+HELDOUT = "heldout"
+"""The split of held-out problems (evaluation only)."""
+_HELDOUT_EVERY = 10
+
+
+def is_heldout(prompt: str) -> bool:
+    """Whether a problem (its prompt text, ``"12+34="``) is held out: one in ten, by a stable
+    hash (CRC-32), the same on every machine and Python."""
+    return zlib.crc32(prompt.encode()) % _HELDOUT_EVERY == 0
 
 
 @dataclass(frozen=True)
@@ -61,12 +75,31 @@ class AdditionTask:
         return random.Random(f"addition:{self.seed}:{split}:{index}")
 
     def example(self, index: int, split: str = "train") -> Example:
+        """Example ``index`` of ``split``: a held-out problem (:func:`is_heldout`) for split
+        ``heldout``, any other problem for every other split (redrawn from the same stream)."""
         rng = self._rng(split, index)
-        ops = []
-        for _ in range(self.num_operands):
-            n = rng.randint(self.min_digits, self.max_digits)
-            ops.append(rng.randint(0 if n == 1 else 10 ** (n - 1), 10 ** n - 1))
-        return Example("+".join(map(str, ops)) + "=", str(sum(ops)))
+        want_heldout = split == HELDOUT
+        for _ in range(100_000):  # a tenth of the problems are held out: a few draws
+            ops = []
+            for _ in range(self.num_operands):
+                n = rng.randint(self.min_digits, self.max_digits)
+                ops.append(rng.randint(0 if n == 1 else 10 ** (n - 1), 10 ** n - 1))
+            prompt = "+".join(map(str, ops)) + "="
+            if is_heldout(prompt) == want_heldout:
+                return Example(prompt, str(sum(ops)))
+        raise ValueError(f"no {'held-out' if want_heldout else 'non-held-out'} problem found "
+                         f"for {self}")
+
+    def heldout_examples(self, count: int) -> list[Example]:
+        """Up to ``count`` distinct held-out problems (fewer when the task has fewer), in a
+        fixed order: the evaluation set of the built-in task."""
+        seen: dict[str, Example] = {}
+        for i in range(50 * count):
+            e = self.example(i, HELDOUT)
+            seen.setdefault(e.prompt, e)
+            if len(seen) == count:
+                break
+        return list(seen.values())
 
     def examples(self, start: int, count: int, split: str = "train") -> list[Example]:
         return [self.example(i, split) for i in range(start, start + count)]
@@ -117,6 +150,16 @@ class AdditionTask:
             out.append({"prompt": e.prompt, "safer": safer, "unsafer": unsafer,
                         "safer_cost": rule.cost(safer), "unsafer_cost": rule.cost(unsafer)})
         return out
+
+
+def carry_free_sum(prompt: str) -> str:
+    """The answer of ``"a+b+...="`` computed without carrying: each digit column summed mod 10
+    (``"17+25="`` -> ``"32"``; the right answer is 42).  The systematic mistake of a learner
+    who has not learned to carry; equal to the right answer when no column carries."""
+    ops = prompt.rstrip("=").split("+")
+    width = max(len(o) for o in ops)
+    cols = [sum(int(o.zfill(width)[i]) for o in ops) % 10 for i in range(width)]
+    return str(int("".join(map(str, cols))))
 
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:

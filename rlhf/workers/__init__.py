@@ -8,7 +8,9 @@ by :mod:`rlhf.builders`) and reads it by field name.
 from rlhf.workers.actor import ActorWorker, ReferenceWorker
 from rlhf.workers.critic import CriticWorker
 from rlhf.workers.reward import CostWorker, RewardWorker
-from rlhf.workers.specs import ActorSpec, CriticSpec, ModelSpec, ScoreSpec, UpdateSpec
+from rlhf.workers.specs import (ActorSpec, CriticSpec, ModelSpec, OverlongShaping, ReferenceSpec,
+                                ScoreSpec, UpdateSpec)
 
 __all__ = ["ActorWorker", "ReferenceWorker", "CriticWorker", "CostWorker", "RewardWorker",
-           "ActorSpec", "CriticSpec", "ModelSpec", "ScoreSpec", "UpdateSpec"]
+           "ActorSpec", "CriticSpec", "ModelSpec", "OverlongShaping", "ReferenceSpec",
+           "ScoreSpec", "UpdateSpec"]

@@ -18,12 +18,13 @@ from engine.hf_interop import stream_hf_checkpoint
 from engine.hybrid_engine import HybridEngine
 from engine.sampling import SamplingParams
 from engine.train import TrainEngine
+from rlhf.algos import actor_loss, get_policy_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, protocol
 from rlhf.programs import algorithm
 from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model, loss_denominator,
                                  mean_row, minibatches, model_inputs, response_head_from,
                                  response_outputs)
-from rlhf.workers.specs import ActorSpec, ModelSpec
+from rlhf.workers.specs import ActorSpec, ReferenceSpec
 
 
 class ActorWorker(CheckpointedWorker):
@@ -33,7 +34,8 @@ class ActorWorker(CheckpointedWorker):
         self.spec = spec
         self.model = build_model(spec.model, self.groups)
         self.engine = HybridEngine(self.model, spec.optim)
-        self.policy_loss = algorithm(spec.algo).policy_loss
+        # actor.loss.mode, else the algorithm's own registered policy loss
+        self.pg_loss = get_policy_loss(spec.loss.mode or algorithm(spec.algo).policy_loss)
         self.checkpoint = ShardCheckpoint(self.model, self.engine.train)
 
     @protocol(THREE_D_PROTO)
@@ -53,9 +55,11 @@ class ActorWorker(CheckpointedWorker):
 
     @protocol(THREE_D_PROTO)
     def compute_log_prob(self, batch: Batch) -> Batch | None:
-        """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy."""
+        """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy
+        at the sampling temperature (what the rollout's own log-probs are)."""
         outs = self.engine.train.forward([model_inputs(batch)],
-                                         head_from=response_head_from(batch))
+                                         head_from=response_head_from(batch),
+                                         temperature=self.spec.temperature)
         if outs is None:
             return None  # not the last pipeline stage: not collected
         return Batch({"old_log_probs": response_outputs(outs[0]["log_probs"], batch),
@@ -74,14 +78,12 @@ class ActorWorker(CheckpointedWorker):
         def loss_fn(outputs: dict, mb: dict, denominator: float) -> torch.Tensor:
             lp = response_outputs(outputs["log_probs"], batch)
             ent = response_outputs(outputs["entropy"], batch)
-            total, m = self.policy_loss(
+            total, m = actor_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
-                ref_log_prob=mb.get("ref_log_probs"), kl_loss_coef=s.kl_loss_coef or 0.0,
-                kl_estimator=s.kl_estimator, kl_log_ratio_clamp=s.kl_log_ratio_clamp,
-                kl_k3_clamp=s.kl_k3_clamp, entropy=ent, entropy_coeff=loss.entropy_coeff,
-                loss_agg_mode=loss.loss_agg_mode, denominator=denominator,
-                clip_ratio=loss.clip_ratio, clip_ratio_low=loss.clip_ratio_low,
-                clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c)
+                pg_loss=self.pg_loss, cfg=loss, ref_log_prob=mb.get("ref_log_probs"),
+                kl_loss_coef=s.kl_loss_coef or 0.0, kl_estimator=s.kl_estimator,
+                kl_log_ratio_clamp=s.kl_log_ratio_clamp, kl_k3_clamp=s.kl_k3_clamp,
+                entropy=ent, denominator=denominator)
             records.append({k: float(v) for k, v in m.items()})
             return total
 
@@ -93,7 +95,8 @@ class ActorWorker(CheckpointedWorker):
                 d = loss_denominator(mbs, loss.loss_agg_mode, self.groups.train_dp)
                 grad_norms.append(self.engine.train.train_step(
                     mbs, functools.partial(loss_fn, denominator=d),
-                    head_from=response_head_from(batch))["grad_norm"])
+                    head_from=response_head_from(batch),
+                    temperature=self.spec.temperature)["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
@@ -110,14 +113,16 @@ class ActorWorker(CheckpointedWorker):
 class ReferenceWorker(CheckpointedWorker):
     """The frozen initial policy: log-probs for the KL term."""
 
-    def __init__(self, model: ModelSpec) -> None:
-        self.model = build_model(model, self.groups)
+    def __init__(self, spec: ReferenceSpec) -> None:
+        self.spec = spec
+        self.model = build_model(spec.model, self.groups)
         self.engine = TrainEngine(self.model)  # forward only; the optimizer is never stepped
         self.checkpoint = ShardCheckpoint(self.model)
 
     @protocol(THREE_D_PROTO)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
-        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch))
+        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch),
+                                   temperature=self.spec.temperature)
         if outs is None:
             return None
         return Batch({"ref_log_probs": response_outputs(outs[0]["log_probs"], batch)})

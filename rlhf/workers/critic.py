@@ -32,7 +32,8 @@ class CriticWorker(CheckpointedWorker):
     @protocol(THREE_D_PROTO)
     def compute_values(self, batch: Batch) -> Batch | None:
         """Value of the state before each response token, ``[B, N]``."""
-        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch))
+        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch),
+                                   temperature=1.0)  # a value head: no distribution to scale
         if outs is None:
             return None
         return Batch({self.spec.value_key: response_outputs(outs[0]["values"], batch)})
@@ -59,7 +60,7 @@ class CriticWorker(CheckpointedWorker):
                 d = loss_denominator(mbs, s.loss.loss_agg_mode, self.groups.train_dp)
                 norms.append(self.engine.train_step(
                     mbs, functools.partial(loss_fn, denominator=d),
-                    head_from=response_head_from(batch))["grad_norm"])
+                    head_from=response_head_from(batch), temperature=1.0)["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.train import TrainEngine
+from rlhf.algos import overlong_penalty
 from rlhf.controller import THREE_D_PROTO, Batch, protocol
 from rlhf.task import CompositeReward, load_tokenizer
 from rlhf.task.reward_fn import FunctionReward
@@ -24,7 +25,7 @@ from rlhf.workers.specs import ScoreSpec
 def model_scores(engine: TrainEngine, batch: Batch) -> torch.Tensor | None:
     """``[B]`` value-head output at the last real token of each sequence (None off the last
     pipeline stage)."""
-    outs = engine.forward([model_inputs(batch)])
+    outs = engine.forward([model_inputs(batch)], temperature=1.0)  # a value head: unused
     if outs is None:
         return None
     idx = last_token_index(batch["attention_mask"])
@@ -71,6 +72,12 @@ class _ScoreWorker(CheckpointedWorker):
             total += scores
         if self.args.cost_rule is not None:
             total += torch.tensor([self.args.cost_rule.cost(t) for t in texts])
+        if self.args.overlong is not None:
+            o = self.args.overlong
+            lengths = batch["response_mask"].bool().sum(-1)
+            out["reward/overlong_penalty"] = overlong_penalty(lengths, o.max_len, o.buffer,
+                                                              o.factor)
+            total += out["reward/overlong_penalty"]
         out[self.key] = total
         return Batch(out)
 

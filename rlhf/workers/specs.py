@@ -62,6 +62,18 @@ class ActorSpec:
     """Bound on the KL estimators' log-ratio (:func:`rlhf.algos.kl_estimate`)."""
     kl_k3_clamp: float
     """Bound on k3 per token."""
+    temperature: float
+    """Rollout sampling temperature (data.temperature): log-probs and entropy are of
+    ``softmax(logits / temperature)``, the distribution the rollouts were drawn from."""
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """The frozen reference policy."""
+
+    model: ModelSpec
+    temperature: float
+    """As the actor's: the KL compares the two policies' distributions at one temperature."""
 
 
 @dataclass(frozen=True)
@@ -96,3 +108,17 @@ class ScoreSpec:
     """A user's ``compute_score`` (``path.py:name``, :mod:`rlhf.task.reward_fn`); None = none."""
     tokenizer: str | None
     """Tokenizer folder that decodes the responses (None: the built-in character tokenizer)."""
+    overlong: OverlongShaping | None
+    """DAPO's overlong penalty added to the score; None = off (and for costs)."""
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    """:func:`rlhf.algos.overlong_penalty`'s settings (``reward.overlong_*``)."""
+
+    max_len: int
+    """``data.max_response_len``."""
+    buffer: int
+    """Ramp length in tokens (> 0)."""
+    factor: float
+    """Penalty at the limit."""

@@ -1,0 +1,19 @@
+"""OPO (Hao et al. 2025, On-Policy RL with Optimal reward baseline): the group baseline is the
+length-weighted mean score, the variance-minimising baseline for sequence-level rewards; no
+critic."""
+
+from __future__ import annotations
+
+from rlhf.algos import opo as opo_estimator
+from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
+
+
+def opo_advantage(batch, it: Iteration) -> dict:
+    name = it.algo.name
+    adv, ret = opo_estimator(field_of(batch, "token_level_rewards", name),
+                             field_of(batch, "response_mask", name),
+                             field_of(batch, "uid", name))
+    return {"advantages": adv, "returns": ret}
+
+
+register_algorithm("opo", advantage=opo_advantage, grouped=True)(critic_free)
