@@ -11,6 +11,13 @@ initial weights, ``tensor_parallel_size = tp_g``); this adapter then
 * turns our left-padded prompt batch into vLLM token prompts and vLLM's outputs back into a
   :class:`GenerationOutput` (log-probs of the sampled tokens, ``logprobs=0``).
 
+Log-probs: ours are of ``softmax(z / T)`` before top-k / top-p (:mod:`engine.sampling`).
+vLLM (V1) returns the raw model's by default; build the ``LLM`` with
+``logprobs_mode="processed_logprobs"`` (after temperature, and after top-k / top-p, so equal
+to ours when those are off) to use them as the old policy's, or keep
+``algo.recompute_log_prob=true`` (the default), which recomputes them with the training
+engine at the rollout temperature; ``actor/rollout_logprob_diff`` shows the gap either way.
+
 Nothing here imports vllm at module import time, so the module loads on any machine.
 """
 
