@@ -1,6 +1,7 @@
 """Supervised fine-tuning: the built-in addition task, or a user's own model and data.
 
-    python -m rlhf.sft --out runs/cache/sft [--steps 400] [--noise 0.3] [key=value ...]
+    python -m rlhf.sft --out runs/cache/sft [--steps 400] [--noise 0.3] [--carry-errors 0.6]
+                       [key=value ...]      (actor.model.init_from=DIR: continue from DIR)
     python -m rlhf.sft --model DIR --data FILE.jsonl --out OUT [--steps N] [--batch B]
                        [--lr LR] [--max-len L]
     torchrun --nproc_per_node=2 -m rlhf.sft --model DIR --data FILE.jsonl --out OUT
@@ -125,14 +126,26 @@ def train_sft(args: ModelSpec, task, tok: CharTokenizer, *, out: str, steps: int
     return {"loss": loss, "time_s": time.perf_counter() - t0}
 
 
+def _settings_of(folder: str) -> dict | None:
+    """The settings an earlier ``rlhf.sft`` run saved with ``folder`` (None: not one)."""
+    path = os.path.join(folder, META)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("settings")
+
+
 def main_builtin(a: argparse.Namespace) -> int:
     """The built-in addition task (what ``rlhf.main_job`` runs)."""
     cfg = load_config(a.overrides)
     torch.manual_seed(cfg.seed)
     task = task_of(cfg)
+    start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
     settings = {"model": cfg.actor.model.llama().to_dict(), "task": vars(task),
                 "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
-                "noise": a.noise, "carry_errors": a.carry_errors}
+                "noise": a.noise, "carry_errors": a.carry_errors,
+                "init_from": None if start is None else {"path": start,
+                                                         "settings": _settings_of(start)}}
     meta_path = os.path.join(a.out, META)
     for name in ("noise", "carry_errors"):
         if not 0 <= getattr(a, name) < 1:
@@ -144,7 +157,7 @@ def main_builtin(a: argparse.Namespace) -> int:
                 return 0
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
-    args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=cfg.seed,
+    args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=start, seed=cfg.seed,
                      fresh_head=False)
     result = train_sft(args, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
                        width=width, noise=a.noise, carry_errors=a.carry_errors)

@@ -81,7 +81,8 @@ def test_bad_modules_and_names(tmp_path, user_file):
         load_config(["algo=grpo", "algo.module=nope.py"])
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('boom')\n")
-    with pytest.raises(ValueError, match=r"importing it failed: RuntimeError: boom"):
+    with pytest.raises(ValueError, match=r"algo.module=.*importing .*broken.py failed: "
+                                         r"RuntimeError: boom"):
         load_config(["algo=grpo", f"algo.module={broken}"])
     with pytest.raises(ValueError, match=r"algo='my_grpo' has no recipe"):
         load_config(["algo=my_grpo"])                    # the file not given: not registered

@@ -174,24 +174,16 @@ def load_algorithm_module(path: str) -> Any:
         ValueError: the file does not exist, is not ``.py``, or raises when imported (the
             message names the file and the exception).
     """
-    import importlib.util
     import os
+
+    from rlhf.user_files import import_file
 
     if not str(path).endswith(".py") or not os.path.isfile(path):
         raise ValueError(f"algo.module={path!r} must be an existing .py file")
     key = os.path.realpath(path)
-    if key in _USER_MODULES:
-        return _USER_MODULES[key]
-    name = "hybridflow_user_algo_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise ValueError(f"algo.module={path!r}: importing it failed: {type(e).__name__}: "
-                         f"{e}") from None
-    _USER_MODULES[key] = module
-    return module
+    if key not in _USER_MODULES:
+        _USER_MODULES[key] = import_file(path, "hybridflow_user_algo_", f"algo.module={path!r}")
+    return _USER_MODULES[key]
 
 
 # Steps shared by the programs -------------------------------------------------------------

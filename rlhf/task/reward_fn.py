@@ -12,12 +12,13 @@ exception and the failing sample.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import traceback
 from collections.abc import Callable, Sequence
 
 import torch
+
+from rlhf.user_files import import_file
 
 
 class RewardFunctionError(RuntimeError):
@@ -37,14 +38,7 @@ def parse_function_spec(spec: str) -> tuple[str, str]:
 def load_function(spec: str) -> Callable:
     """Import the file of ``spec`` as a module of its own and return the named callable."""
     path, name = parse_function_spec(spec)
-    mod_name = "reward_fn_" + os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise ValueError(f"reward.function={spec!r}: importing {path} failed: "
-                         f"{type(e).__name__}: {e}") from None
+    module = import_file(path, "reward_fn_", f"reward.function={spec!r}")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"reward.function={spec!r}: {path} has no function {name!r}")
