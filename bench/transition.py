@@ -1,12 +1,15 @@
 """Training -> generation transition: hybridflow against its baselines, measured in one run.
 
     python bench/transition.py --nproc 4 --train 1,4,1 --gen 1,2 --size-mb 128 [--repeat 5]
-                               [--bucket-mb 32] [--json PATH]
+                               [--bucket-mb 32] [--json PATH] [--source specs|fsdp]
 
 Starts its own gloo ranks, builds a synthetic Llama-shaped parameter set of about ``size-mb``
 MiB (bf16), and runs every method ``repeat`` times after one warm-up.  A method's time is the
 slowest rank's, median over repeats.  ``raw_allgather_time_s`` is one single-bucket
 ``all_gather_into_tensor`` of the same bytes in the same micro-DP groups: the practical limit.
+
+``--source fsdp`` benchmarks the FSDP2 source instead (``--train`` is ignored: the model is
+``fully_shard`` ed over all ``--nproc`` ranks); see :mod:`bench.transition_fsdp`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import transition_fsdp  # noqa: E402
 from bench.ranks import launch, max_over_ranks  # noqa: E402
 from hybridflow_comm.baselines import TRANSITIONS, make_transition
 from hybridflow_comm.groups import build_hybrid_groups
@@ -174,15 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-pages", action="store_true",
                    help="keep generation-only pages between transitions (no release)")
     p.add_argument("--json", default=None)
+    p.add_argument("--source", choices=("specs", "fsdp"), default="specs",
+                   help="specs: training layout --train from shard specs; fsdp: an FSDP2 model")
     a = p.parse_args(argv)
     try:
-        train = parse_sizes(a.train, ("pp", "tp", "dp"))
         gen = parse_sizes(a.gen, ("pp_g", "tp_g"))
-        result = run(a.nproc, train, gen, a.size_mb, a.repeat, a.bucket_mb, a.keep_pages)
+        if a.source == "fsdp":
+            result = transition_fsdp.run(a.nproc, gen, llama_like_specs(a.size_mb, gen[0]),
+                                         a.size_mb, a.repeat, a.bucket_mb, a.keep_pages)
+        else:
+            train = parse_sizes(a.train, ("pp", "tp", "dp"))
+            result = run(a.nproc, train, gen, a.size_mb, a.repeat, a.bucket_mb, a.keep_pages)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print_table(result)
+    (transition_fsdp.print_table if a.source == "fsdp" else print_table)(result)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -147,3 +147,27 @@ def all_gather_object(obj: object, group: Group, ledger: CommLedger, label: str)
     dist.all_gather_object(out, obj, group=group.pg)
     ledger.record(label, 0, 0)
     return out
+
+
+def exchange_(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+              group: Group, ledger: CommLedger, label: str) -> list:
+    """Post point-to-point sends ``(tensor, group rank)`` and receives (into the tensors, in
+    place) all at once (``batch_isend_irecv``); returns the works to wait on.
+
+    Tensors must be contiguous.  Messages between two members are matched in posting order
+    (tag = the message's position among that pair's), so both sides post them in one agreed
+    order.  Bytes recorded are the payloads.
+    """
+    if not sends and not recvs:
+        return []
+    if group.size == 1:
+        raise ValueError("exchange_: point-to-point messages in a group of one")
+    ops, tags = [], {}
+    for kind, items in ((dist.isend, sends), (dist.irecv, recvs)):
+        for tensor, peer in items:
+            tag = tags.get((kind, peer), 0)
+            tags[(kind, peer)] = tag + 1
+            ops.append(dist.P2POp(kind, tensor, group.ranks[peer], group.pg, tag))
+    works = dist.batch_isend_irecv(ops)
+    ledger.record(label, sum(t.nbytes for t, _ in sends), sum(t.nbytes for t, _ in recvs))
+    return works
