@@ -99,6 +99,11 @@ class Resharder:
         """Stats of the last :meth:`to_generation` (None before the first)."""
         return self._last
 
+    def minimum_received_bytes(self) -> int:
+        """The least any transition must bring to this rank: its generation shard minus the
+        training shard it already holds (what :meth:`to_generation` receives)."""
+        return self.buffer.gen_nbytes - self.buffer.train_nbytes
+
     def _fill_generation_slots(self) -> int:
         """Both phases, in place; no scratch, so nothing beyond the generation regions."""
         self._micro_tp_gather()
