@@ -15,7 +15,8 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.c
 
 setup: $(STAMP)
 
-# The main job: SFT warm start (cached under runs/cache) + PPO on 4 ranks (rlhf/main_job.py).
+# The main job: two-phase SFT warm start (cached under runs/cache) + GRPO on 4 ranks, judged on
+# held-out problems (rlhf/main_job.py).
 run: setup
 	$(PYTHON) -m rlhf.main_job
 

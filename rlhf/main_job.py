@@ -1,16 +1,22 @@
-"""The main job (``make run``): warm start by SFT (cached), then PPO on 4 ranks.
+"""The main job (``make run``): warm start by SFT (cached), then GRPO on 4 ranks, judged on
+held-out problems.
 
     python -m rlhf.main_job [--nproc 4] [key=value ...]     # extra overrides go to rlhf.train
 
-1. ``rlhf.sft`` trains the policy on addition demonstrations of which 30% are wrong (noisy
-   demonstrations: the warm start samples the right answer only part of the time) and saves
-   it to ``runs/cache/sft-main`` -- reused on later runs with the same settings.
-2. ``torchrun --nproc_per_node 4 -m rlhf.train algo=ppo ...``: actor (train 1-2-2, generation
-   tp 1: micro-DP 2), critic, reference and the rule-based exact-match reward, colocated on
-   all 4 ranks.  Output in ``runs/main_ppo/`` (metrics.jsonl, TensorBoard, metrics.png,
-   checkpoints every 50 iterations); the folder is replaced by each run unless a
-   ``checkpoint.resume=...`` override is given.
-3. Prints the mean reward of the first and last 10 iterations and the wall time.
+1. The warm start, two ``rlhf.sft`` phases (cached in ``runs/cache``; later runs with the
+   same settings reuse them): a 4-layer Llama learns addition from correct demonstrations
+   (``sft-base``), then a short second phase on sloppy ones, where 65% of the answers to
+   problems that carry drop the carry (``--carry-errors``; ``sft-main``).  That systematic
+   mistake makes the greedy answer to most carrying problems wrong while sampling still finds
+   the right one: what RL on a verifiable reward corrects.
+2. ``torchrun --nproc_per_node 4 -m rlhf.train algo=grpo ...``: actor (train 1-2-2,
+   generation tp 1: micro-DP 2) and the rule-based exact-match reward on all 4 ranks.  Every
+   ``eval_every`` iterations the policy answers the built-in task's held-out problems (a
+   fixed tenth of all problems, never in the SFT or RL data) greedily, and samples
+   ``eval_pass_k`` answers each: ``val/accuracy``, ``val/pass@k``.  Output in
+   ``runs/main_grpo/`` (metrics.jsonl, TensorBoard, metrics.png, checkpoints, the HF export);
+   the folder is replaced by each run unless a ``checkpoint.resume=...`` override is given.
+3. Prints the held-out greedy accuracy of the SFT policy and of the final one, and the times.
 """
 
 from __future__ import annotations
@@ -25,42 +31,65 @@ import time
 from rlhf import sft
 from rlhf.metrics import read_metrics
 
+SFT_BASE_DIR = os.path.join("runs", "cache", "sft-base")
 SFT_DIR = os.path.join("runs", "cache", "sft-main")
-RUN_DIR = os.path.join("runs", "main_ppo")
-SFT_ARGS = ["--steps", "1500", "--noise", "0.3"]
-PPO_OVERRIDES = [
-    "algo=ppo", "iterations=250", "log.run_name=main_ppo", "checkpoint.resume=never",
-    "checkpoint.save_every=50", "data.prompts_per_iter=128", "data.mini_batch_size=64",
-    "data.micro_batch_size=16", "algo.lam=1.0", "actor.optim.lr=3e-4", "critic.optim.lr=5e-4",
-    f"actor.model.init_from={SFT_DIR}"]
+RUN_NAME = "main_grpo"
+RUN_DIR = os.path.join("runs", RUN_NAME)
+MODEL = ["actor.model.num_layers=4"]
+"""The policy: the built-in tiny Llama (hidden 64, 4/2 heads, 24-token vocabulary), 4 layers."""
+SFT_BASE_ARGS = ["--out", SFT_BASE_DIR, "--steps", "6000", *MODEL]
+"""``rlhf.sft`` arguments of the first phase (correct demonstrations)."""
+SFT_ARGS = ["--out", SFT_DIR, "--steps", "600", "--lr", "1e-3", "--carry-errors", "0.65",
+            *MODEL, f"actor.model.init_from={SFT_BASE_DIR}"]
+"""``rlhf.sft`` arguments of the second phase (carries dropped), from the first."""
+RL_OVERRIDES = [
+    "algo=grpo", "iterations=60", f"log.run_name={RUN_NAME}", "checkpoint.resume=never",
+    "checkpoint.save_every=30", "eval_every=5", "data.prompts_per_iter=32",
+    "data.samples_per_prompt=4", "data.mini_batch_size=64", "data.micro_batch_size=16",
+    "actor.optim.lr=3e-4", f"actor.model.init_from={SFT_DIR}"]
+"""``rlhf.train`` overrides of the RL run (on top of the grpo recipe)."""
+
+
+def warm_start() -> str:
+    """Both SFT phases (each reused when cached with the same settings); the folder of the
+    warm-start policy, :data:`SFT_DIR`."""
+    for args in (SFT_BASE_ARGS, SFT_ARGS):
+        if sft.main(args) != 0:
+            raise RuntimeError(f"rlhf.sft {' '.join(args)} failed")
+    return SFT_DIR
+
+
+def held_out_accuracy(records: list[dict]) -> tuple[float, float]:
+    """``(first, last)`` ``val/accuracy`` of a run's records: the starting (SFT) policy's and
+    the final policy's."""
+    acc = [r["val/accuracy"] for r in records if "val/accuracy" in r]
+    if not acc:
+        raise ValueError("the run logged no val/accuracy (data.val_size=0?)")
+    return acc[0], acc[-1]
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=4, help="ranks of the PPO job")
+    p.add_argument("--nproc", type=int, default=4, help="ranks of the RL job")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for rlhf.train")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    if sft.main(["--out", SFT_DIR, *SFT_ARGS]) != 0:
-        return 1
+    warm_start()
     t_sft = time.perf_counter() - t0
     if not any(o.startswith("checkpoint.resume=") for o in a.overrides):
         shutil.rmtree(RUN_DIR, ignore_errors=True)  # a fresh run: no stale event files
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={a.nproc}", "-m", "rlhf.train", *PPO_OVERRIDES, *a.overrides]
+           f"--nproc_per_node={a.nproc}", "-m", "rlhf.train", *RL_OVERRIDES, *a.overrides]
     print("[main_job]", " ".join(cmd[2:]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     code = subprocess.run(cmd, env=env).returncode
     if code != 0:
-        print(f"[main_job] PPO job failed with exit code {code}", file=sys.stderr)
+        print(f"[main_job] RL job failed with exit code {code}", file=sys.stderr)
         return code
-    records = read_metrics(os.path.join(RUN_DIR, "metrics.jsonl"))
-    first = [r["reward/mean"] for r in records[:10]]
-    last = [r["reward/mean"] for r in records[-10:]]
-    head, tail = sum(first) / len(first), sum(last) / len(last)
-    print(f"[main_job] reward/mean first 10 iterations {head:.3f} -> last 10 {tail:.3f} "
-          f"({tail - head:+.3f}); SFT {t_sft:.0f} s, total {time.perf_counter() - t0:.0f} s; "
-          f"plot runs/main_ppo/metrics.png", flush=True)
+    start, end = held_out_accuracy(read_metrics(os.path.join(RUN_DIR, "metrics.jsonl")))
+    print(f"[main_job] held-out greedy accuracy: SFT {start:.3f} -> final {end:.3f} "
+          f"({end - start:+.3f}); SFT {t_sft:.0f} s, total {time.perf_counter() - t0:.0f} s; "
+          f"plot {RUN_DIR}/metrics.png", flush=True)
     return 0
 
 
