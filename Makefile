@@ -36,7 +36,9 @@ test-cpp: setup
 	cmake --build build/cmake -j2 >> build/cmake.log
 	ctest --test-dir build/cmake --output-on-failure
 
+# The benches compare against peers (TRL, Ray) pinned in requirements-dev.txt.
 bench: setup
+	$(PIP) install -q -r requirements-dev.txt
 	$(PYTHON) -m pytest bench -q --benchmark-columns=median,ops
 
 clean:
