@@ -119,7 +119,8 @@ def trl_worker(folder: str, out: str, steps: int, threads: int, prompts: int,
                       max_completion_length=RESPONSE_LEN, beta=KL_COEF, learning_rate=LR,
                       temperature=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
                       report_to="none", shuffle_dataset=False, loss_type="dapo",
-                      dataloader_num_workers=0)
+                      dataloader_num_workers=0, bf16=False,  # fp32 and a constant lr, as ours
+                      lr_scheduler_type="constant")
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folder),
                           reward_funcs=exact, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(folder),
