@@ -25,6 +25,7 @@ Both pieces of a fused weight stay in the same TP shard, so ``split`` works on a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -230,3 +231,16 @@ def stacked_to_logical(stacked: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     from hybridflow_comm.strided import logical_from_stacked
 
     return logical_from_stacked(stacked, spec.partition_dim)
+
+
+def hf_named(name: str, tensor: torch.Tensor, hf_names: tuple[str, ...],
+             fusion) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` under its Hugging Face names, what inference engines' ``load_weights``
+    take: a fused tensor split into its parts (``fusion.split``: views), another one under its
+    single name, and under ``name`` when ``hf_names`` is empty."""
+    if not hf_names:
+        yield name, tensor
+    elif fusion is not None:
+        yield from zip(hf_names, fusion.split(tensor))
+    else:
+        yield hf_names[0], tensor

@@ -38,15 +38,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridflow_comm import _C, comm
+from hybridflow_comm import comm
 from hybridflow_comm.comm import CommLedger
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import Group
 from hybridflow_comm.layout import parse_sizes
-from hybridflow_comm.shard_spec import ShardSpec
+from hybridflow_comm.shard_spec import ShardSpec, hf_named
 from hybridflow_comm.sync_plan import (MODEL_SHAPES, PACK_BYTES, Block, SyncLayout, SyncPlan,
                                        gen_slot_specs, llama_specs, plan_sync)
-from hybridflow_comm.transition import BUCKET_BYTES
+from hybridflow_comm.transition import BUCKET_BYTES, checksum
 
 __all__ = ["SyncStats", "WeightSync", "build_sync_group"]
 
@@ -335,7 +335,7 @@ class WeightSync:
                 by_peer[b.dst if b.src == self.rank else b.src].append(b)
         sends, recvs, expect = [], [], []
         for peer, blocks in sorted(by_peer.items()):
-            sums = torch.tensor([_checksum(self._box(b)) for b in blocks] + [self.version],
+            sums = torch.tensor([checksum(self._box(b)) for b in blocks] + [self.version],
                                 dtype=torch.int64)
             if self.role == "train":
                 sends.append((sums, peer_index[peer]))
@@ -372,20 +372,11 @@ class WeightSync:
         into their Hugging Face parts named by ``spec.hf_names`` (what ``load_weights`` takes)."""
         for name, view in self.generation_params().items():
             spec = self._spec[name]
-            if not hf_names or not spec.hf_names:
-                yield name, view
-            elif spec.fusion is not None:
-                yield from zip(spec.hf_names, spec.fusion.split(view))
-            else:
-                yield spec.hf_names[0], view
+            yield from hf_named(name, view, spec.hf_names if hf_names else (), spec.fusion)
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _checksum(t: torch.Tensor) -> int:
-    return _C.checksum(t.contiguous() if t.device.type == "cpu" else t.contiguous().cpu())
 
 
 # CLI --------------------------------------------------------------------------------------------

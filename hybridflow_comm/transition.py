@@ -29,7 +29,8 @@ from hybridflow_comm import comm
 from hybridflow_comm.comm import CommLedger
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import HybridGroups
-from hybridflow_comm.shard_spec import ShardSpec, check_specs, slot_specs, stacked_to_logical
+from hybridflow_comm.shard_spec import (ShardSpec, check_specs, hf_named, slot_specs,
+                                        stacked_to_logical)
 
 LABEL = "reshard"  # ledger label of the bytes a transition moves
 BUCKET_BYTES = 32 << 20  # default bucket size of the coalesced collectives
@@ -195,7 +196,7 @@ class HybridWeights:
         mine[-1] = self.version
         for i, s in enumerate(self.buffer.specs):
             if s.own_slot is not None:
-                mine[i] = _checksum(self.buffer.train_view(s.name))
+                mine[i] = checksum(self.buffer.train_view(s.name))
         group = self.groups.micro_dp
         table = comm.all_gather_tensor(mine, group, self.ledger, "verify")  # [m, n + 1]
         errors = []
@@ -206,7 +207,7 @@ class HybridWeights:
             stage_slot = (self.spec(s.name).stage % self.layout.micro_pp) * m_t
             for k in range(s.num_slots):
                 want = int(table[stage_slot + k, i])
-                got = _checksum(self.buffer.slot_view(s.name, k))
+                got = checksum(self.buffer.slot_view(s.name, k))
                 if got != want:
                     errors.append(f"parameter {s.name!r} slot {k} (owner rank "
                                   f"{group.ranks[stage_slot + k]}) differs from the owner's "
@@ -241,12 +242,7 @@ class HybridWeights:
         for s in self.buffer.specs:
             spec = self.spec(s.name)
             logical = stacked_to_logical(self.buffer.gen_view(s.name), spec)
-            if not hf_names or not spec.hf_names:
-                yield s.name, logical
-            elif spec.fusion is not None:
-                yield from zip(spec.hf_names, spec.fusion.split(logical))
-            else:
-                yield spec.hf_names[0], logical
+            yield from hf_named(s.name, logical, spec.hf_names if hf_names else (), spec.fusion)
 
 
 def check_bucket_bytes(bucket_bytes: int) -> None:
@@ -255,8 +251,10 @@ def check_bucket_bytes(bucket_bytes: int) -> None:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be at least 1024")
 
 
-def _checksum(t: torch.Tensor) -> int:
-    return _C.checksum(t if t.device.type == "cpu" else t.cpu())
+def checksum(t: torch.Tensor) -> int:
+    """The C++ checksum of ``t``'s bytes (copied to a contiguous CPU tensor when it is not
+    one already)."""
+    return _C.checksum(t.contiguous() if t.device.type == "cpu" else t.contiguous().cpu())
 
 
 def _first_difference(descs: list[list[tuple]], ranks: tuple[int, ...]) -> str:

@@ -58,7 +58,7 @@ from hybridflow_comm.interop.fsdp_plan import (Block, Box, ConcatFusion, GenPlac
                                                MeshSpec, SourcePlacement, box_is_contiguous,
                                                min_received_bytes, plan_blocks, plan_rounds)
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from hybridflow_comm.shard_spec import Fusion, QKVFusion
+from hybridflow_comm.shard_spec import Fusion, QKVFusion, hf_named
 from hybridflow_comm.transition import BUCKET_BYTES, LABEL, TransitionStats, check_bucket_bytes
 
 __all__ = ["ConcatFusion", "FSDPTransition", "GenerationWeights", "describe_fsdp", "from_fsdp"]
@@ -359,13 +359,8 @@ class GenerationWeights:
         if self.mode != "generation":
             raise RuntimeError("named_generation_weights() needs generation mode")
         for name, g in self.tensors.items():
-            view, hf = self.view(name), self.hf_names.get(name, ())
-            if not hf_names or not hf:
-                yield name, view
-            elif g.fusion is not None:
-                yield from zip(hf, g.fusion.split(view))
-            else:
-                yield hf[0], view
+            hf = self.hf_names.get(name, ()) if hf_names else ()
+            yield from hf_named(name, self.view(name), hf, g.fusion)
 
 
 def _slices(box: Box) -> tuple[slice, ...]:
