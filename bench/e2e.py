@@ -38,8 +38,6 @@ RESPONSE_LEN, PROMPT_LEN, KL_COEF, LR = 6, 8, 0.01, 1e-4
 
 def make_model(folder: str) -> None:
     """Seeded weights of the GRPO recipe's actor + a transformers tokenizer, in ``folder``."""
-    from transformers import PreTrainedTokenizerFast
-
     from engine.hf_interop import save_hf_checkpoint
     from hybridflow_comm.groups import build_hybrid_groups
     from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -53,13 +51,22 @@ def make_model(folder: str) -> None:
     spec = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=0,
                      fresh_head=False)
     save_hf_checkpoint(build_model(spec, groups), folder)
+    make_trl_ready(folder, CharTokenizer.build())
+
+
+def make_trl_ready(folder: str, tok) -> None:
+    """What TRL needs beside our HF checkpoint in ``folder``: ``architectures`` in its
+    config.json (TRL builds its reference model from it) and the CharTokenizer ``tok`` as
+    transformers tokenizer files."""
+    from transformers import PreTrainedTokenizerFast
+
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    hf["architectures"] = ["LlamaForCausalLM"]  # TRL builds its reference model from this
+    hf["architectures"] = ["LlamaForCausalLM"]
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
-    PreTrainedTokenizerFast(tokenizer_object=CharTokenizer.build().tok, bos_token="<bos>",
-                            eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+    PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<pad>", unk_token="<unk>",
                             padding_side="left").save_pretrained(folder)
 
 

@@ -297,23 +297,14 @@ def run_side(name: str, cmd: list[str], env: dict, log: str) -> None:
 
 def trl_model_folder(sft_dir: str, folder: str) -> None:
     """The SFT checkpoint with what TRL needs: ``architectures`` (its reference model) and
-    the CharTokenizer as transformers tokenizer files."""
-    from transformers import PreTrainedTokenizerFast
-
+    the CharTokenizer as transformers tokenizer files (:func:`bench.e2e.make_trl_ready`)."""
+    from bench.e2e import make_trl_ready
     from rlhf.task import CharTokenizer
 
     os.makedirs(folder)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(sft_dir, name), folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        hf = json.load(f)
-    hf["architectures"] = ["LlamaForCausalLM"]
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f)
-    tok = CharTokenizer.load(os.path.join(sft_dir, "tokenizer.json"))
-    PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token="<bos>", eos_token="<eos>",
-                            pad_token="<pad>", unk_token="<unk>",
-                            padding_side="left").save_pretrained(folder)
+    make_trl_ready(folder, CharTokenizer.load(os.path.join(sft_dir, "tokenizer.json")))
 
 
 def curve(side: dict, start_acc: float, score) -> dict:

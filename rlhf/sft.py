@@ -146,22 +146,19 @@ def main_builtin(a: argparse.Namespace) -> int:
                 "noise": a.noise, "carry_errors": a.carry_errors,
                 "init_from": None if start is None else {"path": start,
                                                          "settings": _settings_of(start)}}
-    meta_path = os.path.join(a.out, META)
     for name in ("noise", "carry_errors"):
         if not 0 <= getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)} must be in [0, 1)")
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            if json.load(f).get("settings") == settings:
-                print(f"[sft] reusing {a.out}", flush=True)
-                return 0
+    if _settings_of(a.out) == settings:
+        print(f"[sft] reusing {a.out}", flush=True)
+        return 0
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=start, seed=cfg.seed,
                      fresh_head=False)
     result = train_sft(args, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
                        width=width, noise=a.noise, carry_errors=a.carry_errors)
-    with open(meta_path, "w") as f:
+    with open(os.path.join(a.out, META), "w") as f:
         json.dump({"settings": settings, **result}, f)
     print(f"[sft] saved {a.out} (loss {result['loss']:.4f}, {result['time_s']:.1f} s)")
     return 0

@@ -14,6 +14,8 @@ which corrects the mismatch in expectation with a variance bounded by ``C``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlhf.algos.masked import check_same_shape, kept, masked_mean
@@ -42,6 +44,5 @@ def truncated_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
     check_same_shape(mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
     if not cap > 0:
         raise ValueError(f"tis_cap={cap} must be > 0")
-    log_w = kept(old_log_prob - rollout_log_prob, mask).clamp(max=torch.log(
-        torch.tensor(float(cap), dtype=torch.float64)).item())
+    log_w = kept(old_log_prob - rollout_log_prob, mask).clamp(max=math.log(cap))
     return kept(torch.exp(log_w), mask)

@@ -197,6 +197,14 @@ def field_of(batch: Any, key: str, algo: str):
             from None
 
 
+def outcome_fields(batch: Any, it: Iteration) -> tuple:
+    """``(token_level_rewards, response_mask, uid)``: what the group estimators (GRPO, RLOO,
+    OPO, REINFORCE++ baseline, ...) take, each via :func:`field_of`."""
+    name = it.algo.name
+    return (field_of(batch, "token_level_rewards", name), field_of(batch, "response_mask", name),
+            field_of(batch, "uid", name))
+
+
 def gather(*futures: Future | Batch | None) -> Batch:
     """The union of the results of several calls (or batches) over the same rows (controller
     side)."""

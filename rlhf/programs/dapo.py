@@ -29,10 +29,11 @@ def _uids(batch: Batch) -> list:
     return list(batch["uid"])
 
 
-def _rounds(r: Roles, prompts: Batch, it: Iteration) -> tuple[list[Batch], Batch, dict]:
-    """Generate and score rounds of prompts until enough varied groups are kept; returns the
-    kept rows of each round, the first round's scored batch and the round metrics."""
-    t, target = it.timer, len(set(_uids(prompts)))
+def _rounds(r: Roles, prompts: Batch, it: Iteration, target: int
+            ) -> tuple[list[Batch], Batch, dict]:
+    """Generate and score rounds of prompts until ``target`` varied groups are kept; returns
+    the kept rows of each round, the first round's scored batch and the round metrics."""
+    t = it.timer
     kept: list[Batch] = []
     first = None
     n_kept = dropped = rounds = 0
@@ -49,16 +50,16 @@ def _rounds(r: Roles, prompts: Batch, it: Iteration) -> tuple[list[Batch], Batch
         wait_phases(t, reward=scores)
         scored = gather(gen, scores)
         first = scored if first is None else first
-        keep = varied_groups(scored["scores"], _uids(scored))
-        n_groups = len(set(_uids(scored)))
-        n_varied = len(set(u for u, k in zip(_uids(scored), keep.tolist()) if k))
-        dropped += n_groups - n_varied
+        uids = _uids(scored)
+        keep = varied_groups(scored["scores"], uids)
+        n_varied = len({u for u, k in zip(uids, keep.tolist()) if k})
+        dropped += len(set(uids)) - n_varied
         if n_varied:
             kept.append(scored.rows(keep.nonzero().squeeze(1)))
         n_kept += n_varied
         rounds += 1
-    return kept, first, {"dapo/gen_rounds": float(rounds), "dapo/dropped_groups": float(dropped),
-                  "dapo/kept_groups": float(n_kept)}
+    return kept, first, {"dapo/gen_rounds": float(rounds),
+                         "dapo/dropped_groups": float(dropped), "dapo/kept_groups": float(n_kept)}
 
 
 def _trainable(kept: list[Batch], target: int, samples: int, mini_batch: int) -> Batch | None:
@@ -80,7 +81,7 @@ def _trainable(kept: list[Batch], target: int, samples: int, mini_batch: int) ->
 def dapo(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     target = len(set(_uids(prompts)))
-    kept, scored, metrics = _rounds(r, prompts, it)
+    kept, scored, metrics = _rounds(r, prompts, it, target)
     gen = _trainable(kept, target, len(prompts) // target, it.mini_batch_size)
     if gen is None:  # every group of every round scored alike: nothing to learn from
         return scored, metrics | {"dapo/trained_groups": 0.0}

@@ -10,27 +10,21 @@
 from __future__ import annotations
 
 from rlhf.algos import dr_grpo, grpo, grpo_passk
-from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
-
-
-def _outcome(batch, it: Iteration) -> tuple:
-    name = it.algo.name
-    return (field_of(batch, "token_level_rewards", name), field_of(batch, "response_mask", name),
-            field_of(batch, "uid", name))
+from rlhf.programs.common import Iteration, critic_free, outcome_fields, register_algorithm
 
 
 def grpo_advantage(batch, it: Iteration) -> dict:
-    adv, ret = grpo(*_outcome(batch, it), it.algo.norm_adv_by_std)
+    adv, ret = grpo(*outcome_fields(batch, it), it.algo.norm_adv_by_std)
     return {"advantages": adv, "returns": ret}
 
 
 def dr_grpo_advantage(batch, it: Iteration) -> dict:
-    adv, ret = dr_grpo(*_outcome(batch, it))
+    adv, ret = dr_grpo(*outcome_fields(batch, it))
     return {"advantages": adv, "returns": ret}
 
 
 def grpo_passk_advantage(batch, it: Iteration) -> dict:
-    adv, ret = grpo_passk(*_outcome(batch, it), it.algo.pass_k)
+    adv, ret = grpo_passk(*outcome_fields(batch, it), it.algo.pass_k)
     return {"advantages": adv, "returns": ret}
 
 

@@ -5,14 +5,11 @@ critic."""
 from __future__ import annotations
 
 from rlhf.algos import opo as opo_estimator
-from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
+from rlhf.programs.common import Iteration, critic_free, outcome_fields, register_algorithm
 
 
 def opo_advantage(batch, it: Iteration) -> dict:
-    name = it.algo.name
-    adv, ret = opo_estimator(field_of(batch, "token_level_rewards", name),
-                             field_of(batch, "response_mask", name),
-                             field_of(batch, "uid", name))
+    adv, ret = opo_estimator(*outcome_fields(batch, it))
     return {"advantages": adv, "returns": ret}
 
 

@@ -5,21 +5,19 @@
 from __future__ import annotations
 
 from rlhf.algos import reinforce_pp, reinforce_pp_baseline
-from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
+from rlhf.programs.common import (Iteration, critic_free, field_of, outcome_fields,
+                                  register_algorithm)
 
 
 def reinforce_pp_advantage(batch, it: Iteration) -> dict:
     a = it.algo
     adv, ret = reinforce_pp(field_of(batch, "token_level_rewards", a.name),
-                                      field_of(batch, "response_mask", a.name), a.gamma)
+                            field_of(batch, "response_mask", a.name), a.gamma)
     return {"advantages": adv, "returns": ret}
 
 
 def reinforce_pp_baseline_advantage(batch, it: Iteration) -> dict:
-    name = it.algo.name
-    adv, ret = reinforce_pp_baseline(field_of(batch, "token_level_rewards", name),
-                                  field_of(batch, "response_mask", name),
-                                  field_of(batch, "uid", name))
+    adv, ret = reinforce_pp_baseline(*outcome_fields(batch, it))
     return {"advantages": adv, "returns": ret}
 
 

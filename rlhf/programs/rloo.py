@@ -4,14 +4,11 @@ of its prompt; no critic."""
 from __future__ import annotations
 
 from rlhf.algos import rloo as rloo_estimator
-from rlhf.programs.common import Iteration, critic_free, field_of, register_algorithm
+from rlhf.programs.common import Iteration, critic_free, outcome_fields, register_algorithm
 
 
 def rloo_advantage(batch, it: Iteration) -> dict:
-    name = it.algo.name
-    adv, ret = rloo_estimator(field_of(batch, "token_level_rewards", name),
-                              field_of(batch, "response_mask", name),
-                              field_of(batch, "uid", name))
+    adv, ret = rloo_estimator(*outcome_fields(batch, it))
     return {"advantages": adv, "returns": ret}
 
 
