@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 examples/reshard_state_dict.py
 """
+import os
 import sys
 
 import torch
@@ -49,4 +50,5 @@ if rank == 0:
           f"{stats.received_bytes / 2**20:.2f} MiB/rank (minimum {minimum / 2**20:.2f} MiB)")
 transition.to_training()
 dist.destroy_process_group()
-sys.exit(1 if failures.item() else 0)
+sys.stdout.flush()  # exit without interpreter teardown: it can abort in gloo's threads
+os._exit(1 if failures.item() else 0)
