@@ -1,0 +1,50 @@
+"""bench/shapes.py: the table's sizes against the models they build, and the local BPE."""
+
+import pytest
+import torch
+
+from bench.shapes import SHAPES, add_shape_argument, build_bpe_tokenizer, get_shape
+from engine.llama_spec import init_full_state_dict
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_param_count_is_the_built_models(name):
+    shape = SHAPES[name]
+    full = init_full_state_dict(shape.llama_config())
+    assert sum(t.numel() for t in full.values()) == shape.param_count()
+    assert all(t.dtype == shape.dtype for t in full.values())
+    embed = shape.vocab * shape.hidden
+    assert shape.matmul_param_count() == shape.param_count() - (0 if shape.tied else embed)
+
+
+def test_llama_1b_has_llama_3_2_1b_sizes():
+    # 1,235,814,400 parameters (tied), the published count of Llama-3.2-1B.
+    shape = SHAPES["llama-1b"]
+    assert shape.param_count() == 1_235_814_400
+    assert shape.weight_bytes() == 2 * shape.param_count()
+
+
+def test_rl_benches_refuse_the_resharding_only_shape():
+    import argparse
+    with pytest.raises(ValueError, match="llama-1b"):
+        get_shape("llama-1b", rl=True)
+    with pytest.raises(ValueError, match="huge"):
+        get_shape("huge")
+    p = argparse.ArgumentParser()
+    add_shape_argument(p, rl=True)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--shape", "llama-1b"])
+    assert p.parse_args(["--shape", "small"]).shape == "small"
+
+
+def test_bpe_tokenizer_has_exactly_the_vocabulary_and_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+    build_bpe_tokenizer(tmp_path, 1024)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 1024
+    text = "Add 12 apples to the river, then 7 more?"
+    ids = tok(text).input_ids
+    assert len(ids) < len(text)  # merges happened
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id != tok.pad_token_id
+    assert torch.tensor(ids).max() < 1024
