@@ -31,6 +31,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.peers import peer_missing  # noqa: E402
 from bench.report import write_json  # noqa: E402
 from bench.timing import median_time  # noqa: E402
 from hybridflow_comm.layout import HybridLayout, ParallelLayout  # noqa: E402
@@ -132,7 +133,7 @@ def _table(result: dict) -> str:
                      f"{r['future_noop_ms']:>17.3f}")
     ray = result["ray"]
     if ray is None:
-        lines.append(f"{'ray (4 actors)':<20}{'not installed':>20}")
+        lines.append(f"{'ray (4 actors)':<20} {peer_missing('ray')}")
     else:
         lines.append(f"{'ray (4 actors)':<20}{ray['noop_ms']:>10.3f}{ray['payload_1mib_ms']:>10.3f}")
         lines.append(f"no-op speed-up over ray, DP_PROTO: "

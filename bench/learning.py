@@ -50,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script (or by torchrun): the repo root importable
     sys.path.insert(0, ROOT)
 
+from bench.peers import require_peer  # noqa: E402
 from bench.report import write_json  # noqa: E402
 
 # our loss_agg_mode -> TRL's loss_type with the same normalisation (one process, no grad accum)
@@ -446,6 +447,7 @@ def main() -> None:
                 return worker(json.load(f))
     if a.work and os.path.exists(a.work):
         raise ValueError(f"--work {a.work} exists; give a new folder")
+    require_peer("trl", "bench/learning.py")
     result = run(a.budget_s, a.nproc, a.points, a.overrides, a.sft_dir, a.work)
     write_json(result, a.json)
     if a.png:
