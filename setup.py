@@ -39,6 +39,12 @@ def _extension():
                                       extra_compile_args=cxx_flags, extra_link_args=OPENMP)
 
 
+def _requirements(name: str) -> list[str]:
+    """The pins of one requirements file (comments and blank lines dropped)."""
+    with open(os.path.join(ROOT, name)) as f:
+        return [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+
+
 def _kernels_extension():
     # -ffp-contract=off: no FMA contraction, so every SIMD clone rounds alike and RoPE rounds
     # like ATen's separate multiplies and add
@@ -57,4 +63,6 @@ setup(
     ext_modules=[_extension(), _kernels_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    # optional, GPU only, not installed by `make test` / CI; the pin lives in the file
+    extras_require={"vllm": _requirements("requirements-vllm.txt")},
 )
