@@ -1,20 +1,34 @@
 """End-to-end GRPO throughput: our runtime against TRL's GRPOTrainer, in one run.
 
-    python bench/e2e.py [--nproc 2] [--steps 8] [--prompts 16] [--samples 4] [--tp 1]
-                        [--rounds 3] [--json PATH]
+    python bench/e2e.py [--shape tiny|small] [--nproc 2] [--steps 8] [--prompts P]
+                        [--samples S] [--tp 1] [--rounds 3] [--json PATH]
 
-Same tiny Llama (the GRPO recipe's actor: 2 layers, hidden 64, 24-token character vocabulary,
-seeded weights saved to a local HF folder, nothing downloaded), same addition prompts,
-16 prompts x 4 samples by default, responses up to 6 tokens, temperature 1, exact-match reward, KL to a
-reference model as a loss (k3, coefficient 0.01), one optimizer step per iteration, the
-rollout's own log-probs as the old policy's (TRL takes them from its loss forward), and the
-same 2 cores: ours as ``--nproc`` gloo ranks of one thread each (actor training tp
-``--tp``, the rest data parallel), TRL as one process with ``--nproc`` threads.  Tokens/s = (prompt + response tokens, padding excluded) / wall time of
-one iteration (generation, reference, reward, update), median over the iterations after the
-first (warm-up); each contender runs ``--rounds`` times, alternating with the other, and the
-medians of the runs are compared.  Prints and optionally writes
-``{"ours_tokens_per_s", "trl_tokens_per_s", "ratio", "rounds"}``.  TRL is an optional dev dependency
-(requirements-dev.txt); HF_HUB_OFFLINE=1 is set for it.
+``--shape tiny`` (the figures of record): the GRPO recipe's actor (2 layers, hidden 64,
+24-token character vocabulary, seeded weights saved to a local HF folder, nothing
+downloaded), addition prompts of 8 tokens, responses up to 6 tokens, exact-match reward.
+``--shape small`` (bench/shapes.py): a seeded Qwen2-style model of 12.6M parameters with an
+8,192-token BPE built here, prompts of exactly 64 tokens cut from the bench corpus (a JSONL
+file our runtime reads through ``data.train_files``), responses of exactly 128 tokens on both
+sides (EOS unreachable by construction, checked) and a word-list reward computed by the same
+function on both sides (bench/e2e_small.py).  Both shapes: 16 prompts x 4 samples by default
+(the shape's row), temperature 1, KL to a reference model as a loss (k3, coefficient 0.01),
+fp32, constant lr, one optimizer step per iteration, the rollout's own log-probs as the old
+policy's (TRL takes them from its loss forward), and the same cores: ours as ``--nproc``
+gloo ranks of one thread each (actor training tp ``--tp``, the rest data parallel), TRL as
+one process with ``--nproc`` threads (at ``small`` without gradient checkpointing, which
+ours does not do either; ``tiny`` keeps TRL's default).
+
+Tokens/s = (prompt + response tokens, padding excluded) / wall time of one iteration
+(generation, reference, reward, update), median over the iterations after the first
+(warm-up); each contender runs ``--rounds`` times, alternating with the other, and the
+medians of the runs are compared.  Time per phase (median seconds per iteration): ours from
+its metrics.jsonl (``timing_s/*``), TRL's from timers around its generation, reference
+forward, reward and loss/update.  Prints and optionally writes ``{"ours_tokens_per_s",
+"trl_tokens_per_s", "ratio", "ours_phases_s", "trl_phases_s", "rounds", "shape", "argv"}``.
+TRL is an optional dev dependency (``pip install -r requirements-dev.txt``); HF_HUB_OFFLINE=1
+is set for it.  On a machine shared with other jobs, ``OMP_WAIT_POLICY=PASSIVE`` in the
+environment (both sides inherit it) keeps TRL's OpenMP threads from spin-waiting: with the
+cores oversubscribed, two spinning threads made HF generation 5-20x slower than one thread.
 """
 
 from __future__ import annotations
@@ -26,14 +40,42 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, ROOT)
 
+from bench.peers import require_peer  # noqa: E402
 from bench.report import emit_json  # noqa: E402
+from bench.shapes import add_shape_argument, get_shape  # noqa: E402
 
 RESPONSE_LEN, PROMPT_LEN, KL_COEF, LR = 6, 8, 0.01, 1e-4
+REWARD_FILE = os.path.join(ROOT, "bench", "e2e_small.py")
+
+
+@dataclass(frozen=True)
+class Contest:
+    """What both contenders run on.
+
+    Attributes:
+        shape: the ``--shape`` name.
+        folder: HF checkpoint folder with its tokenizer.
+        prompt_len / response_len: tokens per prompt (at most) and per response (at most;
+            exactly, for ``small``).
+        prompts_file: JSONL of prompts (``small``); None = the built-in addition task.
+    """
+
+    shape: str
+    folder: str
+    prompt_len: int
+    response_len: int
+    prompts_file: str | None = None
+
+    @property
+    def exact_lengths(self) -> bool:
+        """Every response must have ``response_len`` tokens (checked on both sides)."""
+        return self.prompts_file is not None
 
 
 def make_model(folder: str) -> None:
@@ -70,17 +112,55 @@ def make_trl_ready(folder: str, tok) -> None:
                             padding_side="left").save_pretrained(folder)
 
 
-def ours(folder: str, nproc: int, steps: int, work: str, tp: int, prompts: int,
-         samples: int) -> float:
-    args = ["algo=grpo", f"iterations={steps}", f"actor.model.init_from={folder}",
+def prepare(shape_name: str, work: str, prompts: int, steps: int) -> Contest:
+    """Write the model, tokenizer and (``small``) the prompts of ``shape_name`` under ``work``."""
+    folder = os.path.join(work, "model")
+    if shape_name == "tiny":
+        make_model(folder)
+        return Contest("tiny", folder, PROMPT_LEN, RESPONSE_LEN)
+    from bench.e2e_small import make_small_model, write_prompts
+
+    shape = get_shape(shape_name, rl=True)
+    tok = make_small_model(folder, shape)
+    data = os.path.join(work, "prompts.jsonl")
+    write_prompts(data, tok, shape.prompt_len, prompts * steps)
+    return Contest(shape_name, folder, shape.prompt_len, shape.response_len, data)
+
+
+def describe(c: Contest, prompts: int, samples: int) -> dict:
+    """The shape as recorded in the JSON (``tiny``: the recipe actor e2e runs, not the table's
+    row, which is the generation benches' tiny model)."""
+    if c.shape != "tiny":
+        return get_shape(c.shape, rl=True).describe() | {"prompts": prompts, "samples": samples}
+    from rlhf.config import load_config
+
+    m = load_config(["algo=grpo"]).actor.model.llama()
+    return {"name": "tiny", "model": "GRPO recipe actor", "hidden": m.hidden_size,
+            "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+            "ffn": m.intermediate_size, "vocab": m.vocab_size, "prompt_len": c.prompt_len,
+            "response_len": c.response_len, "prompts": prompts, "samples": samples}
+
+
+def median_phases(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per phase over the iterations after the first (warm-up)."""
+    keys = sorted({k for d in per_step[1:] for k in d})
+    return {k: statistics.median(d.get(k, 0.0) for d in per_step[1:]) for k in keys}
+
+
+def ours(c: Contest, nproc: int, steps: int, work: str, tp: int, prompts: int,
+         samples: int) -> dict:
+    args = ["algo=grpo", f"iterations={steps}", f"actor.model.init_from={c.folder}",
             f"data.prompts_per_iter={prompts}", f"data.samples_per_prompt={samples}",
             f"data.mini_batch_size={prompts * samples}",
             f"data.micro_batch_size={prompts * samples // nproc * tp}",
-            f"data.max_response_len={RESPONSE_LEN}", f"data.max_prompt_len={PROMPT_LEN}",
+            f"data.max_response_len={c.response_len}", f"data.max_prompt_len={c.prompt_len}",
             f"actor.layout.tp={tp}", "algo.recompute_log_prob=false", "algo.kl_mode=loss", "algo.kl_estimator=k3", f"algo.kl_coef={KL_COEF}",
             f"actor.optim.lr={LR}", f"log.runs_dir={work}", "log.run_name=ours",
             "checkpoint.resume=never", "checkpoint.save_every=1000000", "log.progress=false",
             "log.tensorboard=false", "log.plot=false"]
+    if c.prompts_file is not None:
+        args += [f"data.train_files={c.prompts_file}", "reward.kind=function",
+                 f"reward.function={REWARD_FILE}:compute_score"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "rlhf.train", *args]
     subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
@@ -88,10 +168,18 @@ def ours(folder: str, nproc: int, steps: int, work: str, tp: int, prompts: int,
     from rlhf.metrics import read_metrics
 
     recs = read_metrics(os.path.join(work, "ours", "metrics.jsonl"))
-    return statistics.median(r["perf/throughput_tokens_per_s"] for r in recs[1:])
+    phases = [{k.removeprefix("timing_s/"): v for k, v in r.items() if k.startswith("timing_s/")}
+              for r in recs]
+    lengths = [r["response/length_mean"] for r in recs]
+    if c.exact_lengths and min(lengths) != c.response_len:
+        raise RuntimeError(f"ours: mean response lengths {lengths} per iteration, not all "
+                           f"{c.response_len}: the token counts of the two sides would differ")
+    return {"tokens_per_s": statistics.median(r["perf/throughput_tokens_per_s"]
+                                              for r in recs[1:]),
+            "phases_s": median_phases(phases), "response_len_mean": lengths}
 
 
-def trl_worker(folder: str, out: str, steps: int, threads: int, prompts: int,
+def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
                samples: int) -> None:
     """TRL GRPOTrainer on the same model and task (runs in its own process)."""
     import time
@@ -101,84 +189,168 @@ def trl_worker(folder: str, out: str, steps: int, threads: int, prompts: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf.task import AdditionTask
+    from rlhf.metrics import PhaseTimer
 
     torch.set_num_threads(threads)
-    task = AdditionTask(1, 2)
-    data = Dataset.from_list([{"prompt": "<bos>" + e.prompt, "answer": e.answer}
-                              for e in task.examples(0, prompts * steps)])
+    if c.prompts_file is None:
+        from rlhf.task import AdditionTask
 
-    def exact(completions, answer, **_):
-        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        task = AdditionTask(1, 2)
+        data = Dataset.from_list([{"prompt": "<bos>" + e.prompt, "answer": e.answer}
+                                  for e in task.examples(0, prompts * steps)])
 
-    class Timer(TrainerCallback):
-        times: list[float] = []
+        def reward(completions, answer, **_):
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    else:
+        from bench.e2e_small import read_prompts, trl_reward as reward
+
+        data = Dataset.from_list([{"prompt": p} for p in read_prompts(c.prompts_file)])
+
+    class Timed(GRPOTrainer):
+        """GRPOTrainer with a phase timer around generation, reference forward and reward
+        (the rest of scoring is ``adv``; the rest of the step is ``update_actor``)."""
+
+        timer = PhaseTimer()
+
+        def _generate_and_score_completions(self, inputs):
+            with self.timer("score"):
+                return super()._generate_and_score_completions(inputs)
+
+        def _generate(self, prompts):
+            with self.timer("gen"):
+                return super()._generate(prompts)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            with self.timer("reward"):
+                return super()._calculate_rewards(*args, **kwargs)
+
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            if model is not self.ref_model:  # the loss forward (or an old-policy forward)
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            with self.timer("ref"):
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.phases: list[dict[str, float]] = []
 
         def on_step_begin(self, *a, **k):
+            Timed.timer.reset()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t0)
+            p = dict(Timed.timer.times)
+            p["step"] = time.perf_counter() - self.t0
+            score = p.pop("score", 0.0)
+            p["adv"] = score - sum(p.get(k, 0.0) for k in ("gen", "ref", "reward"))
+            p["update_actor"] = p["step"] - score
+            self.phases.append(p)
 
-    timer = Timer()
+    timer = StepTimer()
+    extra = {} if c.shape == "tiny" else {"gradient_checkpointing": False}
     args = GRPOConfig(output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True,
                       per_device_train_batch_size=prompts * samples, num_generations=samples,
-                      max_completion_length=RESPONSE_LEN, beta=KL_COEF, learning_rate=LR,
+                      max_completion_length=c.response_len, beta=KL_COEF, learning_rate=LR,
                       temperature=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
                       report_to="none", shuffle_dataset=False, loss_type="dapo",
                       dataloader_num_workers=0, bf16=False,  # fp32 and a constant lr, as ours
-                      lr_scheduler_type="constant")
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(folder),
-                          reward_funcs=exact, args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(folder),
-                          callbacks=[timer])
+                      lr_scheduler_type="constant", **extra)
+    trainer = Timed(model=AutoModelForCausalLM.from_pretrained(c.folder),
+                    reward_funcs=reward, args=args, train_dataset=data,
+                    processing_class=AutoTokenizer.from_pretrained(c.folder),
+                    callbacks=[timer])
     trainer.train()
-    tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+    logs = [h for h in trainer.state.log_history if "num_tokens" in h]
+    tokens = [h["num_tokens"] for h in logs]
     per_step = [b - a for a, b in zip([0.0] + tokens[:-1], tokens)]
-    rates = [n / t for n, t in zip(per_step, timer.times)][1:]
+    times = [p["step"] for p in timer.phases]
+    rates = [n / t for n, t in zip(per_step, times)][1:]
     with open(out, "w") as f:
-        json.dump({"tokens_per_s": statistics.median(rates), "step_s": timer.times}, f)
+        json.dump({"tokens_per_s": statistics.median(rates), "step_s": times,
+                   "phases_s": median_phases(timer.phases),
+                   "response_len_mean": [h["completions/mean_length"] for h in logs],
+                   "response_len_min": [h["completions/min_length"] for h in logs]}, f)
 
 
-def trl(folder: str, steps: int, threads: int, work: str, prompts: int, samples: int
-        ) -> float:
+def trl(c: Contest, steps: int, threads: int, work: str, prompts: int, samples: int) -> dict:
     out = os.path.join(work, "trl.json")
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker", folder, out,
-                    "--steps", str(steps), "--nproc", str(threads), "--prompts", str(prompts),
-                    "--samples", str(samples)], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-worker",
+                    json.dumps(asdict(c)), out, "--steps", str(steps), "--nproc", str(threads),
+                    "--prompts", str(prompts), "--samples", str(samples)], cwd=ROOT, check=True,
                    env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
                    stdout=subprocess.DEVNULL)
     with open(out) as f:
-        return json.load(f)["tokens_per_s"]
+        result = json.load(f)
+    if c.exact_lengths and min(result["response_len_min"]) != c.response_len:
+        raise RuntimeError(f"TRL: shortest responses {result['response_len_min']} per "
+                           f"iteration, not all {c.response_len}: the token counts would differ")
+    return result
+
+
+def run(shape: str = "tiny", nproc: int = 2, steps: int = 8, prompts: int | None = None,
+        samples: int | None = None, tp: int = 1, rounds: int = 3) -> dict:
+    """Both contenders, ``rounds`` times each, alternating; the result dict of the module
+    docstring (prompts / samples default to the shape's row)."""
+    row = get_shape(shape, rl=True)
+    prompts = row.prompts if prompts is None else prompts
+    samples = row.samples if samples is None else samples
+    for name, v in (("nproc", nproc), ("steps", steps), ("prompts", prompts),
+                    ("samples", samples), ("tp", tp), ("rounds", rounds)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+    if steps < 2:
+        raise ValueError(f"steps={steps} must be >= 2: the first iteration is warm-up")
+    if (prompts * samples) % nproc or nproc % tp:
+        raise ValueError(f"prompts x samples = {prompts * samples} must split over "
+                         f"nproc={nproc} ranks, and tp={tp} must divide nproc")
+    ours_runs, trl_runs = [], []
+    with tempfile.TemporaryDirectory() as work:
+        c = prepare(shape, work, prompts, steps)
+        for r in range(rounds):  # alternate the contenders so drift of the machine is shared
+            ours_runs.append(ours(c, nproc, steps, os.path.join(work, f"r{r}"), tp, prompts,
+                                  samples))
+            trl_runs.append(trl(c, steps, nproc, work, prompts, samples))
+    ours_tps = statistics.median(r["tokens_per_s"] for r in ours_runs)
+    trl_tps = statistics.median(r["tokens_per_s"] for r in trl_runs)
+    return {"ours_tokens_per_s": ours_tps, "trl_tokens_per_s": trl_tps,
+            "ratio": ours_tps / trl_tps,
+            "ours_phases_s": _median_of_runs([r["phases_s"] for r in ours_runs]),
+            "trl_phases_s": _median_of_runs([r["phases_s"] for r in trl_runs]),
+            "rounds": {"ours": [r["tokens_per_s"] for r in ours_runs],
+                       "trl": [r["tokens_per_s"] for r in trl_runs]},
+            "response_len_mean": {"ours": ours_runs[-1]["response_len_mean"],
+                                  "trl": trl_runs[-1]["response_len_mean"]},
+            "shape": describe(c, prompts, samples)}
+
+
+def _median_of_runs(runs: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for r in runs for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_argument(p, default="tiny", rl=True)
     p.add_argument("--nproc", type=int, default=2, help="our ranks = TRL's threads")
     p.add_argument("--steps", type=int, default=8, help="iterations (the first is warm-up)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
-    p.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prompts per iteration (default: the shape's, 16)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="samples per prompt (default: the shape's, 4)")
     p.add_argument("--tp", type=int, default=1, help="our actor's training tp (dp = nproc/tp)")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each contender, alternating; the medians are compared")
     p.add_argument("--json", default=None)
-    p.add_argument("--trl-worker", nargs=2, metavar=("MODEL", "OUT"), default=None)
+    p.add_argument("--trl-worker", nargs=2, metavar=("CONTEST", "OUT"), default=None,
+                   help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.trl_worker:
-        trl_worker(*a.trl_worker, a.steps, a.nproc, a.prompts, a.samples)
+        trl_worker(Contest(**json.loads(a.trl_worker[0])), a.trl_worker[1], a.steps, a.nproc,
+                   a.prompts, a.samples)
         return
-    ours_runs, trl_runs = [], []
-    with tempfile.TemporaryDirectory() as work:
-        folder = os.path.join(work, "model")
-        make_model(folder)
-        for r in range(a.rounds):  # alternate the contenders so drift of the machine is shared
-            ours_runs.append(ours(folder, a.nproc, a.steps, os.path.join(work, f"r{r}"), a.tp,
-                                  a.prompts, a.samples))
-            trl_runs.append(trl(folder, a.steps, a.nproc, work, a.prompts, a.samples))
-    ours_tps, trl_tps = statistics.median(ours_runs), statistics.median(trl_runs)
-    result = {"ours_tokens_per_s": ours_tps, "trl_tokens_per_s": trl_tps,
-              "ratio": ours_tps / trl_tps, "rounds": {"ours": ours_runs, "trl": trl_runs}}
-    emit_json(result, a.json)
+    require_peer("trl", "bench/e2e.py")
+    result = run(a.shape, a.nproc, a.steps, a.prompts, a.samples, a.tp, a.rounds)
+    emit_json(result | {"argv": sys.argv}, a.json)
 
 
 if __name__ == "__main__":
