@@ -1,0 +1,344 @@
+"""This machine's limits and our fractions of them, measured side by side in one run.
+
+    python bench/roofline.py [--shape small] [--threads N] [--repeat 3] [--micro-batch 8]
+                             [--no-reshard] [--reshard-mb 1024] [--json PATH]
+
+Machine (all ``--threads`` intra-op threads, default every core; best time of ``repeat``,
+measured before and after our code, the better run kept, ``limits_drift`` their ratio):
+  ``peak_matmul_flops``   float32 GEMM FLOP/s: the best of a 2048^3 product and the forward
+                          products the model makes (``x @ w.t()`` at the training micro-batch)
+  ``memcpy_bytes_per_s``  (read + write) bytes / s of a 256 MiB copy
+  ``read_bytes_per_s``    the best read-only rate: a 256 MiB sum, or a GEMV over a matrix of
+                          the model's matmul weight bytes (which may stay in the L3 cache
+                          between decode steps, as the weights themselves may)
+
+Model FLOPs and bytes (only real work; L layers, H hidden, Q/G query/KV heads of D dims,
+F ffn, V vocab, ``W = L * ((Q + 2G) * D * H + Q * D * H + 3 * H * F) + V * H`` matrix
+weights: the layers' and the LM head's, once even when tied; an untied input embedding is a
+row lookup and norms and biases are elementwise, so none of them count)::
+
+    forward of B sequences of S tokens, head from position h0 (the RL update's P - 1):
+        2 * (W - V*H) * B*S            layer products
+      + 2 * V*H * B*(S - 1 - h0)       LM head on the positions that predict a response token
+      + 2 * L*Q*D * B*S*(S + 1)        attention, causal: query i sees i + 1 keys, and QK^T
+                                       and AV each take 2*Q*D FLOPs per (query, key) pair
+    training step = 3 x forward (the backward computes the input and the weight gradient
+        of every product, twice the forward's FLOPs)
+    decode step of B rows at context c (keys, the new one included):
+        FLOPs = 2 * W * B + 4 * L*Q*D * c * B
+        bytes = W * e + 2 * L*G*D * c * B * e       (matrix weights once, every K and V row;
+                                                     e bytes per element)
+
+A decode of N tokens after a prompt of P reads contexts P + 1 .. P + N - 1 in its N - 1 decode
+steps (mean ``P + N/2``); the step time is ``(t(N tokens) - t(1 token)) / (N - 1)`` of greedy
+generations on :class:`engine.generation.GenerationEngine` (its default path: the C++ decode
+kernels where they apply, see ``decode_path``).  Its limit is ``max(FLOPs / peak, bytes /
+read_bytes_per_s)``: at batch 1 the weight bytes bind (read-only bandwidth, since a decode
+step only reads them), at batch 32 usually the FLOPs.
+
+Fractions (goals in the issue; reported, not asserted): ``train_flops_fraction`` = step FLOPs /
+step time / peak, for one optimiser step over ``prompts x samples`` sequences of
+``prompt_len + response_len`` tokens in micro-batches of ``--micro-batch`` (the RL update) on
+:class:`engine.train.TrainEngine` at layout 1,1,1; ``decode_b{1,32}_limit_fraction`` = limit /
+step time, ``decode_limit_fraction`` the lower; ``reshard_vs_raw`` = the 1,4,1 -> 1,2 reshard
+of ``--reshard-mb`` MiB on 4 gloo ranks over one raw all-gather of the same bytes, read from
+``bench/transition.py --json`` run as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.report import write_json  # noqa: E402
+from bench.shapes import BenchShape, add_shape_argument, get_shape  # noqa: E402
+from bench.timing import interleaved_median_times  # noqa: E402
+
+GEMM_SIZE = 2048
+STREAM_BYTES = 256 << 20
+DECODE_BATCHES = (1, 32)
+
+
+# ------------------------------------------------------------------------------ formulas
+def layer_matrix_params(shape: BenchShape) -> int:
+    """Weights of one decoder layer that take part in a product: qkv, o, gate/up, down."""
+    h, d = shape.hidden, shape.head_dim
+    return (shape.heads + 2 * shape.kv_heads) * d * h + shape.heads * d * h + 3 * h * shape.ffn
+
+
+def matrix_params(shape: BenchShape) -> int:
+    """``W``: every layer's matrices and the LM head (once, tied or not)."""
+    return shape.layers * layer_matrix_params(shape) + shape.vocab * shape.hidden
+
+
+def attention_flops(shape: BenchShape, batch: int, seq: int) -> int:
+    """Causal attention forward FLOPs of ``batch`` sequences of ``seq`` tokens (QK^T and AV)."""
+    return 2 * shape.layers * shape.heads * shape.head_dim * batch * seq * (seq + 1)
+
+
+def forward_flops(shape: BenchShape, batch: int, seq: int, head_from: int) -> int:
+    """Forward FLOPs of ``batch`` sequences of ``seq`` tokens, the head from ``head_from``."""
+    if not 0 <= head_from < seq - 1:
+        raise ValueError(f"head_from={head_from} must be in [0, seq - 1 = {seq - 1})")
+    head = shape.vocab * shape.hidden
+    return (2 * (matrix_params(shape) - head) * batch * seq
+            + 2 * head * batch * (seq - 1 - head_from) + attention_flops(shape, batch, seq))
+
+
+def train_flops(shape: BenchShape, batch: int, seq: int, head_from: int) -> int:
+    """Forward + backward FLOPs: three forwards."""
+    return 3 * forward_flops(shape, batch, seq, head_from)
+
+
+def decode_step_flops(shape: BenchShape, batch: int, context: float) -> float:
+    """One decode step of ``batch`` rows whose new token attends ``context`` keys."""
+    return (2 * matrix_params(shape) * batch
+            + 4 * shape.layers * shape.heads * shape.head_dim * context * batch)
+
+
+def decode_step_bytes(shape: BenchShape, batch: int, context: float) -> float:
+    """Bytes a decode step must read: every matrix weight once, every cached K and V row."""
+    e = torch.empty((), dtype=shape.dtype).element_size()
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * context * batch
+    return (matrix_params(shape) + kv) * e
+
+
+def reshard_ratio(transition: dict) -> tuple[float, str]:
+    """HybridFlow's reshard time over the raw all-gather from ``bench/transition.py``'s JSON,
+    and where it was read: the top-level ``ratio_vs_raw``, the method's, or computed from
+    ``methods.hybridflow.time_s / raw_allgather_time_s``."""
+    if "ratio_vs_raw" in transition:
+        return float(transition["ratio_vs_raw"]), "ratio_vs_raw"
+    hf = transition["methods"]["hybridflow"]
+    if "ratio_vs_raw" in hf:
+        return float(hf["ratio_vs_raw"]), "methods.hybridflow.ratio_vs_raw"
+    return (hf["time_s"] / transition["raw_allgather_time_s"],
+            "methods.hybridflow.time_s / raw_allgather_time_s")
+
+
+# ------------------------------------------------------------------------------ machine
+def best_time(fn, repeat: int) -> float:
+    """Fastest of ``repeat`` timed calls after one warm-up (a limit is the best case)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def model_products(shape: BenchShape, rows: int, head_rows: int) -> dict[str, tuple]:
+    """The forward products of a training micro-batch: name -> (M, N, K) of ``[M, K] @ [K, N]``."""
+    h, d = shape.hidden, shape.head_dim
+    return {"qkv": (rows, (shape.heads + 2 * shape.kv_heads) * d, h),
+            "o_proj": (rows, h, shape.heads * d), "gate_up": (rows, 2 * shape.ffn, h),
+            "down_proj": (rows, h, shape.ffn), "lm_head": (head_rows, shape.vocab, h)}
+
+
+def measure_matmul(products: dict[str, tuple], repeat: int) -> dict:
+    """FLOP/s of a ``GEMM_SIZE``^3 product and of each product ``(M, N, K)`` (as the model's
+    ``x @ w.t()``); ``peak`` is the best of them."""
+    g = torch.Generator().manual_seed(0)
+    rates = {}
+    for name, (m, n, k) in {"gemm": (GEMM_SIZE,) * 3, **products}.items():
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+        rates[name] = 2 * m * n * k / best_time(lambda: torch.matmul(x, w.t()), repeat)
+    return {"peak": max(rates.values()), "gemm_flops": rates.pop("gemm"),
+            "model_products_flops": rates, "model_products_mnk": products}
+
+
+def measure_bandwidth(weight_numel: int, hidden: int, repeat: int) -> dict:
+    """Copy (read + write), sum (read) and GEMV (read, ``weight_numel`` float32) rates."""
+    src = torch.ones(STREAM_BYTES // 4)
+    dst = torch.zeros_like(src)  # touched: no page faults in the timed copies
+    copy = 2 * src.nbytes / best_time(lambda: dst.copy_(src), repeat)
+    total = src.nbytes / best_time(src.sum, repeat)
+    mat, vec = torch.ones(weight_numel // hidden, hidden), torch.ones(hidden)
+    gemv = mat.nbytes / best_time(lambda: torch.mv(mat, vec), repeat)
+    return {"copy": copy, "sum": total, "gemv": gemv, "read": max(total, gemv)}
+
+
+# ------------------------------------------------------------------------------ our code
+def _model(shape: BenchShape):
+    from engine.llama_spec import init_full_state_dict
+    from engine.model import ParallelLlama, load_full_state_dict
+    from hybridflow_comm.groups import build_hybrid_groups
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+    cfg = shape.llama_config()
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=0))
+    return cfg, groups, model
+
+
+def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
+    """Median time of one optimiser step over an RL iteration's sequences (all tokens real)."""
+    from engine.train import OptimConfig, TrainEngine
+
+    _, _, model = _model(shape)
+    engine = TrainEngine(model, OptimConfig(lr=1e-5))
+    seqs, seq = shape.prompts * shape.samples, shape.prompt_len + shape.response_len
+    if micro_batch < 1 or seqs % micro_batch:
+        raise ValueError(f"micro_batch={micro_batch} must divide prompts x samples = {seqs}")
+    g = torch.Generator().manual_seed(1)
+    mbs = [{"input_ids": torch.randint(0, shape.vocab, (micro_batch, seq), generator=g)}
+           for _ in range(seqs // micro_batch)]
+    head_from = shape.prompt_len - 1
+
+    def step():
+        return engine.train_step(mbs, lambda out, mb: -out["log_probs"].mean(), head_from,
+                                 temperature=1.0)
+
+    t, _ = interleaved_median_times({"step": step}, repeat)
+    flops = train_flops(shape, seqs, seq, head_from)
+    return {"step_s": t["step"], "sequences": seqs, "micro_batch": micro_batch, "seq": seq,
+            "head_from": head_from, "flops_per_step": flops, "flops_per_token": flops / seqs / seq,
+            "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"],
+            "fused_layers": model.uses_fused_layers(seq)}
+
+
+def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int) -> dict:
+    """Greedy decode step time per batch size: ``(t(N) - t(1)) / (N - 1)``, N = response_len."""
+    from engine.generation import GenerationEngine
+    from engine.sampling import SamplingParams
+
+    cfg, groups, model = _model(shape)
+    engine = GenerationEngine(cfg, groups)
+    engine.set_weights(model.params)
+    n = shape.response_len
+    if n < 2:
+        raise ValueError(f"response_len={n} must be >= 2 to time a decode step")
+    g = torch.Generator().manual_seed(2)
+    fns = {}
+    for b in batches:
+        ids = torch.randint(0, shape.vocab, (b, shape.prompt_len), generator=g)
+        for k in (1, n):
+            fns[(b, k)] = (lambda ids=ids, k=k:
+                           engine.generate(ids, None, SamplingParams(max_new_tokens=k,
+                                                                     temperature=0.0)))
+    t, _ = interleaved_median_times({f"{b},{k}": f for (b, k), f in fns.items()}, repeat)
+    out = {}
+    for b in batches:
+        step = (t[f"{b},{n}"] - t[f"{b},1"]) / (n - 1)
+        out[b] = {"step_s": step, "generate_s": t[f"{b},{n}"], "prefill_s": t[f"{b},1"],
+                  "new_tokens": n, "context_mean": shape.prompt_len + n / 2,
+                  "decode_path": "c++ kernels" if engine.fused_decode else "python layers"}
+    return out
+
+
+def measure_reshard(size_mb: float, repeat: int) -> dict:
+    """``bench/transition.py`` 1,4,1 -> 1,2 on 4 ranks, run through its CLI."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "transition.json")
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "transition.py"), "--size-mb",
+               str(size_mb), "--train", "1,4,1", "--gen", "1,2", "--nproc", "4", "--repeat",
+               str(repeat), "--json", path]
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        with open(path, encoding="utf-8") as f:
+            transition = json.load(f)
+    ratio, key = reshard_ratio(transition)
+    return {"ratio_vs_raw": ratio, "read_from": key, "size_mb": size_mb, "command": cmd[1:],
+            "transition": transition}
+
+
+# ------------------------------------------------------------------------------ the run
+def decode_limits(shape: BenchShape, decode: dict, peak: float, read_bw: float) -> dict:
+    """Each batch size's step FLOPs, bytes, limit time and fraction (limit / measured)."""
+    out = {}
+    for b in DECODE_BATCHES:
+        d, c = decode[b], decode[b]["context_mean"]
+        flops, nbytes = decode_step_flops(shape, b, c), decode_step_bytes(shape, b, c)
+        limit = max(flops / peak, nbytes / read_bw)
+        out[f"b{b}"] = {**d, "flops": flops, "bytes": nbytes, "flop_limit_s": flops / peak,
+                        "bytes_limit_s": nbytes / read_bw, "limit_s": limit,
+                        "bound": "flops" if flops / peak >= nbytes / read_bw else "bytes",
+                        "limit_fraction": limit / d["step_s"] if d["step_s"] > 0 else None}
+    return out
+
+
+def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | None) -> dict:
+    """Every measurement of the module docstring; JSON-ready."""
+    seq = shape.prompt_len + shape.response_len
+    products = model_products(shape, micro_batch * seq, micro_batch * shape.response_len)
+    before = (measure_matmul(products, max(3, repeat)),
+              measure_bandwidth(matrix_params(shape), shape.hidden, max(3, repeat)))
+    train = measure_train(shape, micro_batch, repeat)
+    decode = measure_decode(shape, DECODE_BATCHES, repeat)
+    after = (measure_matmul(products, max(3, repeat)),
+             measure_bandwidth(matrix_params(shape), shape.hidden, max(3, repeat)))
+    # the limits are the better of the two (on a shared machine the load drifts: the
+    # fractions stay conservative, and the drift is recorded)
+    mm, bw = max(before[0], after[0], key=lambda m: m["peak"]), \
+        max(before[1], after[1], key=lambda b: b["read"])
+    drift = {"peak_after_over_before": after[0]["peak"] / before[0]["peak"],
+             "read_after_over_before": after[1]["read"] / before[1]["read"]}
+    decode = decode_limits(shape, decode, mm["peak"], bw["read"])
+    reshard = None if reshard_mb is None else measure_reshard(reshard_mb, repeat)
+    fractions = [decode[f"b{b}"]["limit_fraction"] for b in DECODE_BATCHES]
+    return {
+        "peak_matmul_flops": mm["peak"], "memcpy_bytes_per_s": bw["copy"],
+        "read_bytes_per_s": bw["read"],
+        "train_flops_fraction": train["flops_per_s"] / mm["peak"],
+        "decode_b1_limit_fraction": decode["b1"]["limit_fraction"],
+        "decode_b32_limit_fraction": decode["b32"]["limit_fraction"],
+        "decode_limit_fraction": min(fractions) if None not in fractions else None,
+        "reshard_vs_raw": None if reshard is None else reshard["ratio_vs_raw"],
+        "goals": {"train_flops_fraction": ">= 0.70", "decode_limit_fraction": ">= 0.70",
+                  "reshard_vs_raw": "<= 1.3 at 1024 MiB"},
+        "matmul": mm, "bandwidth_bytes_per_s": bw, "limits_drift": drift,
+        "matrix_params": matrix_params(shape),
+        "train": train, "decode": decode, "reshard": reshard,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_argument(p, default="small", rl=True)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--no-reshard", action="store_true", help="skip the 4-rank reshard part")
+    p.add_argument("--reshard-mb", type=float, default=1024.0)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    shape = get_shape(a.shape, rl=True)
+    if a.threads < 1 or a.repeat < 1 or a.reshard_mb <= 0:
+        print(f"error: threads={a.threads} and repeat={a.repeat} must be >= 1 and reshard_mb="
+              f"{a.reshard_mb} > 0", file=sys.stderr)
+        return 2
+    torch.set_num_threads(a.threads)
+    try:
+        result = run(shape, a.repeat, a.micro_batch, None if a.no_reshard else a.reshard_mb)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result.update(shape=shape.describe(), argv=sys.argv if argv is None else argv,
+                  threads=torch.get_num_threads(), repeat=a.repeat)
+    r = result
+    reshard = ("skipped" if r["reshard_vs_raw"] is None
+               else f"{r['reshard_vs_raw']:.2f}x raw all-gather at {a.reshard_mb:g} MiB")
+    print(f"roofline {shape.name} ({r['threads']} threads): peak "
+          f"{r['peak_matmul_flops'] / 1e9:.0f} GFLOP/s, copy "
+          f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, read {r['read_bytes_per_s'] / 1e9:.1f} GB/s"
+          f" | train {r['train_flops_fraction']:.2f} of peak | decode b1 "
+          f"{r['decode_b1_limit_fraction']:.2f}, b32 {r['decode_b32_limit_fraction']:.2f} of "
+          f"limit ({r['decode']['b1']['decode_path']}) | reshard {reshard}")
+    write_json(result, a.json, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
