@@ -36,10 +36,13 @@ test-cpp: setup
 	cmake --build build/cmake -j2 >> build/cmake.log
 	ctest --test-dir build/cmake --output-on-failure
 
-# The benches compare against peers (TRL, Ray) pinned in requirements-dev.txt.
+# The benches compare against peers (TRL, Ray) pinned in requirements-dev.txt.  `make bench`
+# runs every bench, the `small` / `llama-1b` ones (marked slow) included;
+# `make bench BENCH_MARKS="not slow"` runs the quick ones only.
+BENCH_MARKS ?= slow or not slow
 bench: setup
 	$(PIP) install -q -r requirements-dev.txt
-	$(PYTHON) -m pytest bench -q --benchmark-columns=median,ops
+	$(PYTHON) -m pytest bench -q -m "$(BENCH_MARKS)" --benchmark-columns=median,ops
 
 clean:
 	rm -rf build *.egg-info hybridflow_comm/_C*.so engine/_decode*.so engine/_kernels*.so
