@@ -4,8 +4,8 @@
                                 [--repeat 5] [--bucket-mb 32] [--json PATH]
 
 Starts ``|A| + |B|`` gloo ranks (training pool first), builds a Llama-shaped model
-(:data:`hybridflow_comm.sync_plan.MODEL_SHAPES`; ``llama-1b`` needs 8 ranks and ~25 GB of RAM,
-slow) and times, interleaved, after one warm-up (slowest rank, median over ``--repeat``):
+(``bench/shapes.py``'s ``--shape``, its :meth:`~bench.shapes.BenchShape.model_shape`;
+``llama-1b`` needs 8 ranks and ~25 GB of RAM, slow) and times, interleaved, after one warm-up (slowest rank, median over ``--repeat``):
 
 * ``weight_sync``: :class:`hybridflow_comm.sync.WeightSync`, every training rank sends what it
   owns, point to point, into the generation buffers.
@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
 from bench.report import write_json  # noqa: E402
+from bench.shapes import add_shape_argument, get_shape  # noqa: E402
 from hybridflow_comm import _C, comm  # noqa: E402
 from hybridflow_comm.comm import CommLedger  # noqa: E402
 from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec  # noqa: E402
@@ -48,7 +49,7 @@ from hybridflow_comm.layout import HybridLayout, parse_sizes  # noqa: E402
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs  # noqa: E402
 from hybridflow_comm.strided import logical_from_stacked  # noqa: E402
 from hybridflow_comm.sync import LABEL, WeightSync, build_sync_group  # noqa: E402
-from hybridflow_comm.sync_plan import MODEL_SHAPES, SyncLayout, llama_specs  # noqa: E402
+from hybridflow_comm.sync_plan import SyncLayout, llama_specs  # noqa: E402
 
 # Default pools per shape: (train pp,tp,dp), (gen pp_g,tp_g), gen ranks.
 POOLS = {"tiny": ((1, 2, 1), (1, 2), 2), "small": ((1, 2, 1), (1, 2), 2),
@@ -204,7 +205,7 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
     """One run on every rank (also callable from a test's rank pool); rank 0's result counts."""
     layout = SyncLayout.side_by_side(tuple(cfg["train"]), tuple(cfg["gen"]), cfg["gen_ranks"])
     group = build_sync_group(layout)
-    specs = llama_specs(MODEL_SHAPES[cfg["shape"]], layout.train.pp)
+    specs = llama_specs(get_shape(cfg["shape"]).model_shape(), layout.train.pp)
     bucket = int(cfg["bucket_mb"] * 2**20)
     train = rank in layout.train_ranks
     shards = _train_shards(specs, layout, layout.train_ranks.index(rank)) if train else None
@@ -263,13 +264,12 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
 def run(shape: str, train: tuple[int, int, int] | None = None, gen: tuple[int, int] | None = None,
         gen_ranks: int | None = None, repeat: int = 5, bucket_mb: float = 32) -> dict:
     """Run the benchmark on fresh ranks; returns the JSON-ready result."""
-    if shape not in MODEL_SHAPES:
-        raise ValueError(f"shape={shape!r} is not one of {sorted(MODEL_SHAPES)}")
+    model = get_shape(shape).model_shape()  # ValueError naming the shapes
     d_train, d_gen, d_ranks = POOLS[shape]
     cfg = {"shape": shape, "train": list(train or d_train), "gen": list(gen or d_gen),
            "gen_ranks": gen_ranks or d_ranks, "repeat": repeat, "bucket_mb": bucket_mb}
     layout = SyncLayout.side_by_side(tuple(cfg["train"]), tuple(cfg["gen"]), cfg["gen_ranks"])
-    llama_specs(MODEL_SHAPES[shape], layout.train.pp)  # fail here, not in the ranks
+    llama_specs(model, layout.train.pp)  # fail here, not in the ranks
     cfg["nproc"] = len(layout.ranks)
     return {"config": cfg, **launch(rank_main, cfg["nproc"], cfg, timeout_s=600)}
 
@@ -292,7 +292,7 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="tiny")
+    add_shape_argument(p, default="tiny")
     p.add_argument("--train", default=None, help="PP,TP,DP (default: per shape)")
     p.add_argument("--gen", default=None, help="PP_G,TP_G (default: per shape)")
     p.add_argument("--gen-ranks", type=int, default=None)

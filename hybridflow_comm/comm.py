@@ -55,19 +55,71 @@ class Backend(Protocol):
 
 
 class TorchBackend:
-    """torch.distributed on the group's ProcessGroup."""
+    """torch.distributed on the group's ProcessGroup.
+
+    On CPU tensors (gloo) the all-gathers are point-to-point messages straight between the
+    caller's memory: ``dist.all_gather`` / ``all_gather_into_tensor`` on gloo stage every call
+    (the input flattened, the output received into a fresh ``[n, S]`` tensor and copied out),
+    and that fresh tensor, ``mmap`` ed above glibc's 32 MiB threshold, is faulted in page by
+    page on every call.  At 1 GiB those faults were most of a transition's time and its
+    system time (bench/transition.py, ``--layouts``).  gloo's ``send``/``recv`` use the
+    tensor's own memory, so each contiguous piece is one message, all posted at once.  CUDA
+    tensors (NCCL) keep the collectives.
+    """
 
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
-        _all_gather_flat(out, inp, group=group.pg)
+        if out.device.type != "cpu":
+            _all_gather_flat(out, inp, group=group.pg)
+            return
+        inp = inp.contiguous().view(-1)
+        n = inp.numel()
+        chunks = [out[k * n:(k + 1) * n] for k in range(group.size)]
+        if chunks[group.rank].data_ptr() != inp.data_ptr():
+            chunks[group.rank].copy_(inp)
+        _exchange_pieces([[inp]] * group.size, [[c] for c in chunks], group)
 
     def all_gather_views(self, outputs: list[torch.Tensor], group: Group) -> None:
-        dist.all_gather(outputs, outputs[group.rank], group=group.pg)
+        rows = [_contiguous_rows(v) for v in outputs]
+        if outputs[group.rank].device.type != "cpu" or any(r is None for r in rows):
+            dist.all_gather(outputs, outputs[group.rank], group=group.pg)  # staged
+            return
+        _exchange_pieces([rows[group.rank]] * group.size, rows, group)
 
     def broadcast_(self, tensor: torch.Tensor, root: int, group: Group) -> None:
         dist.broadcast(tensor, src=group.ranks[root], group=group.pg)
 
 
+def _exchange_pieces(sends: list[list[torch.Tensor]], recvs: list[list[torch.Tensor]],
+                     group: Group) -> None:
+    """Send ``sends[k][i]`` to member ``k`` and receive ``recvs[k][i]`` from it, for every
+    other member ``k`` (tag ``i``), all posted at once; waits for all of them."""
+    ops = []
+    for k, peer in enumerate(group.ranks):
+        if k == group.rank:
+            continue
+        for tag, (mine, theirs) in enumerate(zip(sends[k], recvs[k], strict=True)):
+            if mine.numel() == 0:
+                continue
+            ops.append(dist.P2POp(dist.isend, mine, peer, group.pg, tag))
+            ops.append(dist.P2POp(dist.irecv, theirs, peer, group.pg, tag))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 TORCH = TorchBackend()
+
+
+def _contiguous_rows(view: torch.Tensor) -> list[torch.Tensor] | None:
+    """``view`` as contiguous 1-D pieces in order (itself, or its dim-0 rows); None when a row
+    is not contiguous."""
+    if view.is_contiguous():
+        pieces = [view.reshape(-1)]
+    elif view.dim() >= 2 and view[0].is_contiguous():
+        pieces = [row.reshape(-1) for row in view.unbind(0)]
+    else:
+        return None
+    return pieces
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
@@ -92,12 +144,18 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group,
 
 def all_gather_views(outputs: list[torch.Tensor], group: Group, ledger: CommLedger,
                      label: str, backend: Backend = TORCH) -> None:
-    """``outputs[k] = outputs[k] of member k`` for views of any strides (gloo packs and unpacks
-    them itself, so strided views of a flat buffer gather with no staging of ours).  The own
-    view is the input; it is written back with its own, identical bytes."""
+    """``outputs[k] = outputs[k] of member k`` for views of any strides; the own view is the
+    input.  Views of a flat buffer whose rows are contiguous (the resharder's buckets) move
+    with no staging at all on the torch backend (see :meth:`TorchBackend.all_gather_views`)."""
     n = group.size
     if len(outputs) != n:
         raise ValueError(f"all_gather_views: {len(outputs)} outputs for a group of {n}")
+    mine = outputs[group.rank]
+    odd = [(k, tuple(v.shape), v.dtype) for k, v in enumerate(outputs)
+           if v.shape != mine.shape or v.dtype != mine.dtype]
+    if odd:
+        raise ValueError(f"all_gather_views: outputs (member, shape, dtype) {odd} differ from "
+                         f"the own view's {tuple(mine.shape)}, {mine.dtype}")
     if n == 1:
         return
     backend.all_gather_views(outputs, group)

@@ -11,7 +11,10 @@ the generation layout ``p_g-t_g-d_g-d`` of a :class:`HybridGroups`.
    bucket inside the micro-TP group.  The buffer lays regions of one kind (say every layer's
    ``o_proj``) out equally spaced, so slot ``k`` of a whole bucket of them is a single strided
    view; the C++ planner cuts the kinds into such buckets and the all-gather takes the views
-   directly, with no staging buffer of ours::
+   directly.  On the torch backend each row of a view (one slot of one region, contiguous) is
+   one point-to-point message from and into the flat storage, so no byte is staged, neither
+   by us nor by gloo (whose ``all_gather`` copies through a fresh ``[n, bucket]`` tensor;
+   faulting those pages in was most of a 1 GiB transition's time)::
 
        region l0.o | slot 0 | slot 1 |pad| region l1.o | slot 0 | slot 1 |pad| ...
        member 0's view: [count, slot] stride R  ->  slot 0 of every region in the bucket
@@ -166,7 +169,7 @@ class Resharder:
         return out
 
     def _micro_tp_gather(self) -> None:
-        """Phase 1: one all-gather of strided views per bucket; no staging of ours."""
+        """Phase 1: one all-gather of strided views per bucket, in place (no staging)."""
         group = self.weights.groups.micro_tp
         for dtype, base, count, numel, stride in self._tp_plan:
             storage = self.weights.buffer.storage(dtype)

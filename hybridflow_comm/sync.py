@@ -19,8 +19,9 @@ or a model's parameters); a rank in ``gen_ranks`` gets a generation
 :class:`~hybridflow_comm.flat_buffer.FlatParamBuffer` (one slot per parameter, the logical
 generation shard; built here unless passed).
 
-``python -m hybridflow_comm.sync --train 1,4,1 --gen 1,2 --gen-ranks 4 [--model tiny]`` prints
-a plan: bytes per rank against the minimum, and each bucket.
+``python -m hybridflow_comm.sync --train 1,4,1 --gen 1,2 --gen-ranks 4 [--hf-config PATH |
+--dims H,L,Q,G,F,V]`` prints a plan: bytes per rank against the minimum, and each bucket (the
+model: a Hugging Face config.json, explicit sizes, or a small default Llama).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import Group
 from hybridflow_comm.layout import parse_sizes
 from hybridflow_comm.shard_spec import ShardSpec, hf_named
-from hybridflow_comm.sync_plan import (MODEL_SHAPES, PACK_BYTES, Block, SyncLayout, SyncPlan,
-                                       gen_slot_specs, llama_specs, plan_sync)
+from hybridflow_comm.sync_plan import (DEFAULT_DIMS, PACK_BYTES, Block, SyncLayout, SyncPlan,
+                                       gen_slot_specs, llama_specs, model_shape_from_dims,
+                                       model_shape_from_hf_config, plan_sync)
 from hybridflow_comm.transition import BUCKET_BYTES, checksum
 
 __all__ = ["SyncStats", "WeightSync", "build_sync_group"]
@@ -411,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen", required=True, help="PP_G,TP_G of the generation pool")
     parser.add_argument("--gen-ranks", type=int, required=True, help="ranks of the generation "
                         "pool (a multiple of PP_G*TP_G; dp_g = gen-ranks / (PP_G*TP_G))")
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="tiny")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--hf-config", default=None, metavar="PATH",
+                       help="the model's Hugging Face config.json, or a folder holding one")
+    model.add_argument("--dims", default=None, metavar="H,L,Q,G,F,V",
+                       help="hidden, layers, heads, kv heads, ffn, vocab (bf16, tied); "
+                            f"default {DEFAULT_DIMS}")
     parser.add_argument("--bucket-mb", type=float, default=BUCKET_BYTES / 2**20)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
@@ -419,12 +426,15 @@ def main(argv: list[str] | None = None) -> int:
         train = parse_sizes(args.train, ("pp", "tp", "dp"))
         gen = parse_sizes(args.gen, ("pp_g", "tp_g"))
         layout = SyncLayout.side_by_side(train, gen, args.gen_ranks)
-        specs = llama_specs(MODEL_SHAPES[args.model], layout.train.pp)
+        shape = (model_shape_from_hf_config(args.hf_config) if args.hf_config else
+                 model_shape_from_dims(args.dims or DEFAULT_DIMS))
+        specs = llama_specs(shape, layout.train.pp)
         plan = plan_sync(specs, layout, int(args.bucket_mb * 2**20))
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.describe()) if args.json else format_plan(plan, args.model))
+    name = args.hf_config or f"dims {args.dims or DEFAULT_DIMS}"
+    print(json.dumps(plan.describe()) if args.json else format_plan(plan, name))
     return 0
 
 

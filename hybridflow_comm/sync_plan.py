@@ -65,7 +65,9 @@ a plan.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -515,7 +517,7 @@ def plan_sync(specs: list[ShardSpec], layout: SyncLayout, bucket_bytes: int = BU
                     _balanced(layout, wants))
 
 
-# Model shapes (the CLI's --model and the bench's --shape) ---------------------------------------
+# Model shapes (the CLI's --hf-config / --dims; bench/shapes.py makes them for the benches) -------
 
 
 @dataclass(frozen=True)
@@ -542,12 +544,70 @@ class ModelShape:
     tied: bool = True
 
 
-MODEL_SHAPES = {
-    "tiny": ModelShape(hidden=256, layers=4, heads=8, kv_heads=4, ffn=704, vocab=4096),
-    "small": ModelShape(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=2816, vocab=32000),
-    "llama-1b": ModelShape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192,
-                           vocab=128256),
-}
+# The CLI's default model when neither --hf-config nor --dims is given: a small Llama
+# (bench/shapes.py's ``tiny`` sizes; the toolkit cannot import bench).
+DEFAULT_DIMS = "256,4,8,4,704,4096"
+_DIM_NAMES = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
+_HF_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers",
+            "heads": "num_attention_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
+
+
+def model_shape_from_dims(text: str, dtype: torch.dtype = torch.bfloat16,
+                          tied: bool = True) -> ModelShape:
+    """``"H,L,Q,G,F,V"`` (hidden, layers, heads, kv heads, ffn, vocab) as a ModelShape."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) != len(_DIM_NAMES) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"dims={text!r} must be six positive integers H,L,Q,G,F,V "
+                         f"({','.join(_DIM_NAMES)}), e.g. {DEFAULT_DIMS}")
+    return _checked(ModelShape(*(int(p) for p in parts), dtype=dtype, tied=tied), f"dims={text!r}")
+
+
+def model_shape_from_hf_config(path: str) -> ModelShape:
+    """The ModelShape of a Hugging Face ``config.json`` (the file, or a folder holding it).
+
+    Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads (default:
+    the attention heads), intermediate_size, vocab_size, tie_word_embeddings (default False,
+    as LlamaConfig) and ``dtype`` / ``torch_dtype`` (default float32, what transformers loads
+    without one).
+    """
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"hf_config={path!r}: no such file (give a config.json or a folder "
+                         f"holding one)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hf_config={file!r} is not JSON: {exc}") from None
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
+    if not isinstance(cfg, dict):
+        raise ValueError(f"hf_config={file!r} does not hold a JSON object")
+    missing = [k for k in _HF_KEYS.values() if k not in cfg]
+    if missing:
+        raise ValueError(f"hf_config={file!r} lacks {missing} (a decoder's config.json has them)")
+    sizes = {name: cfg[key] for name, key in _HF_KEYS.items()}
+    sizes["kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"hf_config={file!r}: {bad} must be positive integers")
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"hf_config={file!r}: dtype={name!r} is not a torch dtype")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * sizes["heads"] != sizes["hidden"]:
+        raise ValueError(f"hf_config={file!r}: head_dim={head_dim} x num_attention_heads="
+                         f"{sizes['heads']} != hidden_size={sizes['hidden']} (not a Llama "
+                         f"layout these plans describe)")
+    shape = ModelShape(**sizes, dtype=dtype, tied=bool(cfg.get("tie_word_embeddings", False)))
+    return _checked(shape, f"hf_config={file!r}")
+
+
+def _checked(shape: ModelShape, origin: str) -> ModelShape:
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise ValueError(f"{origin}: hidden={shape.hidden} must be a multiple of heads="
+                         f"{shape.heads}, itself a multiple of kv_heads={shape.kv_heads}")
+    return shape
 
 
 def llama_specs(shape: ModelShape, pp: int) -> list[ShardSpec]:

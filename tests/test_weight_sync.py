@@ -12,8 +12,9 @@ import torch
 from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec
 from hybridflow_comm.sync import main as sync_main
-from hybridflow_comm.sync_plan import (MODEL_SHAPES, PACK_BYTES, SyncLayout, gen_slot_specs,
-                                       llama_specs, plan_sync)
+from hybridflow_comm.sync_plan import (DEFAULT_DIMS, PACK_BYTES, SyncLayout, gen_slot_specs,
+                                       llama_specs, model_shape_from_dims,
+                                       model_shape_from_hf_config, plan_sync)
 from tests.weight_sync_jobs import (check_setup_errors, check_sync_cases, check_verify_catches,
                                     make_layout, ref_gen, ref_train, rich_specs)
 
@@ -108,7 +109,7 @@ def test_plan_interleaved_pools_and_llama_shapes():
     t, g = ParallelLayout(1, 2, 2), ParallelLayout(1, 4, 1)
     check_plan(rich_specs(1), SyncLayout(t, g, (0, 2, 4, 6), (1, 3, 5, 7)), 1024)
     lay = SyncLayout.side_by_side((2, 2, 1), (1, 2), 4)
-    plan = check_plan(llama_specs(MODEL_SHAPES["tiny"], 2), lay, 1 << 18)
+    plan = check_plan(llama_specs(model_shape_from_dims(DEFAULT_DIMS), 2), lay, 1 << 18)
     assert plan.num_buckets > 4
     for b in plan.bucket_summary()[:-1]:  # every full bucket keeps all senders busy
         assert b["min_send"] > 0 and b["max_send"] <= 2 * b["bytes"] / 4
@@ -156,6 +157,61 @@ def test_cli_prints_plan(capsys):
     assert len(gen) == 4 and all(r["received"] == r["minimum_received"] for r in gen)
     assert sync_main(["--train", "1,4,1", "--gen", "1,3", "--gen-ranks", "3"]) == 2
     assert "choose tp_g from" in capsys.readouterr().err
+
+
+def _hf_llama_config(**kw):
+    from transformers import LlamaConfig
+    sizes = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=320, vocab_size=512)
+    return LlamaConfig(**{**sizes, **kw})
+
+
+@pytest.mark.parametrize("tied, dtype", [(True, torch.bfloat16), (False, torch.float32)])
+def test_model_shape_from_hf_config_matches_transformers(tmp_path, tied, dtype):
+    """A config.json written by transformers: the specs hold exactly the parameters of the
+    transformers model built from it (counted on the meta device; the tied head once)."""
+    from transformers import LlamaForCausalLM
+    cfg = _hf_llama_config(tie_word_embeddings=tied, dtype=dtype)
+    cfg.save_pretrained(tmp_path)
+    for path in (tmp_path, tmp_path / "config.json"):
+        shape = model_shape_from_hf_config(str(path))
+        assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.ffn, shape.vocab,
+                shape.tied, shape.dtype) == (cfg.hidden_size, cfg.num_hidden_layers,
+                                             cfg.num_attention_heads, cfg.num_key_value_heads,
+                                             cfg.intermediate_size, cfg.vocab_size, tied, dtype)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg)
+    assert sum(s.numel for s in llama_specs(shape, 1)) == sum(p.numel() for p in hf.parameters())
+
+
+def test_model_shape_errors_name_the_value(tmp_path):
+    with pytest.raises(ValueError, match=r"dims='1,2,3' must be six positive integers"):
+        model_shape_from_dims("1,2,3")
+    with pytest.raises(ValueError, match=r"hidden=100 must be a multiple of heads=8"):
+        model_shape_from_dims("100,2,8,2,64,32")
+    with pytest.raises(ValueError, match="no such file"):
+        model_shape_from_hf_config(str(tmp_path / "absent"))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ValueError, match=r"lacks \['num_hidden_layers'"):
+        model_shape_from_hf_config(str(tmp_path))
+    _hf_llama_config(head_dim=32).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"head_dim=32 x num_attention_heads=8 != hidden_size"):
+        model_shape_from_hf_config(str(tmp_path))
+
+
+def test_cli_model_options(tmp_path, capsys):
+    base = ["--train", "1,2,1", "--gen", "1,1", "--gen-ranks", "2", "--json"]
+    _hf_llama_config(tie_word_embeddings=True, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    assert sync_main(base + ["--hf-config", str(tmp_path)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert sync_main(base + ["--dims", "128,2,8,2,320,512"]) == 0
+    assert json.loads(capsys.readouterr().out) == from_file  # same model, same plan
+    assert sync_main(base) == 0  # the default model
+    assert json.loads(capsys.readouterr().out) != from_file
+    assert sync_main(base + ["--dims", "128,2"]) == 2
+    assert "must be six positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sync_main(base + ["--dims", DEFAULT_DIMS, "--hf-config", str(tmp_path)])
 
 
 def test_cli_as_module():
