@@ -2,6 +2,9 @@
 
     python bench/e2e.py [--shape tiny|small] [--nproc 2] [--steps 8] [--prompts P]
                         [--samples S] [--tp 1] [--rounds 3] [--json PATH]
+    python bench/e2e.py --placement disaggregated --max-staleness 1 --nproc 4 [--steps 30]
+                        (our async run on a rollout pool vs our colocated synchronous run:
+                        bench/e2e_async.py)
 
 ``--shape tiny`` (the figures of record): the GRPO recipe's actor (2 layers, hidden 64,
 24-token character vocabulary, seeded weights saved to a local HF folder, nothing
@@ -340,6 +343,13 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="our actor's training tp (dp = nproc/tp)")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs of each contender, alternating; the medians are compared")
+    p.add_argument("--placement", choices=("colocated", "disaggregated"), default="colocated",
+                   help="disaggregated: compare our async run on a rollout pool with our "
+                        "colocated synchronous run instead of TRL (bench/e2e_async.py)")
+    p.add_argument("--max-staleness", type=int, default=1,
+                   help="--placement disaggregated: algo.max_staleness")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="--placement disaggregated: wall-clock budget for the reward")
     p.add_argument("--json", default=None)
     p.add_argument("--trl-worker", nargs=2, metavar=("CONTEST", "OUT"), default=None,
                    help=argparse.SUPPRESS)
@@ -347,6 +357,13 @@ def main() -> None:
     if a.trl_worker:
         trl_worker(Contest(**json.loads(a.trl_worker[0])), a.trl_worker[1], a.steps, a.nproc,
                    a.prompts, a.samples)
+        return
+    if a.placement == "disaggregated":
+        from bench.e2e_async import run as run_async
+        if a.shape != "tiny":
+            raise SystemExit("--placement disaggregated runs the main job's model (--shape tiny)")
+        result = run_async(a.nproc, a.max_staleness, a.steps, a.rounds, a.budget_s)
+        emit_json(result | {"argv": sys.argv}, a.json)
         return
     require_peer("trl", "bench/e2e.py")
     result = run(a.shape, a.nproc, a.steps, a.prompts, a.samples, a.tp, a.rounds)

@@ -2,6 +2,14 @@
 against the single-process step on the same global batch, measured in one run.
 
     python bench/train_step.py [--hidden 256] [--layers 4] [--seq 128] [--micro 8] [--json PATH]
+    python bench/train_step.py --dynamic [--shape small] [--rows 32] [--micro-rows 4]
+
+``--dynamic``: one process, a batch of ``--rows`` sequences of 16..256 real tokens (seeded,
+right-padded to 256) at a ``bench/shapes.py`` shape: real tokens/s of a training step with
+fixed padded micro-batches of ``--micro-rows`` rows against dynamic batching by the same
+padded token budget (``micro-rows x 256`` real tokens per micro-batch) with the padding
+removed (engine/micro_batches.py); steps alternate between the two, medians, and both
+print their loss (the same up to float32 rounding).
 
 Every layout runs the same global batch (``--micro`` micro-batches of ``--batch`` x ``--seq``
 tokens) with the same weights; the ratio column is layout tokens/s over the faster of the single-process runs
@@ -17,8 +25,13 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, ROOT)
 
 LAYOUTS = [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
 
@@ -111,14 +124,107 @@ def run(args) -> list[dict]:
     return rows
 
 
+DYNAMIC_SEQ, DYNAMIC_MIN = 256, 16  # the batch's width and shortest sequence
+
+
+def _dynamic_batch(rows: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(DYNAMIC_MIN, DYNAMIC_SEQ + 1, (rows,), generator=g)
+    mask = (torch.arange(DYNAMIC_SEQ) < lengths[:, None]).long()
+    ids = torch.randint(1, vocab, (rows, DYNAMIC_SEQ), generator=g) * mask
+    return ids, mask
+
+
+def _masked_nll(n_micro: int, total: int):
+    """Token-mean NLL over the whole batch (every real next token), whatever the split."""
+    def loss(outputs, mb):
+        m = (mb["attention_mask"][:, :-1] * mb["attention_mask"][:, 1:]).bool()
+        lp = outputs["log_probs"].masked_fill(~m, 0.0)
+        return -lp.sum() * n_micro / total
+    return loss
+
+
+def run_dynamic(args) -> dict:
+    """Padded fixed micro-batches vs token budget + padding removal, alternating steps."""
+    import torch
+
+    from bench.shapes import get_shape
+    from engine.llama_spec import init_full_state_dict
+    from engine.micro_batches import partition_by_tokens
+    from engine.model import ParallelLlama, load_full_state_dict
+    from engine.train import OptimConfig, TrainEngine
+    from hybridflow_comm.groups import build_hybrid_groups
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+    shape = get_shape(args.shape, rl=True)
+    config = shape.llama_config(max_positions=DYNAMIC_SEQ, dtype=torch.float32)
+    model = ParallelLlama(config, build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1,
+                                                                   1)))
+    full = init_full_state_dict(config, seed=0)
+    load_full_state_dict(model, full)
+    eng = TrainEngine(model, OptimConfig(lr=1e-9))  # steps barely move the weights
+    ids, mask = _dynamic_batch(args.rows, shape.vocab)
+    lengths = mask.sum(1).tolist()
+    total = int((mask[:, :-1] * mask[:, 1:]).sum())
+    budget = args.micro_rows * DYNAMIC_SEQ
+    step = args.micro_rows
+    fixed = [{"input_ids": ids[i:i + step], "attention_mask": mask[i:i + step]}
+             for i in range(0, args.rows, step)]
+    parts = partition_by_tokens(lengths, budget)
+    dynamic = [{"input_ids": ids[p], "attention_mask": mask[p]} for p in parts]
+    paths = {"padded": (fixed, False), "dynamic": (dynamic, True)}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    losses = {}
+    for r in range(args.warmup + args.repeat):
+        for name, (mbs, packed) in paths.items():
+            load_full_state_dict(model, full)  # every step from the same weights
+            t0 = time.perf_counter()
+            out = eng.train_step(mbs, _masked_nll(len(mbs), total), temperature=1.0,
+                                 remove_padding=packed)
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+            losses[name] = out["loss"]
+    real = sum(lengths)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"shape": shape.describe(), "rows": args.rows, "real_tokens": real,
+            "padded_tokens": args.rows * DYNAMIC_SEQ, "budget": budget,
+            "micro_batches": {"padded": len(fixed), "dynamic": len(dynamic)},
+            "step_s": med, "times_s": times, "loss": losses,
+            "padded_tokens_per_s": real / med["padded"],
+            "dynamic_tokens_per_s": real / med["dynamic"],
+            "ratio": med["padded"] / med["dynamic"], "threads": torch.get_num_threads(),
+            "command": " ".join(sys.argv)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("vocab", 4096), ("hidden", 256), ("layers", 4), ("heads", 8),
                           ("kv-heads", 4), ("seq", 128), ("batch", 2), ("micro", 8),
-                          ("warmup", 1), ("repeat", 3)):
+                          ("warmup", 1), ("repeat", 3), ("rows", 32), ("micro-rows", 4)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dynamic", action="store_true",
+                   help="padded fixed micro-batches vs token budget + padding removal")
+    from bench.shapes import add_shape_argument
+    add_shape_argument(p, default="small", rl=True)
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
+    if args.dynamic:
+        res = run_dynamic(args)
+        counts = res["micro_batches"]
+        print(f"shape={args.shape} rows={res['rows']} real tokens={res['real_tokens']} of "
+              f"{res['padded_tokens']} padded, micro-batches padded={counts['padded']} "
+              f"dynamic={counts['dynamic']} (budget {res['budget']} tokens), "
+              f"threads={res['threads']}")
+        for k in ("padded", "dynamic"):
+            print(f"{k:<8} step {res['step_s'][k]:.3f} s  {res[k + '_tokens_per_s']:.0f} real "
+                  f"tokens/s  loss {res['loss'][k]:.6f}")
+        print(f"ratio dynamic/padded tokens/s = {res['ratio']:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     rows = run(args)
     print(f"cores={os.cpu_count()} hidden={args.hidden} layers={args.layers} "
           f"tokens/step={args.micro * args.batch * args.seq}")

@@ -124,14 +124,68 @@ def causal_mask(attention_mask: torch.Tensor | None, batch: int, seq: int) -> to
     return (causal & keys) | torch.eye(seq, dtype=torch.bool)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+@dataclass(frozen=True)
+class PackedSeqs:
+    """Sequences packed back to back on one row (padding removed): sequence ``i`` is the
+    positions ``[cu_seqlens[i], cu_seqlens[i+1])``, causal inside itself, blind to the others::
+
+        row   | seq 0 (L0) | seq 1 (L1) | ... |        T = cu_seqlens[-1]
+        mask  block-diagonal causal [T, T] (:meth:`block_causal_mask`)
+
+    :func:`attention` takes it in place of a mask and runs one causal
+    ``scaled_dot_product_attention`` per sequence (CPU flash attention, skipping the masked
+    half; ``torch.nn.attention.varlen`` is CUDA only), so the cost is ``sum L_i^2``, not
+    ``T^2``.  Built by :func:`engine.micro_batches.pack_rows`.
+    """
+
+    cu_seqlens: tuple[int, ...]
+    """``0, L0, L0+L1, ..., T`` (non-decreasing; an empty sequence is allowed)."""
+
+    def __post_init__(self) -> None:
+        c = self.cu_seqlens
+        if not c or c[0] != 0 or any(b < a for a, b in zip(c, c[1:])):
+            raise ValueError(f"cu_seqlens={c} must start at 0 and never decrease")
+
+    @property
+    def total(self) -> int:
+        return self.cu_seqlens[-1]
+
+    def position_ids(self) -> torch.Tensor:
+        """``[1, T]``: ``0..L_i-1`` inside every sequence (what the padded row's
+        :func:`position_ids_from_mask` gives its real tokens)."""
+        c = torch.tensor(self.cu_seqlens)
+        lengths = c[1:] - c[:-1]
+        starts = torch.repeat_interleave(c[:-1], lengths)
+        return (torch.arange(self.total) - starts).unsqueeze(0)
+
+    def block_causal_mask(self) -> torch.Tensor:
+        """Boolean ``[1, 1, T, T]`` (True = attend), for kernels that take only a mask."""
+        c = torch.tensor(self.cu_seqlens)
+        seq_of = torch.repeat_interleave(torch.arange(len(c) - 1), c[1:] - c[:-1])
+        same = seq_of[:, None] == seq_of[None, :]
+        return (same & torch.ones(self.total, self.total, dtype=torch.bool).tril())[None, None]
+
+
+def _packed_attention(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+                      packed: PackedSeqs) -> torch.Tensor:
+    """``[1, heads, T, D]`` attention of every packed sequence on its own."""
+    c = packed.cu_seqlens
+    return torch.cat([F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, a:b],
+                                                     vt[:, :, a:b], is_causal=True,
+                                                     enable_gqa=True)
+                      for a, b in zip(c, c[1:]) if b > a], dim=2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | PackedSeqs | None,
               kv_hook: KVHook | None = None) -> torch.Tensor:
     """Grouped-query scaled dot-product attention.
 
     Args:
         q: ``[B, S, h_q, D]`` (RoPE applied).
         k, v: ``[B, S, h_kv, D]``; ``h_q`` is a multiple of ``h_kv``.
-        mask: boolean ``[B, 1, S, S_kv]`` (True = attend), or None for plain causal.
+        mask: boolean ``[B, 1, S, S_kv]`` (True = attend), None for plain causal, or
+            :class:`PackedSeqs` for sequences packed on one row (``B = 1``, no KV hook).
         kv_hook: optional KV-cache hook, see :data:`KVHook`.
 
     Returns:
@@ -140,7 +194,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if kv_hook is not None:
         k, v = kv_hook(k, v)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-    if mask is None:
+    if isinstance(mask, PackedSeqs):
+        if q.shape[0] != 1 or q.shape[1] != mask.total or kv_hook is not None:
+            raise ValueError(f"packed attention needs one row of {mask.total} tokens and no "
+                             f"KV hook, got q {tuple(q.shape)}")
+        out = _packed_attention(qt, kt, vt, mask)
+    elif mask is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
@@ -148,7 +207,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
-                    rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                    rope: tuple[torch.Tensor, torch.Tensor],
+                    mask: torch.Tensor | PackedSeqs | None,
                     q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
                     kv_hook: KVHook | None = None) -> torch.Tensor:
     """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``,
@@ -178,7 +238,7 @@ def swiglu_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
-                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | PackedSeqs | None,
                   q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
                   kv_hook: KVHook | None = None) -> torch.Tensor:
     """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``."""

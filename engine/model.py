@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from engine import fused_layers as fused
-from engine.layers import causal_mask, decoder_layer, position_ids_from_mask, rms_norm, \
-    rope_tables
+from engine.layers import PackedSeqs, causal_mask, decoder_layer, position_ids_from_mask, \
+    rms_norm, rope_tables
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
+from engine.micro_batches import PackedRows
 from engine.tp_ops import column_linear, vocab_embedding, vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import HybridGroups
@@ -89,30 +90,47 @@ class ParallelLlama(nn.Module):
 
     # Forward --------------------------------------------------------------------------------
     def stage_forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      position_ids: torch.Tensor | None = None,
+                      packed: PackedSeqs | None = None) -> torch.Tensor:
         """Embedding (first stage), this stage's layers, final norm (last stage).
 
         Args:
             inputs: token ids ``[B, S]`` on the first stage, else hidden ``[B, S, H]``.
             attention_mask: ``[B, S]``, 1 for real tokens (left or right padding), or None.
-            position_ids: ``[B, S]``; default from the mask (or ``arange(S)``).
+            position_ids: ``[B, S]``; default from the mask (or ``arange(S)``), or from
+                ``packed``.
+            packed: the inputs are sequences packed on one row (``B = 1``, no
+                ``attention_mask``; :mod:`engine.micro_batches`): each attends only to itself.
+                The fused blocks read it as a block-diagonal mask (``T x T`` scores, so only
+                up to their length limit); the Python layers attend per sequence.
 
         Returns:
             Hidden states ``[B, S, H]`` (normalised on the last stage).
         """
         c = self.config
         batch, seq = inputs.shape[:2]
-        if c.sliding_window is not None and seq > c.sliding_window:
-            raise ValueError(f"sequence of {seq} tokens is longer than the model's "
+        longest = seq if packed is None else max(
+            (b - a for a, b in zip(packed.cu_seqlens, packed.cu_seqlens[1:])), default=0)
+        if c.sliding_window is not None and longest > c.sliding_window:
+            raise ValueError(f"sequence of {longest} tokens is longer than the model's "
                              f"sliding_window={c.sliding_window} (no windowed attention)")
-        if position_ids is None:
-            position_ids = (position_ids_from_mask(attention_mask) if attention_mask is not None
-                            else torch.arange(seq).expand(batch, seq))
+        use_fused = self.uses_fused_layers(seq)
+        if packed is not None:
+            if attention_mask is not None or batch != 1 or seq != packed.total:
+                raise ValueError(f"packed inputs are one row of {packed.total} tokens without "
+                                 f"an attention_mask, got {tuple(inputs.shape)}")
+            if position_ids is None:
+                position_ids = packed.position_ids()
+            mask = packed.block_causal_mask() if use_fused else packed
+        else:
+            if position_ids is None:
+                position_ids = (position_ids_from_mask(attention_mask)
+                                if attention_mask is not None
+                                else torch.arange(seq).expand(batch, seq))
+            mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
         rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
-        mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
-        use_fused = self.uses_fused_layers(seq)
         layer = fused.decoder_layer if use_fused else decoder_layer
         for i in self.layer_ids:
             x = layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
@@ -168,6 +186,51 @@ class ParallelLlama(nn.Module):
             logits = logits / temperature
         log_probs, entropy = vocab_log_prob_entropy(logits, targets, self.tp_group)
         return {"log_probs": log_probs, "entropy": entropy, **extra}
+
+    def packed_head_outputs(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                            packing: PackedRows, with_logits: bool = False, start: int = 0, *,
+                            temperature: float) -> dict:
+        """:meth:`head_outputs` of a packed micro-batch, in the padded layout.
+
+        The head runs on the packed tokens at padded columns ``>= start`` only (the lm head
+        also only where the next padded position is real: the token it predicts); the results
+        go back to their padded ``(row, column)``, zeros at the positions the padded path
+        fills with predictions of padding (every loss masks those).
+
+        Args:
+            hidden: ``[1, T, H]`` last-stage output of the packed row.
+            input_ids: the padded ``[B, S]`` ids (targets).
+            packing: the micro-batch's :class:`engine.micro_batches.PackedRows`.
+            with_logits, start, temperature: as :meth:`head_outputs`.
+
+        Returns:
+            As :meth:`head_outputs`: ``[B, S-1-start]`` log-probs and entropy (and ``[B,
+            S-start, V/t]`` logits), or ``[B, S-start]`` values.
+        """
+        check_temperature(temperature)
+        seq = packing.seq
+        if not 0 <= start < seq:
+            raise ValueError(f"head start={start} outside the {seq} positions")
+        keep = packing.cols >= start  # [T]
+        if self.head == "value":
+            values = torch.matmul(hidden[0, keep], self.params["value_head"].t()).squeeze(-1)
+            return {"values": packing.scatter(values.float(), keep, start, seq - start)}
+        scored = keep & packing.has_next  # [T]: the tokens whose next token is real
+        ids = packing.pack(input_ids)[0]  # [T]
+        targets = torch.roll(ids, -1)[scored]  # the next packed token = the next padded one
+        extra = {}
+        if with_logits:
+            logits = self.local_logits(hidden[:, keep])  # [1, n_keep, V/t]
+            extra["logits"] = packing.scatter(logits[0], keep, start, seq - start)
+            logits = logits[:, scored[keep]]
+        else:
+            logits = self.local_logits(hidden[:, scored])  # [1, n, V/t]
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs, entropy = vocab_log_prob_entropy(logits, targets[None], self.tp_group)
+        width = seq - 1 - start
+        return {"log_probs": packing.scatter(log_probs[0], scored, start, width),
+                "entropy": packing.scatter(entropy[0], scored, start, width), **extra}
 
 
 def check_temperature(temperature: float) -> None:

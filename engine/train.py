@@ -13,7 +13,10 @@ collective per bucket, never one per tensor), then divided by ``dp``.
 
 Loss convention: ``loss_fn`` returns the mean loss of one micro-batch; the step minimises the
 mean over all micro-batches of all DP ranks, so with the same micro-batches a layout
-``(pp, tp, dp)`` computes the same gradients as one process that runs them all.
+``(pp, tp, dp)`` computes the same gradients as one process that runs them all.  Micro-batches
+may differ in shape (dynamic batching by token budget, :mod:`engine.micro_batches`); with
+``remove_padding`` each runs as one packed row of its real tokens and the head's outputs come
+back in the padded layout, so ``loss_fn`` sees the same tensors either way.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.micro_batches import PackedRows, pack_rows
 from engine.model import ParallelLlama, check_temperature
 from engine.pipeline import SCHEDULES, PipelineExecutor, make_schedule
 
@@ -94,8 +98,8 @@ def _check_micro_batches(micro_batches: list[dict]) -> None:
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch, got 0")
     shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
-    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-        raise ValueError(f"every micro-batch needs input_ids of one shape [B, S], got {shapes}")
+    if any(len(shape) != 2 for shape in shapes):
+        raise ValueError(f"every micro-batch needs input_ids [B, S], got shapes {shapes}")
     for mb in micro_batches:
         mask = mb.get("attention_mask")
         if mask is not None and tuple(mask.shape) != tuple(mb["input_ids"].shape):
@@ -129,17 +133,27 @@ class TrainEngine:
         self.step_count = 0
 
     # Pipeline --------------------------------------------------------------------------------
-    def _executor(self, micro_batches: list[dict]) -> PipelineExecutor:
+    def _executor(self, micro_batches: list[dict],
+                  packings: list[PackedRows] | None) -> PipelineExecutor:
         cfg = self.model.config
-        b, s = micro_batches[0]["input_ids"].shape
-        return PipelineExecutor(self.groups.train_pp, lambda i: (b, s, cfg.hidden_size),
+        shapes = ([(1, p.total) for p in packings] if packings is not None
+                  else [tuple(mb["input_ids"].shape) for mb in micro_batches])
+        return PipelineExecutor(self.groups.train_pp, lambda i: (*shapes[i], cfg.hidden_size),
                                 cfg.dtype)
 
-    def _forward_fn(self, micro_batches: list[dict], with_logits: bool, head_from: int,
-                    temperature: float):
+    @staticmethod
+    def _packings(micro_batches: list[dict], remove_padding: bool) -> list[PackedRows] | None:
+        """Each micro-batch's packing (from its attention mask; none = every token real)."""
+        if not remove_padding:
+            return None
+        return [pack_rows(mb["attention_mask"] if mb.get("attention_mask") is not None
+                          else torch.ones_like(mb["input_ids"])) for mb in micro_batches]
+
+    def _forward_fn(self, micro_batches: list[dict], packings: list[PackedRows] | None,
+                    with_logits: bool, head_from: int, temperature: float):
         model = self.model
 
-        def forward(i: int, x: torch.Tensor | None):
+        def padded(i: int, x: torch.Tensor | None):
             mb = micro_batches[i]
             inputs = mb["input_ids"] if model.is_first else x
             hidden = model.stage_forward(inputs, mb.get("attention_mask"),
@@ -149,28 +163,45 @@ class TrainEngine:
             return model.head_outputs(hidden, mb["input_ids"], with_logits, head_from,
                                       temperature=temperature)
 
-        return forward
+        def packed(i: int, x: torch.Tensor | None):
+            mb, p = micro_batches[i], packings[i]
+            inputs = p.pack(mb["input_ids"]) if model.is_first else x
+            pos = mb.get("position_ids")
+            hidden = model.stage_forward(inputs, position_ids=None if pos is None
+                                         else p.pack(pos), packed=p.seqs)
+            if not model.is_last:
+                return hidden
+            return model.packed_head_outputs(hidden, mb["input_ids"], p, with_logits,
+                                             head_from, temperature=temperature)
+
+        return padded if packings is None else packed
 
     def train_step(self, micro_batches: list[dict], loss_fn: LossFn,
-                   head_from: int = 0, *, temperature: float) -> dict[str, float]:
+                   head_from: int = 0, *, temperature: float,
+                   remove_padding: bool = False) -> dict[str, float]:
         """One optimiser step over this rank's micro-batches.
 
         Args:
             micro_batches: dicts with ``input_ids [B, S]``, optional ``attention_mask``,
-                ``position_ids`` and anything ``loss_fn`` needs; same ``[B, S]`` for all.
+                ``position_ids`` and anything ``loss_fn`` needs; ``[B, S]`` may differ between
+                micro-batches, and DP ranks may hold different numbers of them.
             loss_fn: ``loss_fn(outputs, micro_batch) -> scalar`` mean loss of the micro-batch;
                 ``outputs`` as :meth:`ParallelLlama.head_outputs` from position ``head_from``.
             head_from: first position the head computes (e.g. the last prompt position).
             temperature: the lm head's log-probs and entropy are of ``softmax(logits / T)``
                 (the rollouts' sampling temperature; 1.0 for the model's own distribution;
                 ignored by a value head), see :meth:`ParallelLlama.head_outputs`.
+            remove_padding: run each micro-batch as one packed row of its real tokens
+                (:func:`engine.micro_batches.pack_rows`); ``loss_fn`` still gets the padded
+                layout, with zeros at the positions that predict or hold padding.
 
         Returns:
-            ``loss`` (mean over all micro-batches of all DP ranks), ``grad_norm`` (before
-            clipping), ``lr``; identical on every rank.
+            ``loss`` (each rank's mean over its micro-batches, averaged over DP ranks),
+            ``grad_norm`` (before clipping), ``lr``; identical on every rank.
         """
         _check_micro_batches(micro_batches)
         check_temperature(temperature)
+        packings = self._packings(micro_batches, remove_padding)  # before any collective
         model, n = self.model, len(micro_batches)
         self.grads.zero_()
         losses: list[torch.Tensor] = []
@@ -183,10 +214,11 @@ class TrainEngine:
             return loss / n
 
         actions = make_schedule(self.optim_cfg.schedule, model.layout.pp, model.stage, n)
-        forward = self._forward_fn(micro_batches, False, head_from, temperature)
-        self._executor(micro_batches).run(actions, forward, loss_of)
+        forward = self._forward_fn(micro_batches, packings, False, head_from, temperature)
+        self._executor(micro_batches, packings).run(actions, forward, loss_of)
         self._sync_tied_embedding()
-        loss_sum = (torch.stack(losses).sum() if losses else torch.zeros(())).float()
+        # this rank's mean, so that DP ranks with different micro-batch counts average right
+        loss_sum = (torch.stack(losses).sum() / n if losses else torch.zeros(())).float()
         dp = self.groups.train_dp
         loss_work = None
         if self.groups.train_pp.pg is None and dp.pg is not None:
@@ -198,14 +230,15 @@ class TrainEngine:
         self.step_count += 1
         if loss_work is not None:
             loss_work.wait()
-            loss = loss_sum.item() / (n * dp.size)
+            loss = loss_sum.item() / dp.size
         else:
-            loss = self._all_stages_mean(loss_sum, n)
+            loss = self._all_stages_mean(loss_sum)
         return {"loss": loss, "grad_norm": grad_norm, "lr": self.optim_cfg.lr}
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], with_logits: bool = False,
-                head_from: int = 0, *, temperature: float) -> list[dict] | None:
+                head_from: int = 0, *, temperature: float,
+                remove_padding: bool = False) -> list[dict] | None:
         """Inference: head outputs of every micro-batch (``compute_log_prob``/``compute_values``).
 
         Args:
@@ -213,16 +246,18 @@ class TrainEngine:
             with_logits: lm head: also return this rank's vocab slice ``logits [B, S, V/t]``.
             head_from: first position the head computes (see :meth:`train_step`).
             temperature: of the lm head's log-probs and entropy (see :meth:`train_step`).
+            remove_padding: packed rows, outputs in the padded layout (see :meth:`train_step`).
 
         Returns:
             On the last stage the per-micro-batch outputs (replicated over TP); None elsewhere.
         """
         _check_micro_batches(micro_batches)
         check_temperature(temperature)
+        packings = self._packings(micro_batches, remove_padding)
         n = len(micro_batches)
-        out = self._executor(micro_batches).run(
+        out = self._executor(micro_batches, packings).run(
             [("F", i) for i in range(n)],
-            self._forward_fn(micro_batches, with_logits, head_from, temperature))
+            self._forward_fn(micro_batches, packings, with_logits, head_from, temperature))
         return [out[i] for i in range(n)] if self.model.is_last else None
 
     # Gradients -------------------------------------------------------------------------------
@@ -274,10 +309,10 @@ class TrainEngine:
                     t.mul_(coef)
         return norm
 
-    def _all_stages_mean(self, loss_sum: torch.Tensor, n: int) -> float:
-        """Mean loss from the last stage, averaged over DP, known on every rank."""
+    def _all_stages_mean(self, loss_mean: torch.Tensor) -> float:
+        """The last stage's mean loss, averaged over DP, known on every rank."""
         g = self.groups
         for group in (g.train_pp, g.train_dp):  # inner stages contribute 0 to the PP sum
             if group.pg is not None:
-                dist.all_reduce(loss_sum, group=group.pg)
-        return loss_sum.item() / (n * g.train_dp.size)
+                dist.all_reduce(loss_mean, group=group.pg)
+        return loss_mean.item() / g.train_dp.size

@@ -17,6 +17,7 @@ critic's pool (or the actor's when there is no critic), one DP rank per pool ran
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -28,6 +29,7 @@ from rlhf.config import MAX_MODEL_PARAMS, Config, WorldPlan
 from rlhf.controller import Controller, WorkerGroup
 from rlhf.planner.models import ModelShape
 from rlhf.programs import Roles, algorithm
+from rlhf.programs.async_rl import RolloutPool
 from rlhf.programs.common import VALUE_ROLES
 from rlhf.task import (AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer,
                        read_dataset)
@@ -35,6 +37,7 @@ from rlhf.task.reward_fn import load_function
 from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
                           ModelSpec, OverlongShaping, ReferenceSpec, ReferenceWorker,
                           RewardWorker, ScoreSpec, UpdateSpec)
+from rlhf.workers.rollout import PushingActorWorker, RolloutSpec, RolloutWorker, SyncSpec
 
 
 def tokenizer_path(cfg: Config) -> str | None:
@@ -167,10 +170,17 @@ def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0) -> Model
                      seed=cfg.seed + seed_offset, fresh_head=role in VALUE_ROLES)
 
 
+def token_budget(cfg: Config, role: str) -> int | None:
+    """The role's tokens per micro-batch with use_dynamic_bsz, else None."""
+    section = cfg.role(role)
+    return section.max_token_len_per_micro_batch if section.use_dynamic_bsz else None
+
+
 def update_spec(cfg: Config, plan: WorldPlan, role: str) -> UpdateSpec:
     return UpdateSpec(epochs=cfg.algo.epochs,
                       mini_batch_rows=cfg.data.mini_batch_size // plan.roles[role].dp,
-                      micro_batch_size=cfg.data.micro_batch_size)
+                      micro_batch_size=cfg.data.micro_batch_size,
+                      max_tokens=token_budget(cfg, role))
 
 
 def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
@@ -183,7 +193,8 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
 
 
 def reference_spec(cfg: Config) -> ReferenceSpec:
-    return ReferenceSpec(model=model_spec(cfg, "actor", "lm"), temperature=cfg.data.temperature)
+    return ReferenceSpec(model=model_spec(cfg, "actor", "lm"), temperature=cfg.data.temperature,
+                         max_tokens=token_budget(cfg, "actor"))
 
 
 def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> CriticSpec:
@@ -221,7 +232,9 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
         return ctl.group(cls, p[role].layout, pool=list(p[role].pool), name=role, args=args,
                          values_in_replies=True)
 
-    actor = group("actor", ActorWorker, actor_spec(cfg, plan))
+    actor = group("actor", ActorWorker if plan.rollout is None else PushingActorWorker,
+                  actor_spec(cfg, plan))
+    rollout = rollout_pool(ctl, cfg, plan, actor) if plan.rollout is not None else None
     reference = group("reference", ReferenceWorker, reference_spec(cfg)) \
         if "reference" in p else None
     critic = group("critic", CriticWorker, critic_spec(cfg, plan, "critic", 1)) \
@@ -254,4 +267,21 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
                 model=None, model_weight=0.0, rule_weights={}, cost_rule=rule, function=None,
                 tokenizer=tok, overlong=None), "cost")
     return Roles(actor=actor, reward=reward, reference=reference, critic=critic,
-                 cost_critic=cost_critic, cost=cost)
+                 cost_critic=cost_critic, cost=cost, rollout=rollout)
+
+
+def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGroup
+                 ) -> RolloutPool:
+    """The rollout pool of a disaggregated run, connected to the actor for the weight push
+    (the weights go over when the run starts: :meth:`RolloutPool.start`)."""
+    a, g = plan.roles["actor"], plan.rollout
+    sync = SyncSpec(train=(a.pp, a.tp, a.dp), gen=(g.pp, g.tp, g.dp), train_ranks=a.pool,
+                    gen_ranks=g.pool)
+    group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
+                      args=(RolloutSpec(config=cfg.actor.model.llama(), sync=sync),),
+                      values_in_replies=True)
+    for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective
+        call.wait()
+    return RolloutPool(group, actor, cfg.algo.max_staleness,
+                       functools.partial(sampling_of, cfg, tokenizer=tokenizer_of(cfg)),
+                       cfg.iterations)

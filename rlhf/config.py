@@ -24,7 +24,8 @@ Batch sizes, one meaning each (all counted in sequences except ``prompts_per_ite
 
     rollout_batch_size = prompts_per_iter * samples_per_prompt     sequences generated per iteration
     mini_batch_size    = sequences per optimizer step (global, all DP ranks together)
-    micro_batch_size   = sequences per forward/backward on one DP rank
+    micro_batch_size   = sequences per forward/backward on one DP rank (unless the role's
+                         use_dynamic_bsz forms them by max_token_len_per_micro_batch tokens)
     grad_accum         = mini_batch_size / (dp * micro_batch_size)  per trained role (derived)
     optimizer steps per iteration = epochs * rollout_batch_size / mini_batch_size
 
@@ -34,6 +35,9 @@ Placement of the roles on the ranks ``0..W-1`` (pools are consecutive rank range
     split       pool "actor" = actor + reference, pool "critic" = every other role;
                 sizes in placement.pool_sizes = {actor: a, critic: c}, a + c = W
     standalone  one pool per active role, sizes in placement.pool_sizes = {role: n}, sum = W
+    disaggregated  pool "actor" = every role (training), pool "rollout" = generation only (a
+                GenerationEngine fed by WeightSync after every update, algo.max_staleness
+                iterations ahead); placement.pool_sizes = {actor: a, rollout: r}, a + r = W
     auto        chosen by the planner: rlhf.planner.config_bridge.resolve_config(cfg, W)
                 replaces it (and every layout) with one of the above before validate_for_world
 """
@@ -49,9 +53,9 @@ from typing import Any
 from engine.train import OptimConfig
 from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
 from rlhf.programs import algorithm, algorithm_names
-from rlhf.programs.common import ROLES, TRAINED_ROLES, load_algorithm_module
+from rlhf.programs.common import ROLES, TRAINED_ROLES, critic_free, load_algorithm_module
 
-PLACEMENTS = ("colocated", "split", "standalone", "auto")
+PLACEMENTS = ("colocated", "split", "standalone", "disaggregated", "auto")
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 
 
@@ -96,6 +100,12 @@ def _path(name: str, v: str | None) -> None:
 def _one_of(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} must be one of {choices}")
+
+
+def _check_token_budget(section: str, max_tokens: int) -> None:
+    key = f"{section}max_token_len_per_micro_batch"
+    _positive(**{key: max_tokens})
+    _at_most(MAX_COUNT, **{key: max_tokens})
 
 
 # Sections ----------------------------------------------------------------------------------
@@ -301,6 +311,18 @@ class ActorConfig:
     """AdamW, clipping and pipeline schedule (the engine's own dataclass)."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """Policy loss."""
+    use_dynamic_bsz: bool = False
+    """Form the micro-batches by tokens, not rows: each holds sequences of at most
+    max_token_len_per_micro_batch real tokens in total and runs as one packed row with the
+    padding removed (engine.micro_batches); the loss and gradients are the padded path's.
+    data.micro_batch_size is then unused by this role.  Also the actor's and the reference's
+    log-prob passes."""
+    max_token_len_per_micro_batch: int = 4096
+    """use_dynamic_bsz: real tokens per micro-batch on one DP rank (>= max_prompt_len +
+    max_response_len, the longest sequence)."""
+
+    def __post_init__(self) -> None:
+        _check_token_budget("actor.", self.max_token_len_per_micro_batch)
 
 
 @dataclass(frozen=True)
@@ -315,6 +337,13 @@ class CriticConfig:
     """AdamW, clipping and pipeline schedule (the engine's own dataclass)."""
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
     """Value loss."""
+    use_dynamic_bsz: bool = False
+    """As actor.use_dynamic_bsz, for this critic's updates and value passes."""
+    max_token_len_per_micro_batch: int = 4096
+    """As actor.max_token_len_per_micro_batch."""
+
+    def __post_init__(self) -> None:
+        _check_token_budget("", self.max_token_len_per_micro_batch)  # critic or cost_critic
 
 
 @dataclass(frozen=True)
@@ -469,6 +498,10 @@ class AlgoConfig:
     """Truncated importance sampling between the rollout's log-probs and the recomputed old
     policy's: each token's advantage times min(pi_old / pi_rollout, tis_cap) (needs
     recompute_log_prob); None = off."""
+    max_staleness: int = 0
+    """placement.mode=disaggregated: the rollout pool generates up to this many iterations
+    ahead of the actor, so a sample may come from weights this many updates old (0 =
+    synchronous; > 0 needs tis_cap, the off-policy correction, and drops older samples)."""
     module: str | None = None
     """A user's Python file (``my_algo.py``) imported before ``name`` is looked up: it
     registers algorithms, policy losses or estimators (README: "Your own algorithm")."""
@@ -500,6 +533,10 @@ class AlgoConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")
         _at_most(MAX_COUNT, **{"algo.epochs": self.epochs})
+        k = self.max_staleness
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"algo.max_staleness={k!r} must be an int >= 0 (0 = synchronous)")
+        _at_most(MAX_COUNT, **{"algo.max_staleness": k})
         if self.tis_cap is not None:
             _positive(**{"algo.tis_cap": self.tis_cap})
             if not self.recompute_log_prob:
@@ -580,9 +617,11 @@ class PlacementConfig:
     """How the roles share the ranks (see the module docstring)."""
 
     mode: str = "colocated"
-    """colocated, split, standalone, or auto (the planner picks one and every layout)."""
+    """colocated, split, standalone, disaggregated, or auto (the planner picks one and every
+    layout)."""
     pool_sizes: dict[str, int] = field(default_factory=dict)
-    """split: {actor: a, critic: c}; standalone: {role: n} per active role; colocated: unused."""
+    """split: {actor: a, critic: c}; standalone: {role: n} per active role; disaggregated:
+    {actor: a, rollout: r}; colocated: unused."""
     profile: str = "cpu"
     """auto: device profile of the planner's simulator (shipped name or JSON path)."""
 
@@ -718,6 +757,16 @@ class Config:
                              f"than data.max_response_len={self.data.max_response_len}")
         if self.reference.model not in (None, self.actor.model):
             raise ValueError("reference.model must equal actor.model (leave it null)")
+        longest = self.data.max_prompt_len + self.data.max_response_len
+        for role in ("actor", "critic", "cost_critic"):
+            section = getattr(self, role)
+            if section.use_dynamic_bsz and section.max_token_len_per_micro_batch < longest:
+                raise ValueError(
+                    f"{role}.max_token_len_per_micro_batch={section.max_token_len_per_micro_batch}"
+                    f" is shorter than the longest sequence, data.max_prompt_len="
+                    f"{self.data.max_prompt_len} + max_response_len={self.data.max_response_len}"
+                    f" = {longest}; raise it to at least {longest}")
+        _check_async(self)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -738,6 +787,25 @@ class Config:
     def to_dict(self) -> dict:
         """Plain nested dict (loads back with :func:`config_from_dict`)."""
         return to_dict(self)
+
+
+def _check_async(cfg: Config) -> None:
+    """``algo.max_staleness`` and ``placement.mode=disaggregated`` agree with the algorithm."""
+    a, mode = cfg.algo, cfg.placement.mode
+    if a.max_staleness and mode != "disaggregated":
+        raise ValueError(f"algo.max_staleness={a.max_staleness} needs placement.mode="
+                         f"disaggregated (a {mode} run generates and trains on the same ranks, "
+                         f"one after the other); set algo.max_staleness=0 or the placement")
+    if mode != "disaggregated":
+        return
+    if algorithm(a.name).program is not critic_free:
+        runs = sorted(n for n in algorithm_names() if algorithm(n).program is critic_free)
+        raise ValueError(f"placement.mode=disaggregated runs the critic-free algorithms {runs}; "
+                         f"algo={a.name} has its own program: use placement.mode=colocated")
+    if a.max_staleness and a.tis_cap is None:
+        raise ValueError(f"algo.max_staleness={a.max_staleness} trains on samples of older "
+                         f"weights: set algo.tis_cap (the cap of the importance weight "
+                         f"pi_proximal / pi_behaviour that corrects them, e.g. 2.0)")
 
 
 # Recipes and overrides ---------------------------------------------------------------------
@@ -801,7 +869,8 @@ class RolePlan:
     gen_tp: int
     """Generation tensor shards (= tp except for the actor)."""
     grad_accum: int
-    """Micro-batches per optimizer step on one DP rank (trained roles; 0 otherwise)."""
+    """Micro-batches per optimizer step on one DP rank (trained roles with fixed micro-batches;
+    0 otherwise: none, or set per mini-batch by the token budget with use_dynamic_bsz)."""
 
     @property
     def layout(self):
@@ -826,6 +895,9 @@ class WorldPlan:
     """Pool name -> global ranks."""
     roles: dict[str, RolePlan]
     """Active role -> its plan."""
+    rollout: RolePlan | None = None
+    """placement.mode=disaggregated: the rollout pool, generation only (its training sizes
+    are its generation layout ``gen_pp x gen_tp x dp_g``); None otherwise."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -842,7 +914,10 @@ def _pools(config: Config, world_size: int) -> tuple[dict[str, int], dict[str, s
     if mode == "auto":
         raise ValueError("placement.mode='auto' must be resolved before validate_for_world: "
                          "cfg = rlhf.planner.config_bridge.resolve_config(cfg, world_size)")
-    if mode == "split":
+    if mode == "disaggregated":
+        of_role = dict.fromkeys(roles, "actor")
+        names = ["actor", "rollout"]
+    elif mode == "split":
         of_role = {r: "actor" if r in ("actor", "reference") else "critic" for r in roles}
         names = ["actor", "critic"]
         if "critic" not in of_role.values():
@@ -900,7 +975,12 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
         except ValueError as e:
             raise ValueError(f"{role}.layout: {e}") from None
         accum = 0
-        if role in TRAINED_ROLES:
+        if role in TRAINED_ROLES and config.role(role).use_dynamic_bsz:
+            if d.mini_batch_size % dp:  # micro-batches by tokens: only the rows must split
+                raise ValueError(
+                    f"{role}: mini_batch_size={d.mini_batch_size} must be a multiple of dp={dp} "
+                    f"(use_dynamic_bsz); change data.mini_batch_size (or the {role} layout)")
+        elif role in TRAINED_ROLES:
             per_step = dp * d.micro_batch_size
             if d.mini_batch_size % per_step:
                 raise ValueError(
@@ -923,9 +1003,30 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
         raise ValueError(f"{config.algo.name}: the greedy baseline batch prompts_per_iter="
                          f"{d.prompts_per_iter} does not split over {dp_g} generation replicas; "
                          f"use a multiple of {dp_g}")
+    rollout = _rollout_plan(config, plans["actor"], pools["rollout"]) \
+        if "rollout" in pools else None
     need = d.max_prompt_len + d.max_response_len
     for role in config.roles:
         if config.model_of(role).seq_len < need:
             raise ValueError(f"{role}: model max_seq_len={config.model_of(role).seq_len} < "
                              f"max_prompt_len + max_response_len = {need}")
-    return WorldPlan(world_size, pools, plans)
+    return WorldPlan(world_size, pools, plans, rollout)
+
+
+def _rollout_plan(config: Config, actor: RolePlan, pool: tuple[int, ...]) -> RolePlan:
+    """The rollout pool of a disaggregated run: the actor's generation layout (``gen_pp x
+    gen_tp``) replicated over the pool; every generation replica takes an equal share."""
+    mp, size = actor.gen_pp * actor.gen_tp, len(pool)
+    if size % mp:
+        raise ValueError(f"placement.pool_sizes.rollout={size} is not a multiple of the "
+                         f"generation layout actor.layout.gen_pp={actor.gen_pp} x gen_tp="
+                         f"{actor.gen_tp} = {mp}; choose a multiple of {mp} or change gen_tp")
+    dp_g = size // mp
+    rows = config.data.rollout_batch_size
+    if rows % dp_g:
+        raise ValueError(f"rollout pool: rollout batch {rows} does not split over its {dp_g} "
+                         f"generation replicas (placement.pool_sizes.rollout={size} / (gen_pp="
+                         f"{actor.gen_pp} x gen_tp={actor.gen_tp})); make prompts_per_iter x "
+                         f"samples_per_prompt a multiple of {dp_g}")
+    return RolePlan(pool=pool, pp=actor.gen_pp, tp=actor.gen_tp, dp=dp_g, gen_pp=actor.gen_pp,
+                    gen_tp=actor.gen_tp, grad_accum=0)

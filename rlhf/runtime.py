@@ -32,6 +32,7 @@ from rlhf.config import Config, WorldPlan, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.programs import Iteration, Roles, algorithm
+from rlhf.programs.async_rl import async_critic_free
 from rlhf.task import PromptStream, read_dataset
 
 
@@ -164,9 +165,12 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     if resume_from:
         restore(roles, state, resume_from)
         print(f"[rlhf] resumed from {resume_from} at step {state.step}", flush=True)
+    if roles.rollout is not None:  # disaggregated: the rollout pool gets the actor's weights
+        roles.rollout.start(state.step)
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    program, records = algorithm(cfg.algo.name).program, []
+    program = algorithm(cfg.algo.name).program if roles.rollout is None else async_critic_free
+    records = []
     logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
                            tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
     # the starting policy's held-out score goes into the first record (a fresh run only)

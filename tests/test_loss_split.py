@@ -224,7 +224,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
     config = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, tie_word_embeddings=False,
                          max_position_embeddings=16)
-    optim, update = OptimConfig(max_grad_norm=None), UpdateSpec(1, rows, micro)
+    optim, update = OptimConfig(max_grad_norm=None), UpdateSpec(1, rows, micro, None)
     if role == "actor":
         cls, spec = ActorWorker, ActorSpec(
             model=ModelSpec(config=config, head="lm", init_from=None, seed=0, fresh_head=False),

@@ -103,6 +103,8 @@ PROJECT_CLASSES = frozenset({
     "rlhf.workers.specs:ReferenceSpec",
     "rlhf.workers.specs:ScoreSpec",
     "rlhf.workers.specs:UpdateSpec",
+    "rlhf.workers.rollout:RolloutSpec",
+    "rlhf.workers.rollout:SyncSpec",
 })
 """``module:qualname`` of the frozen dataclasses that worker groups are created or called with
 (worker specs, the configs they embed, sampling parameters).  Named, not imported: the engine

@@ -44,10 +44,14 @@ class Roles:
     """Cost value model (Safe-RLHF)."""
     cost: WorkerGroup | None = None
     """Cost model or cost rule (Safe-RLHF)."""
+    rollout: Any = None
+    """placement.mode=disaggregated: the rollout pool (:class:`rlhf.programs.async_rl.
+    RolloutPool`); None = the actor generates."""
 
     def checkpointed(self) -> dict[str, WorkerGroup]:
-        """Role name -> group, for every role with weights."""
-        return {k: v for k, v in vars(self).items() if v is not None}
+        """Role name -> group, for every role with weights (not the rollout pool: its
+        weights are the actor's, pushed again when a run starts or resumes)."""
+        return {k: v for k, v in vars(self).items() if v is not None and k != "rollout"}
 
 
 @dataclass(frozen=True)
@@ -290,9 +294,15 @@ def means(prefix: str, rows: Batch) -> dict[str, float]:
 def critic_free(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     """The program of the outcome-advantage algorithms (GRPO, RLOO, REINFORCE++): rollout,
     log-probs and scores, advantages from the scores alone, actor update; no critic."""
-    t = it.timer
-    with t("gen"):
+    with it.timer("gen"):
         gen = r.actor.generate_sequences(prompts, it.sampling).wait()
+    return outcome_update(r, gen, it)
+
+
+def outcome_update(r: Roles, gen: Future | Batch, it: Iteration) -> tuple[Batch, dict]:
+    """:func:`critic_free` after its rollout: log-probs and scores of the generated rows,
+    advantages from the scores alone, actor update."""
+    t = it.timer
     old, ref = old_log_probs(r, gen, it), ref_log_probs(r, gen)
     scores = r.reward.compute_reward(gen)
     wait_phases(t, old_log_prob=old, ref=ref, reward=scores)

@@ -21,9 +21,9 @@ from engine.train import TrainEngine
 from rlhf.algos import actor_loss, get_policy_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, protocol
 from rlhf.programs import algorithm
-from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model, loss_denominator,
-                                 mean_row, minibatches, model_inputs, response_head_from,
-                                 response_outputs)
+from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model,
+                                 forward_outputs, loss_denominator, mean_row, response_head_from,
+                                 response_outputs, update_micro_batches)
 from rlhf.workers.specs import ActorSpec, ReferenceSpec
 
 
@@ -57,13 +57,12 @@ class ActorWorker(CheckpointedWorker):
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy
         at the sampling temperature (what the rollout's own log-probs are)."""
-        outs = self.engine.train.forward([model_inputs(batch)],
-                                         head_from=response_head_from(batch),
-                                         temperature=self.spec.temperature)
-        if outs is None:
+        out = forward_outputs(self.engine.train, batch, self.spec.update.max_tokens,
+                              temperature=self.spec.temperature)
+        if out is None:
             return None  # not the last pipeline stage: not collected
-        return Batch({"old_log_probs": response_outputs(outs[0]["log_probs"], batch),
-                      "entropy": response_outputs(outs[0]["entropy"], batch)})
+        return Batch({"old_log_probs": response_outputs(out["log_probs"], batch),
+                      "entropy": response_outputs(out["entropy"], batch)})
 
     @protocol(THREE_D_PROTO)
     def update_actor(self, batch: Batch) -> Batch | None:
@@ -90,13 +89,13 @@ class ActorWorker(CheckpointedWorker):
         grad_norms = []
         u = s.update
         for _ in range(u.epochs):
-            for mbs in minibatches(data, u.mini_batch_rows, u.micro_batch_size):
+            for mbs in update_micro_batches(data, u, self.groups.train_dp):
                 # one denominator for the whole mini-batch (all micro-batches, all DP ranks)
                 d = loss_denominator(mbs, loss.loss_agg_mode, self.groups.train_dp)
                 grad_norms.append(self.engine.train.train_step(
                     mbs, functools.partial(loss_fn, denominator=d),
-                    head_from=response_head_from(batch),
-                    temperature=self.spec.temperature)["grad_norm"])
+                    head_from=response_head_from(batch), temperature=self.spec.temperature,
+                    remove_padding=u.max_tokens is not None)["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
@@ -121,8 +120,8 @@ class ReferenceWorker(CheckpointedWorker):
 
     @protocol(THREE_D_PROTO)
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
-        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch),
-                                   temperature=self.spec.temperature)
-        if outs is None:
+        out = forward_outputs(self.engine, batch, self.spec.max_tokens,
+                              temperature=self.spec.temperature)
+        if out is None:
             return None
-        return Batch({"ref_log_probs": response_outputs(outs[0]["log_probs"], batch)})
+        return Batch({"ref_log_probs": response_outputs(out["log_probs"], batch)})

@@ -23,13 +23,14 @@ import torch.distributed as dist
 from engine.hf_interop import load_hf_checkpoint
 from engine.hf_shards import hf_reads, shard_parts
 from engine.llama_spec import init_full_state_dict
+from engine.micro_batches import count_micro_batches, partition_by_tokens
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.train import TrainEngine
 from hybridflow_comm.groups import Group, HybridGroups
 from rlhf.algos import agg_count, agg_denominator
 from rlhf.checkpoint import MOMENTS, OPTIM_STEP, Block, ShardedSave, load_blocks, moment_key
 from rlhf.controller import ONE_TO_ALL, Batch, Worker, protocol
-from rlhf.workers.specs import ModelSpec
+from rlhf.workers.specs import ModelSpec, UpdateSpec
 
 
 def build_model(args: ModelSpec, groups: HybridGroups) -> ParallelLlama:
@@ -64,6 +65,53 @@ def minibatches(batch: Batch, rows: int, micro: int) -> list[list[dict]]:
     """Mini-batches of ``rows`` rows, each a list of equal micro-batch dicts."""
     return [[{k: v for k, v in mb.tensors.items()} for mb in split_micro(batch.rows(
         slice(i, i + rows)), micro)] for i in range(0, len(batch), rows)]
+
+
+def token_minibatches(batch: Batch, rows: int, max_tokens: int, dp: Group) -> list[list[dict]]:
+    """Mini-batches of ``rows`` rows, each split by :func:`engine.micro_batches.
+    partition_by_tokens` into micro-batches of at most ``max_tokens`` real tokens
+    (``attention_mask``), as many on every DP rank: each rank's count for each mini-batch,
+    then one all-reduce (max) over ``dp`` for all of them (a collective: every rank of the
+    role calls it, with as many mini-batches).  The budget is checked before it.
+    """
+    minis = [batch.rows(slice(i, i + rows)) for i in range(0, len(batch), rows)]
+    lengths = [m["attention_mask"].sum(1).tolist() for m in minis]
+    counts = torch.tensor([count_micro_batches(n, max_tokens) for n in lengths])
+    if dp.pg is not None:
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp.pg)
+    out = []
+    for m, n, k in zip(minis, lengths, counts.tolist()):
+        parts = partition_by_tokens(n, max_tokens, parts=k)
+        out.append([{key: v[torch.tensor(p)] for key, v in m.tensors.items()} for p in parts])
+    return out
+
+
+def update_micro_batches(batch: Batch, update: UpdateSpec, dp: Group) -> list[list[dict]]:
+    """The mini-batches of one epoch, each a list of micro-batch dicts: fixed rows
+    (:func:`minibatches`) or by token budget (:func:`token_minibatches`, a collective)."""
+    if update.max_tokens is None:
+        return minibatches(batch, update.mini_batch_rows, update.micro_batch_size)
+    return token_minibatches(batch, update.mini_batch_rows, update.max_tokens, dp)
+
+
+def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *,
+                    temperature: float) -> dict[str, torch.Tensor] | None:
+    """The head outputs of every row of ``batch`` from :func:`response_head_from` (in row
+    order; None off the last pipeline stage): one padded micro-batch, or with ``max_tokens``
+    micro-batches by token budget with the padding removed (zeros where the padded path
+    predicts or holds padding)."""
+    inputs, head_from = model_inputs(batch), response_head_from(batch)
+    if max_tokens is None:
+        outs = engine.forward([inputs], head_from=head_from, temperature=temperature)
+        return None if outs is None else outs[0]
+    parts = partition_by_tokens(batch["attention_mask"].sum(1).tolist(), max_tokens)
+    mbs = [{k: v[torch.tensor(p)] for k, v in inputs.items()} for p in parts]
+    outs = engine.forward(mbs, head_from=head_from, temperature=temperature,
+                          remove_padding=True)
+    if outs is None:
+        return None
+    inverse = torch.argsort(torch.tensor([i for p in parts for i in p]))
+    return {k: torch.cat([o[k] for o in outs])[inverse] for k in outs[0]}
 
 
 def micro_batch_denominator(count: float, mode: str, micro_batches: int, dp: int) -> float:

@@ -13,9 +13,9 @@ import torch
 from engine.train import TrainEngine
 from rlhf.controller import THREE_D_PROTO, Batch, protocol
 from rlhf.programs import algorithm
-from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model, loss_denominator,
-                                 mean_row, minibatches, model_inputs, response_head_from,
-                                 response_outputs)
+from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model,
+                                 forward_outputs, loss_denominator, mean_row, response_head_from,
+                                 response_outputs, update_micro_batches)
 from rlhf.workers.specs import CriticSpec
 
 
@@ -32,11 +32,11 @@ class CriticWorker(CheckpointedWorker):
     @protocol(THREE_D_PROTO)
     def compute_values(self, batch: Batch) -> Batch | None:
         """Value of the state before each response token, ``[B, N]``."""
-        outs = self.engine.forward([model_inputs(batch)], head_from=response_head_from(batch),
-                                   temperature=1.0)  # a value head: no distribution to scale
-        if outs is None:
+        out = forward_outputs(self.engine, batch, self.spec.update.max_tokens,
+                              temperature=1.0)  # a value head: no distribution to scale
+        if out is None:
             return None
-        return Batch({self.spec.value_key: response_outputs(outs[0]["values"], batch)})
+        return Batch({self.spec.value_key: response_outputs(out["values"], batch)})
 
     @protocol(THREE_D_PROTO)
     def update_critic(self, batch: Batch) -> Batch | None:
@@ -55,12 +55,13 @@ class CriticWorker(CheckpointedWorker):
 
         norms = []
         for _ in range(s.update.epochs):
-            for mbs in minibatches(data, s.update.mini_batch_rows, s.update.micro_batch_size):
+            for mbs in update_micro_batches(data, s.update, self.groups.train_dp):
                 # one denominator for the whole mini-batch (all micro-batches, all DP ranks)
                 d = loss_denominator(mbs, s.loss.loss_agg_mode, self.groups.train_dp)
                 norms.append(self.engine.train_step(
                     mbs, functools.partial(loss_fn, denominator=d),
-                    head_from=response_head_from(batch), temperature=1.0)["grad_norm"])
+                    head_from=response_head_from(batch), temperature=1.0,
+                    remove_padding=s.update.max_tokens is not None)["grad_norm"])
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})

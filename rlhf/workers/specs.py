@@ -41,7 +41,10 @@ class UpdateSpec:
     mini_batch_rows: int
     """Rows per optimizer step on one DP rank (mini_batch_size / dp)."""
     micro_batch_size: int
-    """Rows per forward/backward."""
+    """Rows per forward/backward (fixed micro-batches)."""
+    max_tokens: int | None
+    """Real tokens per micro-batch, padding removed (the role's use_dynamic_bsz and
+    max_token_len_per_micro_batch); None = fixed micro-batches of micro_batch_size rows."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class ReferenceSpec:
     model: ModelSpec
     temperature: float
     """As the actor's: the KL compares the two policies' distributions at one temperature."""
+    max_tokens: int | None
+    """As the actor's ``update.max_tokens``, for the log-prob pass (the same sequences)."""
 
 
 @dataclass(frozen=True)

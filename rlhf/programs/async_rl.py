@@ -1,0 +1,150 @@
+"""Asynchronous off-policy training on a disaggregated rollout pool (``placement.mode=
+disaggregated``, ``algo.max_staleness=k``): the rollout pool generates up to ``k`` iterations
+ahead while the training pool trains.
+
+The pipeline is the order in which the controller issues calls, nothing more: each rank runs
+its calls one after the other in issue order, and the two pools run their queues side by side
+(:mod:`rlhf.controller`).  For ``k = 1``, with ``v`` the weight version (= actor updates)::
+
+    rollout pool  | gen 0 (v0) | gen 1 (v0)  |pull v1| gen 2 (v1)  |pull v2| gen 3 (v2) ...
+    training pool |            | train on 0 |push v1| train on 1 |push v2| train on 2 ...
+                                 staleness 0           staleness 1          staleness 1
+
+* :meth:`RolloutPool.take` issues generation ``t + k`` (queued behind the last push, so it
+  samples with the newest weights) and waits for generation ``t``, issued ``k`` iterations
+  earlier; its rows travel through the controller (a future passed on would make the rollout
+  ranks send them only after the generations queued since).
+* The actor trains on it (:func:`~rlhf.programs.common.outcome_update`).
+* :meth:`RolloutPool.push` issues the weight push on both pools: on the training pool it runs
+  after the update, on the rollout pool after the generations in flight (queued behind them);
+  the generations issued after it use the new version.
+
+Every sample records the version that generated it (``weights_version``); its staleness is
+the actor's version minus that, at most ``k`` by construction.  A batch older than ``k``
+versions is dropped and its prompts generated again with the current weights (a safety net:
+``rollout/dropped`` counts such rows and stays 0 in this pipeline).
+
+Off-policy correction, decoupled PPO (Hilton et al. 2022; AReaL, verl's async recipes): the
+behaviour policy's log-probs ``mu`` are the rollout's own; the proximal policy's ``pi_prox`` are
+recomputed by the actor at train time (``algo.recompute_log_prob``, the batch's
+``old_log_probs``); the clipped PPO ratio is ``pi / pi_prox`` and each token's term is weighted
+by ``min(pi_prox / mu, algo.tis_cap)`` (:func:`rlhf.algos.truncated_is_weights`, applied to the
+advantages by :func:`~rlhf.programs.common.advantages`)::
+
+    L = - sum_t m_t min(pi_prox / mu, C) min(r_t A_t, clip(r_t, 1 - e, 1 + e) A_t) / sum_t m_t,
+    r_t = pi(y_t) / pi_prox(y_t)
+
+Checkpoints hold no in-flight generation: a run that resumes pushes its weights again and
+skips the ``k`` prompt batches that were in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams
+from rlhf.controller import Batch, Future, WorkerGroup
+from rlhf.programs.common import Iteration, Roles, outcome_update
+
+
+@dataclass(frozen=True)
+class _Generation:
+    """One generation in flight: the call, its prompts and the step whose sampling it uses."""
+
+    future: Future
+    prompts: Batch
+    step: int
+
+
+class RolloutPool:
+    """The controller's handle on the rollout pool of a disaggregated run.
+
+    Args:
+        rollout: the rollout pool's group (:class:`rlhf.workers.rollout.RolloutWorker`).
+        actor: the actor's group (:class:`rlhf.workers.rollout.PushingActorWorker`), connected
+            to ``rollout`` for the weight push.
+        max_staleness: ``k``: at most ``k + 1`` generations in flight.
+        sampling: step -> that step's rollout sampling (its own seed).
+        iterations: the run's last step + 1 (nothing is generated beyond it).
+    """
+
+    def __init__(self, rollout: WorkerGroup, actor: WorkerGroup, max_staleness: int,
+                 sampling: Callable[[int], SamplingParams], iterations: int) -> None:
+        self.rollout, self.actor = rollout, actor
+        self.max_staleness, self.sampling, self.iterations = max_staleness, sampling, iterations
+        self.version = 0
+        """The actor's weight version: its updates since step 0."""
+        self._next_step = 0
+        self._inflight: deque[_Generation] = deque()
+        self._pull: Future | None = None
+
+    def start(self, step: int) -> dict[str, float]:
+        """Push the actor's weights as version ``step`` (a run's start, or its resume at
+        ``step``); forgets the generations in flight."""
+        self.version, self._next_step = step - 1, step
+        self._inflight.clear()
+        return self.push()
+
+    def push(self) -> dict[str, float]:
+        """After an actor update: its weights become the next version on the rollout pool.
+        Returns ``timing_s/weight_sync``, the rollout ranks' time in the previous push (done
+        by now: the training pool ran it before this update)."""
+        done = {} if self._pull is None else {"timing_s/weight_sync": max(self._pull.get())}
+        self.version += 1
+        self.actor.push_weights()  # both ends issued back to back: one collective
+        self._pull = self.rollout.pull_weights(self.version)
+        return done
+
+    def take(self, prompts: Batch, more_prompts: Callable[[], Batch] | None
+             ) -> tuple[Batch, dict[str, float]]:
+        """This iteration's rollouts, and the ``rollout/`` metrics of their staleness.
+
+        Issues generations until ``k + 1`` are in flight: ``prompts`` (this iteration's draw
+        from the stream) for the first, ``more_prompts()`` for the others (a run's start);
+        then waits for the oldest.
+        """
+        todo = [prompts]
+        while len(self._inflight) <= self.max_staleness and self._next_step < self.iterations:
+            if not todo and more_prompts is None:
+                raise ValueError("filling the rollout pipeline needs Iteration.more_prompts")
+            self._issue(todo.pop() if todo else more_prompts(), self._next_step)
+            self._next_step += 1
+        if not self._inflight:
+            raise RuntimeError(f"no generation in flight after step {self._next_step - 1} "
+                               f"(iterations={self.iterations})")
+        gen = self._inflight.popleft()
+        batch = gen.future.get()
+        stale = stale_rows(batch["weights_version"], self.version, self.max_staleness)
+        dropped = int(stale.sum())
+        if dropped:  # one call samples with one version: the whole batch, again
+            batch = self._generation(gen.prompts, gen.step).get()
+        age = (self.version - batch["weights_version"]).float()
+        return batch, {"rollout/staleness_mean": float(age.mean()),
+                       "rollout/staleness_max": float(age.max()),
+                       "rollout/dropped": float(dropped),
+                       "rollout/weights_version": float(batch["weights_version"].min())}
+
+    def _issue(self, prompts: Batch, step: int) -> None:
+        self._inflight.append(_Generation(self._generation(prompts, step), prompts, step))
+
+    def _generation(self, prompts: Batch, step: int) -> Future:
+        return self.rollout.generate_sequences(prompts, self.sampling(step))
+
+
+def stale_rows(weights_version: torch.Tensor, version: int, max_staleness: int) -> torch.Tensor:
+    """``[B]`` True where a row was sampled more than ``max_staleness`` versions before
+    ``version``."""
+    return version - weights_version > max_staleness
+
+
+def async_critic_free(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
+    """:func:`~rlhf.programs.common.critic_free` on a disaggregated run: train on the oldest
+    generation in flight while the rollout pool generates the next ones, then push."""
+    with it.timer("gen"):
+        gen, staleness = r.rollout.take(prompts, it.more_prompts)
+    batch, metrics = outcome_update(r, gen, it)
+    return batch, metrics | staleness | r.rollout.push()

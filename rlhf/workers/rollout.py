@@ -1,0 +1,131 @@
+"""The two ends of a disaggregated run (``placement.mode=disaggregated``): the rollout pool's
+worker, which holds generation weights only, and the actor that pushes its weights there.
+
+::
+
+    training pool A (actor, reference, reward)        rollout pool B (generation only)
+    PushingActorWorker                                 RolloutWorker
+      trains on p-t-d (HybridEngine, as colocated)       GenerationEngine on gen_pp x gen_tp,
+      push_weights(): every training rank sends   ---->    dp_g = |B| / (gen_pp gen_tp) replicas
+      only the boxes it owns (WeightSync)                pull_weights(version): receives its
+                                                           generation shard in place, stamps
+                                                           the version on every later sample
+
+Both ends of a push are one call each on their own pool, issued back to back by the controller
+(:class:`rlhf.programs.async_rl.RolloutPool`); the weight transfer is the collective between
+them (:class:`hybridflow_comm.sync.WeightSync` over the group of both pools).  Each rank runs
+its calls in issue order, so a push queued on the rollout pool runs after the generations
+issued before it, and a generation issued after it samples with the new weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.generation import GenerationEngine
+from engine.llama_spec import LlamaConfig, llama_shard_specs
+from engine.sampling import SamplingParams, derive_seed
+from hybridflow_comm.layout import ParallelLayout
+from hybridflow_comm.sync import WeightSync, build_sync_group
+from hybridflow_comm.sync_plan import SyncLayout
+from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
+from rlhf.workers.actor import ActorWorker
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    """The two pools of a weight push (job ranks, ascending) and their layouts."""
+
+    train: tuple[int, int, int]
+    """The actor's training ``(pp, tp, dp)``."""
+    gen: tuple[int, int, int]
+    """The rollout pool's ``(gen_pp, gen_tp, dp_g)``."""
+    train_ranks: tuple[int, ...]
+    """Job ranks of the training pool."""
+    gen_ranks: tuple[int, ...]
+    """Job ranks of the rollout pool."""
+
+    def layout(self) -> SyncLayout:
+        return SyncLayout(ParallelLayout(*self.train), ParallelLayout(*self.gen),
+                          self.train_ranks, self.gen_ranks)
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """The rollout pool's worker: the architecture and where its weights come from."""
+
+    config: LlamaConfig
+    """The actor's architecture."""
+    sync: SyncSpec
+    """The pools of the weight push."""
+
+
+def _connect(sync: SyncSpec, specs: list, **side) -> WeightSync:
+    """This rank's end of the push (``train_shards`` on a training rank); collective over
+    both pools, which are every rank of the job (``build_sync_group`` then makes no group)."""
+    layout = sync.layout()
+    return WeightSync(specs, layout, build_sync_group(layout), **side)
+
+
+class PushingActorWorker(ActorWorker):
+    """The actor of a disaggregated run: trains as :class:`ActorWorker` does (generation on
+    its own ranks serves only the held-out evaluation) and pushes its weights to the rollout
+    pool after every update."""
+
+    sync: WeightSync | None = None
+
+    @protocol(ONE_TO_ALL)
+    def connect_rollout(self, sync: SyncSpec) -> None:
+        """Plan the weight push (collective with the rollout pool's ``connect_actor``)."""
+        self.sync = _connect(sync, self.model.specs, train_shards=self.model.params)
+
+    @protocol(ONE_TO_ALL)
+    def push_weights(self) -> float:
+        """Send this rank's boxes of the current weights (collective with ``pull_weights``);
+        returns the seconds this rank spent, waiting for the rollout pool included."""
+        return self.sync.sync().time_s
+
+
+class RolloutWorker(Worker):
+    """One rank of a generation replica of the rollout pool: generation weights only (a flat
+    buffer that :class:`WeightSync` fills in place), no optimizer, no training copy."""
+
+    def __init__(self, spec: RolloutSpec) -> None:
+        self.spec = spec
+        self.engine = GenerationEngine(spec.config, self.groups)
+        self.sync: WeightSync | None = None
+
+    @protocol(ONE_TO_ALL)
+    def connect_actor(self) -> None:
+        """Plan the weight push (collective with the actor's ``connect_rollout``)."""
+        pp = self.spec.sync.train[0]
+        self.sync = _connect(self.spec.sync, llama_shard_specs(self.spec.config, pp))
+
+    @protocol(ONE_TO_ALL)
+    def pull_weights(self, version: int) -> float:
+        """Receive this rank's generation shard in place (collective with ``push_weights``)
+        and generate with it as weight version ``version``; returns the seconds spent."""
+        t0 = time.perf_counter()
+        self.sync.sync()
+        self.engine.set_weights(self.sync.generation_params(), version)
+        return time.perf_counter() - t0
+
+    @protocol(THREE_D_PROTO)
+    def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """Rollouts of this replica's prompts, as :meth:`ActorWorker.generate_sequences`
+        returns them, plus ``weights_version [B]``: the version that sampled each row."""
+        t0 = time.perf_counter()
+        dp_g = self.groups.layout.gen_coords(self.groups.rank).dp_g
+        out = self.engine.generate(prompts["input_ids"], prompts["attention_mask"],
+                                   replace(sampling, seed=derive_seed(sampling.seed, "replica",
+                                                                      dp_g)))
+        rows = out.input_ids.shape[0]
+        version = torch.full((rows,), out.stats["weights_version"], dtype=torch.int64)
+        return Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
+                      "response_mask": out.response_mask, "rollout_log_probs": out.log_probs,
+                      "weights_version": version},
+                     dict(prompts.non_tensors),
+                     {"gen_s": time.perf_counter() - t0, "prompt_len": out.prompt_length})

@@ -1,0 +1,400 @@
+"""Asynchronous off-policy training on a disaggregated rollout pool (issue 19).
+
+Pure: the decoupled PPO objective (behaviour log-probs from the rollout, proximal ones
+recomputed, ratio current/proximal, truncated weight proximal/behaviour) against a per-token
+loop; the pipeline of :class:`rlhf.programs.async_rl.RolloutPool` against fake pools that run
+each call when it is issued (as a rank runs its queue): versions, prompt order, seeds, the
+drop of stale batches; the config checks.
+
+Multi-rank, one torchrun job of 4 ranks (2 training + 2 rollout) for the module: a staleness-1
+GRPO run learns and its samples are never older than allowed; a staleness-0 disaggregated run
+equals the synchronous run (actor and reference on their own 2 ranks each) bit for bit.  A
+rollout rank killed mid-run stops the job naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams
+from rlhf.algos import actor_loss, get_policy_loss, make_kl_controller
+from rlhf.config import AlgoConfig, PolicyLossConfig, load_config, validate_for_world
+from rlhf.controller import Batch
+from rlhf.metrics import PhaseTimer, read_metrics
+from rlhf.programs import Iteration, algorithm
+from rlhf.programs.async_rl import RolloutPool
+from rlhf.programs.common import advantages
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISY = ("timing_s/", "perf/", "memory/")
+DISAGG = ["algo=grpo", "placement.mode=disaggregated",
+          "placement.pool_sizes={actor: 2, rollout: 2}"]
+# the format reward of the built-in task from a random start: about 0.3 at first, learnt
+# within ~15 iterations at this learning rate
+TASK = ["reward.rule_weights={format: 1.0}", "actor.optim.lr=3e-3", "data.max_response_len=4"]
+
+
+# The decoupled PPO objective ------------------------------------------------------------------
+def _iteration(algo: AlgoConfig) -> Iteration:
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
+    return Iteration(algo=algo, sampling=sampling, greedy=sampling, timer=PhaseTimer(),
+                     kl_ctrl=make_kl_controller("fixed", 0.0, 0.1, 1.0), lagrange=None,
+                     mini_batch_size=8, more_prompts=None)
+
+
+@pytest.mark.parametrize("cap", [1.3, 3.0])
+def test_decoupled_ppo_against_a_token_loop(cap):
+    """What the async program trains with (``advantages`` weights the advantages by
+    ``min(pi_prox / mu, cap)``, the policy loss takes ``pi_prox`` as old) equals a loop over
+    ``-w min(r A, clip(r) A)`` (dual clip for A < 0), ``r = pi / pi_prox``: value and gradient."""
+    g = torch.Generator().manual_seed(int(cap * 10))
+    b, n = 8, 5
+    mask = (torch.rand(b, n, generator=g) < 0.8).long()
+    mask[:, 0] = 1
+    behaviour = -torch.rand(b, n, generator=g, dtype=torch.float64) * 2      # mu (rollout)
+    proximal = behaviour + 0.5 * torch.randn(b, n, generator=g, dtype=torch.float64)
+    current = proximal + 0.3 * torch.randn(b, n, generator=g, dtype=torch.float64)
+    scores = torch.rand(b, generator=g, dtype=torch.float64)
+    token_rewards = torch.zeros(b, n, dtype=torch.float64)
+    last = mask.sum(1) - 1
+    token_rewards[torch.arange(b), last] = scores
+    batch = Batch({"token_level_rewards": token_rewards, "response_mask": mask,
+                   "old_log_probs": proximal, "rollout_log_probs": behaviour},
+                  {"uid": [i // 4 for i in range(b)]})
+    it = _iteration(AlgoConfig(name="grpo", tis_cap=cap))
+    out = advantages(batch, it)
+    cfg = PolicyLossConfig()
+    leaf = current.clone().requires_grad_(True)
+    loss, _ = actor_loss(leaf, out["old_log_probs"], out["advantages"], mask,
+                         pg_loss=get_policy_loss("ppo"), cfg=cfg, kl_loss_coef=0.0,
+                         kl_estimator="k1", kl_log_ratio_clamp=20.0, kl_k3_clamp=10.0)
+    loss.backward()
+
+    adv = algorithm("grpo").advantage(batch, it)["advantages"]  # the estimator, unweighted
+    ref_leaf = current.clone().requires_grad_(True)
+    total, count = 0.0, 0
+    for i in range(b):
+        for t in range(n):
+            if not mask[i, t]:
+                continue
+            r = torch.exp(ref_leaf[i, t] - proximal[i, t])
+            w = min(math.exp(float(proximal[i, t] - behaviour[i, t])), cap)
+            a = float(adv[i, t])
+            term = torch.maximum(-a * r, -a * r.clamp(1 - cfg.clip_ratio, 1 + cfg.clip_ratio))
+            if a < 0:
+                term = torch.minimum(term, torch.tensor(-a * cfg.clip_ratio_c,
+                                                        dtype=torch.float64))
+            total = total + w * term
+            count += 1
+    ref = total / count
+    ref.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-9, atol=1e-12)
+    capped = (proximal - behaviour > math.log(cap)) & mask.bool()
+    assert capped.any() and (~capped & mask.bool()).any()  # both branches of the cap ran
+
+
+# The pipeline, on fake pools -------------------------------------------------------------------
+class _Done:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self):
+        return self.value
+
+    def wait(self):
+        return self
+
+
+class _Rollout:
+    """A rollout pool that runs each call when issued: a generation samples with the version
+    of the last pull issued before it, as on a rank that runs its calls in issue order."""
+
+    def __init__(self, log: list) -> None:
+        self.version, self.log = None, log
+
+    def pull_weights(self, version: int) -> _Done:
+        self.version = version
+        self.log.append(("pull", version))
+        return _Done([0.5, 0.25])
+
+    def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> _Done:
+        self.log.append(("gen", sampling.seed))
+        rows = len(prompts)
+        return _Done(Batch({"weights_version": torch.full((rows,), self.version),
+                            "seed": torch.full((rows,), sampling.seed)},
+                           {"draw": list(prompts.non_tensors["draw"])}))
+
+
+class _Actor:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def push_weights(self) -> _Done:
+        self.log.append(("push",))
+        return _Done([0.5, 0.5])
+
+
+class _Stream:
+    """Prompt batches numbered in the order they are drawn."""
+
+    def __init__(self) -> None:
+        self.draws = 0
+
+    def __call__(self) -> Batch:
+        self.draws += 1
+        return Batch({"x": torch.zeros(3)}, {"draw": [self.draws - 1] * 3})
+
+
+def _pipeline(k: int, iterations: int, first: int = 0):
+    log: list = []
+    pool = RolloutPool(_Rollout(log), _Actor(log), k,
+                       lambda step: SamplingParams(max_new_tokens=1, temperature=1.0, seed=step),
+                       iterations)
+    return pool, log, _Stream()
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_pipeline_versions_prompts_and_seeds(k):
+    """Iteration ``t`` trains on generation ``t``: the stream's ``t``-th prompts, step ``t``'s
+    seed, sampled by version ``max(0, t - k)`` (staleness ``min(t, k)``); ``k + 1``
+    generations in flight, none beyond the last iteration."""
+    iterations = 7
+    pool, log, stream = _pipeline(k, iterations)
+    pool.start(0)
+    for t in range(iterations):
+        batch, m = pool.take(stream(), stream)  # the runtime draws this iteration's prompts
+        assert set(batch.non_tensors["draw"]) == {t}
+        assert set(batch["seed"].tolist()) == {t}
+        assert set(batch["weights_version"].tolist()) == {max(0, t - k)}
+        assert m["rollout/staleness_max"] == m["rollout/staleness_mean"] == min(t, k)
+        assert m["rollout/dropped"] == 0
+        assert m["rollout/weights_version"] == max(0, t - k)
+        out = pool.push()
+        assert out == {"timing_s/weight_sync": 0.25 * 2}
+        assert pool.version == t + 1
+    gens = [e for e in log if e[0] == "gen"]
+    assert [e[1] for e in gens] == list(range(iterations))
+    # the first k + 1 generations go out together, then one after each push
+    assert log[:k + 3] == [("push",), ("pull", 0)] + [("gen", j) for j in range(k + 1)]
+    assert sum(e == ("push",) for e in log) == iterations + 1
+
+
+def test_pipeline_drops_a_stale_batch():
+    """A batch more than k versions behind the actor is dropped and generated again with
+    the current weights (two pushes without a take make the one in flight 2 versions old)."""
+    pool, log, stream = _pipeline(1, 5)
+    pool.start(0)
+    batch, m = pool.take(stream(), stream)
+    assert m["rollout/dropped"] == 0
+    pool.push()
+    pool.push()
+    batch, m = pool.take(stream(), stream)
+    assert m["rollout/dropped"] == 3
+    assert set(batch["weights_version"].tolist()) == {2} and m["rollout/staleness_max"] == 0
+    assert set(batch.non_tensors["draw"]) == {1} and set(batch["seed"].tolist()) == {1}
+
+
+def test_pipeline_resumes_at_a_step():
+    pool, log, stream = _pipeline(1, 6)
+    pool.start(4)
+    assert log == [("push",), ("pull", 4)]
+    batch, m = pool.take(stream(), stream)
+    assert set(batch["seed"].tolist()) == {4} and m["rollout/staleness_max"] == 0
+    pool.push()
+    batch, m = pool.take(stream(), stream)
+    assert set(batch["seed"].tolist()) == {5} and m["rollout/staleness_max"] == 1
+    assert [e[1] for e in log if e[0] == "gen"] == [4, 5]  # nothing beyond the last step
+
+
+# Config checks --------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, world, match", [
+    (["algo=grpo", "algo.max_staleness=1", "algo.tis_cap=2.0"], 4,
+     "algo.max_staleness=1 needs placement.mode=disaggregated"),
+    ([*DISAGG, "algo.max_staleness=2"], 4, "algo.max_staleness=2 .* set algo.tis_cap"),
+    ([*DISAGG[1:], "algo=ppo"], 4, "algo=ppo has its own program"),
+    (["algo=grpo", "algo.max_staleness=-1"], 4, "algo.max_staleness=-1 must be an int >= 0"),
+    ([*DISAGG[:2], "placement.pool_sizes={actor: 2}"], 4,
+     r"keys \['actor', 'rollout'\], got \{'actor': 2\}"),
+    ([*DISAGG], 5, r"sum to 4 but world_size=5; make them sum to 5"),
+    ([*DISAGG[:2], "placement.pool_sizes={actor: 2, rollout: 3}", "actor.layout.gen_tp=2"], 5,
+     "pool_sizes.rollout=3 is not a multiple of .*gen_pp=1 x gen_tp=2 = 2"),
+    ([*DISAGG[:2], "placement.pool_sizes={actor: 2, rollout: 3}"], 5,
+     "rollout batch 32 does not split over its 3 generation replicas"),
+])
+def test_config_names_values_and_fix(args, world, match):
+    with pytest.raises(ValueError, match=match):
+        validate_for_world(load_config(args), world)
+
+
+def test_disaggregated_plan():
+    cfg = load_config([*DISAGG, "algo.max_staleness=1", "algo.tis_cap=2.0"])
+    plan = validate_for_world(cfg, 4)
+    assert plan.pools == {"actor": (0, 1), "rollout": (2, 3)}
+    assert plan.roles["actor"].pool == plan.roles["reference"].pool == (0, 1)
+    r = plan.rollout  # the actor's generation layout (recipe: tp 2 -> gen_tp 1) on 2 ranks
+    assert (r.pool, r.pp, r.tp, r.dp, r.dp_g) == ((2, 3), 1, 1, 2, 2)
+    assert validate_for_world(load_config(["algo=grpo"]), 4).rollout is None
+
+
+# Multi-rank: one job for the module ------------------------------------------------------------
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node=4", *args]
+
+
+LEARN_ITERATIONS = 20
+RUNS = {
+    # the grpo recipe's actor trains on tp 2 and generates on tp 1: the push re-cuts rows
+    "async1": [*DISAGG, "algo.max_staleness=1", "algo.tis_cap=2.0",
+               f"iterations={LEARN_ITERATIONS}", "data.val_size=0", *TASK],
+    "async0": [*DISAGG, "actor.layout.tp=1", "iterations=3", "data.val_size=16", *TASK],
+    "sync": ["algo=grpo", "placement.mode=standalone", "actor.layout.tp=1",
+             "placement.pool_sizes={actor: 2, reference: 2}", "iterations=3",
+             "data.val_size=16", *TASK],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("async")
+    spec = {name: [*o, f"log.runs_dir={d}", f"log.run_name={name}", "checkpoint.resume=never"]
+            for name, o in RUNS.items()}
+    # async1 two iterations more, from its last checkpoint (found when the run starts)
+    spec["resumed"] = [*RUNS["async1"], f"iterations={LEARN_ITERATIONS + 2}",
+                       f"log.runs_dir={d}", "log.run_name=resumed", "checkpoint.resume=auto",
+                       f"checkpoint.dir={d}/async1/checkpoints"]
+    (d / "spec.json").write_text(json.dumps(spec))
+    res = subprocess.run(_torchrun("-m", "tests.rlhf_jobs", str(d / "spec.json"),
+                                   str(d / "out.json")),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out = json.loads((d / "out.json").read_text())
+    for name in spec:
+        assert "error" not in out[name], out[name].get("traceback")
+    return d, out
+
+
+def test_staleness_one_learns_within_the_bound(runs):
+    d, out = runs
+    recs = out["async1"]["records"]
+    assert recs == read_metrics(str(d / "async1" / "metrics.jsonl"))
+    assert [r["step"] for r in recs] == list(range(LEARN_ITERATIONS))
+    for t, r in enumerate(recs):
+        # the versions the rollout ranks stamped on the samples: never older than k = 1, and
+        # exactly 1 behind once the pipeline runs (the rollout pool is one iteration ahead)
+        assert r["rollout/staleness_max"] == r["rollout/staleness_mean"] == min(t, 1)
+        assert r["rollout/weights_version"] == t - min(t, 1)
+        assert r["rollout/dropped"] == 0
+        assert r["timing_s/weight_sync"] > 0  # the push before this update, rollout side
+    # behaviour = proximal policy at step 0 (the pushed weights equal the actor's); after it,
+    # the samples come from the previous version
+    assert recs[0]["actor/rollout_logprob_diff_max"] < 1e-4
+    assert all(r["actor/rollout_logprob_diff"] > 1e-4 for r in recs[1:])
+    first = sum(r["reward/mean"] for r in recs[:3]) / 3
+    last = sum(r["reward/mean"] for r in recs[-5:]) / 5
+    assert first < 0.6 and last > first + 0.3, [r["reward/mean"] for r in recs]
+
+
+def test_resume_pushes_the_restored_weights(runs):
+    """A resumed run starts its pipeline again: the checkpoint's weights go to the rollout
+    pool as version ``step`` and the first iteration is on-policy."""
+    _, out = runs
+    recs = out["resumed"]["records"]
+    t = LEARN_ITERATIONS
+    assert [r["step"] for r in recs] == [t, t + 1]
+    assert [r["rollout/staleness_max"] for r in recs] == [0, 1]
+    assert [r["rollout/weights_version"] for r in recs] == [t, t]
+    assert recs[0]["actor/rollout_logprob_diff_max"] < 1e-4
+
+
+def test_staleness_zero_equals_the_synchronous_run(runs):
+    """Generation on the rollout pool with pushed weights, k = 0, against the actor's own
+    generation on its 2 ranks (same replicas, rows and seeds): every metric but the timings
+    and the rollout/ ones is equal bit for bit, held-out evaluation included."""
+    _, out = runs
+    a, s = out["async0"]["records"], out["sync"]["records"]
+    assert len(a) == len(s) == 3
+    for x, y in zip(a, s):
+        assert x["rollout/staleness_max"] == 0 and x["rollout/weights_version"] == x["step"]
+        exact = {k: v for k, v in x.items() if not k.startswith((*NOISY, "rollout/"))}
+        assert exact == {k: v for k, v in y.items() if not k.startswith(NOISY)}
+    assert "val/accuracy" in a[0] and "val/accuracy" in a[-1]
+
+
+# A rollout rank killed ---------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                out.append(int(entry))
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in _children(launcher):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode() and env.get(b"LOCAL_RANK") is not None:
+            return pid
+    return None
+
+
+def test_rollout_rank_killed_stops_the_job_naming_it(tmp_path):
+    """SIGKILL of rollout rank 3 with a generation call in flight: the job exits non-zero
+    within a minute, naming the lost rank and the call (no hang of the training ranks in the
+    push that waits for it).  The rank is stopped (SIGSTOP) first: the rollout pool is mostly
+    idle on this tiny model, and within an iteration the controller has issued it the next
+    generation and waits for it."""
+    args = [*DISAGG, "algo.max_staleness=1", "algo.tis_cap=2.0", "iterations=1000",
+            "data.val_size=0", *TASK, f"log.runs_dir={tmp_path}", "log.run_name=kill",
+            "checkpoint.resume=never", "log.progress=false", "log.tensorboard=false",
+            "log.plot=false"]
+    proc = subprocess.Popen(_torchrun("-m", "rlhf.train", *args), cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    metrics = tmp_path / "kill" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never started"
+            time.sleep(0.2)
+        pid = _rank_pid(proc.pid, 3)
+        assert pid is not None, "rank 3 not found among the launcher's children"
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(8)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    lost = [line for line in out.splitlines() if "RankLostError: lost rank 3: " in line]
+    assert lost and "rollout.generate_sequences" in lost[0], out[-3000:]
