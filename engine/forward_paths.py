@@ -22,8 +22,11 @@ KV cache at ``[cache.length, cache.length + S)`` without advancing it:
     kernel_layers  decode            engine._kernels.decode_attention / decode_mlp per layer,
                                      the TP all-reduces between them
 
-The three kernel paths read plain float32 Llama layers only: a layer with q/k/v/o biases or
-q/k norms (the Qwen families) runs on the python path for every step.  A prefill step starts
+The kernel paths read float32 layers only.  The fused blocks read plain Llama layers only; the
+decode kernels also read the q/k/v bias (``qkv_bias``: Qwen2), added after the qkv product and
+before RoPE as in :func:`engine.layers.attention_block`.  A layer with an o_proj bias or q/k
+norms (Qwen3, Llama ``attention_bias``) runs on the python path for every step; a Qwen2 layer
+decodes on the kernels and prefills on the python path.  A prefill step starts
 from an empty cache with the prompt (``S = P``); a decode step feeds one token per row
 (``S = 1``).  A path registers itself in :data:`LAYER_PATHS`, which the test
 against the reference reads.
@@ -107,9 +110,18 @@ def register_layer_path(cls: type[LayerPath]) -> type[LayerPath]:
     return cls
 
 
-def _kernels_for(stage: StageLayers) -> bool:
-    """The kernels read plain float32 Llama layers only (no biases, no q/k norms)."""
-    return fused_layers.available(stage.dtype, {k for w in stage.weights for k in w})
+def _kernels_for(stage: StageLayers, extra: tuple[str, ...] = ()) -> bool:
+    """Whether the kernels read the stage's layers: float32, the plain Llama weights plus the
+    optional ``extra`` keys (the fused blocks: none; the decode kernels:
+    :data:`engine.fused_layers.DECODE_EXTRA_KEYS`)."""
+    keys = {k for w in stage.weights for k in w}
+    return fused_layers.available(stage.dtype, keys - set(extra))
+
+
+def _qkv_biases(stage: StageLayers) -> tuple[torch.Tensor | None, ...]:
+    """Each layer's ``qkv_bias`` (None where it has none); ``()`` where no layer has one."""
+    biases = tuple(w.get("qkv_bias") for w in stage.weights)
+    return () if all(b is None for b in biases) else biases
 
 
 def _decode_tables(rope: Rope, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -184,20 +196,23 @@ class KernelStage:
     flat_weights: tuple[torch.Tensor, ...]
     """Every layer's weights in :data:`engine.llama_spec.LAYER_KEYS` order, layer after
     layer."""
+    qkv_biases: tuple[torch.Tensor | None, ...]
+    """Per layer its ``qkv_bias`` or None; ``()`` without biases."""
 
     @classmethod
     def build(cls, stage: StageLayers) -> KernelStage | None:
-        if not _kernels_for(stage) or stage.tensor_parallel:
+        if not _kernels_for(stage, fused_layers.DECODE_EXTRA_KEYS) or stage.tensor_parallel:
             return None
-        return cls(stage, tuple(w[k] for w in stage.weights for k in LAYER_KEYS))
+        return cls(stage, tuple(w[k] for w in stage.weights for k in LAYER_KEYS),
+                   _qkv_biases(stage))
 
     def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
                 ) -> torch.Tensor:
         s = self.stage
         cos, sin, key_mask = _decode_tables(rope, attn)
         return _kernels.decode_layers(x[:, 0], self.flat_weights, s.eps, cos, sin, cache.k,
-                                      cache.v, cache.length, key_mask,
-                                      s.q_per_group).unsqueeze(1)
+                                      cache.v, cache.length, key_mask, s.q_per_group,
+                                      self.qkv_biases).unsqueeze(1)
 
 
 @register_layer_path
@@ -212,7 +227,7 @@ class KernelLayers:
 
     @classmethod
     def build(cls, stage: StageLayers) -> KernelLayers | None:
-        return cls(stage) if _kernels_for(stage) else None
+        return cls(stage) if _kernels_for(stage, fused_layers.DECODE_EXTRA_KEYS) else None
 
     def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
                 ) -> torch.Tensor:
@@ -222,7 +237,7 @@ class KernelLayers:
         for j, w in enumerate(s.weights):
             x = x + reduce_from_tp(_kernels.decode_attention(
                 x, w["input_norm"], s.eps, w["qkv"], w["o_proj"], cos, sin, cache.k[j],
-                cache.v[j], pos, key_mask, s.q_per_group), s.tp_group)
+                cache.v[j], pos, key_mask, s.q_per_group, w.get("qkv_bias")), s.tp_group)
             x = x + reduce_from_tp(_kernels.decode_mlp(
                 x, w["post_norm"], s.eps, w["gate_up"], w["down_proj"]), s.tp_group)
         return x.unsqueeze(1)

@@ -11,10 +11,11 @@ import torch
 
 from engine import _kernels
 from engine.generation import GenerationEngine
-from engine.forward_paths import DECODE, LAYER_PATHS, PREFILL, StageLayers
+from engine.forward_paths import (DECODE, LAYER_PATHS, PREFILL, KernelStage, PythonLayers,
+                                  StageLayers)
 from engine.kv_cache import KVCache
 from engine.layers import causal_mask, position_ids_from_mask, rope_tables
-from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.llama_spec import LAYER_KEYS, LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
 from hybridflow_comm.groups import build_hybrid_groups
@@ -24,13 +25,17 @@ B, G, QPG, D, H, F = 5, 2, 3, 16, 48, 40
 EPS = 1e-5
 
 
-def weights(gen: torch.Generator, stacked: int = 1) -> dict[str, torch.Tensor]:
-    """One layer's shards; ``stacked`` > 1 gives o_proj/down_proj the [m, H, in/m] form."""
+def weights(gen: torch.Generator, stacked: int = 1, qkv_bias: bool = False
+            ) -> dict[str, torch.Tensor]:
+    """One layer's shards; ``stacked`` > 1 gives o_proj/down_proj the [m, H, in/m] form;
+    ``qkv_bias`` adds a Qwen2 q/k/v bias (fused like qkv's rows)."""
     def rnd(*shape):
         return torch.randn(*shape, generator=gen) * 0.2
 
     w = {"input_norm": 1 + rnd(H), "post_norm": 1 + rnd(H), "qkv": rnd(G * (QPG + 2) * D, H),
          "o_proj": rnd(H, G * QPG * D), "gate_up": rnd(2 * F, H), "down_proj": rnd(H, F)}
+    if qkv_bias:  # large enough to move q and k before RoPE by as much as the product does
+        w["qkv_bias"] = torch.randn(G * (QPG + 2) * D, generator=gen)
     if stacked > 1:  # the stacked form holds the same logical matrix, split along inputs
         for name in ("o_proj", "down_proj"):
             w[name] = w[name].unflatten(1, (stacked, -1)).transpose(0, 1).contiguous()
@@ -50,8 +55,8 @@ LAYERS, N_DECODE = 2, 3
 REFERENCE = LAYER_PATHS["python"]
 
 
-def stage_layers(gen: torch.Generator, stacked: int) -> StageLayers:
-    return StageLayers(weights=tuple(weights(gen, stacked) for _ in range(LAYERS)),
+def stage_layers(gen: torch.Generator, stacked: int, qkv_bias: bool = False) -> StageLayers:
+    return StageLayers(weights=tuple(weights(gen, stacked, qkv_bias) for _ in range(LAYERS)),
                        q_per_group=QPG, head_dim=D, eps=EPS, tp_group=None, dtype=torch.float32)
 
 
@@ -67,18 +72,21 @@ def filled(cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("plen", [1, 7])
+@pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("stacked", [1, 2])
 @pytest.mark.parametrize("name", sorted(LAYER_PATHS))
-def test_layer_path_matches_reference(name, stacked, plen, threads):
+def test_layer_path_matches_reference(name, stacked, qkv_bias, plen, threads):
     """Every registered layer path against the reference (the Python layers) over the same
-    prefill and decode steps: outputs and KV-cache contents.  Where a path does not run a step
-    (the fused blocks decode nothing, the kernels prefill one token only), its cache takes the
-    reference's for the next step."""
-    gen = torch.Generator().manual_seed(stacked * 10 + plen + threads)
-    stage = stage_layers(gen, stacked)
+    prefill and decode steps: outputs and KV-cache contents, with and without the q/k/v bias.
+    Where a path does not run a step (the fused blocks decode nothing, the kernels prefill one
+    token only), its cache takes the reference's for the next step."""
+    gen = torch.Generator().manual_seed(stacked * 10 + plen + threads + 100 * qkv_bias)
+    stage = stage_layers(gen, stacked, qkv_bias)
     path, ref = LAYER_PATHS[name].build(stage), REFERENCE.build(stage)
     if path is None:  # declined: the engine then prefills on the reference path
-        assert (name, stacked) == ("fused_blocks", 2), f"{name} declined {stacked} shard(s)"
+        # only the fused blocks decline: stacked shards or a bias (the decode kernels read both)
+        assert name == "fused_blocks" and (stacked == 2 or qkv_bias), \
+            f"{name} declined {stacked} shard(s), qkv_bias={qkv_bias}"
         return
     mask, full_mask, cos, sin = setup_cache(gen, plen)
     keys_ok = full_mask.bool()[:, None, None, :]
@@ -128,6 +136,11 @@ def test_decode_attention_rejects_bad_shapes():
         _kernels.decode_attention(*args, 3, ok, QPG + 1)
     with pytest.raises(RuntimeError, match="float32"):
         _kernels.decode_attention(x.double(), *args[1:], 3, ok, QPG)
+    with pytest.raises(RuntimeError, match="qkv_bias shape"):
+        _kernels.decode_attention(*args, 3, ok, QPG, torch.zeros(G * (QPG + 2) * D - 1))
+    with pytest.raises(RuntimeError, match="2 qkv biases for 1 layers"):
+        _kernels.decode_layers(x, [w[k] for k in LAYER_KEYS], EPS, cos, cos, cache.k, cache.v,
+                               3, ok, QPG, [None, None])
 
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -157,6 +170,29 @@ def test_engine_with_and_without_kernels_agree(sampling):
     a, b = fused.generate(ids, mask, sampling), python.generate(ids, mask, sampling)
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attention_mask,
                                                                  b.attention_mask)
+    torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=2e-5)
+
+
+QWEN2 = LlamaConfig(**(CFG.__dict__ | {"qkv_bias": True, "model_type": "qwen2"}))  # q/k/v biases
+
+
+def test_qwen2_engine_decodes_on_kernels():
+    """A model with q/k/v biases decodes on the kernel stage by default (its prompts prefill on
+    the Python layers: the fused blocks read no biases) and generates the greedy tokens of the
+    Python layers, log-probs to float rounding."""
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    assert GenerationEngine(QWEN2, groups).fused_decode  # the default picks the kernels
+    fused, python = engines(QWEN2)
+    assert isinstance(fused.paths.decode, KernelStage)
+    assert isinstance(fused.paths.prefill, PythonLayers)
+    assert isinstance(python.paths.decode, PythonLayers)
+    assert all(b is not None for b in fused.paths.decode.qkv_biases)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, QWEN2.vocab_size, (6, 9), generator=g)
+    mask = (torch.arange(9) >= torch.tensor([0, 1, 2, 4, 6, 8])[:, None]).long()
+    sp = SamplingParams(max_new_tokens=20, temperature=0.0)
+    a, b = fused.generate(ids, mask, sp), python.generate(ids, mask, sp)
+    assert torch.equal(a.input_ids, b.input_ids)
     torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=2e-5)
 
 

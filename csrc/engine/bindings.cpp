@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &hybridflow::decode_attention, py::arg("x"), py::arg("norm_weight"),
         py::arg("eps"), py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"),
         py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
-        py::arg("key_mask"), py::arg("q_per_group"), py::call_guard<py::gil_scoped_release>());
+        py::arg("key_mask"), py::arg("q_per_group"), py::arg("qkv_bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_mlp", &hybridflow::decode_mlp, py::arg("x"), py::arg("norm_weight"),
         py::arg("eps"), py::arg("gate_up_weight"), py::arg("down_weight"),
         py::call_guard<py::gil_scoped_release>());
@@ -31,6 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &hybridflow::decode_layers, py::arg("x"), py::arg("layer_weights"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("pos"), py::arg("key_mask"), py::arg("q_per_group"),
+        py::arg("qkv_biases") = std::vector<std::optional<at::Tensor>>{},
         py::call_guard<py::gil_scoped_release>());
   // Training blocks (train_blocks.h); the GIL is released like the decode kernels'.
   m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),

@@ -5,8 +5,8 @@
 // layer instead of about thirty tensor operations per layer, and each intra-op thread takes its
 // own block of rows through the work (for_row_blocks).
 //
-//   x [B, H] --rms_norm--> mm(qkv) --RoPE(q, k); k, v -> cache[pos]--> attention --> mm(o)
-//                                                                          = attention partial
+//   x [B, H] --rms_norm--> mm(qkv) [+ qkv_bias] --RoPE(q, k); k, v -> cache[pos]--> attention
+//            --> mm(o)                                                     = attention partial
 //   x [B, H] --rms_norm--> mm(gate_up) --silu(gate) * up--> mm(down)        = MLP partial
 //
 // Each returns this rank's partial [B, H]; the caller all-reduces it over the generation TP
@@ -21,6 +21,8 @@
 //
 // Shapes (h_kv = this rank's KV heads, Q/G = queries per group, D = head dim):
 //   qkv weight   [h_kv*(Q/G+2)*D, H]      per group: Q/G query rows, a key row, a value row
+//   qkv bias     [h_kv*(Q/G+2)*D]         optional (Qwen2), fused like qkv's rows; added to the
+//                                         product before RoPE, as engine/layers.py does
 //   o weight     [H, h_q*D] or stacked [m, H, h_q*D/m]
 //   gate_up      [2*F/t, H]               gate/up rows interleaved
 //   down weight  [H, F/t]   or stacked [m, H, F/t/m]
@@ -36,6 +38,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "row_ops.h"
 #include "small_gemm.h"
@@ -145,17 +148,19 @@ struct AttentionInputs {
   at::Tensor cos, sin, k_cache, v_cache, key_mask;
 };
 
-// Rows [b0, b0 + rows) of x: rms_norm -> qkv -> RoPE -> cache write -> attention; returns the
-// attention output [rows, h_q*D] (before the o projection).
+// Rows [b0, b0 + rows) of x: rms_norm -> qkv (+ qkv_bias where defined) -> RoPE -> cache
+// write -> attention; returns the attention output [rows, h_q*D] (before the o projection).
 at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionInputs& in,
                           const at::Tensor& norm_weight, double eps,
-                          const at::Tensor& qkv_weight, int64_t pos, int64_t q_per_group) {
+                          const at::Tensor& qkv_weight, const at::Tensor& qkv_bias, int64_t pos,
+                          int64_t q_per_group) {
   const int64_t rows = x_rows.size(0), groups = in.k_cache.size(1),
                 head_dim = in.k_cache.size(2), max_len = in.k_cache.size(3),
                 per_group = q_per_group + 2, num_keys = pos + 1;
   const at::Tensor cos = in.cos.narrow(0, b0, rows), sin = in.sin.narrow(0, b0, rows);
   const at::Tensor mask = in.key_mask.narrow(0, b0, rows);
-  const at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
+  at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
+  if (qkv_bias.defined()) qkv.add_(qkv_bias);  // one float add, as qkv + bias in Python
   at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, x_rows.options());
   at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, x_rows.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -216,9 +221,10 @@ at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& norm_weight, double e
 }
 
 // Shape checks of the attention half (TORCH_CHECK: ValueError-like RuntimeError in Python).
-void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& cos,
-                     const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     int64_t pos, const at::Tensor& key_mask, int64_t q_per_group) {
+void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, int64_t pos, const at::Tensor& key_mask,
+                     int64_t q_per_group) {
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&qkv_weight, "qkv_weight"},
                                 {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"},
                                 {&sin, "sin"}})
@@ -237,6 +243,12 @@ void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at
               " outside [0, ", max_len, ")");
   TORCH_CHECK(qkv_weight.size(0) == groups * per_group * head_dim, "decode_attention: qkv rows ",
               qkv_weight.size(0), " != h_kv*(Q/G+2)*D = ", groups * per_group * head_dim);
+  if (qkv_bias.defined()) {
+    check_float_cpu(qkv_bias, "qkv_bias");
+    TORCH_CHECK(qkv_bias.dim() == 1 && qkv_bias.size(0) == qkv_weight.size(0),
+                "decode_attention: qkv_bias shape ", qkv_bias.sizes(), " != [",
+                qkv_weight.size(0), "] (qkv rows)");
+  }
   TORCH_CHECK(key_mask.scalar_type() == at::kBool && key_mask.size(0) == batch &&
                   key_mask.size(1) > pos,
               "decode_attention: key_mask must be bool [B, > pos]");
@@ -251,15 +263,16 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, 
                             const at::Tensor& qkv_weight, const at::Tensor& o_weight,
                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                             at::Tensor& v_cache, int64_t pos, const at::Tensor& key_mask,
-                            int64_t q_per_group) {
-  check_attention(x, qkv_weight, cos, sin, k_cache, v_cache, pos, key_mask, q_per_group);
+                            int64_t q_per_group, const std::optional<at::Tensor>& qkv_bias) {
+  const at::Tensor bias = qkv_bias.value_or(at::Tensor());
+  check_attention(x, qkv_weight, bias, cos, sin, k_cache, v_cache, pos, key_mask, q_per_group);
   const int64_t batch = x.size(0);
   at::Tensor out = at::empty({batch, o_weight.size(-2)}, x.options());
   const AttentionInputs in{cos, sin, k_cache, v_cache,
                            key_mask.narrow(1, 0, pos + 1).contiguous()};
   for_row_blocks(batch, [&](int64_t b0, int64_t rows) {
     row_matmul_out(attention_rows(x.narrow(0, b0, rows), b0, in, norm_weight, eps, qkv_weight,
-                                  pos, q_per_group),
+                                  bias, pos, q_per_group),
                    o_weight, out.narrow(0, b0, rows));
   });
   return out;
@@ -284,16 +297,22 @@ void use_small_gemm(bool enabled) { g_small_gemm.store(enabled); }
 at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
                          double eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
-                         const at::Tensor& key_mask, int64_t q_per_group) {
+                         const at::Tensor& key_mask, int64_t q_per_group,
+                         const std::vector<std::optional<at::Tensor>>& qkv_biases) {
   TORCH_CHECK(layer_weights.size() % 6 == 0 && !layer_weights.empty() &&
                   k_cache.dim() == 5 && v_cache.dim() == 5 &&
                   k_cache.size(0) == static_cast<int64_t>(layer_weights.size() / 6) &&
                   v_cache.size(0) == k_cache.size(0),
               "decode_layers: 6 weights per layer and caches [layers, ...] for as many layers");
   const int64_t num_layers = k_cache.size(0);
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == num_layers,
+              "decode_layers: ", qkv_biases.size(), " qkv biases for ", num_layers,
+              " layers (give none or one, possibly None, per layer)");
+  std::vector<at::Tensor> biases(num_layers);  // undefined: no bias
+  for (size_t l = 0; l < qkv_biases.size(); ++l) biases[l] = qkv_biases[l].value_or(at::Tensor());
   for (int64_t l = 0; l < num_layers; ++l) {
-    check_attention(x, layer_weights[6 * l + 1], cos, sin, k_cache[l], v_cache[l], pos,
-                    key_mask, q_per_group);
+    check_attention(x, layer_weights[6 * l + 1], biases[l], cos, sin, k_cache[l], v_cache[l],
+                    pos, key_mask, q_per_group);
     check_float_cpu(layer_weights[6 * l + 4], "gate_up_weight");
   }
   at::Tensor out = x.clone();
@@ -306,8 +325,9 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
     for (int64_t l = 0; l < num_layers; ++l) {
       const at::Tensor* w = layer_weights.data() + 6 * l;
       at::Tensor part = at::empty_like(h);
-      row_matmul_out(attention_rows(h, b0, inputs[l], w[0], eps, w[1], pos, q_per_group), w[2],
-                     part);
+      row_matmul_out(
+          attention_rows(h, b0, inputs[l], w[0], eps, w[1], biases[l], pos, q_per_group), w[2],
+          part);
       h.add_(part);
       row_matmul_out(mlp_rows(h, w[3], eps, w[4]), w[5], part);
       h.add_(part);

@@ -3,17 +3,19 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <vector>
 
 namespace hybridflow {
 
-// Attention half: rms_norm, qkv, RoPE, write k/v at position pos of this layer's cache,
-// attention over positions [0, pos], o projection.  Returns this rank's partial [B, H].
+// Attention half: rms_norm, qkv (+ the optional qkv_bias [h_kv*(Q/G+2)*D], before RoPE), RoPE,
+// write k/v at position pos of this layer's cache, attention over positions [0, pos],
+// o projection.  Returns this rank's partial [B, H].
 at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                             const at::Tensor& qkv_weight, const at::Tensor& o_weight,
                             const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
                             at::Tensor& v_cache, int64_t pos, const at::Tensor& key_mask,
-                            int64_t q_per_group);
+                            int64_t q_per_group, const std::optional<at::Tensor>& qkv_bias);
 
 // MLP half: rms_norm, gate_up, silu(gate) * up, down.  Returns this rank's partial [B, H].
 at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
@@ -21,13 +23,16 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
 
 // Every layer of a generation stage for one new token per row, when no TP all-reduce is needed
 // between the halves (tp_g == 1): layer_weights holds (input_norm, qkv, o_proj, post_norm,
-// gate_up, down_proj) per layer; k_cache [layers, B, h_kv, D, L], v_cache [layers, B, h_kv, L, D].
+// gate_up, down_proj) per layer; qkv_biases is empty (no biases) or one optional qkv bias per
+// layer (Qwen2, see decode_attention); k_cache [layers, B, h_kv, D, L], v_cache
+// [layers, B, h_kv, L, D].
 // Each intra-op thread takes its block of rows through all layers with no synchronisation.
 // Returns the hidden states [B, H] after the last layer.
 at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
                          double eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
-                         const at::Tensor& key_mask, int64_t q_per_group);
+                         const at::Tensor& key_mask, int64_t q_per_group,
+                         const std::vector<std::optional<at::Tensor>>& qkv_biases);
 
 // Matrix products of a decode step: the in-place small-M kernel (default) or BLAS for all
 // (benchmarks and tests compare the two).
