@@ -304,8 +304,13 @@ class Controller:
         try:
             msg, n, payload = wire.recv_msg(self._socks[rank], self.max_message_bytes)
         except (ConnectionError, OSError):
-            self._lost.add(rank)
             self._selector.unregister(self._socks[rank])
+            bye = self._calls.get(0)
+            if bye is not None and rank in bye.replies:
+                # it acknowledged the shutdown and closed: a clean exit, while the others'
+                # acknowledgements may still be on their way
+                return
+            self._lost.add(rank)
             busy = [c.what for c in self._calls.values() if rank in c.ranks and rank not in
                     c.replies]
             raise RankLostError(rank, f"during {', '.join(busy)}" if busy else "while idle"
