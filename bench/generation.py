@@ -1,15 +1,28 @@
 """Generation throughput: our KV-cache engine against transformers' ``generate``, in one run.
 
-    python bench/generation.py [--batch 16] [--new-tokens 64] [--repeat 3] [--nproc 4]
-                               [--no-multirank] [--json PATH]
+    python bench/generation.py [--shape tiny|small] [--batch B] [--new-tokens N] [--repeat 3]
+                               [--nproc 4] [--no-multirank] [--no-early-exit] [--profile]
+                               [--json PATH]
 
-Single process: a tiny Llama (4 layers, hidden 256, a 128-symbol character vocabulary) built
-from a config and seeded weights (nothing downloaded); both engines generate greedily for the
-same left-padded prompts on the same weights (HF gets a copy loaded from our state dict); time
-is the median over ``repeat`` rounds after one warm-up, at the same thread count; each round
-runs every contender once, in turn (:func:`bench.timing.interleaved_median_times`).  A third
-contender is our engine with the C++ decode kernels switched off (every step through the Python
-layers), to show what the kernels bring.
+Single process, a model built from a config and seeded weights (nothing downloaded); both
+engines generate greedily for the same left-padded prompts on the same weights (HF gets a copy
+loaded from our state dict, :func:`engine.hf_interop.full_to_hf_state_dict`); time is the
+median over ``repeat`` rounds after one warm-up, at the same thread count; each round runs
+every contender once, in turn (:func:`bench.timing.interleaved_median_times`).  Shapes
+(``--shape``, :mod:`bench.shapes`):
+
+    tiny   (default) the figures of record before the shape table: a Llama of 4 layers x 256,
+           a 128-symbol character vocabulary, printable-character prompts of 8..23 tokens;
+           batch 16 x 64 new tokens
+    small  the table's Qwen2-style decoder (q/k/v biases, tied embeddings, 6/2 heads, hidden
+           384, 6 layers, vocabulary 8192) with the byte-level BPE built here
+           (:func:`bench.shapes.build_bpe_tokenizer`, in a temporary folder); prompts are
+           :func:`bench.shapes.bench_corpus` text, tokenized, cut to 1/2..1 of
+           ``shape.prompt_len`` tokens and left-padded to it; batch 32 x ``shape.response_len``
+
+Where the C++ decode kernels run (float32 Llama or Qwen2 layers: both shapes), a third
+contender is our engine with them switched off (every step through the Python layers), to show
+what they bring.
 ``greedy_match``: both produced identical tokens.  Float32 sums in a different order (our
 kernels, BLAS, another CPU's instruction set) can flip a near-tie between the top two logits,
 after which the continuations legitimately diverge, so the agreement is also judged against a
@@ -18,6 +31,13 @@ float64 forward of the same weights on our sequences (the arbiter, :func:`greedy
 difference is a tie (both picks within ``TIE_TOL`` logits of the arbiter's best);
 ``max_logprob_diff`` is ours against transformers' log-probs on the common prefixes;
 ``first_mismatch`` names the earliest differing (row, position), both tokens and the gaps.
+
+Early exit (``early_exit``): our engine with and without dropping finished rows
+(:mod:`engine.generation`) on the same prompts where half the rows end after N/8 tokens (their
+per-row ``max_new_tokens``; an EOS there would end them the same way) and half run to N:
+``speedup`` is the ratio of the two medians, ``identical`` that both gave the same tokens and
+log-probs.  ``--profile`` (automatic when the ratio to transformers is below 2 at a shape other
+than ``tiny``) times where one greedy call's decode steps go (:func:`decode_profile`).
 
 Multi-rank (``--nproc`` gloo ranks, training layout 1,NPROC,1): for each generation layout
 (1,1), (1,2), ..., (1,NPROC) the actor reshards and generates the same batch through
@@ -28,11 +48,15 @@ gathered back); tokens/s = batch * new tokens / slowest rank's time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,33 +66,107 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
 from bench.report import write_json  # noqa: E402
+from bench.shapes import add_shape_argument, bench_corpus, build_bpe_tokenizer, \
+    get_shape  # noqa: E402
 from bench.timing import interleaved_median_times  # noqa: E402
-from engine.generation import GenerationEngine
-from engine.hf_interop import config_to_hf, full_to_hf_state_dict
-from engine.hybrid_engine import HybridEngine
-from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
-from engine.model import ParallelLlama, load_full_state_dict
-from engine.sampling import SamplingParams
-from hybridflow_comm.groups import build_hybrid_groups
-from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from engine import forward_paths  # noqa: E402
+from engine import generation as generation_mod  # noqa: E402
+from engine import layers as layers_mod  # noqa: E402
+from engine.generation import GenerationEngine  # noqa: E402
+from engine.hf_interop import config_to_hf, full_to_hf_state_dict  # noqa: E402
+from engine.hybrid_engine import HybridEngine  # noqa: E402
+from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs  # noqa: E402
+from engine.model import ParallelLlama, load_full_state_dict  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from hybridflow_comm.groups import build_hybrid_groups  # noqa: E402
+from hybridflow_comm.layout import HybridLayout, ParallelLayout  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=768, num_layers=4,
                   num_heads=8, num_kv_heads=4, max_position_embeddings=512,
                   tie_word_embeddings=False)
+"""The ``tiny`` model (the figures of record were taken on it; not the table's ``tiny`` row,
+which the other benches use)."""
 SEED, STD = 0, 0.05
 TIE_TOL = 1e-4
 """Logit gap below which two tokens count as tied: 25x the largest float32 logit error
 measured at batch 32 x 256 (``hf_logit_error``, 4e-6 against the arbiter)."""
+DEFAULTS = {"tiny": (16, 64)}
+"""``--batch`` and ``--new-tokens`` per shape where they are not the table's (other shapes:
+batch 32, ``shape.response_len``)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every contender generates from: the model and the left-padded prompts."""
+
+    shape: dict
+    """The shape's description (:meth:`bench.shapes.BenchShape.describe`, or the tiny model's)."""
+    config: LlamaConfig
+    ids: torch.Tensor
+    """``[B, P]`` left-padded prompts."""
+    mask: torch.Tensor
+    """``[B, P]`` 1 for real tokens."""
+    new_tokens: int
+    pad_token_id: int
 
 
 def make_prompts(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded printable-character prompts of 8..23 characters."""
+    """Left-padded printable-character prompts of 8..23 characters (``tiny``)."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 24, (batch,), generator=g)
     plen = int(lengths.max())
     ids = torch.randint(32, 127, (batch, plen), generator=g)
     mask = (torch.arange(plen) >= plen - lengths[:, None]).long()
     return ids.masked_fill(mask == 0, 0), mask
+
+
+def corpus_prompts(tokenizer, batch: int, prompt_len: int, seed: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, prompt_len]`` left-padded prompts of :func:`bench.shapes.bench_corpus` text: row
+    b joins corpus lines (with spaces) from a seeded start until the text has ``prompt_len``
+    tokens, then keeps its first ``prompt_len/2 .. prompt_len`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lines = bench_corpus()
+    ids = torch.full((batch, prompt_len), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(batch, prompt_len, dtype=torch.long)
+    for b in range(batch):
+        line = int(torch.randint(len(lines), (), generator=g))
+        text = lines[line]
+        while len(tokens := tokenizer(text)["input_ids"]) < prompt_len:
+            line += 1
+            text += " " + lines[line % len(lines)]
+        n = int(torch.randint(prompt_len // 2, prompt_len + 1, (), generator=g))
+        ids[b, prompt_len - n:] = torch.tensor(tokens[:n])
+        mask[b, prompt_len - n:] = 1
+    return ids, mask
+
+
+def workload(shape_name: str, batch: int | None, new_tokens: int | None) -> Workload:
+    """The model and prompts of ``--shape`` (defaults: :data:`DEFAULTS`, else the table)."""
+    if shape_name == "tiny":
+        batch, new_tokens = batch or DEFAULTS["tiny"][0], new_tokens or DEFAULTS["tiny"][1]
+        ids, mask = make_prompts(batch)
+        shape = {"name": "tiny", **CFG.to_dict(), "prompt_len": int(ids.shape[1])}
+        return Workload(shape, CFG, ids, mask, new_tokens, 0)
+    row = get_shape(shape_name, rl=True)
+    batch, new_tokens = batch or 32, new_tokens or row.response_len
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = build_bpe_tokenizer(folder, row.vocab)
+    ids, mask = corpus_prompts(tokenizer, batch, row.prompt_len)
+    config = row.llama_config(max_positions=row.prompt_len + new_tokens)
+    return Workload(row.describe(), config, ids, mask, new_tokens, tokenizer.pad_token_id)
+
+
+def hf_model(config: LlamaConfig, full: dict):
+    """transformers' model of ``config``'s family holding ``full``'s weights."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_config(config_to_hf(config)).eval()
+    missing, unexpected = hf.load_state_dict(
+        full_to_hf_state_dict(full, llama_shard_specs(config, 1)), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF state dict: missing {missing}, unexpected {unexpected}")
+    return hf
 
 
 @torch.no_grad()
@@ -138,39 +236,42 @@ def greedy_agreement(ours: torch.Tensor, ours_lp: torch.Tensor, hf: torch.Tensor
             "mismatched_rows": len(rows), "tie_flips": ties, "first_mismatch": first_mismatch}
 
 
-def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
-    import transformers
-
-    full = init_full_state_dict(CFG, seed=SEED, std=STD)
+def build(w: Workload):
+    """Our engine (kernels where the model allows), the same without early exit, the one
+    with every step in the Python layers, and transformers' model, on one state dict."""
+    full = init_full_state_dict(w.config, seed=SEED, std=STD)
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    model = ParallelLlama(CFG, groups)
+    model = ParallelLlama(w.config, groups)
     load_full_state_dict(model, full)
-    eng = GenerationEngine(CFG, groups)
-    eng.set_weights(model.params)
-    eng_python = GenerationEngine(CFG, groups, fused_decode=False)  # every step in Python
-    eng_python.set_weights(model.params)
-    hf = transformers.LlamaForCausalLM(config_to_hf(CFG)).eval()
-    hf.load_state_dict(full_to_hf_state_dict(full, llama_shard_specs(CFG, 1)), strict=False)
-    ids, mask = make_prompts(batch)
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    engines = {"ours": GenerationEngine(w.config, groups),
+               "no_early_exit": GenerationEngine(w.config, groups, early_exit=False),
+               "python": GenerationEngine(w.config, groups, fused_decode=False)}
+    for e in engines.values():
+        e.set_weights(model.params)
+    return engines, hf_model(w.config, full)
 
-    def ours():
-        return eng.generate(ids, mask, sp)
 
-    def ours_python():
-        return eng_python.generate(ids, mask, sp).responses
+def single_process(w: Workload, repeat: int) -> tuple[dict, dict]:
+    """Ours against transformers, greedy; returns the figures and the engines."""
+    engines, hf = build(w)
+    ids, mask, n = w.ids, w.mask, w.new_tokens
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0, pad_token_id=w.pad_token_id)
+    kernels = engines["ours"].fused_decode
 
     @torch.no_grad()
     def theirs():
-        return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=w.pad_token_id,
                            eos_token_id=None)[:, ids.shape[1]:]
 
-    t, r = interleaved_median_times({"ours": ours, "hf": theirs, "python": ours_python}, repeat)
-    tokens = batch * new_tokens
+    contenders = {"ours": lambda: engines["ours"].generate(ids, mask, sp), "hf": theirs}
+    if kernels:  # otherwise "ours" already runs every step in the Python layers
+        contenders["python"] = lambda: engines["python"].generate(ids, mask, sp).responses
+    t, r = interleaved_median_times(contenders, repeat)
+    tokens = ids.shape[0] * n
     with torch.no_grad():  # untimed: transformers' logits behind the same greedy tokens
-        hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=w.pad_token_id,
                              eos_token_id=None, output_logits=True,
                              return_dict_in_generate=True)
     assert torch.equal(hf_out.sequences[:, ids.shape[1]:], r["hf"])
@@ -178,23 +279,116 @@ def single_process(batch: int, new_tokens: int, repeat: int) -> dict:
     agreement = greedy_agreement(out.responses, out.log_probs, r["hf"],
                                  torch.stack(hf_out.logits, dim=1),
                                  float64_logits(hf, ids, mask, out.responses))
-    return {"ours_tokens_per_s": tokens / t["ours"], "hf_tokens_per_s": tokens / t["hf"],
-            "ratio": t["hf"] / t["ours"], **agreement,
-            "python_layers_tokens_per_s": tokens / t["python"],
-            "python_layers_greedy_match": bool(torch.equal(r["python"], r["hf"])),
-            "threads": torch.get_num_threads(), "reference": out.responses}
+    result = {"ours_tokens_per_s": tokens / t["ours"], "hf_tokens_per_s": tokens / t["hf"],
+              "ratio": t["hf"] / t["ours"], **agreement, "decode_kernels": kernels,
+              "threads": torch.get_num_threads(), "reference": out.responses}
+    if kernels:
+        result |= {"python_layers_tokens_per_s": tokens / t["python"],
+                   "python_layers_greedy_match": bool(torch.equal(r["python"], r["hf"]))}
+    return result, engines
 
 
+def early_exit(w: Workload, engines: dict, repeat: int) -> dict:
+    """Our engine with and without early exit where half the rows end after N/8 tokens."""
+    n = w.new_tokens
+    limits = torch.tensor([max(1, n // 8) if b % 2 == 0 else n for b in range(w.ids.shape[0])])
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0, pad_token_id=w.pad_token_id)
+    t, r = interleaved_median_times(
+        {name: functools.partial(engines[name].generate, w.ids, w.mask, sp, limits)
+         for name in ("ours", "no_early_exit")}, repeat)
+    on, off = r["ours"], r["no_early_exit"]
+    return {"speedup": t["no_early_exit"] / t["ours"],
+            "identical": all(torch.equal(a, b) for a, b in (
+                (on.input_ids, off.input_ids), (on.attention_mask, off.attention_mask),
+                (on.log_probs, off.log_probs))),
+            "short_rows": int((limits < n).sum()), "short_tokens": int(limits.min()),
+            "row_steps": on.stats["row_steps"], "row_steps_without": off.stats["row_steps"],
+            "compactions": on.stats["compactions"]}
+
+
+@contextlib.contextmanager
+def _timed(module, name: str, totals: dict, key: str, phase: list):
+    """Accumulate the wall time of ``module.name`` calls into ``totals[phase[0]][key]``."""
+    fn = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            part = totals[phase[0]]
+            part[key] = part.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(module, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(module, name, fn)
+
+
+def decode_profile(w: Workload, eng: GenerationEngine) -> dict:
+    """Where one greedy call's time goes, per decode step (ms), by timers around the pieces:
+    ``decode_kernels`` (the C++ decode calls, whole layers: norms, products, RoPE, attention
+    over the cached positions, SwiGLU) or, on the Python layers, ``attention`` (KV-cache
+    write + scaled_dot_product_attention) and ``layer_matmuls`` (q/k/v, o, gate/up, down);
+    ``lm_head`` (the [B, H] x [H, V] product), ``sampling``
+    (:func:`engine.sampling.sample_next`), ``other`` (the rest: embedding, residuals, the
+    loop's own Python); the prefill step apart."""
+    sp = SamplingParams(max_new_tokens=w.new_tokens, temperature=0.0,
+                        pad_token_id=w.pad_token_id)
+    totals: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
+    phase = ["prefill"]
+    step = eng._step
+
+    def timed_step(*args):
+        t0 = time.perf_counter()
+        try:
+            return step(*args)
+        finally:
+            part = totals[phase[0]]
+            part["step"] = part.get("step", 0.0) + time.perf_counter() - t0
+            phase[0] = "decode"  # every step after the first
+
+    patches = [(layers_mod, "attention", "attention"),
+               (layers_mod, "column_linear", "layer_matmuls"),
+               (layers_mod, "row_linear", "layer_matmuls"),
+               (generation_mod, "column_linear", "lm_head"),
+               (generation_mod, "sample_next", "sampling")]
+    if forward_paths._kernels is not None:
+        patches += [(forward_paths._kernels, name, "decode_kernels")
+                    for name in ("decode_layers", "decode_attention", "decode_mlp")]
+    with contextlib.ExitStack() as stack:
+        for module, name, key in patches:
+            stack.enter_context(_timed(module, name, totals, key, phase))
+        eng._step = timed_step
+        try:
+            out = eng.generate(w.ids, w.mask, sp)
+        finally:
+            del eng._step
+    steps = out.stats["forward_steps"] - 1
+    decode = totals["decode"]
+    parts = {k: decode.get(k, 0.0) / steps * 1e3
+             for k in ("decode_kernels", "attention", "layer_matmuls", "lm_head", "sampling")
+             if k in decode}
+    decode_ms = decode["step"] / steps * 1e3
+    parts["other"] = decode_ms - sum(parts.values())
+    return {"decode_step_ms": decode_ms, "prefill_ms": totals["prefill"]["step"] * 1e3,
+            "decode_steps": steps, "batch": int(w.ids.shape[0]),
+            "positions": int(w.ids.shape[1] + w.new_tokens),
+            "per_step_ms": parts,
+            "fractions": {k: v / decode_ms for k, v in parts.items()},
+            "call_s": out.stats["time_s"], "path": eng.paths.decode.name}
 
 
 def _rank_main(rank: int, world: int, cfg: dict):
-    full = init_full_state_dict(CFG, seed=SEED, std=STD)
-    ids, mask = make_prompts(cfg["batch"])
-    sp = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=0.0)
+    config, ids, mask = cfg["config"], cfg["ids"], cfg["mask"]
+    full = init_full_state_dict(config, seed=SEED, std=STD)
+    sp = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=0.0,
+                        pad_token_id=cfg["pad_token_id"])
     results = {}
     for tp_g in cfg["tp_gs"]:
         groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, world, 1), 1, tp_g))
-        model = ParallelLlama(CFG, groups)
+        model = ParallelLlama(config, groups)
         load_full_state_dict(model, full)
         engine = HybridEngine(model)
         times, reshard = [], []
@@ -207,7 +401,7 @@ def _rank_main(rank: int, world: int, cfg: dict):
             reshard.append(max_over_ranks(stats.time_s))
         t = statistics.median(times[1:])
         results[f"1,{tp_g}"] = {
-            "tokens_per_s": cfg["batch"] * cfg["new_tokens"] / t, "time_s": t,
+            "tokens_per_s": ids.shape[0] * cfg["new_tokens"] / t, "time_s": t,
             "reshard_time_s": statistics.median(reshard[1:]),
             "micro_dp_size": groups.layout.micro_dp_size,
             "matches_single_process": bool(torch.equal(out.responses, cfg["reference"])),
@@ -215,45 +409,70 @@ def _rank_main(rank: int, world: int, cfg: dict):
     return results
 
 
-
-
-def multi_rank(nproc: int, batch: int, new_tokens: int, repeat: int,
-               reference: torch.Tensor) -> dict:
+def multi_rank(nproc: int, w: Workload, repeat: int, reference: torch.Tensor) -> dict:
     tp_gs = [d for d in range(1, nproc + 1) if nproc % d == 0]
-    cfg = {"batch": batch, "new_tokens": new_tokens, "repeat": repeat, "tp_gs": tp_gs,
+    cfg = {"config": w.config, "ids": w.ids, "mask": w.mask, "new_tokens": w.new_tokens,
+           "pad_token_id": w.pad_token_id, "repeat": repeat, "tp_gs": tp_gs,
            "reference": reference}
     return {"train": [1, nproc, 1], "gen": launch(_rank_main, nproc, cfg)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_shape_argument(p, default="tiny", rl=True)
+    p.add_argument("--batch", type=int, default=None,
+                   help="prompts (default 16 at tiny, 32 otherwise)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="tokens per response (default 64 at tiny, the shape's response_len)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--no-multirank", action="store_true")
+    p.add_argument("--no-early-exit", action="store_true",
+                   help="skip the early-exit comparison")
+    p.add_argument("--profile", action="store_true",
+                   help="time the decode step's pieces (automatic below ratio 2 off tiny)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    if a.batch < 1 or a.new_tokens < 1 or a.repeat < 1 or a.nproc < 1:
-        print(f"error: batch={a.batch}, new_tokens={a.new_tokens}, repeat={a.repeat} and "
-              f"nproc={a.nproc} must be >= 1", file=sys.stderr)
+    bad = {k: v for k, v in (("batch", a.batch), ("new_tokens", a.new_tokens),
+                             ("repeat", a.repeat), ("nproc", a.nproc))
+           if v is not None and v < 1}
+    if bad:
+        print(f"error: {bad} must be >= 1", file=sys.stderr)
         return 2
-    single = single_process(a.batch, a.new_tokens, a.repeat)
+    w = workload(a.shape, a.batch, a.new_tokens)
+    batch, n = int(w.ids.shape[0]), w.new_tokens
+    single, engines = single_process(w, a.repeat)
     reference = single.pop("reference")
-    result = {**single, "config": {"batch": a.batch, "new_tokens": a.new_tokens,
-                                   "repeat": a.repeat, "model": CFG.to_dict()}}
-    print(f"single process ({single['threads']} threads), batch {a.batch} x {a.new_tokens} "
+    result = {**single, "shape": w.shape, "argv": sys.argv if argv is None else argv,
+              "config": {"batch": batch, "new_tokens": n, "prompt_len": int(w.ids.shape[1]),
+                         "repeat": a.repeat, "model": w.config.to_dict()}}
+    print(f"[{a.shape}] single process ({single['threads']} threads), batch {batch} x {n} "
           f"new tokens, greedy: ours {single['ours_tokens_per_s']:.0f} tok/s, transformers "
           f"{single['hf_tokens_per_s']:.0f} tok/s, ratio {single['ratio']:.2f}, "
           f"greedy_match={single['greedy_match']} (tie-aware "
           f"{single['greedy_match_tie_aware']}, tolerance {TIE_TOL:g} logits, max log-prob diff "
-          f"{single['max_logprob_diff']:.1e}); ours with every step in the Python layers "
-          f"{single['python_layers_tokens_per_s']:.0f} tok/s "
-          f"(greedy_match={single['python_layers_greedy_match']})")
+          f"{single['max_logprob_diff']:.1e})" + (
+              f"; ours with every step in the Python layers "
+              f"{single['python_layers_tokens_per_s']:.0f} tok/s "
+              f"(greedy_match={single['python_layers_greedy_match']})"
+              if single["decode_kernels"] else "; decode in the Python layers (no kernels)"))
     if single["first_mismatch"]:
         print(f"first mismatch: {single['first_mismatch']}")
+    if not a.no_early_exit:
+        result["early_exit"] = e = early_exit(w, engines, a.repeat)
+        print(f"early exit ({e['short_rows']} of {batch} rows end after {e['short_tokens']} "
+              f"tokens): {e['speedup']:.2f}x faster than computing every row to the end, "
+              f"identical={e['identical']} ({e['row_steps']} vs {e['row_steps_without']} "
+              f"row-steps, {e['compactions']} compactions)")
+    if a.profile or (a.shape != "tiny" and single["ratio"] < 2):
+        result["profile"] = prof = decode_profile(w, engines["ours"])
+        print(f"decode step {prof['decode_step_ms']:.2f} ms at batch {prof['batch']} over "
+              f"<= {prof['positions']} positions ({prof['path']}): " + ", ".join(
+                  f"{k} {v:.2f} ms ({prof['fractions'][k]:.0%})"
+                  for k, v in prof["per_step_ms"].items())
+              + f"; prefill {prof['prefill_ms']:.1f} ms")
     if not a.no_multirank:
-        result["multirank"] = multi_rank(a.nproc, a.batch, a.new_tokens, a.repeat, reference)
+        result["multirank"] = multi_rank(a.nproc, w, a.repeat, reference)
         for name, r in result["multirank"]["gen"].items():
             print(f"train 1,{a.nproc},1 -> gen {name}: {r['tokens_per_s']:.0f} tok/s "
                   f"(reshard {r['reshard_time_s'] * 1e3:.1f} ms, micro-DP "

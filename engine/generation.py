@@ -31,6 +31,37 @@ stages are not overlapped across steps (no micro-batching): simple, not fast.
 
 Every rank of a generation replica (its TP x PP group) must pass the same prompts and
 settings; the sampled tokens are then identical on all of them (see :mod:`engine.sampling`).
+
+Early exit (``early_exit=True``, the default): a row that has finished (EOS or its own
+``max_new_tokens``) stops being computed.  Between decode steps the running batch is
+compacted to the rows still alive: the KV cache (:meth:`engine.kv_cache.KVCache.keep_rows_`),
+the RoPE tables, the key mask and the step input keep only those rows, and each step's
+tokens are scattered back to their rows of the full output::
+
+    full batch   0 1 2 3 4 5 6 7        run = [0 2 3 5 6 7 ...]: full row of each running row
+    running      0 . 2 3 . 5 6 7 ...    (finished rows 1, 4 dropped at the last compaction)
+
+Results are bit-identical to ``early_exit=False`` (tests/test_generation_early_exit.py):
+
+- a sampled row's random draw does not depend on the running rows: the noise is drawn for
+  the full batch every step and indexed (``rows`` of :func:`engine.sampling.sample_next`);
+- a row's floats do not depend on the running batch size, which the policy of
+  :func:`decode_rows` keeps true.  BLAS (MKL here) gives a row of a product other bits in a
+  batch whose row count is small for its threads and not a multiple of 4 (measured: 1-3, 5-7
+  and 9-11 rows at 2 threads, also 17-19 and 25-27 at 16), and the same bits in every batch
+  of a multiple of 4 (1 to 32 threads), so a running batch is a multiple of
+  :data:`ROW_QUANTUM` = 4 rows (finished rows fill it up) and a batch that is not one is
+  never compacted.  The C++ decode kernels give each thread a block of rows and switch from
+  their small-M product to BLAS above ``small_gemm_max_rows`` rows per block, so a batch that
+  runs BLAS blocks is only compacted to sizes that still do.
+
+When: a compaction copies the kept rows' filled KV cache (about what one decode step's
+attention reads), so it is worth doing for a real cut in compute, not for every finished row:
+the batch is compacted once the rows it would drop are at least 1/:data:`COMPACT_DIVISOR` of
+the running rows.  Then at most 1/8 of a step's rows are finished ones (plus the quantum's
+fill), and since each compaction shrinks the batch by 1/8 or more, a call copies at most 8
+batch-sized caches in all, however its rows finish.  With ``pp_g > 1`` every stage compacts
+alike (all know every token) and only the running rows' hidden states cross the boundary.
 """
 
 from __future__ import annotations
@@ -43,14 +74,59 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import fused_layers
-from engine.forward_paths import ForwardPaths, LayerPath, PipelineStage, Rope, Sample, \
-    SingleStage, StageLayers, choose_paths
+from engine.forward_paths import ForwardPaths, KernelLayers, KernelStage, LayerPath, \
+    PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths
 from engine.kv_cache import KVCache, kv_cache_nbytes
 from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.sampling import SamplingParams, sample_next
 from engine.tp_ops import column_linear, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
+
+
+ROW_QUANTUM = 4
+"""A compacted running batch is a multiple of this many rows (see the module docstring)."""
+COMPACT_DIVISOR = 8
+"""Compact once the rows to drop are at least 1/COMPACT_DIVISOR of the running rows."""
+
+
+def _round_up(n: int, quantum: int) -> int:
+    return -(-n // quantum) * quantum
+
+
+def decode_rows(batch: int, running: int, alive: int, threads: int,
+                block_rows: int | None) -> int:
+    """How many rows the next decode step runs (the early-exit policy, pure).
+
+    Args:
+        batch: the call's full batch B.
+        running: rows the last step ran.
+        alive: rows not yet finished (>= 1), all among the running ones.
+        threads: intra-op threads of the decode step.
+        block_rows: the C++ decode kernels' largest small-M row block
+            (``_kernels.small_gemm_max_rows``), or None when the decode step runs the Python
+            layers.
+
+    Returns:
+        ``running`` (no compaction), or fewer: a multiple of :data:`ROW_QUANTUM` that holds
+        every alive row, never below the size at which a row's floats would change.
+    """
+    if batch % ROW_QUANTUM:
+        return running  # BLAS rounds a remainder row of B differently than in a batch of 4s
+    floor = ROW_QUANTUM
+    if block_rows is not None and batch > block_rows * threads:
+        # some kernel row blocks run BLAS: stay above block_rows per block, or do not compact
+        floor = _round_up((block_rows + 1) * threads, ROW_QUANTUM)
+        if batch < floor:
+            return running
+    target = max(_round_up(alive, ROW_QUANTUM), floor)
+    return target if (running - target) * COMPACT_DIVISOR >= running else running
+
+
+def kept_rows(alive: torch.Tensor, rows: int) -> torch.Tensor:
+    """Indices (ascending) of the ``rows`` running rows to keep: every alive one (``alive``
+    ``[running]`` bool), then finished ones in order to fill a multiple of the quantum."""
+    return torch.argsort(~alive, stable=True)[:rows].sort().values
 
 
 @dataclass
@@ -127,6 +203,8 @@ class GenerationEngine:
             the weights are 2-D); default: when the extension is built and the model is a
             float32 plain Llama (no biases or q/k norms).  False: every step through the
             Python layers.
+        early_exit: drop finished rows from the running batch (see the module docstring);
+            False computes every row until all have finished (same results, more work).
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -136,7 +214,7 @@ class GenerationEngine:
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
-                 fused_decode: bool | None = None) -> None:
+                 fused_decode: bool | None = None, early_exit: bool = True) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -151,12 +229,14 @@ class GenerationEngine:
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.fused_decode = fused_layers.resolve(fused_decode, config.dtype, config.layer_keys,
                                                  "fused_decode")
+        self.early_exit = early_exit
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
                                        hidden_size=config.hidden_size, dtype=config.dtype))
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
         self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
+        self.block_rows: int | None = None  # the decode kernels' row blocks (decode_rows)
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
@@ -182,6 +262,10 @@ class GenerationEngine:
             tp_group=self.tp_group, dtype=c.dtype)
         self.weights, self.weights_version = weights, version
         self.paths = choose_paths(stage, self.fused_decode)
+        self.block_rows = None
+        if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
+            from engine import _kernels  # built: the kernel paths exist only then
+            self.block_rows = _kernels.small_gemm_max_rows
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -192,6 +276,7 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version, self.paths = None, None, None
+        self.block_rows = None
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
@@ -244,24 +329,39 @@ class GenerationEngine:
         out_mask = torch.zeros(batch, n_new, dtype=torch.long)
         out_lp = torch.zeros(batch, n_new, dtype=torch.float32)
         alive = torch.ones(batch, dtype=torch.bool)
+        run = torch.arange(batch)  # [R] the full-batch row of each running row
+        threads = torch.get_num_threads()
         prompt = _padded_prompt(input_ids, mask, sampling)
         # step 0 is the prefill of positions [0, P); step i > 0 decodes position P + i - 1
         path, step_in, start, end = self.paths.for_prompt(plen), prompt, 0, plen
         attn = causal_mask(mask, batch, plen)
-        steps = 0
+        steps = row_steps = compactions = 0
         for i in range(n_new):
             tok, lp = self._step(path, step_in, cache, (cos[:, start:end], sin[:, start:end]),
-                                 attn, sample)
-            steps += 1
-            out_ids[:, i] = torch.where(alive, tok, sampling.pad_token_id)
-            out_mask[:, i] = alive.long()
-            out_lp[:, i] = torch.where(alive, lp, 0.0)
+                                 attn, sample)  # [R] each
+            steps, row_steps = steps + 1, row_steps + run.numel()
+            live = alive[run]
+            out_ids[run, i] = torch.where(live, tok, sampling.pad_token_id)
+            out_mask[run, i] = live.long()
+            out_lp[run, i] = torch.where(live, lp, 0.0)
             if sampling.eos_token_id is not None:
-                alive &= tok != sampling.eos_token_id
+                alive[run] = live & (tok != sampling.eos_token_id)
             alive &= limits > i + 1
-            if not bool(alive.any()):
+            n_alive = int(alive.sum())
+            if n_alive == 0:
                 break
-            path, step_in, start, end = self.paths.decode, out_ids[:, i:i + 1], end, end + 1
+            rows = (decode_rows(batch, run.numel(), n_alive, threads, self.block_rows)
+                    if self.early_exit else run.numel())
+            if rows < run.numel():  # drop finished rows (every rank of the replica alike)
+                keep = kept_rows(alive[run], rows)
+                run, cos, sin, keys_ok = run[keep], cos[keep], sin[keep], keys_ok[keep]
+                cache.keep_rows_(keep)
+                running = torch.zeros(batch, dtype=torch.bool)
+                running[run] = True
+                sample = functools.partial(self._sample, sampling=sampling,
+                                           generator=generator, rows=running)
+                compactions += 1
+            path, step_in, start, end = self.paths.decode, out_ids[run, i:i + 1], end, end + 1
             attn = keys_ok[..., :end]
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
@@ -271,6 +371,7 @@ class GenerationEngine:
             attention_mask=torch.cat([mask, out_mask], dim=1), log_probs=out_lp,
             prompt_length=plen,
             stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": steps,
+                   "row_steps": row_steps, "compactions": compactions,
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9), "kv_cache_bytes": kv_bytes,
                    "weights_version": self.weights_version})
 
@@ -296,12 +397,13 @@ class GenerationEngine:
         """First stage: ``ids [B, S]`` -> ``[B, S, H]``."""
         return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
 
-    def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last stage: the next token of every row from the last position of ``x [B, S, H]``."""
-        h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [B, H]
-        logits = column_linear(h, self.weights[self.head_name], self.tp_group)  # [B, V/t_g]
-        return sample_next(logits, sampling, self.tp_group, generator)
+    def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Last stage: the next token of every row from the last position of ``x [R, S, H]``
+        (``rows``: the running rows of the full batch, None = all)."""
+        h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
+        logits = column_linear(h, self.weights[self.head_name], self.tp_group)  # [R, V/t_g]
+        return sample_next(logits, sampling, self.tp_group, generator, rows)
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

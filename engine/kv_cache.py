@@ -13,7 +13,9 @@ horizontal sums).  A layer's hook (the Python layers: prefill, or every step wit
 kernels) writes the step's new keys/values at ``[length, length + S)`` and hands attention
 views of ``[0, length + S)`` in the ``[B, S_kv, h_kv, D]`` form that
 :func:`engine.layers.attention` expects (strided views, no copy).  :meth:`advance` moves
-``length`` once every layer of the step has run.
+``length`` once every layer of the step has run.  :meth:`keep_rows_` drops finished sequences
+(early exit in :mod:`engine.generation`): the kept rows' filled positions move to new, smaller
+tensors of the same layout.
 """
 
 from __future__ import annotations
@@ -88,3 +90,13 @@ class KVCache:
     def advance(self, steps: int) -> None:
         """Mark ``steps`` more positions as filled (after every layer wrote them)."""
         self.length += steps
+
+    def keep_rows_(self, rows: torch.Tensor) -> None:
+        """Keep only the sequences ``rows`` (``[n]`` int64 indices into the current batch, in
+        the order they are to take), in place: new ``[layers, n, ...]`` tensors, of which the
+        filled positions ``[0, length)`` are copied (the rest stays unwritten, as before)."""
+        k = torch.empty(self.k.shape[0], rows.numel(), *self.k.shape[2:], dtype=self.k.dtype)
+        v = torch.empty(self.v.shape[0], rows.numel(), *self.v.shape[2:], dtype=self.v.dtype)
+        torch.index_select(self.k[..., :self.length], 1, rows, out=k[..., :self.length])
+        torch.index_select(self.v[:, :, :, :self.length], 1, rows, out=v[:, :, :, :self.length])
+        self.k, self.v = k, v

@@ -109,21 +109,37 @@ def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
     return m + torch.log((lsum * torch.exp(lmax - m)).sum(dim=0))
 
 
-def _draw(scaled: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index ``[B, 1]`` per row from ``softmax(scaled)`` (every sampling path's draw)."""
-    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)
+def _draw(scaled: torch.Tensor, generator: torch.Generator, rows: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """One index ``[B, 1]`` per row from ``softmax(scaled)`` (every sampling path's draw).
+
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn per candidate is a draw from ``p`` (the
+    exponential race), and it is how ``torch.multinomial`` draws one sample on CPU, bit for
+    bit (tests/test_generation_early_exit.py checks it).  Doing it here lets the noise be drawn
+    for the whole batch of ``rows`` (``[B_full]`` bool, the True rows are ``scaled``'s rows,
+    in order) and indexed: a row's draw, and the generator's state after the step, do not
+    depend on which other rows are still running (early exit compacts finished rows away).
+    """
+    probs = torch.softmax(scaled, dim=-1)
+    width = probs.shape[0] if rows is None else rows.shape[0]
+    noise = torch.empty(width, probs.shape[-1], dtype=probs.dtype).exponential_(
+        1, generator=generator)
+    if rows is not None:
+        noise = noise[rows]
+    return (probs / noise).argmax(dim=-1, keepdim=True)
 
 
 def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator, rows: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, top-p over candidate logits ``values [B, C]`` (already divided by the
-    temperature) with global ``ids``.
+    temperature) with global ``ids``; ``rows`` as in :func:`_draw`.
 
     Returns the chosen ids ``[B]`` and their (temperature-scaled) logits ``[B]``.
     """
     if params.top_p == 1 and not 0 < params.top_k < values.shape[-1]:
         # nothing is filtered: sample from the candidates as they come (no sort)
-        pick = _draw(values, generator)
+        pick = _draw(values, generator, rows)
         return (torch.gather(ids, -1, pick).squeeze(-1),
                 torch.gather(values, -1, pick).squeeze(-1))
     sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
@@ -137,14 +153,15 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
         drop = mass_before >= params.top_p
         drop[:, 0] = False  # the most likely token always stays
         kept = kept.masked_fill(drop, float("-inf"))
-    pick = _draw(kept, generator)
+    pick = _draw(kept, generator, rows)
     return torch.gather(sorted_ids, -1, pick).squeeze(-1), torch.gather(sorted_z, -1,
                                                                         pick).squeeze(-1)
 
 
 @torch.no_grad()
 def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | None,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of every row from vocab-parallel logits.
 
     Args:
@@ -152,6 +169,9 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         params: sampling settings (greedy when ``temperature == 0``).
         group: generation TP group (None or size 1: no communication).
         generator: seeded CPU generator (unused when greedy); identical state on every member.
+        rows: ``[B_full]`` bool or None (all rows): the logits' rows are the True rows of a
+            batch of ``B_full``; the random draw is made for all ``B_full`` rows, so a row's
+            token does not depend on which rows are still running (:func:`_draw`).
 
     Returns:
         ``(tokens [B] int64, log_probs [B] float32)``, identical on every member; log-probs of
@@ -163,7 +183,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     whole_vocab = group is None or group.pg is None
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
-        pick = _draw(z, generator)
+        pick = _draw(z, generator, rows)
         lse = torch.logsumexp(z.double(), dim=-1)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id
@@ -191,11 +211,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         values = table[..., :k].permute(1, 0, 2).flatten(1)  # [B, t*k]
         ids = table[..., k:2 * k].permute(1, 0, 2).flatten(1).long()
         lse = _log_normaliser(table[..., 2 * k], table[..., 2 * k + 1])
-        chosen, chosen_z = _filter_and_sample(values, ids, params, generator)
+        chosen, chosen_z = _filter_and_sample(values, ids, params, generator, rows)
         return chosen, (chosen_z - lse).float()
     full = _all_gather(z, group).permute(1, 0, 2).flatten(1)  # [B, V]: documented full gather
     lse = torch.logsumexp(full.double(), dim=-1)
     ids = torch.arange(full.shape[-1]).expand_as(full)
-    chosen, chosen_z = _filter_and_sample(full, ids, params, generator)
+    chosen, chosen_z = _filter_and_sample(full, ids, params, generator, rows)
     return chosen, (chosen_z.double() - lse).float()
 

@@ -1,0 +1,231 @@
+"""Early exit of finished sequences (engine.generation): compacting the running batch changes
+no token and no log-prob.  Each case runs the same engine with ``early_exit`` on and off (the
+path that computes every row to the end) and asks for bit-equal outputs, on the Python layers,
+the C++ decode kernels, a Qwen2-style model (q/k/v biases) on both, greedy and three sampling modes,
+rows of very different lengths (EOS at different steps, per-row limits), and on 2 gloo ranks
+(TP and PP generation).  The greedy tokens are also checked against a cache-free loop, and the
+pure pieces (the compaction policy, the row choice, the cache's row copy, the random draw)
+against direct computations."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine.generation import COMPACT_DIVISOR, ROW_QUANTUM, GenerationEngine, decode_rows, \
+    kept_rows
+from engine.kv_cache import KVCache
+from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.model import ParallelLlama, load_full_state_dict
+from engine.sampling import SamplingParams, _draw
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests.test_generation import loop_reference
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+QWEN = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                   tie_word_embeddings=True, qkv_bias=True, model_type="qwen2")
+N_NEW = 24
+MODES = {
+    "greedy": SamplingParams(max_new_tokens=N_NEW, temperature=0.0),
+    "temp": SamplingParams(max_new_tokens=N_NEW, temperature=1.0, seed=5),
+    "top_k": SamplingParams(max_new_tokens=N_NEW, temperature=0.9, top_k=6, top_p=0.9, seed=3),
+    "top_p": SamplingParams(max_new_tokens=N_NEW, temperature=1.1, top_p=0.8, seed=4),
+}
+
+
+def batch_of(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of 1..9 tokens and per-row limits from 1 to N_NEW: about half the
+    rows stop within 4 tokens, the rest run long."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 10, (batch,), generator=g)
+    ids = torch.randint(1, CFG.vocab_size, (batch, 9), generator=g)
+    mask = (torch.arange(9) >= 9 - lengths[:, None]).long()
+    short = torch.randint(1, 5, (batch,), generator=g)
+    long = torch.randint(N_NEW // 2, N_NEW + 1, (batch,), generator=g)
+    limits = torch.where(torch.rand(batch, generator=g) < 0.5, short, long)
+    return ids.masked_fill(mask == 0, 0), mask, limits
+
+
+def engine(cfg: LlamaConfig, fused: bool, early_exit: bool, seed: int = 0):
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=seed, std=0.2))
+    eng = GenerationEngine(cfg, groups, fused_decode=fused, early_exit=early_exit)
+    eng.set_weights(model.params)
+    return model, eng
+
+
+def frequent_token(out) -> int:
+    """The most frequent response token: as EOS it ends rows at many different steps."""
+    return int(torch.bincount(out.responses[out.response_mask.bool()]).argmax())
+
+
+def assert_same(a, b) -> None:
+    assert torch.equal(a.input_ids, b.input_ids)
+    assert torch.equal(a.attention_mask, b.attention_mask)
+    assert torch.equal(a.log_probs, b.log_probs)
+
+
+# Pure pieces ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_draw_is_torch_multinomial_and_independent_of_running_rows(dtype):
+    """The exponential race is torch.multinomial's one-sample draw bit for bit (so early exit
+    off samples what it sampled before), and a subset of rows draws what those rows draw in
+    the full batch, leaving the generator where the full batch leaves it."""
+    g = torch.Generator().manual_seed(0)
+    for batch, vocab in ((5, 7), (32, 96), (8, 4096)):
+        z = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
+        z[:, :2] = float("-inf")  # truncated candidates are never drawn
+        a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        for _ in range(5):
+            want = torch.multinomial(torch.softmax(z, -1), 1, generator=a)
+            assert torch.equal(_draw(z, b), want)
+        rows = torch.rand(batch, generator=g) < 0.5
+        rows[0] = True
+        full, part = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+        for _ in range(3):
+            assert torch.equal(_draw(z, full)[rows], _draw(z[rows], part, rows))
+        assert torch.equal(full.get_state(), part.get_state())
+
+
+def test_decode_rows_policy():
+    """Every answer of the policy, against its rules written out: unchanged or a multiple of
+    the quantum holding every alive row, only for a cut of >= 1/COMPACT_DIVISOR, never for a
+    batch that is not a multiple of the quantum, and with kernel row blocks either all above
+    the small-M size (before and after) or no compaction."""
+    for batch, threads, block in itertools.product(range(1, 70), (1, 2, 3), (None, 4, 8)):
+        for running in range(1, batch + 1):
+            for alive in range(1, running + 1):
+                got = decode_rows(batch, running, alive, threads, block)
+                if got == running:
+                    continue
+                assert got < running and got % ROW_QUANTUM == 0 and got >= alive
+                assert batch % ROW_QUANTUM == 0
+                assert got < alive + ROW_QUANTUM or got == ROW_QUANTUM or block is not None
+                assert running - got >= running / COMPACT_DIVISOR
+                if block is not None and batch > block * threads:
+                    assert batch // threads > block and got // threads > block
+    # it does compact when a quarter of a batch of 32 has finished
+    assert decode_rows(32, 32, 24, 2, None) == 24
+
+
+def test_kept_rows_and_kv_cache_rows():
+    g = torch.Generator().manual_seed(0)
+    for running in (1, 5, 12, 33):
+        alive = torch.rand(running, generator=g) < 0.4
+        alive[-1] = True
+        n_alive = int(alive.sum())
+        for rows in range(n_alive, running + 1):
+            keep = kept_rows(alive, rows).tolist()
+            dead = [i for i in range(running) if not alive[i]]
+            want = sorted([i for i in range(running) if alive[i]] + dead[:rows - n_alive])
+            assert keep == want
+    cache = KVCache(num_layers=3, batch=6, max_len=11, kv_heads=2, head_dim=4,
+                    dtype=torch.float32)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    cache.length = 7
+    k, v = cache.k.clone(), cache.v.clone()
+    rows = torch.tensor([1, 2, 5])
+    cache.keep_rows_(rows)
+    assert cache.k.shape == (3, 3, 2, 4, 11) and cache.v.shape == (3, 3, 2, 11, 4)
+    for j, r in enumerate(rows.tolist()):
+        assert torch.equal(cache.k[:, j, ..., :7], k[:, r, ..., :7])
+        assert torch.equal(cache.v[:, j, :, :7], v[:, r, :, :7])
+
+
+# One process ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg, fused", [(CFG, False), (CFG, True), (QWEN, False),
+                                        (QWEN, True)],
+                         ids=["python", "kernels", "qwen2", "qwen2-kernels"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_early_exit_is_bit_identical(cfg, fused, mode):
+    if fused and not GenerationEngine(CFG, build_hybrid_groups(HybridLayout(
+            ParallelLayout(1, 1, 1), 1, 1))).fused_decode:
+        pytest.skip("C++ kernels not built")
+    _, on = engine(cfg, fused, early_exit=True)
+    _, off = engine(cfg, fused, early_exit=False)
+    assert (on.block_rows is not None) == fused  # the decode path under test
+    ids, mask, limits = batch_of(32)
+    sp = MODES[mode]
+    eos = frequent_token(off.generate(ids, mask, sp))
+    sp = SamplingParams(**(sp.__dict__ | {"eos_token_id": eos}))
+    for lim in (limits, None):
+        a, b = on.generate(ids, mask, sp, lim), off.generate(ids, mask, sp, lim)
+        assert_same(a, b)
+        lengths = a.response_mask.sum(1)
+        assert int(lengths.min()) < N_NEW // 4 and int(lengths.max()) > N_NEW // 2, lengths
+        assert a.stats["compactions"] >= 1 and b.stats["compactions"] == 0
+        assert a.stats["row_steps"] < b.stats["row_steps"]
+        assert a.stats["forward_steps"] == b.stats["forward_steps"]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_early_exit_greedy_matches_cache_free_loop(fused):
+    """Independent of both engine paths: the training model's full forward on the whole
+    sequence, step by step, with EOS and per-row limits."""
+    model, eng = engine(CFG, fused, early_exit=True)
+    if fused and not eng.fused_decode:
+        pytest.skip("C++ kernels not built")
+    ids, mask, limits = batch_of(16, seed=2)
+    first = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
+    eos = frequent_token(first)
+    toks, lps, live = loop_reference(model, ids, mask, N_NEW, limits=limits, eos=eos)
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0,
+                                                 eos_token_id=eos), max_new_tokens=limits)
+    assert out.stats["compactions"] >= 1
+    assert torch.equal(out.response_mask, live)
+    assert torch.equal(out.responses, toks)
+    torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
+
+
+# Two ranks -------------------------------------------------------------------------------------
+def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple, fused: bool) -> dict:
+    from hybridflow_comm.reshard import Resharder
+
+    layout = HybridLayout(ParallelLayout(*train), *gen)
+    groups = build_hybrid_groups(layout, pool=list(range(layout.world_size)))
+    model = ParallelLlama(CFG, groups)
+    load_full_state_dict(model, init_full_state_dict(CFG, seed=0, std=0.2))
+    resharder = Resharder(model.specs, groups, buffer=model.buffer)
+    resharder.to_generation()
+    engines = {flag: GenerationEngine(CFG, groups, fused_decode=fused, early_exit=flag)
+               for flag in (True, False)}
+    for e in engines.values():
+        e.load_weights(resharder)
+    ids, mask, limits = batch_of(32)
+    out = {"path": engines[True].paths.decode.name}
+    for mode, sp in MODES.items():
+        eos = frequent_token(engines[False].generate(ids, mask, sp))
+        sp = SamplingParams(**(sp.__dict__ | {"eos_token_id": eos}))
+        for flag, e in engines.items():
+            o = e.generate(ids, mask, sp, limits)
+            out[mode, flag] = (o.input_ids, o.attention_mask, o.log_probs,
+                               o.stats["compactions"])
+    return out
+
+
+@pytest.mark.parametrize("train, gen, fused", [((1, 2, 1), (1, 2), True),
+                                               ((1, 2, 1), (1, 2), False),
+                                               ((2, 1, 1), (2, 1), True)],
+                         ids=["tp2-kernels", "tp2-python", "pp2-kernels"])
+def test_early_exit_on_two_ranks(pool2, train, gen, fused):
+    """TP generation (every rank sees the same tokens, so all compact alike) and PP
+    generation (hidden states of the running rows only cross the stage boundary)."""
+    if fused and not GenerationEngine(CFG, build_hybrid_groups(HybridLayout(
+            ParallelLayout(1, 1, 1), 1, 1))).fused_decode:
+        pytest.skip("C++ kernels not built")
+    results = pool2.run(two_rank_case, train, gen, fused)
+    for mode in MODES:
+        on, off = results[0][mode, True], results[0][mode, False]
+        assert on[3] >= 1 and off[3] == 0
+        for r in results:  # every rank: identical to early_exit=False and to each other
+            for got in (r[mode, True], r[mode, False]):
+                for x, y in zip(got[:3], off[:3]):
+                    assert torch.equal(x, y), (mode, r["path"])
