@@ -53,7 +53,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: make the repo root importable
@@ -64,6 +63,7 @@ import torch  # noqa: E402
 from bench.report import write_json  # noqa: E402
 from bench.shapes import BenchShape, add_shape_argument, get_shape  # noqa: E402
 from bench.timing import interleaved_median_times  # noqa: E402
+from rlhf.planner.calibrate import best_time  # noqa: E402
 
 GEMM_SIZE = 2048
 STREAM_BYTES = 256 << 20
@@ -128,17 +128,6 @@ def reshard_ratio(transition: dict) -> tuple[float, str]:
 
 
 # ------------------------------------------------------------------------------ machine
-def best_time(fn, repeat: int) -> float:
-    """Fastest of ``repeat`` timed calls after one warm-up (a limit is the best case)."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def model_products(shape: BenchShape, rows: int, head_rows: int) -> dict[str, tuple]:
     """The forward products of a training micro-batch: name -> (M, N, K) of ``[M, K] @ [K, N]``."""
     h, d = shape.hidden, shape.head_dim

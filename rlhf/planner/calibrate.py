@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 from rlhf.planner.profile import DeviceProfile
 
 
-def _best_of(fn, repeat: int) -> float:
+def best_time(fn, repeat: int) -> float:
+    """Fastest of ``repeat`` timed calls after one warm-up (a limit is the best case)."""
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -35,13 +36,13 @@ def _best_of(fn, repeat: int) -> float:
 
 def matmul_flops(size: int = 512, repeat: int = 5) -> float:
     a, b = torch.randn(size, size), torch.randn(size, size)
-    return 2 * size**3 / _best_of(lambda: torch.mm(a, b), repeat)
+    return 2 * size**3 / best_time(lambda: torch.mm(a, b), repeat)
 
 
 def memcpy_bandwidth(mib: int = 64, repeat: int = 5) -> float:
     src = torch.empty(mib << 18)                   # fp32: mib MiB
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best_of(lambda: dst.copy_(src), repeat)
+    return 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src), repeat)
 
 
 def layer_overhead(repeat: int = 20) -> float:
@@ -58,7 +59,7 @@ def layer_overhead(repeat: int = 20) -> float:
         z = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
         return y + (torch.nn.functional.silu(z @ w[4]) * (z @ w[5])) @ w[0]
 
-    return _best_of(layer, repeat)
+    return best_time(layer, repeat)
 
 
 def _allreduce_rank(rank: int, world: int, port: int, out) -> None:
@@ -66,8 +67,8 @@ def _allreduce_rank(rank: int, world: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     small, big = torch.zeros(1), torch.zeros(1 << 20)            # 4 B, 4 MiB
-    lat = _best_of(lambda: dist.all_reduce(small), 20)
-    t = _best_of(lambda: dist.all_reduce(big), 5)
+    lat = best_time(lambda: dist.all_reduce(small), 20)
+    t = best_time(lambda: dist.all_reduce(big), 5)
     if rank == 0:
         # ring all-reduce moves 2 (w-1)/w of the buffer per rank
         out.put((lat, 2 * (world - 1) / world * big.numel() * 4 / max(t - lat, 1e-9)))
