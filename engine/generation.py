@@ -5,8 +5,9 @@ generation shards, e.g. :meth:`hybridflow_comm.reshard.Resharder.generation_para
 the flat buffer: column weights ``[rows/t_g, H]``, row weights stacked ``[m, H, in/t]``), the
 generation TP group for the collectives and the generation PP group for stages.  How a step
 runs is chosen once (:mod:`engine.forward_paths`): the stage boundary when the engine is built,
-the layer paths when the weights are set.  Float32 plain-Llama models (no biases or q/k
-norms: Llama and Mistral, not Qwen) run the decode steps through the C++ kernels of
+the layer paths when the weights are set.  Float32 Llama-style models without o_proj biases
+or q/k norms (Llama, Mistral, Qwen2 with its q/k/v biases; not Qwen3) run the decode steps
+through the C++ kernels of
 ``engine._kernels`` (the whole stage in one call without TP, two calls per layer with it),
 reading the same views, and the prefill through the training blocks of
 :mod:`engine.fused_layers` (their forward, which also hands each layer's keys and values to
@@ -200,8 +201,9 @@ class GenerationEngine:
         fused_decode: run the forward passes through the C++ kernels of ``engine._kernels``
             instead of ~30 tensor ops per layer: the one-token decode steps (one call per step
             without TP, two per layer with it) and the prefill (the fused blocks' forward, when
-            the weights are 2-D); default: when the extension is built and the model is a
-            float32 plain Llama (no biases or q/k norms).  False: every step through the
+            the weights are 2-D and plain: no biases); default: when the extension is built
+            and the model is float32 without o_proj biases or q/k norms.  False: every step
+            through the
             Python layers.
         early_exit: drop finished rows from the running batch (see the module docstring);
             False computes every row until all have finished (same results, more work).
