@@ -55,19 +55,19 @@ def _lacking(layer_keys: Iterable[str]) -> list[str]:
     return [k for k in layer_keys if k not in LAYER_KEYS]
 
 
-# Layer keys the C++ decode kernels (engine.forward_paths) read beyond LAYER_KEYS; the option
-# that selects them ("fused_decode", engine.generation) accepts these, the blocks do not.
+# Layer keys the C++ decode kernels (engine.forward_paths) read beyond LAYER_KEYS; the blocks
+# read none.
 DECODE_EXTRA_KEYS = ("qkv_bias",)
-_EXTRA_KEYS = {"fused_decode": DECODE_EXTRA_KEYS}
 
 
 def resolve(requested: bool | None, dtype: torch.dtype, layer_keys: Iterable[str],
-            option: str) -> bool:
+            option: str, extra_keys: Iterable[str] = ()) -> bool:
     """Whether to run a model of ``dtype`` with layer weights ``layer_keys`` on the kernels
     when the user's ``option`` is ``requested`` (None: where :func:`available`, allowing the
-    keys ``_EXTRA_KEYS[option]`` its kernels also read); ValueError naming ``option`` for True
+    ``extra_keys`` that the option's kernels also read); ValueError naming ``option`` for True
     where they are not."""
-    layer_keys = tuple(k for k in layer_keys if k not in _EXTRA_KEYS.get(option, ()))
+    extra = set(extra_keys)
+    layer_keys = tuple(k for k in layer_keys if k not in extra)
     ok = available(dtype, layer_keys)
     if requested and not ok:
         raise ValueError(f"{option}=True needs the engine._kernels extension, float32 and plain "

@@ -230,7 +230,7 @@ class GenerationEngine:
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.fused_decode = fused_layers.resolve(fused_decode, config.dtype, config.layer_keys,
-                                                 "fused_decode")
+                                                 "fused_decode", fused_layers.DECODE_EXTRA_KEYS)
         self.early_exit = early_exit
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
