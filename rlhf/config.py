@@ -44,7 +44,6 @@ Placement of the roles on the ranks ``0..W-1`` (pools are consecutive rank range
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass, field

@@ -14,7 +14,6 @@ rollout rank killed mid-run stops the job naming it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
