@@ -44,8 +44,9 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def engine_on(cfg: LlamaConfig, train: tuple, gen: tuple, full: dict):
-    """Model on the training layout, resharded to ``gen``; engine on the generation views."""
+def resharded_model(cfg: LlamaConfig, train: tuple, gen: tuple, full: dict):
+    """``(groups, model, resharder)``: the ``full`` weights on the training layout, resharded to
+    the generation layout ``gen``; None on a rank outside the layout."""
     layout = HybridLayout(ParallelLayout(*train), *gen)
     groups = build_hybrid_groups(layout, pool=list(range(layout.world_size)))
     if groups is None:
@@ -54,6 +55,15 @@ def engine_on(cfg: LlamaConfig, train: tuple, gen: tuple, full: dict):
     load_full_state_dict(model, full)
     resharder = Resharder(model.specs, groups, buffer=model.buffer)
     resharder.to_generation()
+    return groups, model, resharder
+
+
+def engine_on(cfg: LlamaConfig, train: tuple, gen: tuple, full: dict):
+    """Model on the training layout, resharded to ``gen``; engine on the generation views."""
+    built = resharded_model(cfg, train, gen, full)
+    if built is None:
+        return None
+    groups, model, resharder = built
     eng = GenerationEngine(cfg, groups)
     eng.load_weights(resharder)
     return model, resharder, eng

@@ -28,7 +28,7 @@ from engine.vllm_worker_ext import (DESCRIBE, LOAD_BUCKET, WORKER_EXTENSION,
                                     HybridflowWorkerExtension)
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from hybridflow_comm.reshard import Resharder
+from tests.test_generation_multirank import resharded_model
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
@@ -278,14 +278,10 @@ def test_adapter_checks_the_engine_before_any_weight_moves():
 def rank_load(rank: int, world_size: int, cfg: LlamaConfig, train: tuple, gen: tuple,
               full: dict, cap: int) -> dict | None:
     """This rank's model on ``train``, resharded to ``gen``, loaded through the adapter."""
-    layout = HybridLayout(ParallelLayout(*train), *gen)
-    groups = build_hybrid_groups(layout, pool=list(range(layout.world_size)))
-    if groups is None:
+    built = resharded_model(cfg, train, gen, full)
+    if built is None:
         return None
-    model = ParallelLlama(cfg, groups)
-    load_full_state_dict(model, full)
-    resharder = Resharder(model.specs, groups, buffer=model.buffer)
-    resharder.to_generation()
+    groups, _model, resharder = built
     worker = FakeWorker(tp_size=groups.gen_tp.size)
     rollout = VLLMRollout(FakeLLM([worker]), groups.gen_tp, bucket_bytes=cap,
                           sampling_cls=fake_sampling)
