@@ -5,13 +5,13 @@
 
 Starts ``|A| + |B|`` gloo ranks (training pool first), builds a Llama-shaped model
 (``bench/shapes.py``'s ``--shape``, its :meth:`~bench.shapes.BenchShape.model_shape`;
-``llama-1b`` needs 8 ranks and ~25 GB of RAM, slow) and times, interleaved, after one warm-up (slowest rank, median over ``--repeat``):
+``llama-1b`` needs 8 ranks and ~14 GB of RAM, slow) and times, interleaved, after one warm-up (slowest rank, median over ``--repeat``):
 
 * ``weight_sync``: :class:`hybridflow_comm.sync.WeightSync`, every training rank sends what it
   owns, point to point, into the generation buffers.
-* ``gather_broadcast`` (what most frameworks do): the training ranks of DP replica 0 send their
-  shards to training rank 0 (bucketed p2p), which broadcasts the whole model (bucketed) to every
-  generation rank; each generation rank cuts its shard out of the full tensors.
+* ``gather_broadcast`` (what most frameworks do): per bucket of whole tensors, the training
+  ranks of DP replica 0 send their shards to training rank 0 (p2p), which broadcasts the bucket
+  to every generation rank; each generation rank cuts its shard out of the full tensors.
 * ``per_tensor_broadcast``: the same, one tensor at a time (gather, broadcast, cut).
 * ``raw_p2p``: the plan's bytes, one contiguous scratch-to-scratch message per (sender,
   receiver) pair and bucket: the practical limit of moving the minimum bytes.
@@ -58,10 +58,12 @@ SLOW_SHAPES = ("llama-1b",)
 
 
 class GatherBroadcast:
-    """The baselines: gather to training rank 0, broadcast the whole model, cut the shards.
+    """The baselines: gather to training rank 0, broadcast whole tensors, cut the shards.
 
-    Rank 0 and every generation rank hold the whole model as stacked pieces
-    (``[tp, *shard]`` per partitioned tensor, the tensor itself when replicated).
+    Streams buckets of whole tensors (``[tp, *shard]`` stacked per partitioned tensor, the
+    tensor itself when replicated) through one reusable scratch of ``bucket_bytes`` (or the
+    largest tensor) on rank 0 and every generation rank, as bucketed broadcasts do in the
+    frameworks: no rank holds the whole model twice.
     """
 
     def __init__(self, specs: list[ShardSpec], layout: SyncLayout, *, world: Group,
@@ -71,83 +73,77 @@ class GatherBroadcast:
         self.gen, self.ledger, self.bucket_bytes = gen, ledger, bucket_bytes
         self.rank = world.ranks[world.rank]
         self.root = layout.train_ranks[0]
-        t = layout.train
-        self.full = None
-        if bcast is not None:
-            self.full = FlatParamBuffer([SlotSpec(s.name, s.dtype, s.shard_shape(t.tp),
-                                                  t.tp if s.partition_dim is not None else 1, None)
-                                         for s in specs])
-        # Gather messages (name, piece, sender) from DP replica 0, in spec order.
-        self.pieces = []
-        for i, r in enumerate(layout.train_ranks):
-            c = t.coords(i)
-            if c.dp == 0:
-                self.pieces += [(s.name, c.tp if s.partition_dim is not None else 0, r)
-                                for s in specs if s.stage == c.pp
-                                and (s.partition_dim is not None or c.tp == 0)]
-        order = {s.name: k for k, s in enumerate(specs)}
-        self.pieces.sort(key=lambda p: (order[p[0]], p[1]))
         self.train_shards = train_shards
+        t = layout.train
+        # Senders of each tensor's pieces: DP replica 0's rank of (stage, tp piece).
+        self.senders: dict[str, list[int]] = {}
+        for s in specs:
+            pieces = t.tp if s.partition_dim is not None else 1
+            self.senders[s.name] = [
+                next(r for i, r in enumerate(layout.train_ranks)
+                     if t.coords(i).dp == 0 and t.coords(i).pp == s.stage and t.coords(i).tp == k)
+                for k in range(pieces)]
+        self.mine = {s.name for s in gen.specs} if gen is not None else set()
+        biggest = max(s.nbytes for s in specs)
+        self.scratch = (torch.empty(max(bucket_bytes, biggest), dtype=torch.uint8)
+                        if bcast is not None else None)
 
-    def _gather(self, pieces: list) -> None:
+    def _stacked(self, spec: ShardSpec, offset: int) -> torch.Tensor:
+        """``[pieces, *shard]`` view of the scratch at byte ``offset``."""
+        pieces = len(self.senders[spec.name])
+        raw = self.scratch[offset:offset + spec.nbytes].view(spec.dtype)
+        return raw.view(pieces, *spec.shard_shape(self.layout.train.tp))
+
+    def _bucket(self, bucket: list[ShardSpec]) -> None:
+        """Gather ``bucket``'s tensors into rank 0's scratch, broadcast it, cut the shards."""
+        offsets, total = [], 0
+        for s in bucket:
+            offsets.append(total)
+            total += s.nbytes
         sends, recvs = [], []
-        for name, piece, src in pieces:
-            if src == self.rank == self.root:
-                self.full.slot_view(name, piece).copy_(self.train_shards[name])
-            elif src == self.rank:
-                sends.append((self.train_shards[name], self.world.ranks.index(self.root)))
-            elif self.rank == self.root:
-                recvs.append((self.full.slot_view(name, piece), self.world.ranks.index(src)))
+        for s, off in zip(bucket, offsets):
+            for piece, src in enumerate(self.senders[s.name]):
+                if src == self.rank == self.root:
+                    self._stacked(s, off)[piece].copy_(self.train_shards[s.name])
+                elif src == self.rank:
+                    sends.append((self.train_shards[s.name], self.world.ranks.index(self.root)))
+                elif self.rank == self.root:
+                    recvs.append((self._stacked(s, off)[piece], self.world.ranks.index(src)))
         for work in comm.exchange_(sends, recvs, self.world, self.ledger, LABEL):
             work.wait()
-
-    def _cut(self, spec: ShardSpec) -> None:
-        """Generation rank: its shard of ``spec`` out of the whole (assembled) tensor."""
-        g = self.layout.gen.coords(self.layout.gen_ranks.index(self.rank))
-        stacked = self.full.gen_view(spec.name)
-        if spec.partition_dim is None:
-            whole = stacked[0]
-        else:
-            whole = logical_from_stacked(stacked, spec.partition_dim)
-        self.gen.slot_view(spec.name, 0).copy_(
-            whole.chunk(self.layout.gen.tp, dim=spec.partition_dim or 0)[g.tp]
-            if spec.partition_dim is not None else whole)
-
-    def _mine(self) -> list[ShardSpec]:
-        names = {s.name for s in self.gen.specs}
-        return [s for s in self.specs if s.name in names]
-
-    def bucketed(self) -> None:
-        """Gather in buckets of ``bucket_bytes``, broadcast in buckets, then cut."""
-        nbytes = {s.name: s.nbytes // (self.layout.train.tp if s.partition_dim is not None else 1)
-                  for s in self.specs}
-        bucket, filled = [], 0
-        for p in self.pieces + [None]:
-            if p is None or (filled and filled + nbytes[p[0]] > self.bucket_bytes):
-                self._gather(bucket)
-                bucket, filled = [], 0
-            if p is not None:
-                bucket.append(p)
-                filled += nbytes[p[0]]
         if self.bcast is None:
             return
-        for dtype in self.full.dtypes:
-            raw = self.full.byte_storage(dtype)
-            for lo in range(0, raw.numel(), self.bucket_bytes):
-                comm.broadcast_(raw[lo:lo + self.bucket_bytes], 0, self.bcast, self.ledger, LABEL)
+        comm.broadcast_(self.scratch[:total], 0, self.bcast, self.ledger, LABEL)
         if self.gen is not None:
-            for s in self._mine():
-                self._cut(s)
+            for s, off in zip(bucket, offsets):
+                if s.name in self.mine:
+                    self._cut(s, self._stacked(s, off))
+
+    def _cut(self, spec: ShardSpec, stacked: torch.Tensor) -> None:
+        """Generation rank: its shard of ``spec`` out of the whole (assembled) tensor."""
+        g = self.layout.gen.coords(self.layout.gen_ranks.index(self.rank))
+        if spec.partition_dim is None:
+            self.gen.slot_view(spec.name, 0).copy_(stacked[0])
+            return
+        whole = logical_from_stacked(stacked, spec.partition_dim)
+        self.gen.slot_view(spec.name, 0).copy_(
+            whole.chunk(self.layout.gen.tp, dim=spec.partition_dim)[g.tp])
+
+    def bucketed(self) -> None:
+        """Buckets of whole tensors up to ``bucket_bytes`` (a larger tensor goes alone)."""
+        bucket, filled = [], 0
+        for s in self.specs + [None]:
+            if s is None or (bucket and filled + s.nbytes > self.bucket_bytes):
+                self._bucket(bucket)
+                bucket, filled = [], 0
+            if s is not None:
+                bucket.append(s)
+                filled += s.nbytes
 
     def per_tensor(self) -> None:
         """One gather and one broadcast per tensor, each cut as soon as it arrives."""
-        mine = {s.name for s in self._mine()} if self.gen is not None else set()
         for s in self.specs:
-            self._gather([p for p in self.pieces if p[0] == s.name])
-            if self.bcast is not None:
-                comm.broadcast_(self.full.gen_view(s.name), 0, self.bcast, self.ledger, LABEL)
-            if s.name in mine:
-                self._cut(s)
+            self._bucket([s])
 
 
 class RawP2P:

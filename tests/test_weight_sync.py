@@ -326,7 +326,7 @@ def test_weight_sync_bit_exact_4_plus_4_slow():
 
 @pytest.mark.slow
 def test_bench_llama_1b_slow():
-    """The issue's configuration: llama-1b on 4+4 ranks (about 25 GB of RAM)."""
+    """The issue's configuration: llama-1b on 4+4 ranks (about 14 GB of RAM)."""
     from bench.weight_sync import run
 
     result = run("llama-1b", repeat=2)
