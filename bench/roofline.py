@@ -37,7 +37,9 @@ read_bytes_per_s)``: at batch 1 the weight bytes bind (read-only bandwidth, sinc
 step only reads them), at batch 32 usually the FLOPs.
 
 Fractions (goals in the issue; reported, not asserted): ``train_flops_fraction`` = step FLOPs /
-step time / peak, for one optimiser step over ``prompts x samples`` sequences of
+step time / peak (``train.eager_head_step_s``: the same step, interleaved, with the LM head's
+vocabulary log-softmax run eagerly instead of compiled, :mod:`engine.inductor`), for one
+optimiser step over ``prompts x samples`` sequences of
 ``prompt_len + response_len`` tokens in micro-batches of ``--micro-batch`` (the RL update) on
 :class:`engine.train.TrainEngine` at layout 1,1,1; ``decode_b{1,32}_limit_fraction`` = limit /
 step time, ``decode_limit_fraction`` the lower; ``reshard_vs_raw`` = the 1,4,1 -> 1,2 reshard
@@ -175,6 +177,7 @@ def _model(shape: BenchShape):
 
 def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
     """Median time of one optimiser step over an RL iteration's sequences (all tokens real)."""
+    from engine import inductor
     from engine.train import OptimConfig, TrainEngine
 
     _, _, model = _model(shape)
@@ -191,9 +194,19 @@ def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
         return engine.train_step(mbs, lambda out, mb: -out["log_probs"].mean(), head_from,
                                  temperature=1.0)
 
-    t, _ = interleaved_median_times({"step": step}, repeat)
+    def eager_head_step():  # the A/B of engine.inductor: the LM head's log-softmax eagerly
+        previous = inductor.set_enabled(False)
+        try:
+            return step()
+        finally:
+            inductor.set_enabled(previous)
+
+    t, _ = interleaved_median_times({"step": step, "eager_head": eager_head_step}, repeat)
     flops = train_flops(shape, seqs, seq, head_from)
-    return {"step_s": t["step"], "sequences": seqs, "micro_batch": micro_batch, "seq": seq,
+    return {"step_s": t["step"], "eager_head_step_s": t["eager_head"],
+            "compiled_head_speedup": t["eager_head"] / t["step"],
+            "compiled_head": inductor.enabled(),
+            "sequences": seqs, "micro_batch": micro_batch, "seq": seq,
             "head_from": head_from, "flops_per_step": flops, "flops_per_token": flops / seqs / seq,
             "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"],
             "fused_layers": model.uses_fused_layers(seq)}
@@ -281,6 +294,8 @@ def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | No
         "peak_matmul_flops": mm["peak"], "memcpy_bytes_per_s": bw["copy"],
         "read_bytes_per_s": bw["read"],
         "train_flops_fraction": train["flops_per_s"] / mm["peak"],
+        "train_eager_head_flops_fraction": train["flops_per_step"] / train["eager_head_step_s"]
+        / mm["peak"],
         "decode_b1_limit_fraction": decode["b1"]["limit_fraction"],
         "decode_b32_limit_fraction": decode["b32"]["limit_fraction"],
         "decode_limit_fraction": min(fractions) if None not in fractions else None,
@@ -322,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"roofline {shape.name} ({r['threads']} threads): peak "
           f"{r['peak_matmul_flops'] / 1e9:.0f} GFLOP/s, copy "
           f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, read {r['read_bytes_per_s'] / 1e9:.1f} GB/s"
-          f" | train {r['train_flops_fraction']:.2f} of peak | decode b1 "
+          f" | train {r['train_flops_fraction']:.2f} of peak (eager head "
+          f"{r['train_eager_head_flops_fraction']:.2f}) | decode b1 "
           f"{r['decode_b1_limit_fraction']:.2f}, b32 {r['decode_b32_limit_fraction']:.2f} of "
           f"limit ({r['decode']['b1']['decode_path']}) | reshard {reshard}")
     write_json(result, a.json, indent=2)

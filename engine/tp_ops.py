@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine.inductor import Compiled
 from hybridflow_comm.groups import Group
 
 
@@ -137,55 +138,68 @@ def vocab_embedding(ids: torch.Tensor, weight: torch.Tensor,
     return reduce_from_tp(out, group)
 
 
+def _vocab_row_sums(z: torch.Tensor, zmax: torch.Tensor, local_t: torch.Tensor) -> torch.Tensor:
+    """One pass over this rank's logits ``z [..., V/t]`` (float32): ``[3, ...]`` stacked sum of
+    ``exp(z - zmax)``, sum of ``exp(z - zmax) * z``, and the target's logit (0 where the target
+    is another rank's)."""
+    e = torch.exp(z - zmax.unsqueeze(-1))
+    inside = (local_t >= 0) & (local_t < z.shape[-1])
+    z_t = torch.gather(z, -1, local_t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    return torch.stack([e.sum(dim=-1), (e * z).sum(dim=-1), z_t.masked_fill(~inside, 0.0)])
+
+
+def _vocab_grad(z: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                local_t: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor) -> torch.Tensor:
+    """``d(g_logp . logp + g_ent . H) / dz`` in one pass (no communication)."""
+    log_p = z - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    target = torch.arange(z.shape[-1], device=z.device) == local_t.unsqueeze(-1)  # none outside
+    g = g_logp.unsqueeze(-1)
+    return torch.where(target, g, 0.0) - p * (g + (log_p + entropy.unsqueeze(-1)) * g_ent.unsqueeze(-1))
+
+
+_row_sums = Compiled(_vocab_row_sums)
+_grad = Compiled(_vocab_grad)
+
+
 class _VocabLogProbEntropy(torch.autograd.Function):
     """Log-prob of the targets and entropy of softmax(logits), logits split over the vocab.
 
-    Forward: three all-reduces of ``[...]``-shaped tensors (max, sum of exp, and one stacked
-    sum of the target logit and of sum(p * z)); the ``[..., V/t]`` logits never leave the rank.
-    Backward needs no communication::
+    Forward: two all-reduces of ``[...]``-shaped tensors (the max, then one stacked sum of
+    ``sum exp(z - max)``, ``sum exp(z - max) z`` and the target logit); the ``[..., V/t]``
+    logits never leave the rank, and each rank reads them twice (the max, then one fused pass,
+    :mod:`engine.inductor` above its size threshold).  Backward needs no communication and is
+    one pass::
 
         d logp / dz_j = onehot_j - p_j
-        d H    / dz_j = -p_j * (log p_j + H)
+        d H    / dz_j = -p_j * (log p_j + H)        H = lse - sum_j p_j z_j
     """
 
     @staticmethod
     def forward(ctx, logits, targets, pg, start):
         # logits [..., V/t] float, targets [...] global ids
-        z = logits.float()
+        z = logits.float().contiguous()
         zmax = z.max(dim=-1).values
         if pg is not None:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=pg)
-        e = torch.exp(z - zmax.unsqueeze(-1))
-        sum_e = e.sum(dim=-1)
-        if pg is not None:
-            dist.all_reduce(sum_e, group=pg)
-        p = e / sum_e.unsqueeze(-1)
         local_t = targets - start
-        inside = (local_t >= 0) & (local_t < z.shape[-1])
-        z_t = torch.gather(z, -1, local_t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-        stacked = torch.stack([z_t.masked_fill(~inside, 0.0), (p * z).sum(dim=-1)])
+        sums = _row_sums(z, zmax, local_t)
         if pg is not None:
-            dist.all_reduce(stacked, group=pg)
-        lse = zmax + torch.log(sum_e)
-        logp = stacked[0] - lse
-        entropy = lse - stacked[1]
+            dist.all_reduce(sums, group=pg)
+        lse = zmax + torch.log(sums[0])
+        logp = sums[2] - lse
+        entropy = lse - sums[1] / sums[0]
         # p is recomputed in backward from z and lse: only the logits stay alive
-        ctx.save_for_backward(z, lse, entropy, local_t, inside)
+        ctx.save_for_backward(z, lse, entropy, local_t)
         ctx.in_dtype = logits.dtype
         return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        z, lse, entropy, local_t, inside = ctx.saved_tensors
-        log_p = z - lse.unsqueeze(-1)
-        p = torch.exp(log_p)
-        grad = torch.zeros_like(p)
-        if g_logp is not None:
-            grad -= p * g_logp.unsqueeze(-1)
-            onehot_g = (g_logp * inside).unsqueeze(-1)
-            grad.scatter_add_(-1, local_t.clamp(0, p.shape[-1] - 1).unsqueeze(-1), onehot_g)
-        if g_ent is not None:
-            grad -= p * (log_p + entropy.unsqueeze(-1)) * g_ent.unsqueeze(-1)
+        z, lse, entropy, local_t = ctx.saved_tensors
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent
+        grad = _grad(z, lse, entropy, local_t, g_logp.float(), g_ent.float())
         return grad.to(ctx.in_dtype), None, None, None
 
 

@@ -1,0 +1,64 @@
+"""``torch.compile`` (inductor) of small pure tensor functions, where a call is big enough.
+
+Elementwise chains over large tensors (the vocabulary log-softmax of the LM head: ``rows x V``
+logits) run as one fused loop when compiled instead of one pass per eager op.  Compiling costs
+a few seconds once per process (and per new number of dimensions or dtype; sizes are
+symbolic, ``dynamic=True``), so a :class:`Compiled` function runs eagerly below
+:data:`MIN_NUMEL` elements, where the eager passes are cheap anyway and short test jobs would
+pay the compile for nothing.
+
+Switches: ``HYBRIDFLOW_COMPILE=0`` in the environment, or :func:`set_enabled`, runs every
+function eagerly (the A/B of ``bench/roofline.py``).  A compile that fails (no C++ compiler,
+an unsupported torch) warns once and leaves that function eager for the process.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+MIN_NUMEL = 1 << 20
+"""Smallest first-argument ``numel`` run compiled (4 MiB of float32)."""
+
+_enabled = os.environ.get("HYBRIDFLOW_COMPILE", "1") != "0"
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Compile from now on (or not); returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+class Compiled:
+    """``fn`` eager, or compiled once its first argument has at least :data:`MIN_NUMEL`
+    elements (and compiling is enabled); the results are those of ``fn`` up to float32
+    summation order."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self._compiled: Callable | None = None
+        self._broken = False
+
+    def uses_compiled(self, first: torch.Tensor) -> bool:
+        return _enabled and not self._broken and first.numel() >= MIN_NUMEL
+
+    def __call__(self, first: torch.Tensor, *args):
+        if not self.uses_compiled(first):
+            return self.fn(first, *args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        try:
+            return self._compiled(first, *args)
+        except Exception as exc:  # the backend could not compile: stay eager, say so once
+            self._broken = True
+            warnings.warn(f"torch.compile of {self.fn.__qualname__} failed ({type(exc).__name__}:"
+                          f" {exc}); running it eagerly", RuntimeWarning, stacklevel=2)
+            return self.fn(first, *args)
