@@ -7,21 +7,29 @@ interleaved_median_times`) on the same inputs, after a correctness check against
 reference (below).  Rows (``B x S`` tokens, the shape's sizes)::
 
     operation             kernel (engine._kernels)             reference (engine.layers)
-    train_layer           fused_layers.decoder_layer fwd+bwd   decoder_layer          [4, P+R, H]
-    train_rms_norm        fused_layers.rms_norm                rms_norm               [4, P+R, H]
-    train_attention       the blocks' attention Function       attention_block        [4, P+R, H]
-    train_mlp             the blocks' MLP Function             swiglu_block           [4, P+R, H]
-    prefill               forward_paths.FusedBlocks            PythonLayers, whole stage  [n, P]
+    train_rms_norm        layers.rms_norm fwd+bwd (C++)        rms_norm_formula       [4, P+R, H]
     decode_b{1,32}        KernelStage / KernelLayers           PythonLayers, one step of the
                                                                stage at a cache of P + R/2
 
 ``n = prompts x samples`` (one RL iteration's generation batch).  Each contender's time is the
 median of ``--repeat`` interleaved rounds, ``kernel/compiled`` = compiled ms / kernel ms, and
-the verdict is ``keep`` at >= 1.3x (:data:`KEEP_AT`), else ``delete``.  The kernels read plain
-float32 Llama layers only, so the kernel rows run with ``qkv_bias`` off; the ``+bias`` rows time
-the eager and compiled reference with the q/k/v bias the Qwen2-style ``small`` model has (no
-kernel can run it).  Weights are seeded (std ``1/sqrt(fan_in)``), the training mask is an RL
-micro-batch's (left-padded prompts, right-padded responses).
+the verdict is ``keep`` at >= 1.3x (:data:`KEEP_AT`), else ``delete``.  The kernel rows run
+plain float32 Llama layers (``qkv_bias`` off); the ``+bias`` rows have no kernel contender and
+time the eager reference against its compiled form with the q/k/v bias of the Qwen2-style
+``small`` model, for the code that runs on the Python layers (every training layer and every
+prefill): ``train_layer+bias`` (decoder_layer forward + backward, ``[4, P+R, H]``),
+``train_attention+bias`` (attention_block), ``prefill+bias`` (PythonLayers, whole stage,
+``[n, P]``), ``decode_b{1,32}+bias``.  Eager runs the engine's own code, RMSNorm on the C++
+kernel included; ``torch.compile`` traces the formula instead (:func:`engine.layers.rms_norm`).
+Weights are seeded (std ``1/sqrt(fan_in)``), the training mask is an RL micro-batch's
+(left-padded prompts, right-padded responses).
+
+The fused C++ training blocks (a whole decoder layer, attention, MLP: ``train_layer``,
+``train_attention``, ``train_mlp``) and the prefill on their forward (``prefill``,
+``forward_paths.FusedBlocks``) were deleted on 2026-11-23 after a quiet run at ``--shape small
+--repeat 10`` (kernel/compiled: train_layer 1.037, train_attention 0.994, train_mlp 1.104,
+prefill 1.044; kept: train_rms_norm 1.400, decode_b1 1.93 / 1.97 and decode_b32 4.47 / 4.37 for
+kernel_stage / kernel_layers; ``--shape tiny`` gave the same verdicts).
 
 Compiled = ``torch.compile(fn, dynamic=False, fullgraph=True)`` (inductor, CPU), warmed up by
 the check call outside the timing; its first call's wall time is ``compile_s``.  Training
@@ -68,11 +76,7 @@ TRAIN_BATCH = 4
 """Sequences of a training micro-batch (the RL update's)."""
 DECODE_BATCHES = (1, 32)
 KERNEL_CODE = {  # what a verdict keeps or deletes
-    "train_layer": "csrc/engine/train_blocks.cpp (all), engine/fused_layers.py",
-    "train_rms_norm": "train_blocks.cpp rms_norm_forward/backward",
-    "train_attention": "train_blocks.cpp attention_forward/backward",
-    "train_mlp": "train_blocks.cpp mlp_forward/backward",
-    "prefill": "forward_paths.FusedBlocks (the blocks' forward)",
+    "train_rms_norm": "csrc/engine/rms_norm.cpp (engine.layers.rms_norm on float32 CPU)",
     "kernel_stage": "decode_layer.cpp decode_layers (+ small_gemm.cpp)",
     "kernel_layers": "decode_layer.cpp decode_attention/decode_mlp (+ small_gemm.cpp)",
 }
@@ -197,52 +201,35 @@ def train_step(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: dict[str, to
 
 
 def training_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
-    from engine import fused_layers, layers
+    from engine import layers
 
     batch = TRAIN_BATCH
     mask2d = rl_attention_mask(s, batch, gen)
     mask = layers.causal_mask(mask2d, batch, s.seq)
     rope = layers.rope_tables(layers.position_ids_from_mask(mask2d), s.d, s.theta)
-    cos, sin = rope
     x = torch.randn(batch, s.seq, s.h, generator=gen).requires_grad_()
     dy = torch.randn(batch, s.seq, s.h, generator=gen)
-    w = {k: t.requires_grad_() for k, t in layer_weights(s, gen, bias=False).items()}
-    wb = {k: t.detach().clone().requires_grad_() for k, t in
-          layer_weights(s, gen, bias=True).items()}
-    sub = {"norm": ("input_norm",), "attn": ("qkv", "o_proj"), "mlp": ("gate_up", "down_proj")}
+    norm = {"input_norm": (1 + 0.1 * torch.randn(s.h, generator=gen)).requires_grad_()}
+    wb = {k: t.requires_grad_() for k, t in layer_weights(s, gen, bias=True).items()}
+
+    def ref_norm(x, w):
+        return layers.rms_norm_formula(x, w["input_norm"], s.eps)
+
+    def kernel_norm(x, w):  # float32 CPU: the C++ kernel (an autograd Function)
+        return layers.rms_norm(x, w["input_norm"], s.eps)
 
     def ref_layer(x, w):
         return layers.decoder_layer(x, w, rope, mask, s.qpg, s.d, s.eps, None)
 
-    def ref_norm(x, w):
-        return layers.rms_norm(x, w["input_norm"], s.eps)
-
     def ref_attn(x, w):
         return layers.attention_block(x, w, rope, mask, s.qpg, s.d, s.eps, None)
 
-    def ref_mlp(x, w):
-        return layers.swiglu_block(x, w, None)
-
-    # the blocks alone are the private autograd Functions fused_layers.decoder_layer applies
-    kernels = {
-        "train_layer": lambda x, w: fused_layers.decoder_layer(x, w, rope, mask, s.qpg, s.d,
-                                                               s.eps, None),
-        "train_rms_norm": lambda x, w: fused_layers.rms_norm(x, w["input_norm"], s.eps),
-        "train_attention": lambda x, w: fused_layers._Attention.apply(
-            x, w["qkv"], w["o_proj"], cos, sin, mask, s.qpg),
-        "train_mlp": lambda x, w: fused_layers._MLP.apply(x, w["gate_up"], w["down_proj"]),
-    }
-    refs = {"train_layer": (ref_layer, tuple(w)), "train_rms_norm": (ref_norm, sub["norm"]),
-            "train_attention": (ref_attn, sub["attn"]), "train_mlp": (ref_mlp, sub["mlp"])}
-    rows = []
-    for op, (ref, keys) in refs.items():
-        ws = {k: w[k] for k in keys}
-        fns = {"fused": train_step(kernels[op], x, ws, dy),
-               "eager": train_step(ref, x, ws, dy),
-               "compiled": train_step(compiled(ref), x, ws, dy)}
-        rows += measure(op, fns, repeat, {"fused": "kernel"})
+    fns = {"kernel": train_step(kernel_norm, x, norm, dy),
+           "eager": train_step(ref_norm, x, norm, dy),
+           "compiled": train_step(compiled(ref_norm), x, norm, dy)}
+    rows = measure("train_rms_norm", fns, repeat, {"kernel": "kernel"})
     for op, ref in (("train_layer", ref_layer), ("train_attention", ref_attn)):
-        keys = tuple(wb) if op == "train_layer" else sub["attn"] + ("qkv_bias",)
+        keys = tuple(wb) if op == "train_layer" else ("qkv", "o_proj", "qkv_bias")
         ws = {k: wb[k] for k in keys}
         fns = {"eager": train_step(ref, x, ws, dy), "compiled": train_step(compiled(ref), x,
                                                                            ws, dy)}
@@ -286,17 +273,11 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     rope = rope_tables(position_ids_from_mask(mask), s.d, s.theta)
     attn = causal_mask(mask, n, p)
     x = torch.randn(n, p, s.h, generator=gen)
-    for bias, stage in stages.items():
-        paths = {"eager": LAYER_PATHS["python"].build(stage)}
-        if not bias:
-            paths["fused_blocks"] = LAYER_PATHS["fused_blocks"].build(stage)
-        fns = {name: stage_step(path.forward, KVCache(s.layers, n, p, s.g, s.d, torch.float32),
-                                x, rope, attn, 0, p) for name, path in paths.items()}
-        fns["compiled"] = stage_step(compiled(paths["eager"].forward),
-                                     KVCache(s.layers, n, p, s.g, s.d, torch.float32),
-                                     x, rope, attn, 0, p)
-        rows += measure("prefill" + ("+bias" if bias else ""), fns, repeat,
-                        {"fused_blocks": "kernel"})
+    eager = LAYER_PATHS["python"].build(stages[True])  # every prefill runs the Python layers
+    fns = {name: stage_step(forward, KVCache(s.layers, n, p, s.g, s.d, torch.float32), x, rope,
+                            attn, 0, p)
+           for name, forward in (("eager", eager.forward), ("compiled", compiled(eager.forward)))}
+    rows += measure("prefill+bias", fns, repeat, {})
     # decode: one token per row after a cache of P + R/2 positions
     c = p + r // 2
     for batch in DECODE_BATCHES:
@@ -333,9 +314,9 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
 # ------------------------------------------------------------------------------ the run
 
 def run(shape: BenchShape, repeat: int) -> dict:
-    from engine import fused_layers
+    from engine.forward_paths import kernels_available
 
-    if not fused_layers.available(torch.float32, ()):
+    if not kernels_available(torch.float32, ()):
         raise ValueError("the engine._kernels extension is not built (python setup.py "
                          "build_ext --inplace, or make setup)")
     s, gen = Sizes.of(shape), torch.Generator().manual_seed(0)

@@ -208,8 +208,7 @@ def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
             "compiled_head": inductor.enabled(),
             "sequences": seqs, "micro_batch": micro_batch, "seq": seq,
             "head_from": head_from, "flops_per_step": flops, "flops_per_token": flops / seqs / seq,
-            "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"],
-            "fused_layers": model.uses_fused_layers(seq)}
+            "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"]}
 
 
 def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int) -> dict:

@@ -15,33 +15,31 @@ KV cache at ``[cache.length, cache.length + S)`` without advancing it:
     python         prefill, decode   engine.layers.decoder_layer per layer, keys and values by
                                      the cache's hook: the reference every other path is
                                      tested against (tests/test_decode_kernels.py)
-    fused_blocks   prefill           the C++ training blocks' forward (engine.fused_layers),
-                                     keys and values by the cache's sink; 2-D weights only
     kernel_stage   decode            engine._kernels.decode_layers: the whole stage in one
                                      call; no TP
     kernel_layers  decode            engine._kernels.decode_attention / decode_mlp per layer,
                                      the TP all-reduces between them
 
-The kernel paths read float32 layers only.  The fused blocks read plain Llama layers only; the
-decode kernels also read the q/k/v bias (``qkv_bias``: Qwen2), added after the qkv product and
-before RoPE as in :func:`engine.layers.attention_block`.  A layer with an o_proj bias or q/k
-norms (Qwen3, Llama ``attention_bias``) runs on the python path for every step; a Qwen2 layer
-decodes on the kernels and prefills on the python path.  A prefill step starts
-from an empty cache with the prompt (``S = P``); a decode step feeds one token per row
-(``S = 1``).  A path registers itself in :data:`LAYER_PATHS`, which the test
-against the reference reads.
+The kernel paths read float32 plain Llama layers (:data:`engine.llama_spec.LAYER_KEYS`) and
+the q/k/v bias (``qkv_bias``: Qwen2, :data:`DECODE_EXTRA_KEYS`), added after the qkv product
+and before RoPE as in :func:`engine.layers.attention_block`.  A layer with an o_proj bias or
+q/k norms (Qwen3, Llama ``attention_bias``) runs on the python path for every step.  Every
+prefill runs on the python path (a C++ prefill, the forward of fused training blocks, was
+deleted on 2026-11-23: 1.04x ``torch.compile`` of the python path at the ``small`` shape,
+bench/kernels_vs_compile.py).  A prefill step starts from an empty cache with the prompt
+(``S = P``); a decode step feeds one token per row (``S = 1``).  A path registers itself in
+:data:`LAYER_PATHS`, which the test against the reference reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
-from engine import fused_layers
 from engine.kv_cache import KVCache
 from engine.layers import decoder_layer
 from engine.llama_spec import LAYER_KEYS
@@ -110,12 +108,41 @@ def register_layer_path(cls: type[LayerPath]) -> type[LayerPath]:
     return cls
 
 
-def _kernels_for(stage: StageLayers, extra: tuple[str, ...] = ()) -> bool:
-    """Whether the kernels read the stage's layers: float32, the plain Llama weights plus the
-    optional ``extra`` keys (the fused blocks: none; the decode kernels:
-    :data:`engine.fused_layers.DECODE_EXTRA_KEYS`)."""
-    keys = {k for w in stage.weights for k in w}
-    return fused_layers.available(stage.dtype, keys - set(extra))
+# Layer keys the decode kernels read beyond engine.llama_spec.LAYER_KEYS.
+DECODE_EXTRA_KEYS = ("qkv_bias",)
+
+
+def _unread_keys(layer_keys: Iterable[str]) -> list[str]:
+    """The layer weights the decode kernels cannot read (o_proj bias, q/k norms)."""
+    return [k for k in layer_keys if k not in LAYER_KEYS and k not in DECODE_EXTRA_KEYS]
+
+
+def kernels_available(dtype: torch.dtype, layer_keys: Iterable[str]) -> bool:
+    """Whether the decode kernels can run layers of ``dtype`` with the weights ``layer_keys``:
+    extension built, float32, only :data:`engine.llama_spec.LAYER_KEYS` and
+    :data:`DECODE_EXTRA_KEYS`."""
+    return _kernels is not None and dtype == torch.float32 and not _unread_keys(layer_keys)
+
+
+def resolve_kernels(fused_decode: bool | None, dtype: torch.dtype,
+                    layer_keys: Iterable[str]) -> bool:
+    """Whether to decode layers of ``dtype`` with the weights ``layer_keys`` on the kernels
+    for the user's ``fused_decode`` (None: where :func:`kernels_available`); ValueError for
+    True where they cannot."""
+    layer_keys = tuple(layer_keys)
+    ok = kernels_available(dtype, layer_keys)
+    if fused_decode and not ok:
+        raise ValueError(f"fused_decode=True needs the engine._kernels extension, float32 and "
+                         f"plain Llama layers (dtype={dtype}, extension "
+                         f"{'present' if _kernels is not None else 'missing'}, weights the "
+                         f"kernels lack: {_unread_keys(layer_keys)}); use fused_decode=None or "
+                         f"False")
+    return ok if fused_decode is None else bool(fused_decode)
+
+
+def _kernels_for(stage: StageLayers) -> bool:
+    """Whether the decode kernels read the stage's layers (:func:`kernels_available`)."""
+    return kernels_available(stage.dtype, {k for w in stage.weights for k in w})
 
 
 def _qkv_biases(stage: StageLayers) -> tuple[torch.Tensor | None, ...]:
@@ -153,39 +180,6 @@ class PythonLayers:
 
 @register_layer_path
 @dataclass(frozen=True, eq=False)
-class FusedBlocks:
-    """Prefill by the fused training blocks' forward (:func:`engine.fused_layers.
-    decoder_layer`), which hands each layer's keys and values to the cache."""
-
-    name: ClassVar[str] = "fused_blocks"
-    steps: ClassVar[frozenset[str]] = frozenset({PREFILL})
-    stage: StageLayers
-    layers: tuple[Mapping[str, torch.Tensor], ...]
-    """``stage.weights`` with a stack of one row-parallel shard read as its matrix."""
-
-    @classmethod
-    def build(cls, stage: StageLayers) -> FusedBlocks | None:
-        """None without the kernels or for row-parallel weights stacked from several training
-        shards (``tp_g < tp``): the blocks read 2-D contiguous weights."""
-        if not _kernels_for(stage):
-            return None
-        layers = tuple({k: w[0] if w.dim() == 3 and w.shape[0] == 1 else w
-                        for k, w in ws.items()} for ws in stage.weights)
-        if not all(w.dim() <= 2 and w.is_contiguous() for ws in layers for w in ws.values()):
-            return None
-        return cls(stage, layers)
-
-    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
-                ) -> torch.Tensor:
-        s = self.stage
-        for j, w in enumerate(self.layers):
-            x = fused_layers.decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps,
-                                           s.tp_group, kv_sink=cache.sink(j))
-        return x
-
-
-@register_layer_path
-@dataclass(frozen=True, eq=False)
 class KernelStage:
     """Decode without TP: the whole stage in one :func:`engine._kernels.decode_layers` call, in
     which each intra-op thread takes its block of rows through every layer."""
@@ -201,7 +195,7 @@ class KernelStage:
 
     @classmethod
     def build(cls, stage: StageLayers) -> KernelStage | None:
-        if not _kernels_for(stage, fused_layers.DECODE_EXTRA_KEYS) or stage.tensor_parallel:
+        if not _kernels_for(stage) or stage.tensor_parallel:
             return None
         return cls(stage, tuple(w[k] for w in stage.weights for k in LAYER_KEYS),
                    _qkv_biases(stage))
@@ -227,7 +221,7 @@ class KernelLayers:
 
     @classmethod
     def build(cls, stage: StageLayers) -> KernelLayers | None:
-        return cls(stage) if _kernels_for(stage, fused_layers.DECODE_EXTRA_KEYS) else None
+        return cls(stage) if _kernels_for(stage) else None
 
     def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
                 ) -> torch.Tensor:
@@ -248,32 +242,24 @@ class ForwardPaths:
     """The layer paths of one weight version."""
 
     prefill: LayerPath
-    """Prompts of 2 to ``fused_layers.AUTO_MAX_SEQ`` tokens."""
-    long_prefill: LayerPath
-    """Wider prompts (the blocks' attention computes the whole S x S score matrix, where the
-    Python layers' CPU flash attention skips the masked half)."""
+    """Prompts of 2 tokens or more."""
     decode: LayerPath
     """One token per row; also a prompt of one token."""
 
     def for_prompt(self, width: int) -> LayerPath:
         """The path of the prefill of a ``width``-token prompt."""
-        if width == 1:
-            return self.decode
-        return self.prefill if width <= fused_layers.AUTO_MAX_SEQ else self.long_prefill
+        return self.decode if width == 1 else self.prefill
 
 
 def choose_paths(stage: StageLayers, kernels: bool) -> ForwardPaths:
     """The layer paths for ``stage``'s weights: the reference everywhere without ``kernels``;
-    with them, the kernels for decode steps and the fused blocks for prefills where the weights
-    allow them (see the module docstring)."""
+    with them, the kernels for decode steps (see the module docstring)."""
     python = PythonLayers.build(stage)
     if not kernels:
-        return ForwardPaths(prefill=python, long_prefill=python, decode=python)
+        return ForwardPaths(prefill=python, decode=python)
     decode = KernelLayers.build(stage) if stage.tensor_parallel else KernelStage.build(stage)
-    prefill = FusedBlocks.build(stage)
     assert decode is not None, "kernels requested where they are not available"
-    return ForwardPaths(prefill=python if prefill is None else prefill, long_prefill=python,
-                        decode=decode)
+    return ForwardPaths(prefill=python, decode=decode)
 
 
 # Stage boundaries ---------------------------------------------------------------------------

@@ -7,13 +7,9 @@ generation TP group for the collectives and the generation PP group for stages. 
 runs is chosen once (:mod:`engine.forward_paths`): the stage boundary when the engine is built,
 the layer paths when the weights are set.  Float32 Llama-style models without o_proj biases
 or q/k norms (Llama, Mistral, Qwen2 with its q/k/v biases; not Qwen3) run the decode steps
-through the C++ kernels of
-``engine._kernels`` (the whole stage in one call without TP, two calls per layer with it),
-reading the same views, and the prefill through the training blocks of
-:mod:`engine.fused_layers` (their forward, which also hands each layer's keys and values to
-the cache) when the layer's weights are 2-D (no stacked row-parallel weights, i.e. ``tp_g``
-equal to the training ``tp``) and the prompts are at most ``fused_layers.AUTO_MAX_SEQ`` tokens
-wide; every other step runs the Python layers, the reference the kernels are tested against.
+through the C++ kernels of ``engine._kernels`` (the whole stage in one call without TP, two
+calls per layer with it), reading the same views; the prefill and every other step run the
+Python layers, the reference the kernels are tested against.
 
 One call::
 
@@ -21,8 +17,9 @@ One call::
     output input_ids [B, P + N] = | pad..pad prompt | response pad..pad |
            attention_mask        = | 0 .. 0  1 .. 1  | 1 .. 1   0 .. 0   |
            log_probs [B, N]      log-prob of each response token under softmax(logits / T),
-                                 the sampled distribution before top-k/top-p (T = 1 when
-                                 greedy), 0 where masked
+                                 the sampled distribution before top-k/top-p and the
+                                 EOS mask of min_new_tokens (T = 1 when greedy), 0 where
+                                 masked
 
 Positions skip the left padding (``cumsum(mask) - 1``, as transformers).  With ``pp_g > 1``
 a step runs the stages one after the other (hidden states sent stage to stage over the
@@ -74,9 +71,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import fused_layers
 from engine.forward_paths import ForwardPaths, KernelLayers, KernelStage, LayerPath, \
-    PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths
+    PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, resolve_kernels
 from engine.kv_cache import KVCache, kv_cache_nbytes
 from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
@@ -140,7 +136,8 @@ class GenerationOutput:
     """``[B, P + N]`` int64, 1 for real tokens."""
     log_probs: torch.Tensor
     """``[B, N]`` float32 log-probs of the response tokens under ``softmax(logits / T)``
-    before top-k/top-p truncation (greedy: ``T = 1``); 0 where masked (:mod:`engine.sampling`)."""
+    before top-k/top-p truncation and the EOS mask of ``min_new_tokens`` (greedy: ``T = 1``);
+    0 where masked (:mod:`engine.sampling`)."""
     prompt_length: int
     """P."""
     stats: dict = field(default_factory=dict)
@@ -198,13 +195,11 @@ class GenerationEngine:
         config: architecture.
         groups: this rank's groups (``groups.layout`` gives ``pp_g``, ``tp_g`` and the
             training ``pp`` that names the head weight).
-        fused_decode: run the forward passes through the C++ kernels of ``engine._kernels``
-            instead of ~30 tensor ops per layer: the one-token decode steps (one call per step
-            without TP, two per layer with it) and the prefill (the fused blocks' forward, when
-            the weights are 2-D and plain: no biases); default: when the extension is built
-            and the model is float32 without o_proj biases or q/k norms.  False: every step
-            through the
-            Python layers.
+        fused_decode: run the one-token decode steps through the C++ kernels of
+            ``engine._kernels`` instead of ~30 tensor ops per layer (one call per step without
+            TP, two per layer with it); default: when the extension is built and the model is
+            float32 without o_proj biases or q/k norms.  False: every step through the Python
+            layers (the prefill always runs them).
         early_exit: drop finished rows from the running batch (see the module docstring);
             False computes every row until all have finished (same results, more work).
 
@@ -229,8 +224,7 @@ class GenerationEngine:
         self.head_name = head_weight_name(config, layout.train.pp)
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
-        self.fused_decode = fused_layers.resolve(fused_decode, config.dtype, config.layer_keys,
-                                                 "fused_decode", fused_layers.DECODE_EXTRA_KEYS)
+        self.fused_decode = resolve_kernels(fused_decode, config.dtype, config.layer_keys)
         self.early_exit = early_exit
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
@@ -239,6 +233,7 @@ class GenerationEngine:
         self.weights_version: int | None = None
         self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
         self.block_rows: int | None = None  # the decode kernels' row blocks (decode_rows)
+        self.head_kernel = None  # the kernels' small-M product, for the LM head of <= block_rows
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
@@ -264,10 +259,11 @@ class GenerationEngine:
             tp_group=self.tp_group, dtype=c.dtype)
         self.weights, self.weights_version = weights, version
         self.paths = choose_paths(stage, self.fused_decode)
-        self.block_rows = None
+        self.block_rows, self.head_kernel = None, None
         if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
             from engine import _kernels  # built: the kernel paths exist only then
             self.block_rows = _kernels.small_gemm_max_rows
+            self.head_kernel = _kernels.small_linear
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -278,7 +274,7 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version, self.paths = None, None, None
-        self.block_rows = None
+        self.block_rows, self.head_kernel = None, None
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
@@ -340,7 +336,7 @@ class GenerationEngine:
         steps = row_steps = compactions = 0
         for i in range(n_new):
             tok, lp = self._step(path, step_in, cache, (cos[:, start:end], sin[:, start:end]),
-                                 attn, sample)  # [R] each
+                                 attn, functools.partial(sample, step=i))  # [R] each
             steps, row_steps = steps + 1, row_steps + run.numel()
             live = alive[run]
             out_ids[run, i] = torch.where(live, tok, sampling.pad_token_id)
@@ -400,12 +396,20 @@ class GenerationEngine:
         return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
 
     def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor | None = None, step: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Last stage: the next token of every row from the last position of ``x [R, S, H]``
-        (``rows``: the running rows of the full batch, None = all)."""
+        (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
+        has produced, for ``sampling.min_new_tokens``)."""
         h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
-        logits = column_linear(h, self.weights[self.head_name], self.tp_group)  # [R, V/t_g]
-        return sample_next(logits, sampling, self.tp_group, generator, rows)
+        w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
+        if self.head_kernel is not None and h.shape[0] <= self.block_rows and w.stride(1) == 1:
+            # a few rows: the kernels' product reads the head in place on every intra-op
+            # thread (BLAS packs the whole [V/t_g, H] weight first: 2.4-3.9x slower at 1-4 rows)
+            logits = self.head_kernel(h.contiguous(), w)
+        else:
+            logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
+        return sample_next(logits, sampling, self.tp_group, generator, rows, step)
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

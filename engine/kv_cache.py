@@ -69,17 +69,6 @@ class KVCache:
 
         return append
 
-    def sink(self, layer: int):
-        """The ``kv_sink`` of local layer ``layer`` (:mod:`engine.fused_layers`): writes the
-        step's keys/values, given heads first ``[B, h_kv, S, D]``, at ``[length, length + S)``."""
-
-        def write(k: torch.Tensor, v: torch.Tensor) -> None:
-            end = self._end(k.shape[2])
-            self.k[layer, ..., self.length:end] = k.transpose(2, 3)
-            self.v[layer, :, :, self.length:end] = v
-
-        return write
-
     def _end(self, steps: int) -> int:
         """End of the ``steps`` positions a step writes from ``length`` (overflow raises)."""
         end = self.length + steps

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import fused_layers as fused
 from engine.layers import PackedSeqs, causal_mask, decoder_layer, position_ids_from_mask, \
     rms_norm, rope_tables
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
@@ -40,20 +39,11 @@ class ParallelLlama(nn.Module):
         head: ``"lm"`` (per-token log-probs and entropy) or ``"value"`` (per-token scalar).
         buffer: flat buffer to live in (must hold every spec of this rank); by default one is
             built from ``slot_specs(specs, groups.layout, groups.rank)``.
-        fused_layers: run the layers and the final norm as C++ blocks with hand-written
-            backward passes (:mod:`engine.fused_layers`); None = when available (extension
-            built, float32, no biases or q/k norms) for sequences of up to
-            ``fused_layers.AUTO_MAX_SEQ`` tokens, True = always, False = the Python layers of
-            :mod:`engine.layers`.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
-                 buffer: FlatParamBuffer | None = None,
-                 fused_layers: bool | None = None) -> None:
+                 buffer: FlatParamBuffer | None = None) -> None:
         super().__init__()
-        self.fused_layers = fused.resolve(fused_layers, config.dtype, config.layer_keys,
-                                          "fused_layers")
-        self.fused_max_seq = fused.AUTO_MAX_SEQ if fused_layers is None else None
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
         self.config, self.groups, self.head = config, groups, head
@@ -100,9 +90,8 @@ class ParallelLlama(nn.Module):
             position_ids: ``[B, S]``; default from the mask (or ``arange(S)``), or from
                 ``packed``.
             packed: the inputs are sequences packed on one row (``B = 1``, no
-                ``attention_mask``; :mod:`engine.micro_batches`): each attends only to itself.
-                The fused blocks read it as a block-diagonal mask (``T x T`` scores, so only
-                up to their length limit); the Python layers attend per sequence.
+                ``attention_mask``; :mod:`engine.micro_batches`): each attends only to itself
+                (one causal attention per sequence, :func:`engine.layers.attention`).
 
         Returns:
             Hidden states ``[B, S, H]`` (normalised on the last stage).
@@ -114,14 +103,13 @@ class ParallelLlama(nn.Module):
         if c.sliding_window is not None and longest > c.sliding_window:
             raise ValueError(f"sequence of {longest} tokens is longer than the model's "
                              f"sliding_window={c.sliding_window} (no windowed attention)")
-        use_fused = self.uses_fused_layers(seq)
         if packed is not None:
             if attention_mask is not None or batch != 1 or seq != packed.total:
                 raise ValueError(f"packed inputs are one row of {packed.total} tokens without "
                                  f"an attention_mask, got {tuple(inputs.shape)}")
             if position_ids is None:
                 position_ids = packed.position_ids()
-            mask = packed.block_causal_mask() if use_fused else packed
+            mask: torch.Tensor | PackedSeqs | None = packed
         else:
             if position_ids is None:
                 position_ids = (position_ids_from_mask(attention_mask)
@@ -131,18 +119,12 @@ class ParallelLlama(nn.Module):
         rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
-        layer = fused.decoder_layer if use_fused else decoder_layer
         for i in self.layer_ids:
-            x = layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
-                      c.rms_norm_eps, self.tp_group)
+            x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
+                              c.rms_norm_eps, self.tp_group)
         if self.is_last:
-            norm = fused.rms_norm if use_fused else rms_norm
-            x = norm(x, self.params["norm"], c.rms_norm_eps)
+            x = rms_norm(x, self.params["norm"], c.rms_norm_eps)
         return x
-
-    def uses_fused_layers(self, seq: int) -> bool:
-        """Whether :meth:`stage_forward` runs sequences of ``seq`` tokens on the fused blocks."""
-        return self.fused_layers and (self.fused_max_seq is None or seq <= self.fused_max_seq)
 
     def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the last stage: ``[B, S, H]`` -> this rank's vocab slice ``[B, S, V/t]``."""

@@ -70,8 +70,7 @@ def run_layouts(rank: int, world_size: int, layouts: dict, folder: str, ids: tor
         if model is None:
             continue
         r: dict = {"tp_rank": model.coords.tp, "dp_rank": model.coords.dp,
-                   "is_last": model.is_last,
-                   "fused_layers": model.fused_layers}
+                   "is_last": model.is_last}
         eng = TrainEngine(model, OPTIM)
         out = eng.forward([{"input_ids": ids}], with_logits=True, temperature=1.0)
         if model.is_last:

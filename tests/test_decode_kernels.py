@@ -1,5 +1,5 @@
 """The generation layer paths (:mod:`engine.forward_paths`: the C++ decode kernels of
-``engine._kernels``, the fused blocks' prefill) against the reference path, the Python layers of
+``engine._kernels``) against the reference path, the Python layers of
 :mod:`engine.layers` that the training model also runs: every registered path over the same
 prefill and decode steps, outputs and KV-cache contents.  The engine-level tests compare whole
 generations with the kernels on and off."""
@@ -78,16 +78,13 @@ def filled(cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_layer_path_matches_reference(name, stacked, qkv_bias, plen, threads):
     """Every registered layer path against the reference (the Python layers) over the same
     prefill and decode steps: outputs and KV-cache contents, with and without the q/k/v bias.
-    Where a path does not run a step (the fused blocks decode nothing, the kernels prefill one
-    token only), its cache takes the reference's for the next step."""
+    Where a path does not run a step (the kernels prefill one token only), its cache takes the
+    reference's for the next step."""
     gen = torch.Generator().manual_seed(stacked * 10 + plen + threads + 100 * qkv_bias)
     stage = stage_layers(gen, stacked, qkv_bias)
     path, ref = LAYER_PATHS[name].build(stage), REFERENCE.build(stage)
-    if path is None:  # declined: the engine then prefills on the reference path
-        # only the fused blocks decline: stacked shards or a bias (the decode kernels read both)
-        assert name == "fused_blocks" and (stacked == 2 or qkv_bias), \
-            f"{name} declined {stacked} shard(s), qkv_bias={qkv_bias}"
-        return
+    # every path reads stacked shards and the q/k/v bias
+    assert path is not None, f"{name} declined {stacked} shard(s), qkv_bias={qkv_bias}"
     mask, full_mask, cos, sin = setup_cache(gen, plen)
     keys_ok = full_mask.bool()[:, None, None, :]
     steps = [(torch.randn(B, plen, H, generator=gen), 0, plen, causal_mask(mask, B, plen))]
@@ -178,8 +175,8 @@ QWEN2 = LlamaConfig(**(CFG.__dict__ | {"qkv_bias": True, "model_type": "qwen2"})
 
 def test_qwen2_engine_decodes_on_kernels():
     """A model with q/k/v biases decodes on the kernel stage by default (its prompts prefill on
-    the Python layers: the fused blocks read no biases) and generates the greedy tokens of the
-    Python layers, log-probs to float rounding."""
+    the Python layers, as every model's) and generates the greedy tokens of the Python layers,
+    log-probs to float rounding."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     assert GenerationEngine(QWEN2, groups).fused_decode  # the default picks the kernels
     fused, python = engines(QWEN2)
@@ -217,6 +214,25 @@ def test_small_gemm_matches_float64(m, n, k):
     bound = (blas - ref).abs().max().item() * 2 + 1e-6 * max(1.0, ref.abs().max().item())
     assert (got.double() - ref).abs().max().item() <= bound
     assert torch.equal(_kernels.small_linear(x, w), got)  # deterministic
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 2048, 384), (32, 1152, 384), (4, 13, 1000)])
+def test_small_gemm_same_bits_on_any_thread_count(m, n, k):
+    """The threads split the weight rows: every output is the same sum on 1 or 2 threads
+    (sizes above and below the kernel's per-thread work floor)."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _kernels.small_linear(x, w)
+        torch.set_num_threads(2)
+        two = _kernels.small_linear(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two.double(), x.double() @ w.double().t(), rtol=0,
+                               atol=1e-4 * max(1.0, k ** 0.5))
 
 
 def test_decode_with_blas_products_agrees():

@@ -4,8 +4,8 @@ and the gradients of the padded fixed-micro-batch path.
 * the partitioner, by enumeration of every multiset of small lengths: every sequence exactly
   once, the budget respected, FFD's count within its proven bound of a brute-force optimum,
   any requested count in range honoured, LPT's loads within one sequence of each other;
-* the packing maps against direct loops, and the packed model against the padded one (Python
-  layers in float64: the same maths; fused blocks in float32);
+* the packing maps against direct loops, and the packed model against the padded one (float64:
+  the same maths; float32: within the rounding bound below), forward and one train step;
 * the real ActorWorker / CriticWorker (policy loss, value loss) with ``max_tokens`` against the
   same workers with fixed padded micro-batches, on one process and on 2 DP gloo ranks.
 
@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from engine.layers import PackedSeqs, position_ids_from_mask
+from engine.layers import PackedSeqs, attention, position_ids_from_mask
 from engine.micro_batches import (_lpt, count_micro_batches, first_fit_decreasing, pack_rows,
                                   partition_by_tokens)
 
@@ -162,11 +162,15 @@ def test_pack_rows_against_loops():
             if c >= 2:
                 want[r, c - 2] = x[r, c]
         assert torch.equal(back, want)
+        # attention per packed sequence = attention under the block-causal mask of a loop
         seq_of = [i for i, m in enumerate(mask) for _ in range(int(m.sum()))]
         t = len(real)
         block = torch.tensor([[seq_of[i] == seq_of[j] and j <= i for j in range(t)]
                               for i in range(t)])
-        assert torch.equal(p.seqs.block_causal_mask()[0, 0], block)
+        g = torch.Generator().manual_seed(t)
+        q, k, v = (torch.randn(1, t, h, 4, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        torch.testing.assert_close(attention(q, k, v, p.seqs),
+                                   attention(q, k, v, block[None, None]), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="no real token"):
         pack_rows(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="cu_seqlens"):
@@ -211,13 +215,13 @@ def _single_groups():
     return build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
 
 
-def _engine(head: str, dtype, fused: bool):
+def _engine(head: str, dtype):
     from engine.llama_spec import init_full_state_dict
     from engine.model import ParallelLlama, load_full_state_dict
     from engine.train import TrainEngine
 
     config = _config(dtype)
-    model = ParallelLlama(config, _single_groups(), head=head, fused_layers=fused)
+    model = ParallelLlama(config, _single_groups(), head=head)
     load_full_state_dict(model, init_full_state_dict(config, 0, head))
     return TrainEngine(model)
 
@@ -247,23 +251,21 @@ def test_packed_forward_equals_padded(head):
     mbs = [{"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}]
     sel = _predicted(head)
     outs = {}
-    for dtype, fused in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
-        eng = _engine(head, dtype, fused)
+    for dtype in (torch.float64, torch.float32):
+        eng = _engine(head, dtype)
         for packed in (False, True):
             o = eng.forward(mbs, with_logits=head == "lm", head_from=P - 1, temperature=0.7,
                             remove_padding=packed)[0]
-            outs[dtype, fused, packed] = o
-    for key in outs[torch.float64, False, False]:
-        want64 = outs[torch.float64, False, False][key]
-        packed64 = outs[torch.float64, False, True][key]
+            outs[dtype, packed] = o
+    for key in outs[torch.float64, False]:
+        want64 = outs[torch.float64, False][key]
+        packed64 = outs[torch.float64, True][key]
         s = sel if key != "logits" else _predicted("value")  # logits at every real position
         assert torch.equal(packed64[~s], torch.zeros_like(packed64[~s]))  # zeros off the mask
         scale = want64[s].abs().max().item()
         assert (packed64[s] - want64[s]).abs().max().item() <= 1e-12 * scale, key
-        for fused in (False, True):
-            _assert_float32_close(outs[torch.float32, fused, True][key][s],
-                                  outs[torch.float32, fused, False][key][s], want64[s],
-                                  f"{key} fused={fused}")
+        _assert_float32_close(outs[torch.float32, True][key][s],
+                              outs[torch.float32, False][key][s], want64[s], key)
 
 
 def _nll_step(eng, mbs, packed: bool):
@@ -283,25 +285,21 @@ def _nll_micro_batches(parts):
             for p in parts]
 
 
-def test_fused_blocks_train_step_packed():
-    """The fused blocks' backward through a block-diagonal mask: the packed step's loss and
-    gradient against the padded one (float32), float64 Python layers as the truth."""
-    from engine import fused_layers
-
-    if not fused_layers.available(torch.float32, fused_layers.LAYER_KEYS):
-        pytest.skip("engine._kernels not built")
+def test_packed_train_step_equals_padded():
+    """The packed step's loss and gradient (dynamic micro-batches) against the padded fixed
+    micro-batches' in float32, the padded float64 step as the truth."""
     fixed = _nll_micro_batches([list(range(i, i + 2)) for i in range(0, B, 2)])
-    want64 = _nll_step(_engine("lm", torch.float64, False), fixed, False)
-    want32 = _nll_step(_engine("lm", torch.float32, True), fixed, False)
+    want64 = _nll_step(_engine("lm", torch.float64), fixed, False)
+    want32 = _nll_step(_engine("lm", torch.float32), fixed, False)
     lengths = _rollout()["attention_mask"].sum(1).tolist()
     dynamic = _nll_micro_batches(partition_by_tokens(lengths, BUDGET))
-    got32 = _nll_step(_engine("lm", torch.float32, True), dynamic, True)
+    got32 = _nll_step(_engine("lm", torch.float32), dynamic, True)
     for i, what in enumerate(("loss", "gradient")):
         _assert_float32_close(got32[i], want32[i], want64[i], what)
 
 
 def test_packed_stage_rejects_a_padded_batch():
-    eng = _engine("lm", torch.float32, False)
+    eng = _engine("lm", torch.float32)
     seqs = PackedSeqs((0, 2, 5))
     with pytest.raises(ValueError, match="one row of 5 tokens"):
         eng.model.stage_forward(torch.zeros(2, 5, dtype=torch.long), packed=seqs)
@@ -446,7 +444,7 @@ def pp2_tp2_packed(rank: int, world_size: int) -> dict:
         for dtype in (torch.float32, torch.float64):
             config = _config(dtype)
             for packed in (False, True):  # a fresh engine each: a step moves the weights
-                model = ParallelLlama(config, groups, fused_layers=False)
+                model = ParallelLlama(config, groups)
                 load_full_state_dict(model, init_full_state_dict(config, 0, "lm"))
                 out[pp, dtype, packed] = _nll_step(TrainEngine(model), dynamic, packed)
     return out

@@ -121,10 +121,10 @@ def test_generation_layouts_match_single_process(pool4, references, train, gen):
         assert torch.equal(got_mask, ref.attention_mask)
         torch.testing.assert_close(got_lp, ref.log_probs, atol=2e-5, rtol=0)
         assert r["stats"]["weights_version"] == 1
-        # kernels: one call per decode step without TP, two per layer with it; the fused
-        # blocks' prefill only where the row-parallel weights are 2-D (tp_g == tp)
-        assert r["paths"] == ("fused_blocks" if gen[1] == train[1] else "python",
-                              "kernel_layers" if gen[1] > 1 else "kernel_stage"), r["paths"]
+        # kernels: one call per decode step without TP, two per layer with it; the prefill on
+        # the Python layers
+        assert r["paths"] == ("python", "kernel_layers" if gen[1] > 1 else "kernel_stage"), \
+            r["paths"]
     # each generation stage holds exactly its layers; the stages cover the model
     stages = {tuple(r["layers"]) for r in results[:world]}
     assert sorted(i for s in stages for i in s) == list(range(CFG.num_layers))

@@ -20,7 +20,9 @@ import os
 import pytest
 import torch
 
-from engine import fused_layers
+from engine import forward_paths
+from engine.forward_paths import kernels_available
+from engine.generation import GenerationEngine
 from engine.hf_interop import config_from_hf, config_to_hf, load_hf_checkpoint, \
     read_hf_config, read_hf_head
 from engine.hf_shards import hf_reads, hf_shapes, shard_parts
@@ -39,8 +41,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 FAMILIES = ["llama3", "qwen2_tied", "qwen3", "mistral"]
-PLAIN = {"llama3", "mistral"}  # no biases or q/k norms: every C++ kernel runs them
-KERNEL_DECODE = PLAIN | {"qwen2_tied"}  # q/k/v biases: the decode kernels take them too
+# the families the C++ decode kernels run: no biases or q/k norms, or q/k/v biases only
+KERNEL_DECODE = {"llama3", "mistral", "qwen2_tied"}
 
 
 def hf_config(name: str):
@@ -251,7 +253,6 @@ def test_family_matches_transformers(pool2, cases, name, tmp_path):
         for layout, res in r.items():
             results.setdefault(layout, {})[rank] = res
     results["single"] = {0: results["single"]}
-    plain = name in PLAIN
     ref_weights = load_file(os.path.join(tmp_path, "single", "model.safetensors"))
     for layout, ranks in results.items():
         last = sorted((r for r in ranks.values() if r["is_last"] and r["dp_rank"] == 0),
@@ -262,9 +263,7 @@ def test_family_matches_transformers(pool2, cases, name, tmp_path):
         for rank, r in ranks.items():
             assert torch.equal(r["tokens"], case["tokens"]), (name, layout, rank, r["tokens"],
                                                               case["tokens"])
-            assert r["fused_layers"] == plain
-            if not plain:  # the fused prefill reads plain layers only
-                assert r["paths"][0] == "python", (layout, r["paths"])
+            assert r["paths"][0] == "python", (layout, r["paths"])  # every prefill
             kernels = ("kernel_stage", "kernel_layers")
             assert r["paths"][1] in (kernels if name in KERNEL_DECODE else ("python",)), \
                 (layout, r["paths"])
@@ -300,15 +299,16 @@ def test_llama3_scaling_changes_the_logits(cases):
     assert (logits[0]["logits"] - case["logits"]).abs().max() > 1e-2
 
 
-def test_kernels_decline_biases_and_qk_norm(cases):
+def test_decode_kernels_decline_o_bias_and_qk_norm(cases):
     model = single_model(cases("qwen3")["folder"])
-    assert not model.fused_layers
-    assert not fused_layers.available(torch.float32, model.config.layer_keys)
-    with pytest.raises(ValueError, match="kernels lack: \\['qkv_bias', 'q_norm', 'k_norm', "
-                                         "'o_proj_bias'\\]"):
-        single_model(cases("qwen3")["folder"], fused_layers=True)
-    plain = single_model(cases("llama3")["folder"])
-    assert plain.fused_layers == fused_layers.available(torch.float32, plain.config.layer_keys)
+    assert not kernels_available(torch.float32, model.config.layer_keys)
+    assert not GenerationEngine(model.config, model.groups).fused_decode
+    with pytest.raises(ValueError, match="kernels lack: \\['q_norm', 'k_norm', 'o_proj_bias'\\]"):
+        GenerationEngine(model.config, model.groups, fused_decode=True)
+    built = forward_paths._kernels is not None
+    for name in ("llama3", "qwen2_tied"):  # q/k/v biases: read by the decode kernels
+        cfg = single_model(cases(name)["folder"]).config
+        assert kernels_available(torch.float32, cfg.layer_keys) == built
 
 
 # Value heads --------------------------------------------------------------------------------

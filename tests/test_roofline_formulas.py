@@ -35,7 +35,7 @@ MINI = {"qwen2-untied": BASE,
 def build(shape: BenchShape) -> ParallelLlama:
     cfg = shape.llama_config()
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    model = ParallelLlama(cfg, groups, fused_layers=False)
+    model = ParallelLlama(cfg, groups)
     load_full_state_dict(model, init_full_state_dict(cfg, seed=0))
     return model
 

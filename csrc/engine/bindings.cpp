@@ -2,13 +2,13 @@
 #include <torch/extension.h>
 
 #include "decode_layer.h"
+#include "rms_norm.h"
 #include "small_gemm.h"
-#include "train_blocks.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
       "CPU float32 kernels of the engine: the decode step (a Llama layer in one or two calls) "
-      "and the training blocks of a layer with hand-written backward passes";
+      "and RMSNorm with a hand-written backward pass";
   m.def("decode_attention", &hybridflow::decode_attention, py::arg("x"), py::arg("norm_weight"),
         py::arg("eps"), py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"),
         py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"),
@@ -34,21 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pos"), py::arg("key_mask"), py::arg("q_per_group"),
         py::arg("qkv_biases") = std::vector<std::optional<at::Tensor>>{},
         py::call_guard<py::gil_scoped_release>());
-  // Training blocks (train_blocks.h); the GIL is released like the decode kernels'.
+  // RMSNorm (rms_norm.h), training and the final norm; the GIL is released like the decode
+  // kernels'.
   m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm_backward", &hybridflow::rms_norm_backward, py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("rstd"), py::call_guard<py::gil_scoped_release>());
-  m.def("attention_forward", &hybridflow::attention_forward, py::arg("a"),
-        py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"), py::arg("sin"),
-        py::arg("mask"), py::arg("q_per_group"), py::call_guard<py::gil_scoped_release>());
-  m.def("attention_backward", &hybridflow::attention_backward, py::arg("dy"), py::arg("a"),
-        py::arg("qkv_weight"), py::arg("o_weight"), py::arg("cos"), py::arg("sin"),
-        py::arg("saved"), py::call_guard<py::gil_scoped_release>());
-  m.def("mlp_forward", &hybridflow::mlp_forward, py::arg("b"), py::arg("gate_up_weight"),
-        py::arg("down_weight"), py::call_guard<py::gil_scoped_release>());
-  m.def("mlp_backward", &hybridflow::mlp_backward, py::arg("dz"), py::arg("b"),
-        py::arg("gate_up_weight"), py::arg("down_weight"), py::arg("gate_up"), py::arg("sig"),
-        py::arg("act"),
-        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,5 +1,5 @@
-// Pieces the decode kernels (decode_layer.cpp) and the training blocks (train_blocks.cpp)
-// share: the float32 CPU argument check and RoPE of one head's row.
+// Pieces of the engine's kernels: the float32 CPU argument check (decode_layer.cpp,
+// rms_norm.cpp) and RoPE of one head's row (decode_layer.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

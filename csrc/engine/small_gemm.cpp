@@ -7,6 +7,9 @@
 // attribute); everything else keeps ATen's separate multiply and add.
 #include "small_gemm.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace hybridflow {
@@ -14,6 +17,10 @@ namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 8;
+constexpr int64_t kPanel = 4;  // weight rows per register block
+// Fewest multiply-adds a thread takes (a few microseconds of work; at one row of x, 256 KiB of
+// weights): below it one thread runs alone.
+constexpr int64_t kMinMultiplyAdds = 1 << 16;
 
 inline __attribute__((always_inline)) v8 load(const float* p) {
   v8 v;
@@ -77,7 +84,6 @@ __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"),
                optimize("fp-contract=fast")))
 void gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
           int64_t m, int64_t n, int64_t k, bool accumulate) {
-  constexpr int64_t kPanel = 4;
   for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
     const int64_t nb = std::min(kPanel, n - j0);
     int64_t i = 0;
@@ -104,8 +110,19 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
               w.sizes(), ", ", y.sizes());
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1,
               "small_linear: rows of x, w and y need unit inner stride");
-  gemm(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), y.data_ptr<float>(),
-       y.stride(0), x.size(0), w.size(0), x.size(1), accumulate);
+  // Threads split the weight rows (whole panels of kPanel): every output is the same sum
+  // whichever thread computes it, so the result does not depend on the thread count.
+  const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, kMinMultiplyAdds / std::max<int64_t>(1, kPanel * k * m));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    const int64_t j0 = begin * kPanel, j1 = std::min(n, end * kPanel);
+    gemm(xp, ldx, wp + j0 * ldw, ldw, yp + j0, ldy, m, j1 - j0, k, accumulate);
+  });
 }
 
 }  // namespace hybridflow

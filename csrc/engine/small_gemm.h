@@ -1,4 +1,4 @@
-// y = x @ w.T for the few rows of a decode step, float32, CPU, one thread.
+// y = x @ w.T for the few rows of a decode step, float32, CPU, the intra-op threads.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,7 +11,8 @@ namespace hybridflow {
 constexpr int64_t kSmallGemmMaxRows = 32;
 
 // y [M, N] = x [M, K] @ w [N, K].T, or y += ... when accumulate; rows of x, w and y need unit
-// inner stride (any row stride).  Runs on the calling thread.  Each output is the sum of 8
+// inner stride (any row stride).  The intra-op threads (at::parallel_for) split the rows of w
+// (inside a parallel region: the calling thread alone).  Each output is the sum of 8
 // lanes accumulated with fused multiply-adds over K, then added in a fixed order: the same
 // result on every run of one machine (a CPU without FMA runs the plain clone and rounds
 // differently).
