@@ -12,8 +12,9 @@ downloaded), addition prompts of 8 tokens, responses up to 6 tokens, exact-match
 ``--shape small`` (bench/shapes.py): a seeded Qwen2-style model of 12.6M parameters with an
 8,192-token BPE built here, prompts of exactly 64 tokens cut from the bench corpus (a JSONL
 file our runtime reads through ``data.train_files``), responses of exactly 128 tokens on both
-sides (EOS unreachable by construction, checked) and a word-list reward computed by the same
-function on both sides (bench/e2e_small.py).  Both shapes: 16 prompts x 4 samples by default
+sides (EOS masked until then: ``data.min_new_tokens`` for ours, HF's ``min_new_tokens`` in
+TRL's ``generation_kwargs``; checked) and a word-list reward computed by the same function on
+both sides (bench/e2e_small.py).  Both shapes: 16 prompts x 4 samples by default
 (the shape's row), temperature 1, KL to a reference model as a loss (k3, coefficient 0.01),
 fp32, constant lr, one optimizer step per iteration, the rollout's own log-probs as the old
 policy's (TRL takes them from its loss forward), and the same cores: ours as ``--nproc``
@@ -65,7 +66,7 @@ class Contest:
         shape: the ``--shape`` name.
         folder: HF checkpoint folder with its tokenizer.
         prompt_len / response_len: tokens per prompt (at most) and per response (at most;
-            exactly, for ``small``).
+            exactly, for ``small``: both sides get min-new-tokens = response_len).
         prompts_file: JSONL of prompts (``small``); None = the built-in addition task.
     """
 
@@ -164,6 +165,8 @@ def ours(c: Contest, nproc: int, steps: int, work: str, tp: int, prompts: int,
     if c.prompts_file is not None:
         args += [f"data.train_files={c.prompts_file}", "reward.kind=function",
                  f"reward.function={REWARD_FILE}:compute_score"]
+    if c.exact_lengths:
+        args.append(f"data.min_new_tokens={c.response_len}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "rlhf.train", *args]
     subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
@@ -251,6 +254,8 @@ def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
 
     timer = StepTimer()
     extra = {} if c.shape == "tiny" else {"gradient_checkpointing": False}
+    if c.exact_lengths:  # HF generate's MinNewTokensLengthLogitsProcessor, as ours
+        extra["generation_kwargs"] = {"min_new_tokens": c.response_len}
     args = GRPOConfig(output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True,
                       per_device_train_batch_size=prompts * samples, num_generations=samples,
                       max_completion_length=c.response_len, beta=KL_COEF, learning_rate=LR,

@@ -5,20 +5,16 @@ compute with the same function.
     folder/                    make_small_model(folder, shape)
       config.json              Qwen2ForCausalLM of the shape (bos/eos/pad ids of the tokenizer)
       generation_config.json
-      model.safetensors        init_full_state_dict(seed) + the EOS row below
+      model.safetensors        init_full_state_dict(seed)
       tokenizer*.json          build_bpe_tokenizer(folder, shape.vocab)
     prompts.jsonl              write_prompts(...): {"prompt": text, "ground_truth": ""}
 
-Responses of exactly ``shape.response_len`` tokens on both sides: our runtime has no
-ignore-EOS / min-new-tokens option, so the weights make EOS unreachable instead, the same for
-both contenders (same weights, same stopping rule, no logits processor on either side).  The
-embedding is tied, so a token's logit is ``<norm(h), E[token]>``: every row but EOS's gets
-``+EOS_SHIFT`` on coordinate 0 and EOS's row gets ``-EOS_SHIFT``.  The residual stream then
-carries a positive coordinate 0 at every position (each layer adds noise far below the
-shift), the shift is common to every other logit (softmax ignores it), and EOS sits about
-``2 * EOS_SHIFT * norm(h)_0`` (~40 nats at init) below the rest.  Prompts never contain EOS,
-so its row is never an input.  The few optimizer steps of a bench run (lr 1e-4) move the
-weights by ~1e-3.  The bench checks that every response has the full length on both sides.
+Responses of exactly ``shape.response_len`` tokens on both sides: bench/e2e.py gives both
+contenders min-new-tokens = ``shape.response_len`` (ours ``data.min_new_tokens``, TRL
+``GRPOConfig(generation_kwargs={"min_new_tokens": ...})``, i.e. HF's
+``MinNewTokensLengthLogitsProcessor``): EOS is masked at every step, the same rule on both
+sides, and the seeded weights are used as they are.  The bench checks that every response has
+the full length on both sides.
 
 This file is also loaded by our runtime as ``reward.function=bench/e2e_small.py:compute_score``
 (each rank imports it as a file), so its top level imports only the standard library.
@@ -33,7 +29,6 @@ import sys
 from functools import lru_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EOS_SHIFT = 3.0
 DATA_SOURCE = "bench_small"
 _WORD = re.compile(r"[A-Za-z]+")
 
@@ -74,7 +69,7 @@ def trl_reward(completions, **_) -> list[float]:
 
 def make_small_model(folder: str, shape, seed: int = 0):
     """Seeded weights of ``shape`` (a :class:`bench.shapes.BenchShape`) as a transformers
-    checkpoint folder with its BPE tokenizer; EOS made unreachable (module docstring).
+    checkpoint folder with its BPE tokenizer.
 
     Returns:
         The tokenizer both contenders use: ``AutoTokenizer.from_pretrained(folder)``.  With a
@@ -89,16 +84,10 @@ def make_small_model(folder: str, shape, seed: int = 0):
     from engine.hf_interop import SINGLE_FILE, config_to_hf, full_to_hf_state_dict
     from engine.llama_spec import init_full_state_dict, llama_shard_specs
 
-    if not shape.tied:
-        raise ValueError(f"shape={shape.name!r} has an untied head; the EOS construction "
-                         f"needs tied embeddings")
     tok = build_bpe_tokenizer(folder, shape.vocab)
     config = shape.llama_config()
     hf_state = full_to_hf_state_dict(init_full_state_dict(config, seed=seed),
                                      llama_shard_specs(config, 1))
-    embed = hf_state["model.embed_tokens.weight"]  # [V, H]
-    embed[:, 0] = EOS_SHIFT
-    embed[tok.eos_token_id, 0] = -EOS_SHIFT
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
     hf = config_to_hf(config)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.e2e import median_phases, run
-from bench.e2e_small import (EOS_SHIFT, compute_score, exact_length_prompts, make_small_model,
+from bench.e2e_small import (compute_score, exact_length_prompts, make_small_model,
                              read_prompts, trl_reward, word_fraction, write_prompts)
 from bench.shapes import bench_corpus, get_shape
 
@@ -48,29 +48,29 @@ def test_checkpoint_is_the_shape_in_transformers_and_in_our_engine(small):
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-def test_eos_is_out_of_reach_and_the_rest_is_the_seeded_model(small):
-    """EOS's log-prob along prompts and sampled continuations is far below any sampling
-    chance, while the other logits keep their spread (the shift is common to all of them)."""
+def test_weights_are_the_seeded_model_and_min_new_tokens_keeps_full_length(small):
+    """The checkpoint is ``init_full_state_dict(seed=0)`` unedited; HF's ``min_new_tokens``
+    (what TRL gets) keeps EOS out of sampled responses of the full length."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from engine.hf_interop import SINGLE_FILE, full_to_hf_state_dict
+    from engine.llama_spec import init_full_state_dict, llama_shard_specs
+
     folder, tok = small
+    config = SHAPE.llama_config()
+    want = full_to_hf_state_dict(init_full_state_dict(config, seed=0),
+                                 llama_shard_specs(config, 1))
+    got = load_file(f"{folder}/{SINGLE_FILE}")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
-    embed = hf.get_input_embeddings().weight
-    eos = tok.eos_token_id
-    rest = torch.ones(embed.shape[0], dtype=torch.bool)
-    rest[eos] = False
-    assert embed[eos, 0] == -EOS_SHIFT and bool((embed[rest, 0] == EOS_SHIFT).all())
-    prompts = exact_length_prompts(tok, 64, 4)
-    enc = tok(prompts, return_tensors="pt")
+    enc = tok(exact_length_prompts(tok, 64, 4), return_tensors="pt")
     torch.manual_seed(0)
     with torch.no_grad():
         out = hf.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                          max_new_tokens=24, eos_token_id=None, pad_token_id=tok.pad_token_id)
-        logp = hf(out).logits.log_softmax(-1)
-    assert not bool((out[:, 64:] == eos).any())
-    assert float(logp[..., eos].max()) < -30.0
-    others = torch.cat([logp[..., :eos], logp[..., eos + 1:]], -1)
-    assert float(others.std(-1).min()) > 0.05  # not a flat distribution
+                          max_new_tokens=24, min_new_tokens=24, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+    assert out.shape[1] == 64 + 24 and not bool((out[:, 64:] == tok.eos_token_id).any())
 
 
 def test_prompts_are_exactly_prompt_len_for_both_readers(small, tmp_path):

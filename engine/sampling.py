@@ -7,7 +7,7 @@ What is gathered depends on the mode, so the full ``[B, V]`` logits move only wh
 distribution really needs the whole vocabulary:
 
     mode                          all-gathered per step (per row)          full logits?
-    greedy (temperature == 0)     (local max, local sum-exp, argmax id)    no
+    greedy (temperature == 0)     (local max, sum-exp, argmax and its id)  no
     top_k > 0                     k local candidates (value, id) + stats   no (exact: the
                                                                            global top-k is
                                                                            among them)
@@ -24,6 +24,18 @@ and training can be compared token by token.  Greedy (``temperature == 0``) has 
 distribution; its log-probs are the model's, ``log_softmax(logits)`` at temperature 1.
 Every sampling mode divides the logits by the temperature once, first (which keeps their
 order, so what each mode gathers and selects is unchanged).
+
+``min_new_tokens`` (HF ``generate(min_new_tokens=)``, vLLM ``SamplingParams.min_tokens``):
+while a row has produced fewer tokens, the EOS logit is set to -inf before any other
+processing (before top-k/top-p, as in HF's ``MinNewTokensLengthLogitsProcessor``), so the
+token is drawn from the distribution renormalised over the rest (greedy: the argmax of the
+rest).  Only the rank whose vocabulary slice holds EOS masks it, in the logits it selects
+from; the normaliser is gathered from the unmasked ones.  Like top-k/top-p it is a
+truncation of the support, so the returned log-probs stay those of the model's
+``softmax(logits / temperature)`` *without* the mask (what training recomputes, so the PPO
+ratio still starts at 1; under the masked distribution the sampled token's log-prob is
+larger by ``-log(1 - p_eos)``).  HF's ``output_scores`` and vLLM's ``processed_logprobs``
+are of the masked distribution.
 """
 
 from __future__ import annotations
@@ -64,6 +76,11 @@ class SamplingParams:
     """Nucleus sampling: keep the smallest top set with probability mass >= top_p; in (0, 1]."""
     eos_token_id: int | None = None
     """A sequence ends after emitting this token (it is kept, with mask 1); None: never."""
+    min_new_tokens: int = 0
+    """EOS cannot be drawn before a row has this many tokens (its logit is -inf; the module
+    docstring says how this acts on the draw and on the log-probs); 0 = off, no effect
+    without ``eos_token_id``.  At most ``max_new_tokens``; a row's own, smaller limit
+    (``GenerationEngine.generate(max_new_tokens=)``) still ends it."""
     pad_token_id: int = 0
     """Written after a sequence has ended (mask 0)."""
     seed: int = 0
@@ -83,10 +100,19 @@ class SamplingParams:
         if self.pad_token_id < 0 or (self.eos_token_id is not None and self.eos_token_id < 0):
             raise ValueError(f"pad_token_id={self.pad_token_id} and eos_token_id="
                              f"{self.eos_token_id} must be >= 0")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) \
+                or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an int in "
+                             f"[0, max_new_tokens={self.max_new_tokens}] (0 = off)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def banned_token(self, step: int) -> int | None:
+        """The token that cannot be drawn at decode step ``step`` (= tokens each row has
+        produced before it): EOS while ``step < min_new_tokens``, else None."""
+        return self.eos_token_id if step < self.min_new_tokens else None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError unless the special token ids exist in the vocabulary."""
@@ -94,6 +120,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and value >= vocab_size:
                 raise ValueError(f"{name}={value} is outside the vocabulary of {vocab_size}")
+
+
+def _without(z: torch.Tensor, token: int | None, start: int) -> torch.Tensor:
+    """``z [B, V_slice]`` (vocabulary ids ``start, start + 1, ...``) with the column of
+    global id ``token`` at -inf: a copy when this slice holds it, else ``z`` itself."""
+    if token is None or not start <= token < start + z.shape[-1]:
+        return z
+    col = torch.tensor([token - start])
+    return z.index_fill(-1, col, float("-inf"))  # out of place: z may be the caller's logits
 
 
 def _all_gather(t: torch.Tensor, group: Group | None) -> torch.Tensor:
@@ -160,8 +195,8 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
 
 @torch.no_grad()
 def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | None,
-                generator: torch.Generator | None, rows: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                generator: torch.Generator | None, rows: torch.Tensor | None = None,
+                step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of every row from vocab-parallel logits.
 
     Args:
@@ -172,39 +207,45 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         rows: ``[B_full]`` bool or None (all rows): the logits' rows are the True rows of a
             batch of ``B_full``; the random draw is made for all ``B_full`` rows, so a row's
             token does not depend on which rows are still running (:func:`_draw`).
+        step: tokens every row has produced before this one (EOS is masked while it is below
+            ``params.min_new_tokens``).
 
     Returns:
         ``(tokens [B] int64, log_probs [B] float32)``, identical on every member; log-probs of
-        ``softmax(logits / temperature)`` before top-k/top-p truncation (temperature 1 when
-        greedy; see the module docstring).
+        ``softmax(logits / temperature)`` before the EOS mask and top-k/top-p truncation
+        (temperature 1 when greedy; see the module docstring).
     """
-    # z: the logits of the sampled distribution (greedy: the model's own)
+    # z: the logits of the sampled distribution (greedy: the model's own), which give the
+    # log-probs; zs: the ones the token is selected from (z, or z with EOS at -inf)
     z = logits.float() if params.greedy else logits.float() / params.temperature
     whole_vocab = group is None or group.pg is None
+    v_local = z.shape[-1]
+    start = (0 if group is None else group.rank) * v_local
+    zs = _without(z, params.banned_token(step), start)
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
-        pick = _draw(z, generator, rows)
+        pick = _draw(zs, generator, rows)
         lse = torch.logsumexp(z.double(), dim=-1)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
-    lmax, arg = z.max(dim=-1)  # first maximum = lowest vocabulary id
+    smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
     # top_k == 1 keeps one token, the most likely: greedy's choice, ties to the lowest id
     # (torch.topk's order among equal logits is unspecified), with no random draw
     argmax_only = params.greedy or params.top_k == 1
     if argmax_only and whole_vocab:
-        return arg, lmax - torch.logsumexp(z, dim=-1)
-    v_local = z.shape[-1]
-    start = (0 if group is None else group.rank) * v_local
+        return arg, smax - torch.logsumexp(z, dim=-1)
+    lmax = smax if zs is z else z.max(dim=-1).values
     lsum = torch.exp(z - lmax.unsqueeze(-1)).sum(dim=-1)
     if argmax_only:
-        packed = torch.stack([lmax.double(), lsum.double(), (arg + start).double()], dim=-1)
-        table = _all_gather(packed, group)  # [t, B, 3]
+        packed = torch.stack([lmax.double(), lsum.double(), smax.double(),
+                              (arg + start).double()], dim=-1)
+        table = _all_gather(packed, group)  # [t, B, 4]
         lse = _log_normaliser(table[..., 0], table[..., 1])
-        winner = table[..., 0].argmax(dim=0)  # first maximum = lowest vocabulary id
-        best = torch.gather(table, 0, winner.view(1, -1, 1).expand(1, -1, 3))[0]  # [B, 3]
-        return best[:, 2].long(), (best[:, 0] - lse).float()
+        winner = table[..., 2].argmax(dim=0)  # first maximum = lowest vocabulary id
+        best = torch.gather(table, 0, winner.view(1, -1, 1).expand(1, -1, 4))[0]  # [B, 4]
+        return best[:, 3].long(), (best[:, 2] - lse).float()
     if params.top_k > 0:
         k = min(params.top_k, v_local)
-        vals, idx = torch.topk(z, k, dim=-1)  # [B, k], sorted
+        vals, idx = torch.topk(zs, k, dim=-1)  # [B, k], sorted
         packed = torch.cat([vals.double(), (idx + start).double(), lmax.double().unsqueeze(-1),
                             lsum.double().unsqueeze(-1)], dim=-1)
         table = _all_gather(packed, group)  # [t, B, 2k+2]
@@ -216,6 +257,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     full = _all_gather(z, group).permute(1, 0, 2).flatten(1)  # [B, V]: documented full gather
     lse = torch.logsumexp(full.double(), dim=-1)
     ids = torch.arange(full.shape[-1]).expand_as(full)
-    chosen, chosen_z = _filter_and_sample(full, ids, params, generator, rows)
+    chosen, chosen_z = _filter_and_sample(_without(full, params.banned_token(step), 0), ids,
+                                          params, generator, rows)
     return chosen, (chosen_z.double() - lse).float()
-

@@ -33,10 +33,11 @@ plans the same buckets from the same full sizes, so the gathers line up.
 
 Log-probs: ours are of ``softmax(z / T)`` before top-k / top-p (:mod:`engine.sampling`).
 vLLM (V1) returns the raw model's by default; build the ``LLM`` with
-``logprobs_mode="processed_logprobs"`` (after temperature, and after top-k / top-p, so equal
-to ours when those are off) to use them as the old policy's, or keep
-``algo.recompute_log_prob=true`` (the default), which recomputes them with the training
-engine at the rollout temperature; ``actor/rollout_logprob_diff`` shows the gap either way.
+``logprobs_mode="processed_logprobs"`` (after temperature, and after top-k / top-p and the
+EOS mask of ``min_tokens``, so equal to ours when those are off) to use them as the old
+policy's, or keep ``algo.recompute_log_prob=true`` (the default), which recomputes them with
+the training engine at the rollout temperature; ``actor/rollout_logprob_diff`` shows the gap
+either way.
 
 Nothing here imports vllm at module import time, so the module loads on any machine.
 """
@@ -228,7 +229,7 @@ class VLLMRollout:
         vp = self.sampling_cls(
             max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_k=sampling.top_k, top_p=sampling.top_p,  # top_k 0 disables, in vLLM too
-            seed=sampling.seed, logprobs=0,
+            seed=sampling.seed, logprobs=0, min_tokens=sampling.min_new_tokens,
             stop_token_ids=[] if sampling.eos_token_id is None else [sampling.eos_token_id])
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in
                    zip(input_ids, mask)]

@@ -205,13 +205,15 @@ def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> Cr
                       value_key=keys[0], return_key=keys[1])
 
 
-def sampling_of(cfg: Config, step: int, tokenizer,
-                greedy: bool = False) -> SamplingParams:
+def sampling_of(cfg: Config, step: int, tokenizer, greedy: bool = False,
+                evaluation: bool = False) -> SamplingParams:
     """Rollout sampling of iteration ``step``: its own random stream, a pure function of the
-    run seed and the step (resumable; each generation replica derives its own from it)."""
+    run seed and the step (resumable; each generation replica derives its own from it).
+    ``evaluation``: for held-out prompts, without ``data.min_new_tokens``."""
     return SamplingParams(max_new_tokens=cfg.data.max_response_len,
                           temperature=0.0 if greedy else cfg.data.temperature,
                           eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
+                          min_new_tokens=0 if evaluation else cfg.data.min_new_tokens,
                           seed=derive_seed(cfg.seed, "rollout", step))
 
 

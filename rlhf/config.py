@@ -52,7 +52,7 @@ from typing import Any
 from engine.train import OptimConfig
 from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
 from rlhf.programs import algorithm, algorithm_names
-from rlhf.programs.common import ROLES, TRAINED_ROLES, critic_free, load_algorithm_module
+from rlhf.programs.common import ROLES, TRAINED_ROLES, load_algorithm_module
 
 PLACEMENTS = ("colocated", "split", "standalone", "disaggregated", "auto")
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -393,6 +393,10 @@ class DataConfig:
     """Generated tokens per response at most."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts."""
+    min_new_tokens: int = 0
+    """Rollouts cannot end (emit EOS) before this many tokens: HF ``min_new_tokens``, vLLM
+    ``min_tokens`` (engine.sampling); 0 = off.  Training rollouts only (ReMax's greedy
+    baseline included): evaluation (greedy and pass@k on held-out prompts) ignores it."""
     seed: int = 0
     """Seed of the prompt order and of the task's examples."""
 
@@ -406,6 +410,10 @@ class DataConfig:
                                         "data.max_digits": self.max_digits,
                                         "data.num_operands": self.num_operands})
         _seed("data.seed", self.seed)
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) \
+                or not 0 <= self.min_new_tokens <= self.max_response_len:
+            raise ValueError(f"data.min_new_tokens={self.min_new_tokens!r} must be an int in "
+                             f"[0, data.max_response_len={self.max_response_len}] (0 = off)")
         if self.val_size < 0:
             raise ValueError(f"data.val_size={self.val_size} must be >= 0 (0 = no evaluation)")
         _at_most(MAX_COUNT, **{"data.val_size": self.val_size})
@@ -789,18 +797,13 @@ class Config:
 
 
 def _check_async(cfg: Config) -> None:
-    """``algo.max_staleness`` and ``placement.mode=disaggregated`` agree with the algorithm."""
+    """``algo.max_staleness`` agrees with the placement (every registered algorithm runs
+    disaggregated: its program takes its rollouts from the rollout pool)."""
     a, mode = cfg.algo, cfg.placement.mode
     if a.max_staleness and mode != "disaggregated":
         raise ValueError(f"algo.max_staleness={a.max_staleness} needs placement.mode="
                          f"disaggregated (a {mode} run generates and trains on the same ranks, "
                          f"one after the other); set algo.max_staleness=0 or the placement")
-    if mode != "disaggregated":
-        return
-    if algorithm(a.name).program is not critic_free:
-        runs = sorted(n for n in algorithm_names() if algorithm(n).program is critic_free)
-        raise ValueError(f"placement.mode=disaggregated runs the critic-free algorithms {runs}; "
-                         f"algo={a.name} has its own program: use placement.mode=colocated")
     if a.max_staleness and a.tis_cap is None:
         raise ValueError(f"algo.max_staleness={a.max_staleness} trains on samples of older "
                          f"weights: set algo.tis_cap (the cap of the importance weight "
@@ -1027,5 +1030,11 @@ def _rollout_plan(config: Config, actor: RolePlan, pool: tuple[int, ...]) -> Rol
                          f"generation replicas (placement.pool_sizes.rollout={size} / (gen_pp="
                          f"{actor.gen_pp} x gen_tp={actor.gen_tp})); make prompts_per_iter x "
                          f"samples_per_prompt a multiple of {dp_g}")
+    prompts = config.data.prompts_per_iter
+    if algorithm(config.algo.name).greedy_baseline and prompts % dp_g:
+        raise ValueError(f"rollout pool: {config.algo.name}'s greedy baseline batch "
+                         f"prompts_per_iter={prompts} does not split over its {dp_g} generation "
+                         f"replicas (placement.pool_sizes.rollout={size}); use a multiple of "
+                         f"{dp_g}")
     return RolePlan(pool=pool, pp=actor.gen_pp, tp=actor.gen_tp, dp=dp_g, gen_pp=actor.gen_pp,
                     gen_tp=actor.gen_tp, grad_accum=0)

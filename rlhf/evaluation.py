@@ -68,12 +68,12 @@ class Evaluator:
         """Greedy responses (and ``eval_pass_k`` samples) to every validation prompt, scored;
         ``val/*`` metrics."""
         t0 = time.perf_counter()
-        greedy = sampling_of(self.cfg, step, self.tok, greedy=True)
+        greedy = sampling_of(self.cfg, step, self.tok, greedy=True, evaluation=True)
         s = self._correct(roles, greedy, 1)[:, 0]
         out = {"val/reward": float(s.mean()), "val/accuracy": float((s >= 1).float().mean())}
         k = self.cfg.eval_pass_k
         if k:
-            sampled = sampling_of(self.cfg, step, self.tok)
+            sampled = sampling_of(self.cfg, step, self.tok, evaluation=True)
             sampled = dataclasses.replace(sampled, seed=derive_seed(sampled.seed, "eval"))
             hits = (self._correct(roles, sampled, k) >= 1).any(dim=1)
             out["val/pass@k"] = float(hits.float().mean())
