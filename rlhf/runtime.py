@@ -32,7 +32,6 @@ from rlhf.config import Config, WorldPlan, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.programs import Iteration, Roles, algorithm
-from rlhf.programs.async_rl import async_critic_free
 from rlhf.task import PromptStream, read_dataset
 
 
@@ -165,11 +164,10 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     if resume_from:
         restore(roles, state, resume_from)
         print(f"[rlhf] resumed from {resume_from} at step {state.step}", flush=True)
-    if roles.rollout is not None:  # disaggregated: the rollout pool gets the actor's weights
-        roles.rollout.start(state.step)
+    roles.rollout.start(state.step)  # disaggregated: the rollout pool gets the actor's weights
     os.makedirs(run_dir, exist_ok=True)
     save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    program = algorithm(cfg.algo.name).program if roles.rollout is None else async_critic_free
+    program = algorithm(cfg.algo.name).program
     records = []
     logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
                            tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
@@ -180,6 +178,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         t0 = time.perf_counter()
         prompts = next_prompts(cfg, state, tok)
         batch, metrics = program(roles, prompts, iteration_of(cfg, state, tok, timer))
+        metrics |= roles.rollout.push()  # disaggregated: the new weights go to the rollout pool
         step_s = time.perf_counter() - t0
         ckpt.finish()  # the last save's files were written while this iteration ran
         tokens = int(batch["attention_mask"].sum())

@@ -8,12 +8,15 @@ drop of stale batches; the config checks.
 
 Multi-rank, one torchrun job of 4 ranks (2 training + 2 rollout) for the module: a staleness-1
 GRPO run learns and its samples are never older than allowed; a staleness-0 disaggregated run
-equals the synchronous run (actor and reference on their own 2 ranks each) bit for bit.  A
-rollout rank killed mid-run stops the job naming it.
+equals the synchronous run (actor and reference on their own 2 ranks each) bit for bit, for
+GRPO and for PPO (critic on its own 2 ranks); staleness-1 PPO, Safe-RLHF, ReMax and DAPO run
+their own programs within the bound, critics trained on the training pool.  A rollout rank
+killed mid-run stops the job naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,16 +24,19 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.sampling import SamplingParams
 from rlhf.algos import actor_loss, get_policy_loss, make_kl_controller
+from rlhf.builders import sampling_of, tokenizer_of
 from rlhf.config import AlgoConfig, PolicyLossConfig, load_config, validate_for_world
 from rlhf.controller import Batch
 from rlhf.metrics import PhaseTimer, read_metrics
 from rlhf.programs import Iteration, algorithm
+from rlhf.programs import algorithm_names
 from rlhf.programs.async_rl import RolloutPool
 from rlhf.programs.common import advantages
 
@@ -128,7 +134,7 @@ class _Rollout:
         return _Done([0.5, 0.25])
 
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> _Done:
-        self.log.append(("gen", sampling.seed))
+        self.log.append(("gen" if sampling.temperature > 0 else "greedy", sampling.seed))
         rows = len(prompts)
         return _Done(Batch({"weights_version": torch.full((rows,), self.version),
                             "seed": torch.full((rows,), sampling.seed)},
@@ -145,14 +151,20 @@ class _Actor:
 
 
 class _Stream:
-    """Prompt batches numbered in the order they are drawn."""
+    """Prompt batches numbered in the order they are drawn: 2 groups of 3 samples."""
 
     def __init__(self) -> None:
         self.draws = 0
 
     def __call__(self) -> Batch:
         self.draws += 1
-        return Batch({"x": torch.zeros(3)}, {"draw": [self.draws - 1] * 3})
+        return Batch({"x": torch.zeros(6)}, {"draw": [self.draws - 1] * 6,
+                                             "uid": [2 * self.draws + i // 3 for i in range(6)]})
+
+
+def _it(stream: _Stream) -> SimpleNamespace:
+    """What :meth:`RolloutPool.take` reads of an Iteration."""
+    return SimpleNamespace(more_prompts=stream)
 
 
 def _pipeline(k: int, iterations: int, first: int = 0):
@@ -172,7 +184,9 @@ def test_pipeline_versions_prompts_and_seeds(k):
     pool, log, stream = _pipeline(k, iterations)
     pool.start(0)
     for t in range(iterations):
-        batch, m = pool.take(stream(), stream)  # the runtime draws this iteration's prompts
+        ro = pool.take(stream(), _it(stream), greedy=False)  # the runtime draws the prompts
+        batch, m = ro.batch, ro.metrics
+        assert ro.greedy is None
         assert set(batch.non_tensors["draw"]) == {t}
         assert set(batch["seed"].tolist()) == {t}
         assert set(batch["weights_version"].tolist()) == {max(0, t - k)}
@@ -194,12 +208,13 @@ def test_pipeline_drops_a_stale_batch():
     the current weights (two pushes without a take make the one in flight 2 versions old)."""
     pool, log, stream = _pipeline(1, 5)
     pool.start(0)
-    batch, m = pool.take(stream(), stream)
+    m = pool.take(stream(), _it(stream), greedy=False).metrics
     assert m["rollout/dropped"] == 0
     pool.push()
     pool.push()
-    batch, m = pool.take(stream(), stream)
-    assert m["rollout/dropped"] == 3
+    ro = pool.take(stream(), _it(stream), greedy=False)
+    batch, m = ro.batch, ro.metrics
+    assert m["rollout/dropped"] == 6
     assert set(batch["weights_version"].tolist()) == {2} and m["rollout/staleness_max"] == 0
     assert set(batch.non_tensors["draw"]) == {1} and set(batch["seed"].tolist()) == {1}
 
@@ -208,12 +223,51 @@ def test_pipeline_resumes_at_a_step():
     pool, log, stream = _pipeline(1, 6)
     pool.start(4)
     assert log == [("push",), ("pull", 4)]
-    batch, m = pool.take(stream(), stream)
-    assert set(batch["seed"].tolist()) == {4} and m["rollout/staleness_max"] == 0
+    ro = pool.take(stream(), _it(stream), greedy=False)
+    assert set(ro.batch["seed"].tolist()) == {4} and ro.metrics["rollout/staleness_max"] == 0
     pool.push()
-    batch, m = pool.take(stream(), stream)
-    assert set(batch["seed"].tolist()) == {5} and m["rollout/staleness_max"] == 1
+    ro = pool.take(stream(), _it(stream), greedy=False)
+    assert set(ro.batch["seed"].tolist()) == {5} and ro.metrics["rollout/staleness_max"] == 1
     assert [e[1] for e in log if e[0] == "gen"] == [4, 5]  # nothing beyond the last step
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_pipeline_greedy_baseline_from_the_same_weights(k):
+    """ReMax on the pool: every sampled generation is followed at once by the greedy one of
+    its groups' first rows (step's seed, temperature 0), so both carry the same version, also
+    when a stale batch is generated again; refills sample with the newest version."""
+    pool, log, stream = _pipeline(k, 6)
+    pool.start(0)
+    for t in range(4):
+        ro = pool.take(stream(), _it(stream), greedy=True)
+        assert set(ro.batch["weights_version"].tolist()) == {max(0, t - k)}
+        assert ro.greedy["weights_version"].tolist() == [max(0, t - k)] * 2  # one per group
+        assert ro.greedy.non_tensors["draw"] == [t, t]
+        assert set(ro.greedy["seed"].tolist()) == {t}
+        more = pool.generate(_Stream()(), SamplingParams(max_new_tokens=1, temperature=1.0,
+                                                         seed=99))
+        assert set(more["weights_version"].tolist()) == {pool.version}
+        pool.push()
+    calls = [e for e in log if e[0] in ("gen", "greedy")]
+    sampled = [i for i, e in enumerate(calls) if e[0] == "gen" and e[1] != 99]
+    assert all(calls[i + 1] == ("greedy", calls[i][1]) for i in sampled)
+    # a stale batch: both calls again, back to back
+    pool.push()
+    pool.push()
+    n = len(log)
+    ro = pool.take(stream(), _it(stream), greedy=True)
+    assert ro.metrics["rollout/dropped"] == 6 and log[n:][-2:] == [("gen", 4), ("greedy", 4)]
+    assert set(ro.greedy["weights_version"].tolist()) == {pool.version}
+
+
+def test_pool_greedy_sampling_is_the_runs_greedy_sampling():
+    """The pool derives a step's greedy sampling as its rollout sampling at temperature 0:
+    what a colocated run's ``Iteration.greedy`` is (builders.sampling_of)."""
+    cfg = load_config(["algo=remax", "data.temperature=0.7"])
+    tok = tokenizer_of(cfg)
+    for step in (0, 5):
+        assert dataclasses.replace(sampling_of(cfg, step, tok), temperature=0.0) == \
+            sampling_of(cfg, step, tok, greedy=True)
 
 
 # Config checks --------------------------------------------------------------------------------
@@ -221,7 +275,10 @@ def test_pipeline_resumes_at_a_step():
     (["algo=grpo", "algo.max_staleness=1", "algo.tis_cap=2.0"], 4,
      "algo.max_staleness=1 needs placement.mode=disaggregated"),
     ([*DISAGG, "algo.max_staleness=2"], 4, "algo.max_staleness=2 .* set algo.tis_cap"),
-    ([*DISAGG[1:], "algo=ppo"], 4, "algo=ppo has its own program"),
+    ([*DISAGG[1:], "algo=remax", "placement.pool_sizes={actor: 2, rollout: 4}",
+      "data.prompts_per_iter=2", "data.samples_per_prompt=8"], 6,
+     "rollout pool: remax's greedy baseline batch prompts_per_iter=2 does not split over its "
+     "4 generation replicas"),
     (["algo=grpo", "algo.max_staleness=-1"], 4, "algo.max_staleness=-1 must be an int >= 0"),
     ([*DISAGG[:2], "placement.pool_sizes={actor: 2}"], 4,
      r"keys \['actor', 'rollout'\], got \{'actor': 2\}"),
@@ -234,6 +291,19 @@ def test_pipeline_resumes_at_a_step():
 def test_config_names_values_and_fix(args, world, match):
     with pytest.raises(ValueError, match=match):
         validate_for_world(load_config(args), world)
+
+
+@pytest.mark.parametrize("name", algorithm_names())
+def test_every_algorithm_runs_disaggregated(name):
+    """Each registered algorithm's own program takes its rollouts from the pool: every one
+    validates with staleness 1, its critics and cost sources on the training pool."""
+    cfg = load_config([f"algo={name}", *DISAGG[1:], "algo.max_staleness=1",
+                       "algo.tis_cap=2.0"])
+    plan = validate_for_world(cfg, 4)
+    assert plan.rollout.pool == (2, 3)
+    assert {r: p.pool for r, p in plan.roles.items()} == dict.fromkeys(cfg.roles, (0, 1))
+    with pytest.raises(ValueError, match="set algo.tis_cap"):
+        load_config([f"algo={name}", *DISAGG[1:], "algo.max_staleness=1"])
 
 
 def test_disaggregated_plan():
@@ -257,6 +327,8 @@ def _torchrun(*args: str) -> list[str]:
 
 
 LEARN_ITERATIONS = 20
+OWN_ITERATIONS = 4
+OWN_PROGRAMS = ("ppo", "safe_rlhf", "remax", "dapo")  # programs of their own, staleness 1
 RUNS = {
     # the grpo recipe's actor trains on tp 2 and generates on tp 1: the push re-cuts rows
     "async1": [*DISAGG, "algo.max_staleness=1", "algo.tis_cap=2.0",
@@ -265,6 +337,15 @@ RUNS = {
     "sync": ["algo=grpo", "placement.mode=standalone", "actor.layout.tp=1",
              "placement.pool_sizes={actor: 2, reference: 2}", "iterations=3",
              "data.val_size=16", *TASK],
+    # PPO: the critic on the training pool (disaggregated) or on its own 2 ranks (split, the
+    # reference beside the actor): the same layouts, so the same numbers at staleness 0
+    "ppo_async0": ["algo=ppo", *DISAGG[1:], "actor.layout.tp=1", "iterations=2",
+                   "data.val_size=0", *TASK],
+    "ppo_sync": ["algo=ppo", "placement.mode=split", "placement.pool_sizes={actor: 2, critic: 2}",
+                 "actor.layout.tp=1", "iterations=2", "data.val_size=0", *TASK],
+    **{f"{name}_async1": [f"algo={name}", *DISAGG[1:], "algo.max_staleness=1", "algo.tis_cap=2.0",
+                          f"iterations={OWN_ITERATIONS}", "data.val_size=0", *TASK]
+       for name in OWN_PROGRAMS},
 }
 
 
@@ -333,6 +414,42 @@ def test_staleness_zero_equals_the_synchronous_run(runs):
         exact = {k: v for k, v in x.items() if not k.startswith((*NOISY, "rollout/"))}
         assert exact == {k: v for k, v in y.items() if not k.startswith(NOISY)}
     assert "val/accuracy" in a[0] and "val/accuracy" in a[-1]
+
+
+def test_staleness_zero_ppo_equals_the_synchronous_run(runs):
+    """PPO's own program on the rollout pool's rows, k = 0: values, GAE, the critic's and the
+    actor's updates equal the run whose actor generates (critic on its own ranks) bit for
+    bit."""
+    _, out = runs
+    a, s = out["ppo_async0"]["records"], out["ppo_sync"]["records"]
+    assert len(a) == len(s) == 2
+    for x, y in zip(a, s):
+        assert x["rollout/staleness_max"] == 0 and x["rollout/weights_version"] == x["step"]
+        exact = {k: v for k, v in x.items() if not k.startswith((*NOISY, "rollout/"))}
+        assert exact == {k: v for k, v in y.items() if not k.startswith(NOISY)}
+        assert "critic/vf_loss" in exact
+
+
+@pytest.mark.parametrize("name", OWN_PROGRAMS)
+def test_own_programs_at_staleness_one(runs, name):
+    """PPO, Safe-RLHF, ReMax and DAPO run their own programs on the rollout pool's rows, one
+    version behind once the pipeline runs (never more), off-policy corrected, their critics
+    (cost critic, greedy baseline, refills) trained and logged."""
+    _, out = runs
+    recs = out[f"{name}_async1"]["records"]
+    assert [r["step"] for r in recs] == list(range(OWN_ITERATIONS))
+    for t, r in enumerate(recs):
+        assert r["rollout/staleness_max"] == r["rollout/staleness_mean"] == min(t, 1)
+        assert r["rollout/weights_version"] == t - min(t, 1)
+        assert r["rollout/dropped"] == 0 and r["timing_s/weight_sync"] > 0
+        assert all(math.isfinite(v) for v in r.values())
+    assert recs[0]["actor/rollout_logprob_diff_max"] < 1e-4
+    trained = recs[1:] if name != "dapo" else [r for r in recs[1:] if "actor/pg_loss" in r]
+    assert trained and all(r["actor/rollout_logprob_diff"] > 1e-4 for r in trained)
+    own = {"ppo": ("critic/vf_loss",), "safe_rlhf": ("critic/vf_loss", "cost_critic/vf_loss",
+                                                     "cost/lagrange"),
+           "remax": ("reward/greedy_baseline",), "dapo": ("dapo/gen_rounds",)}[name]
+    assert all(k in r for r in recs for k in own), sorted(recs[-1])
 
 
 # A rollout rank killed ---------------------------------------------------------------------

@@ -4,7 +4,7 @@ ahead while the training pool trains.
 
 The pipeline is the order in which the controller issues calls, nothing more: each rank runs
 its calls one after the other in issue order, and the two pools run their queues side by side
-(:mod:`rlhf.controller`).  For ``k = 1``, with ``v`` the weight version (= actor updates)::
+(:mod:`rlhf.controller`).  For ``k = 1``, with ``v`` the weight version (= iterations trained)::
 
     rollout pool  | gen 0 (v0) | gen 1 (v0)  |pull v1| gen 2 (v1)  |pull v2| gen 3 (v2) ...
     training pool |            | train on 0 |push v1| train on 1 |push v2| train on 2 ...
@@ -14,15 +14,22 @@ its calls one after the other in issue order, and the two pools run their queues
   samples with the newest weights) and waits for generation ``t``, issued ``k`` iterations
   earlier; its rows travel through the controller (a future passed on would make the rollout
   ranks send them only after the generations queued since).
-* The actor trains on it (:func:`~rlhf.programs.common.outcome_update`).
-* :meth:`RolloutPool.push` issues the weight push on both pools: on the training pool it runs
-  after the update, on the rollout pool after the generations in flight (queued behind them);
-  the generations issued after it use the new version.
+* The algorithm's own program trains on it: every program takes its rollouts through
+  :func:`~rlhf.programs.common.rollouts` (ReMax :func:`~rlhf.programs.common.greedy_rollouts`:
+  the greedy baseline is issued right behind the sampled generation, so the same weights
+  produce both; DAPO's refills :func:`~rlhf.programs.common.more_rollouts`: generated with the
+  newest weights, behind the generations in flight).  Everything else runs on the training
+  pool at train time, on the possibly stale rows: log-probs, reference, rewards and costs, the
+  critics' values (PPO's GAE uses the current critic), the updates.
+* :meth:`RolloutPool.push`, called by the runtime after every iteration, issues the weight
+  push on both pools: on the training pool it runs after the update, on the rollout pool
+  after the generations in flight (queued behind them); the generations issued after it use
+  the new version.
 
 Every sample records the version that generated it (``weights_version``); its staleness is
-the actor's version minus that, at most ``k`` by construction.  A batch older than ``k``
-versions is dropped and its prompts generated again with the current weights (a safety net:
-``rollout/dropped`` counts such rows and stays 0 in this pipeline).
+the actor's version (iterations trained) minus that, at most ``k`` by construction.  A batch
+older than ``k`` versions is dropped and its prompts generated again with the current weights
+(a safety net: ``rollout/dropped`` counts such rows and stays 0 in this pipeline).
 
 Off-policy correction, decoupled PPO (Hilton et al. 2022; AReaL, verl's async recipes): the
 behaviour policy's log-probs ``mu`` are the rollout's own; the proximal policy's ``pi_prox`` are
@@ -42,33 +49,37 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.sampling import SamplingParams
 from rlhf.controller import Batch, Future, WorkerGroup
-from rlhf.programs.common import Iteration, Roles, outcome_update
+from rlhf.programs.common import Iteration, Rollout, group_heads
 
 
 @dataclass(frozen=True)
 class _Generation:
-    """One generation in flight: the call, its prompts and the step whose sampling it uses."""
+    """One generation in flight: the calls (sampled, greedy or None), its prompts and the step
+    whose sampling it uses."""
 
-    future: Future
+    sampled: Future
+    greedy: Future | None
     prompts: Batch
     step: int
 
 
 class RolloutPool:
-    """The controller's handle on the rollout pool of a disaggregated run.
+    """The controller's handle on the rollout pool of a disaggregated run (a
+    :class:`~rlhf.programs.common.Rollouts`: every program takes its rollouts from it).
 
     Args:
         rollout: the rollout pool's group (:class:`rlhf.workers.rollout.RolloutWorker`).
         actor: the actor's group (:class:`rlhf.workers.rollout.PushingActorWorker`), connected
             to ``rollout`` for the weight push.
         max_staleness: ``k``: at most ``k + 1`` generations in flight.
-        sampling: step -> that step's rollout sampling (its own seed).
+        sampling: step -> that step's rollout sampling (its own seed; greedy: the same with
+            temperature 0).
         iterations: the run's last step + 1 (nothing is generated beyond it).
     """
 
@@ -77,7 +88,7 @@ class RolloutPool:
         self.rollout, self.actor = rollout, actor
         self.max_staleness, self.sampling, self.iterations = max_staleness, sampling, iterations
         self.version = 0
-        """The actor's weight version: its updates since step 0."""
+        """The actor's weight version: iterations trained since step 0 (one push each)."""
         self._next_step = 0
         self._inflight: deque[_Generation] = deque()
         self._pull: Future | None = None
@@ -99,52 +110,57 @@ class RolloutPool:
         self._pull = self.rollout.pull_weights(self.version)
         return done
 
-    def take(self, prompts: Batch, more_prompts: Callable[[], Batch] | None
-             ) -> tuple[Batch, dict[str, float]]:
+    def take(self, prompts: Batch, it: Iteration, greedy: bool) -> Rollout:
         """This iteration's rollouts, and the ``rollout/`` metrics of their staleness.
 
         Issues generations until ``k + 1`` are in flight: ``prompts`` (this iteration's draw
-        from the stream) for the first, ``more_prompts()`` for the others (a run's start);
-        then waits for the oldest.
+        from the stream) for the first, ``it.more_prompts()`` for the others (a run's start);
+        then waits for the oldest.  With ``greedy`` each generation is followed at once by
+        the greedy one of its prompt groups (nothing can come between two calls issued back
+        to back: the same weights sample both).
         """
         todo = [prompts]
         while len(self._inflight) <= self.max_staleness and self._next_step < self.iterations:
-            if not todo and more_prompts is None:
+            if not todo and it.more_prompts is None:
                 raise ValueError("filling the rollout pipeline needs Iteration.more_prompts")
-            self._issue(todo.pop() if todo else more_prompts(), self._next_step)
+            prompts_t = todo.pop() if todo else it.more_prompts()
+            self._inflight.append(self._generation(prompts_t, self._next_step, greedy))
             self._next_step += 1
         if not self._inflight:
             raise RuntimeError(f"no generation in flight after step {self._next_step - 1} "
                                f"(iterations={self.iterations})")
         gen = self._inflight.popleft()
-        batch = gen.future.get()
-        stale = stale_rows(batch["weights_version"], self.version, self.max_staleness)
-        dropped = int(stale.sum())
+        assert (gen.greedy is not None) == greedy, "a program asks for greedy rollouts or not"
+        batch = gen.sampled.get()
+        dropped = int(stale_rows(batch["weights_version"], self.version,
+                                 self.max_staleness).sum())
         if dropped:  # one call samples with one version: the whole batch, again
-            batch = self._generation(gen.prompts, gen.step).get()
+            gen = self._generation(gen.prompts, gen.step, greedy)
+            batch = gen.sampled.get()
+        base = gen.greedy.get() if gen.greedy is not None else None
+        assert base is None or bool((base["weights_version"] == batch["weights_version"][0])
+                                    .all()), "the greedy baseline came from other weights"
         age = (self.version - batch["weights_version"]).float()
-        return batch, {"rollout/staleness_mean": float(age.mean()),
-                       "rollout/staleness_max": float(age.max()),
-                       "rollout/dropped": float(dropped),
-                       "rollout/weights_version": float(batch["weights_version"].min())}
+        return Rollout(batch, base, {"rollout/staleness_mean": float(age.mean()),
+                                     "rollout/staleness_max": float(age.max()),
+                                     "rollout/dropped": float(dropped),
+                                     "rollout/weights_version":
+                                         float(batch["weights_version"].min())})
 
-    def _issue(self, prompts: Batch, step: int) -> None:
-        self._inflight.append(_Generation(self._generation(prompts, step), prompts, step))
+    def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """Rollouts of ``prompts`` with the newest weights (pushed last), queued behind the
+        generations in flight; the rows come through the controller."""
+        return self.rollout.generate_sequences(prompts, sampling).get()
 
-    def _generation(self, prompts: Batch, step: int) -> Future:
-        return self.rollout.generate_sequences(prompts, self.sampling(step))
+    def _generation(self, prompts: Batch, step: int, greedy: bool) -> _Generation:
+        sampling = self.sampling(step)
+        sampled = self.rollout.generate_sequences(prompts, sampling)
+        base = self.rollout.generate_sequences(
+            group_heads(prompts), replace(sampling, temperature=0.0)) if greedy else None
+        return _Generation(sampled, base, prompts, step)
 
 
 def stale_rows(weights_version: torch.Tensor, version: int, max_staleness: int) -> torch.Tensor:
     """``[B]`` True where a row was sampled more than ``max_staleness`` versions before
     ``version``."""
     return version - weights_version > max_staleness
-
-
-def async_critic_free(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
-    """:func:`~rlhf.programs.common.critic_free` on a disaggregated run: train on the oldest
-    generation in flight while the rollout pool generates the next ones, then push."""
-    with it.timer("gen"):
-        gen, staleness = r.rollout.take(prompts, it.more_prompts)
-    batch, metrics = outcome_update(r, gen, it)
-    return batch, metrics | staleness | r.rollout.push()

@@ -10,6 +10,10 @@ and more prompts are generated until ``data.prompts_per_iter`` varied groups are
 ``algo.max_gen_rounds`` rounds.  The update then runs on the largest whole number of
 mini-batches of kept groups (fewer only when the rounds ran out; none: no update this
 iteration).  Log-probs are computed for the kept rows only.
+
+On a disaggregated run the first round is the rollout pool's generation of this step (up to
+``algo.max_staleness`` versions old) and the refills are generated there with the newest
+weights, queued behind the generations in flight.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import math
 from engine.sampling import derive_seed
 from rlhf.algos import varied_groups
 from rlhf.controller import Batch
-from rlhf.programs.common import (Iteration, Roles, advantages, gather, means, old_log_probs,
-                                  ref_log_probs, register_algorithm, shape_rewards, wait_phases)
+from rlhf.programs.common import (Iteration, Roles, advantages, gather, means, more_rollouts,
+                                  old_log_probs, ref_log_probs, register_algorithm, rollouts,
+                                  shape_rewards, wait_phases)
 from rlhf.programs.grpo import grpo_advantage
 
 
@@ -37,15 +42,14 @@ def _rounds(r: Roles, prompts: Batch, it: Iteration, target: int
     kept: list[Batch] = []
     first = None
     n_kept = dropped = rounds = 0
+    metrics: dict[str, float] = {}
     while n_kept < target and rounds < it.algo.max_gen_rounds:
         if rounds == 0:
-            batch, sampling = prompts, it.sampling
+            gen, metrics = rollouts(r, prompts, it)
         else:  # a fresh stream per round: the same step's seed would repeat round 0's draws
-            batch = it.more_prompts()
             sampling = dataclasses.replace(
                 it.sampling, seed=derive_seed(it.sampling.seed, "dapo_round", rounds))
-        with t("gen"):
-            gen = r.actor.generate_sequences(batch, sampling).wait()
+            gen = more_rollouts(r, it.more_prompts(), sampling, it)
         scores = r.reward.compute_reward(gen)
         wait_phases(t, reward=scores)
         scored = gather(gen, scores)
@@ -58,8 +62,9 @@ def _rounds(r: Roles, prompts: Batch, it: Iteration, target: int
             kept.append(scored.rows(keep.nonzero().squeeze(1)))
         n_kept += n_varied
         rounds += 1
-    return kept, first, {"dapo/gen_rounds": float(rounds),
-                         "dapo/dropped_groups": float(dropped), "dapo/kept_groups": float(n_kept)}
+    return kept, first, metrics | {"dapo/gen_rounds": float(rounds),
+                                   "dapo/dropped_groups": float(dropped),
+                                   "dapo/kept_groups": float(n_kept)}
 
 
 def _trainable(kept: list[Batch], target: int, samples: int, mini_batch: int) -> Batch | None:

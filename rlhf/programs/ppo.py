@@ -1,4 +1,8 @@
-"""PPO (Ouyang et al. 2022): actor, critic, reference and reward; GAE advantages."""
+"""PPO (Ouyang et al. 2022): actor, critic, reference and reward; GAE advantages.
+
+On a disaggregated run the rollouts may come from older weights (``algo.max_staleness``); the
+values, log-probs and rewards are computed on them at train time, so GAE uses the current
+critic and the actor's loss carries the truncated importance weight (``algo.tis_cap``)."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from rlhf.algos import gae
 from rlhf.controller import Batch
 from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather, means,
                                   old_log_probs, ref_log_probs, register_algorithm,
-                                  shape_rewards, wait_phases)
+                                  rollouts, shape_rewards, wait_phases)
 
 
 def gae_advantage(batch, it: Iteration) -> dict:
@@ -20,8 +24,7 @@ def gae_advantage(batch, it: Iteration) -> dict:
 @register_algorithm("ppo", advantage=gae_advantage, critics=("critic",))
 def ppo(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
-    with t("gen"):
-        gen = r.actor.generate_sequences(prompts, it.sampling).wait()
+    gen, m0 = rollouts(r, prompts, it)
     # Issued together: roles on disjoint pools (split, standalone) compute at the same time.
     old, ref = old_log_probs(r, gen, it), ref_log_probs(r, gen)
     values, scores = r.critic.compute_values(gen), r.reward.compute_reward(gen)
@@ -31,4 +34,4 @@ def ppo(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
         batch = advantages(batch, it)
     critic, actor = r.critic.update_critic(batch), r.actor.update_actor(batch)
     wait_phases(t, update_critic=critic, update_actor=actor)
-    return batch, m | means("actor", actor.get()) | means("critic", critic.get())
+    return batch, m0 | m | means("actor", actor.get()) | means("critic", critic.get())

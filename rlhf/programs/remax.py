@@ -1,13 +1,14 @@
 """ReMax (Li et al. 2023): the score of a greedy response per prompt is the baseline; no
-critic."""
+critic.  On a disaggregated run the greedy response comes from the same weights as the
+sampled ones (the rollout pool generates it right after them)."""
 
 from __future__ import annotations
 
 from rlhf.algos import remax as remax_estimator
 from rlhf.controller import Batch
-from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather, means,
-                                  old_log_probs, ref_log_probs, register_algorithm,
-                                  shape_rewards, wait_phases)
+from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather,
+                                  greedy_rollouts, means, old_log_probs, ref_log_probs,
+                                  register_algorithm, shape_rewards, wait_phases)
 
 
 def remax_advantage(batch, it: Iteration) -> dict:
@@ -22,10 +23,7 @@ def remax_advantage(batch, it: Iteration) -> dict:
 def remax(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
     n = len(prompts) // len(set(prompts["uid"]))  # samples per prompt
-    with t("gen"):
-        gen = r.actor.generate_sequences(prompts, it.sampling).wait()
-        greedy = r.actor.generate_sequences(prompts.rows(slice(0, len(prompts), n)),
-                                            it.greedy).wait()
+    gen, greedy, m0 = greedy_rollouts(r, prompts, it)
     old, ref = old_log_probs(r, gen, it), ref_log_probs(r, gen)
     scores, base = r.reward.compute_reward(gen), r.reward.compute_reward(greedy)
     wait_phases(t, old_log_prob=old, ref=ref, reward=scores)
@@ -35,7 +33,7 @@ def remax(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
         batch, m = shape_rewards(gather(gen, old, ref, scores), it)
         batch.tensors["reward_baselines"] = baseline.repeat_interleave(n)
         batch = advantages(batch, it)
-        m["reward/greedy_baseline"] = float(baseline.mean())
+        m |= m0 | {"reward/greedy_baseline": float(baseline.mean())}
     with t("update_actor"):
         actor = r.actor.update_actor(batch).get()
     return batch, m | means("actor", actor)

@@ -7,7 +7,7 @@ from rlhf.algos import safe_rlhf_advantages
 from rlhf.controller import Batch
 from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather, means,
                                   old_log_probs, ref_log_probs, register_algorithm,
-                                  shape_rewards, wait_phases)
+                                  rollouts, shape_rewards, wait_phases)
 
 
 def safe_rlhf_advantage(batch, it: Iteration) -> dict:
@@ -25,8 +25,7 @@ def safe_rlhf_advantage(batch, it: Iteration) -> dict:
                     critics=("critic", "cost_critic"), cost=True)
 def safe_rlhf(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
     t = it.timer
-    with t("gen"):
-        gen = r.actor.generate_sequences(prompts, it.sampling).wait()
+    gen, m0 = rollouts(r, prompts, it)
     old, ref = old_log_probs(r, gen, it), ref_log_probs(r, gen)
     values, cost_values = r.critic.compute_values(gen), r.cost_critic.compute_values(gen)
     scores, costs = r.reward.compute_reward(gen), r.cost.compute_cost(gen)
@@ -36,7 +35,7 @@ def safe_rlhf(r: Roles, prompts: Batch, it: Iteration) -> tuple[Batch, dict]:
         batch, m = shape_rewards(gather(gen, old, ref, values, cost_values, scores, costs), it)
         batch = advantages(batch, it)
         mean_cost = float(batch["costs"].mean())
-        m |= {"cost/mean": mean_cost, "cost/lagrange": it.lagrange.value}
+        m |= m0 | {"cost/mean": mean_cost, "cost/lagrange": it.lagrange.value}
         it.lagrange.update(mean_cost)
     critic, cost_critic = r.critic.update_critic(batch), r.cost_critic.update_critic(batch)
     actor = r.actor.update_actor(batch)

@@ -3,7 +3,8 @@ worker, which holds generation weights only, and the actor that pushes its weigh
 
 ::
 
-    training pool A (actor, reference, reward)        rollout pool B (generation only)
+    training pool A (every role: actor,               rollout pool B (generation only)
+      critics, reference, reward, cost)
     PushingActorWorker                                 RolloutWorker
       trains on p-t-d (HybridEngine, as colocated)       GenerationEngine on gen_pp x gen_tp,
       push_weights(): every training rank sends   ---->    dp_g = |B| / (gen_pp gen_tp) replicas
@@ -11,7 +12,9 @@ worker, which holds generation weights only, and the actor that pushes its weigh
                                                            generation shard in place, stamps
                                                            the version on every later sample
 
-Both ends of a push are one call each on their own pool, issued back to back by the controller
+The training pool runs the algorithm's whole program but its generation: it scores, values
+(PPO's GAE with the current critic) and trains on the rollout pool's rows.  Both ends of a push
+are one call each on their own pool, issued back to back by the controller
 (:class:`rlhf.programs.async_rl.RolloutPool`); the weight transfer is the collective between
 them (:class:`hybridflow_comm.sync.WeightSync` over the group of both pools).  Each rank runs
 its calls in issue order, so a push queued on the rollout pool runs after the generations
