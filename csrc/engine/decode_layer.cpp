@@ -128,11 +128,17 @@ void row_matmul_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
 
 // Runs fn(first_row, rows) on disjoint row blocks, one per intra-op thread.  Inside the
 // parallel region ATen and BLAS calls run single-threaded, so each thread takes its rows
-// through the whole half-layer without a fork/join per operation; with one thread this is a
-// plain call on all rows.
+// through the whole half-layer without a fork/join per operation.  One block (one row, or one
+// thread) is a plain call outside any parallel region: its matrix products then split the
+// weight rows over the threads (small_linear_out), with the same bits.
 template <typename Fn>
 void for_row_blocks(int64_t batch, const Fn& fn) {
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch));
+  if (blocks == 1) {
+    const c10::AutoGradMode no_grad(false);
+    fn(0, batch);
+    return;
+  }
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const c10::AutoGradMode no_grad(false);  // grad mode is per thread; inference kernels
     for (int64_t i = begin; i < end; ++i) {
