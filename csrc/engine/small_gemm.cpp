@@ -1,8 +1,8 @@
 // Small-M float32 GEMM reading the weight in place (see small_gemm.h).
 //
-// Register block: 4 rows of x by 4 rows of w = 16 accumulators of 8 lanes; K is walked 8
-// floats at a time.  GCC vector extensions give one source for every clone: x86-64-v4
-// (AVX-512VL: 32 vector registers, no spills), x86-64-v3 (AVX2 + FMA) and a plain default.
+// Register block: 4 rows of x by 4 rows of w = 16 accumulators of 16 lanes (AVX-512,
+// x86-64-v4) or 8 lanes (x86-64-v3: AVX2 + FMA; a plain default); K is walked a vector at a
+// time.  GCC vector extensions give one source for every variant, chosen once at load time.
 // This is the one place of the extension compiled with FMA contraction (per-function
 // attribute); everything else keeps ATen's separate multiply and add.
 #include "small_gemm.h"
@@ -12,52 +12,70 @@
 #include <algorithm>
 #include <cstring>
 
+// 16-lane vectors pass between always-inline helpers compiled into the AVX-512 variant only.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace hybridflow {
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
+typedef float v16 __attribute__((vector_size(64)));
 constexpr int64_t kPanel = 4;  // weight rows per register block
 // Fewest multiply-adds a thread takes (a few microseconds of work; at one row of x, 256 KiB of
 // weights): below it one thread runs alone.
 constexpr int64_t kMinMultiplyAdds = 1 << 16;
 
-inline __attribute__((always_inline)) v8 load(const float* p) {
-  v8 v;
+template <typename V>
+constexpr int64_t lanes() {
+  return sizeof(V) / sizeof(float);
+}
+
+template <typename V>
+inline __attribute__((always_inline)) V load(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline __attribute__((always_inline)) v8 load_tail(const float* p, int64_t n) {
-  float tmp[kLanes] = {0.f};
+template <typename V>
+inline __attribute__((always_inline)) V load_tail(const float* p, int64_t n) {
+  float tmp[lanes<V>()] = {0.f};
   std::memcpy(tmp, p, n * sizeof(float));
-  return load(tmp);
+  return load<V>(tmp);
 }
 
-// Lanes added pairwise in a fixed order.
+// Lanes added pairwise in a fixed order (16 lanes: the two halves first, then as 8).
 inline __attribute__((always_inline)) float lane_sum(v8 v) {
   return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-template <int MB, int NB>
+inline __attribute__((always_inline)) float lane_sum(v16 v) {
+  v8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  return lane_sum(lo + hi);
+}
+
+template <typename V, int MB, int NB>
 inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, const float* w,
                                                  int64_t ldw, float* y, int64_t ldy, int64_t k,
                                                  bool accumulate) {
-  v8 acc[MB][NB];
+  constexpr int64_t L = lanes<V>();
+  V acc[MB][NB];
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = v8{};
+    for (int j = 0; j < NB; ++j) acc[i][j] = V{};
   int64_t kk = 0;
-  for (; kk + kLanes <= k; kk += kLanes) {
-    v8 wv[NB], xv[MB];
-    for (int j = 0; j < NB; ++j) wv[j] = load(w + j * ldw + kk);
-    for (int i = 0; i < MB; ++i) xv[i] = load(x + i * ldx + kk);
+  for (; kk + L <= k; kk += L) {
+    V wv[NB], xv[MB];
+    for (int j = 0; j < NB; ++j) wv[j] = load<V>(w + j * ldw + kk);
+    for (int i = 0; i < MB; ++i) xv[i] = load<V>(x + i * ldx + kk);
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] += xv[i] * wv[j];
   }
   if (kk < k) {
-    v8 wv[NB], xv[MB];
-    for (int j = 0; j < NB; ++j) wv[j] = load_tail(w + j * ldw + kk, k - kk);
-    for (int i = 0; i < MB; ++i) xv[i] = load_tail(x + i * ldx + kk, k - kk);
+    V wv[NB], xv[MB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_tail<V>(w + j * ldw + kk, k - kk);
+    for (int i = 0; i < MB; ++i) xv[i] = load_tail<V>(x + i * ldx + kk, k - kk);
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] += xv[i] * wv[j];
   }
@@ -68,33 +86,60 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, co
     }
 }
 
-template <int MB>
+template <typename V, int MB>
 inline __attribute__((always_inline)) void row_block(const float* x, int64_t ldx,
                                                      const float* w, int64_t ldw, float* y,
                                                      int64_t ldy, int64_t n, int64_t k,
                                                      bool accumulate) {
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) block<MB, 4>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate);
-  for (; j < n; ++j) block<MB, 1>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate);
+  for (; j + 4 <= n; j += 4)
+    block<V, MB, 4>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate);
+  for (; j < n; ++j) block<V, MB, 1>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate);
 }
 
 // Weight rows outer, x rows inner: each 4-row slice of w is read once from memory and used
 // for every row of x while it sits in L1.
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"),
-               optimize("fp-contract=fast")))
-void gemm(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
-          int64_t m, int64_t n, int64_t k, bool accumulate) {
+template <typename V>
+inline __attribute__((always_inline)) void gemm_lanes(const float* x, int64_t ldx,
+                                                      const float* w, int64_t ldw, float* y,
+                                                      int64_t ldy, int64_t m, int64_t n,
+                                                      int64_t k, bool accumulate) {
   for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
     const int64_t nb = std::min(kPanel, n - j0);
     int64_t i = 0;
     for (; i + 4 <= m; i += 4)
-      row_block<4>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
-                   accumulate);
+      row_block<V, 4>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
+                      accumulate);
     for (; i < m; ++i)
-      row_block<1>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
-                   accumulate);
+      row_block<V, 1>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
+                      accumulate);
   }
 }
+
+// 8 lanes: x86-64-v3 (AVX2 + FMA) and a plain default clone.
+__attribute__((target_clones("arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
+void gemm8(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+           int64_t m, int64_t n, int64_t k, bool accumulate) {
+  gemm_lanes<v8>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate);
+}
+
+// 16 lanes where the CPU has AVX-512 (x86-64-v4: 32 vector registers hold the 16
+// accumulators); 1.3-1.4x the 8-lane kernel on a Zen 5 core (4 to 32 rows).
+__attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+void gemm16(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+            int64_t m, int64_t n, int64_t k, bool accumulate) {
+  gemm_lanes<v16>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate);
+}
+
+using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
+                        int64_t, int64_t, bool);
+
+GemmFn pick_gemm() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("x86-64-v4") ? gemm16 : gemm8;
+}
+
+const GemmFn gemm = pick_gemm();
 
 }  // namespace
 
