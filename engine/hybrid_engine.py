@@ -58,16 +58,22 @@ class HybridEngine:
         optim: optimiser settings of the training engine.
         rollout: generation backend (default: :class:`GenerationEngine` on the layout).
         verify: checksum-verify the generation weights after every transition.
+        train: the training engine of ``model`` when the caller built it (then ``optim`` is
+            not given); default: a new one with ``optim``.
 
     Construction is collective over the layout's ranks (the resharder exchanges specs).
     """
 
     def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None,
-                 rollout: Rollout | None = None, verify: bool = False) -> None:
+                 rollout: Rollout | None = None, verify: bool = False,
+                 train: TrainEngine | None = None) -> None:
+        if train is not None and (optim is not None or train.model is not model):
+            raise ValueError("HybridEngine(train=...) takes the training engine of this model "
+                             "and no optim (the engine has its own)")
         self.model = model
         self.groups = model.groups
         self.layout = model.groups.layout
-        self.train = TrainEngine(model, optim)
+        self.train = train if train is not None else TrainEngine(model, optim)
         self.resharder = Resharder(model.specs, model.groups, verify_every=verify,
                                    buffer=model.buffer)
         self.rollout = rollout if rollout is not None else GenerationEngine(model.config,

@@ -867,9 +867,10 @@ class RolePlan:
     dp: int
     """Training data replicas (resolved, never 0)."""
     gen_pp: int
-    """Generation pipeline stages (= pp except for the actor)."""
+    """Generation pipeline stages (= pp except for an actor that generates: a disaggregated
+    run's actor does not, the rollout pool does)."""
     gen_tp: int
-    """Generation tensor shards (= tp except for the actor)."""
+    """Generation tensor shards (= tp except for an actor that generates)."""
     grad_accum: int
     """Micro-batches per optimizer step on one DP rank (trained roles with fixed micro-batches;
     0 otherwise: none, or set per mini-batch by the token budget with use_dynamic_bsz)."""
@@ -969,13 +970,14 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
             config.model_of(role).llama().check_parallel(lay.pp, lay.tp)
         except ValueError as e:
             raise ValueError(f"{role}: {e}") from None
-        gen_pp, gen_tp = (lay.gen_pp or lay.pp, lay.gen_tp or lay.tp) if role == "actor" \
-            else (lay.pp, lay.tp)
+        gen_pp, gen_tp = _generation_layout(config, role)
         try:
             _ = RolePlan(pool=pools[of_role[role]], pp=lay.pp, tp=lay.tp, dp=dp,
                          gen_pp=gen_pp, gen_tp=gen_tp, grad_accum=0).layout
         except ValueError as e:
             raise ValueError(f"{role}.layout: {e}") from None
+        if role == "actor" and "rollout" in pools:  # the rollout pool generates: the actor
+            gen_pp, gen_tp = lay.pp, lay.tp           # holds training state only (no gen slots)
         accum = 0
         if role in TRAINED_ROLES and config.role(role).use_dynamic_bsz:
             if d.mini_batch_size % dp:  # micro-batches by tokens: only the rows must split
@@ -996,17 +998,17 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
                              f"multiple of {dp}")
         plans[role] = RolePlan(pool=pools[of_role[role]], pp=lay.pp, tp=lay.tp, dp=dp,
                                gen_pp=gen_pp, gen_tp=gen_tp, grad_accum=accum)
-    dp_g = plans["actor"].dp_g
-    if d.rollout_batch_size % dp_g:
+    rollout = _rollout_plan(config, pools["rollout"]) if "rollout" in pools else None
+    dp_g = plans["actor"].dp_g  # the actor's own generation replicas (none when disaggregated)
+    if rollout is None and d.rollout_batch_size % dp_g:
         raise ValueError(f"actor: rollout batch {d.rollout_batch_size} does not split over "
                          f"{dp_g} generation replicas; make prompts_per_iter x "
                          f"samples_per_prompt a multiple of {dp_g} (or change gen_tp/gen_pp)")
-    if algorithm(config.algo.name).greedy_baseline and d.prompts_per_iter % dp_g:
+    if rollout is None and algorithm(config.algo.name).greedy_baseline \
+            and d.prompts_per_iter % dp_g:
         raise ValueError(f"{config.algo.name}: the greedy baseline batch prompts_per_iter="
                          f"{d.prompts_per_iter} does not split over {dp_g} generation replicas; "
                          f"use a multiple of {dp_g}")
-    rollout = _rollout_plan(config, plans["actor"], pools["rollout"]) \
-        if "rollout" in pools else None
     need = d.max_prompt_len + d.max_response_len
     for role in config.roles:
         if config.model_of(role).seq_len < need:
@@ -1015,20 +1017,31 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
     return WorldPlan(world_size, pools, plans, rollout)
 
 
-def _rollout_plan(config: Config, actor: RolePlan, pool: tuple[int, ...]) -> RolePlan:
-    """The rollout pool of a disaggregated run: the actor's generation layout (``gen_pp x
-    gen_tp``) replicated over the pool; every generation replica takes an equal share."""
-    mp, size = actor.gen_pp * actor.gen_tp, len(pool)
+def _generation_layout(config: Config, role: str) -> tuple[int, int]:
+    """``(gen_pp, gen_tp)`` as configured: the actor's ``layout.gen_*`` (0 = its training
+    value); a role that does not generate keeps its training layout."""
+    lay = config.role(role).layout
+    return (lay.gen_pp or lay.pp, lay.gen_tp or lay.tp) if role == "actor" else (lay.pp, lay.tp)
+
+
+def _rollout_plan(config: Config, pool: tuple[int, ...]) -> RolePlan:
+    """The rollout pool of a disaggregated run: the actor's configured generation layout
+    (``actor.layout.gen_pp x gen_tp``) replicated over the pool; every generation replica
+    takes an equal share.  (The actor's own plan there has no generation side: its
+    ``gen_pp x gen_tp`` is its training ``pp x tp``, so its flat buffer holds its training
+    shard only.)"""
+    gen_pp, gen_tp = _generation_layout(config, "actor")
+    mp, size = gen_pp * gen_tp, len(pool)
     if size % mp:
         raise ValueError(f"placement.pool_sizes.rollout={size} is not a multiple of the "
-                         f"generation layout actor.layout.gen_pp={actor.gen_pp} x gen_tp="
-                         f"{actor.gen_tp} = {mp}; choose a multiple of {mp} or change gen_tp")
+                         f"generation layout actor.layout.gen_pp={gen_pp} x gen_tp="
+                         f"{gen_tp} = {mp}; choose a multiple of {mp} or change gen_tp")
     dp_g = size // mp
     rows = config.data.rollout_batch_size
     if rows % dp_g:
         raise ValueError(f"rollout pool: rollout batch {rows} does not split over its {dp_g} "
                          f"generation replicas (placement.pool_sizes.rollout={size} / (gen_pp="
-                         f"{actor.gen_pp} x gen_tp={actor.gen_tp})); make prompts_per_iter x "
+                         f"{gen_pp} x gen_tp={gen_tp})); make prompts_per_iter x "
                          f"samples_per_prompt a multiple of {dp_g}")
     prompts = config.data.prompts_per_iter
     if algorithm(config.algo.name).greedy_baseline and prompts % dp_g:
@@ -1036,5 +1049,5 @@ def _rollout_plan(config: Config, actor: RolePlan, pool: tuple[int, ...]) -> Rol
                          f"prompts_per_iter={prompts} does not split over its {dp_g} generation "
                          f"replicas (placement.pool_sizes.rollout={size}); use a multiple of "
                          f"{dp_g}")
-    return RolePlan(pool=pool, pp=actor.gen_pp, tp=actor.gen_tp, dp=dp_g, gen_pp=actor.gen_pp,
-                    gen_tp=actor.gen_tp, grad_accum=0)
+    return RolePlan(pool=pool, pp=gen_pp, tp=gen_tp, dp=dp_g, gen_pp=gen_pp,
+                    gen_tp=gen_tp, grad_accum=0)

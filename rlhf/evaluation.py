@@ -12,6 +12,15 @@ Logged in the first iteration's record for the starting policy (a fresh run), th
                    at the rollout temperature scores >= 1 (k samples per prompt: the plain
                    estimate, which is the unbiased one when n = k)
     timing_s/eval  the evaluation's wall time (not part of the iteration's timing_s/step)
+
+The responses come from where the run's rollouts come from (``Roles.rollout``, its
+``generate``): the actor on its own ranks, or on a disaggregated run the rollout pool, queued
+behind the generations in flight and after the push of the weights just trained (the
+runtime pushes before it evaluates), so it scores the same version as a colocated run would.
+The numbers then equal the colocated evaluation's when both generate on the same number of
+replicas ``dp_g`` with the same generation layout (each replica's rows and seed are a function
+of ``dp_g`` and its index): the rollout pool's ``placement.pool_sizes.rollout / (gen_pp x
+gen_tp)`` against the actor's ``dp_g``.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ class Evaluator:
         for i in range(0, len(self.examples), chunk):
             prompts = encode_prompts(self.examples[i:i + chunk], self.tok, d.max_prompt_len,
                                      samples, first_uid=i)
-            gen = roles.actor.generate_sequences(prompts, sampling)
+            gen = roles.rollout.generate(prompts, sampling)  # the newest weights
             scores.append(roles.reward.compute_reward(gen).get()["scores"].float())
         return torch.cat(scores).view(-1, samples)  # repeat() keeps a prompt's samples adjacent
 

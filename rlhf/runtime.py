@@ -171,8 +171,10 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     records = []
     logger = MetricsLogger(run_dir, cfg.iterations, start_step=state.step,
                            tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
-    # the starting policy's held-out score goes into the first record (a fresh run only)
+    # the first record: the starting policy's held-out score (a fresh run only) and the
+    # actor's weights per rank (its flat buffer: with the generation slots, if it generates)
     start = val.run(roles, state.step) if val is not None and state.step == 0 else {}
+    start["memory/actor_weights_gb"] = max(roles.actor.weight_bytes().get()) / 2**30
     while state.step < cfg.iterations:
         timer = PhaseTimer()
         t0 = time.perf_counter()

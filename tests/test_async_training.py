@@ -4,14 +4,17 @@ Pure: the decoupled PPO objective (behaviour log-probs from the rollout, proxima
 recomputed, ratio current/proximal, truncated weight proximal/behaviour) against a per-token
 loop; the pipeline of :class:`rlhf.programs.async_rl.RolloutPool` against fake pools that run
 each call when it is issued (as a rank runs its queue): versions, prompt order, seeds, the
-drop of stale batches; the config checks.
+drop of stale batches, the held-out evaluation on the pool with the weights just pushed; the
+config checks; the disaggregated actor's flat buffer against the training-shard formula.
 
 Multi-rank, one torchrun job of 4 ranks (2 training + 2 rollout) for the module: a staleness-1
-GRPO run learns and its samples are never older than allowed; a staleness-0 disaggregated run
-equals the synchronous run (actor and reference on their own 2 ranks each) bit for bit, for
-GRPO and for PPO (critic on its own 2 ranks); staleness-1 PPO, Safe-RLHF, ReMax and DAPO run
-their own programs within the bound, critics trained on the training pool.  A rollout rank
-killed mid-run stops the job naming it.
+GRPO run learns and its samples are never older than allowed, and its actor's weights are
+its training shard alone; a staleness-0 disaggregated run equals the synchronous run (actor
+and reference on their own 2 ranks each) bit for bit, for GRPO (held-out evaluation on the
+rollout pool included) and for PPO (critic on its own 2 ranks); staleness-1 PPO, Safe-RLHF,
+ReMax and DAPO run their own programs within the bound, critics trained on the training pool,
+PPO's held-out evaluation on the rollout pool.  A rollout rank killed mid-run stops the job
+naming it.
 """
 
 from __future__ import annotations
@@ -29,16 +32,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.llama_spec import llama_shard_specs
 from engine.sampling import SamplingParams
+from hybridflow_comm.flat_buffer import FlatParamBuffer
+from hybridflow_comm.shard_spec import slot_specs
 from rlhf.algos import actor_loss, get_policy_loss, make_kl_controller
 from rlhf.builders import sampling_of, tokenizer_of
 from rlhf.config import AlgoConfig, PolicyLossConfig, load_config, validate_for_world
 from rlhf.controller import Batch
+from rlhf.evaluation import Evaluator, evaluation_examples
 from rlhf.metrics import PhaseTimer, read_metrics
-from rlhf.programs import Iteration, algorithm
+from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.programs import algorithm_names
 from rlhf.programs.async_rl import RolloutPool
 from rlhf.programs.common import advantages
+from rlhf.workers.actor import ActorWorker, PolicyWorker
+from rlhf.workers.rollout import PushingActorWorker
+from tests.rlhf_jobs import base_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISY = ("timing_s/", "perf/", "memory/")
@@ -138,7 +148,7 @@ class _Rollout:
         rows = len(prompts)
         return _Done(Batch({"weights_version": torch.full((rows,), self.version),
                             "seed": torch.full((rows,), sampling.seed)},
-                           {"draw": list(prompts.non_tensors["draw"])}))
+                           {"draw": list(prompts.non_tensors.get("draw", [None] * rows))}))
 
 
 class _Actor:
@@ -270,6 +280,90 @@ def test_pool_greedy_sampling_is_the_runs_greedy_sampling():
             sampling_of(cfg, step, tok, greedy=True)
 
 
+class _VersionReward:
+    """Scores every row with the weight version that generated it."""
+
+    def compute_reward(self, gen: Batch) -> _Done:
+        return _Done(Batch({"scores": gen["weights_version"].float()}))
+
+
+def test_evaluation_on_the_pool_scores_the_weights_just_pushed():
+    """The held-out evaluation of a disaggregated run generates on the rollout pool (the actor
+    is never asked), queued behind the generation in flight and the pull of the version the
+    runtime has just pushed: every evaluated row comes from that version."""
+    cfg = load_config(["algo=grpo", "data.val_size=6", "eval_pass_k=2"])
+    tok = tokenizer_of(cfg)
+    val = Evaluator(cfg, tok, evaluation_examples(cfg, tok))
+    for k in (1, 2):
+        log: list = []
+        pool = RolloutPool(_Rollout(log), _Actor(log), k,
+                           lambda step: SamplingParams(max_new_tokens=1, temperature=1.0,
+                                                       seed=step), 6)
+        roles = Roles(actor=_Actor(log), reward=_VersionReward(), rollout=pool)
+        stream = _Stream()
+        pool.start(0)
+        assert val.run(roles, 0)["val/reward"] == 0  # the starting weights
+        for t in range(3):
+            pool.take(stream(), _it(stream), greedy=False)
+            pool.push()  # as the runtime does, before it evaluates
+            n = len(log)
+            m = val.run(roles, t)
+            assert m["val/reward"] == m["val/accuracy"] * pool.version == t + 1
+            assert m["val/pass@k"] == 1.0
+            # greedy rows (temperature 0), then the pass@k samples, issued after the pull
+            assert {e[0] for e in log[n:]} == {"greedy", "gen"} and ("pull", t + 1) in log[:n]
+
+
+def test_disaggregated_actor_has_no_generation_side():
+    """The disaggregated actor is the policy's training side plus the push: no generation
+    method, no HybridEngine; the colocated actor keeps both."""
+    assert issubclass(PushingActorWorker, PolicyWorker)
+    assert not issubclass(PushingActorWorker, ActorWorker)
+    assert not hasattr(PushingActorWorker, "generate_sequences")
+    assert hasattr(ActorWorker, "generate_sequences")
+
+
+def _train_shard_bytes(specs, pp_rank: int, tp: int) -> int:
+    """The formula: a rank's training shard, tensor by tensor (partitioned: 1/tp of it)."""
+    return sum(math.prod(s.shape) // (tp if s.partition_dim is not None else 1)
+               * s.dtype.itemsize for s in specs if s.stage == pp_rank)
+
+
+def _gen_shard_bytes(specs, pp_rank: int, pp: int, pp_g: int, tp_g: int) -> int:
+    """A rank's generation shard: every tensor of its generation stage, 1/tp_g of each
+    partitioned one."""
+    per = pp // pp_g
+    return sum(math.prod(s.shape) // (tp_g if s.partition_dim is not None else 1)
+               * s.dtype.itemsize for s in specs if s.stage // per == pp_rank // per)
+
+
+@pytest.mark.parametrize("layout", ["{pp: 1, tp: 2, dp: 0, gen_tp: 1}",
+                                    "{pp: 2, tp: 2, dp: 0, gen_pp: 1, gen_tp: 1}",
+                                    "{pp: 1, tp: 4, dp: 0, gen_tp: 2}"])
+def test_disaggregated_actor_buffer_is_the_training_shard(layout):
+    """The flat buffer the disaggregated actor's plan gives every training rank
+    (``slot_specs`` of its layout, what ``ParallelLlama`` allocates) holds its training shard
+    and nothing else; the same actor colocated holds its generation shard (the resharder's
+    slots), and the rollout pool keeps the configured generation layout."""
+    extra = [f"actor.layout={layout}", "actor.model.num_heads=4", "actor.model.num_kv_heads=4"]
+    disagg = load_config([*DISAGG[:2], "placement.pool_sizes={actor: 4, rollout: 2}", *extra])
+    a = validate_for_world(disagg, 6).roles["actor"]
+    c = validate_for_world(load_config(["algo=grpo", *extra]), 4).roles["actor"]
+    assert (a.gen_pp, a.gen_tp, a.dp_g) == (a.pp, a.tp, a.dp)
+    r = validate_for_world(disagg, 6).rollout
+    assert (r.pp, r.tp) == (c.gen_pp, c.gen_tp) and r.dp_g == 2 // (c.gen_pp * c.gen_tp)
+    specs = llama_shard_specs(disagg.actor.model.llama(), a.pp)
+    saved = 0
+    for rank in range(4):
+        pp_rank = a.layout.train.coords(rank).pp
+        mine = FlatParamBuffer(slot_specs(specs, a.layout, rank))
+        assert mine.gen_nbytes == mine.train_nbytes == _train_shard_bytes(specs, pp_rank, a.tp)
+        colocated = sum(s.num_slots * s.slot_nbytes for s in slot_specs(specs, c.layout, rank))
+        assert colocated == _gen_shard_bytes(specs, pp_rank, c.pp, c.gen_pp, c.gen_tp)
+        saved += colocated - mine.gen_nbytes
+    assert saved > 0
+
+
 # Config checks --------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, world, match", [
     (["algo=grpo", "algo.max_staleness=1", "algo.tis_cap=2.0"], 4,
@@ -313,6 +407,8 @@ def test_disaggregated_plan():
     assert plan.roles["actor"].pool == plan.roles["reference"].pool == (0, 1)
     r = plan.rollout  # the actor's generation layout (recipe: tp 2 -> gen_tp 1) on 2 ranks
     assert (r.pool, r.pp, r.tp, r.dp, r.dp_g) == ((2, 3), 1, 1, 2, 2)
+    a = plan.roles["actor"]  # generates nothing: its generation side is its training side
+    assert (a.pp, a.tp, a.gen_pp, a.gen_tp) == (1, 2, 1, 2) and a.dp_g == a.dp == 1
     assert validate_for_world(load_config(["algo=grpo"]), 4).rollout is None
 
 
@@ -344,7 +440,10 @@ RUNS = {
     "ppo_sync": ["algo=ppo", "placement.mode=split", "placement.pool_sizes={actor: 2, critic: 2}",
                  "actor.layout.tp=1", "iterations=2", "data.val_size=0", *TASK],
     **{f"{name}_async1": [f"algo={name}", *DISAGG[1:], "algo.max_staleness=1", "algo.tis_cap=2.0",
-                          f"iterations={OWN_ITERATIONS}", "data.val_size=0", *TASK]
+                          f"iterations={OWN_ITERATIONS}", *TASK,
+                          # PPO also evaluates (on the rollout pool), at the start and every 2
+                          *(["data.val_size=8", "eval_every=2"] if name == "ppo" else
+                            ["data.val_size=0"])]
        for name in OWN_PROGRAMS},
 }
 
@@ -388,6 +487,22 @@ def test_staleness_one_learns_within_the_bound(runs):
     first = sum(r["reward/mean"] for r in recs[:3]) / 3
     last = sum(r["reward/mean"] for r in recs[-5:]) / 5
     assert first < 0.6 and last > first + 0.3, [r["reward/mean"] for r in recs]
+
+
+def test_disaggregated_actor_holds_its_training_shard_only(runs):
+    """The actor ranks of the staleness-1 run (training tp 2, generation tp 1 on the rollout
+    pool) hold their training shard alone: the weights they report (the largest flat buffer)
+    equal the formula, not the generation shard a colocated actor would hold."""
+    _, out = runs
+    overrides = RUNS["async1"]
+    cfg = load_config(base_overrides(overrides) + overrides)
+    a = validate_for_world(cfg, 4).roles["actor"]
+    specs = llama_shard_specs(cfg.actor.model.llama(), a.pp)
+    assert a.tp == 2 and cfg.actor.layout.gen_tp == 1
+    want = max(_train_shard_bytes(specs, a.layout.train.coords(r).pp, a.tp) for r in range(2))
+    got = out["async1"]["records"][0]["memory/actor_weights_gb"]
+    assert got == want / 2**30
+    assert got < _gen_shard_bytes(specs, 0, a.pp, 1, 1) / 2**30  # what colocated would hold
 
 
 def test_resume_pushes_the_restored_weights(runs):
@@ -450,6 +565,12 @@ def test_own_programs_at_staleness_one(runs, name):
                                                      "cost/lagrange"),
            "remax": ("reward/greedy_baseline",), "dapo": ("dapo/gen_rounds",)}[name]
     assert all(k in r for r in recs for k in own), sorted(recs[-1])
+    if name == "ppo":  # held-out evaluation on the rollout pool: start, every 2, the last
+        evaluated = [t for t, r in enumerate(recs) if "val/accuracy" in r]
+        assert evaluated == [0, 1, 3], evaluated
+        assert all(0 <= recs[t][k] <= 1 for t in evaluated
+                   for k in ("val/accuracy", "val/reward", "val/pass@k"))
+        assert recs[0]["timing_s/eval"] > 0
 
 
 # A rollout rank killed ---------------------------------------------------------------------

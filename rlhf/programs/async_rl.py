@@ -149,7 +149,9 @@ class RolloutPool:
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Rollouts of ``prompts`` with the newest weights (pushed last), queued behind the
-        generations in flight; the rows come through the controller."""
+        generations in flight; the rows come through the controller.  DAPO's refills, and the
+        held-out evaluation (called after :meth:`push`: it scores the version just trained,
+        and waits for the generations in flight before it)."""
         return self.rollout.generate_sequences(prompts, sampling).get()
 
     def _generation(self, prompts: Batch, step: int, greedy: bool) -> _Generation:

@@ -11,7 +11,9 @@ A program gets its rollouts from :func:`rollouts` (:func:`greedy_rollouts`,
 (:class:`ActorRollouts`) or, on a disaggregated run, the rollout pool
 (:class:`rlhf.programs.async_rl.RolloutPool`), chosen once when the roles are built.  The same
 program then runs synchronously or up to ``algo.max_staleness`` versions off-policy; the
-runtime pushes the actor's weights after each iteration (:meth:`Rollouts.push`).
+runtime pushes the actor's weights after each iteration (:meth:`Rollouts.push`).  The
+held-out evaluation generates through the same handle (:meth:`Rollouts.generate`), so the
+actor of a disaggregated run holds no generation side at all.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Rollouts(Protocol):
         responses of the first row of each prompt group)."""
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Future | Batch:
-        """More rollouts now, with the newest weights (DAPO's refills)."""
+        """More rollouts now, with the newest weights (DAPO's refills; the held-out
+        evaluation, after the runtime's push: :mod:`rlhf.evaluation`)."""
 
     def push(self) -> dict[str, float]:
         """The actor's weights changed (after each iteration's update)."""

@@ -1,8 +1,11 @@
 """Actor and reference workers.
 
-The actor owns a :class:`engine.hybrid_engine.HybridEngine`: it trains on ``p-t-d`` and, for
-``generate_sequences``, reshards in place to ``p_g-t_g`` (micro-DP all-gather), generates its
-share, gathers the rollouts back to the training data layout and returns to training.
+:class:`PolicyWorker` is the policy's training side: log-probs and the update on ``p-t-d``
+(a :class:`engine.train.TrainEngine`), nothing for generation.  :class:`ActorWorker` adds the
+:class:`engine.hybrid_engine.HybridEngine` on the same model: for ``generate_sequences`` it
+reshards in place to ``p_g-t_g`` (micro-DP all-gather), generates its share, gathers the
+rollouts back to the training data layout and returns to training.  (The actor of a
+disaggregated run, :class:`rlhf.workers.rollout.PushingActorWorker`, is a PolicyWorker.)
 Every data method uses 3D_PROTO: a DP replica's whole TP x PP block receives the same rows,
 and the controller collects from (pp = last, tp = 0) of every replica.
 """
@@ -27,37 +30,31 @@ from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_mode
 from rlhf.workers.specs import ActorSpec, ReferenceSpec
 
 
-class ActorWorker(CheckpointedWorker):
-    """The policy: generation (HybridEngine), log-probs and the PPO-style update."""
+class PolicyWorker(CheckpointedWorker):
+    """The policy's training side: log-probs, the PPO-style update, the HF export.  Its
+    model's flat buffer is sized by the role's layout (:func:`hybridflow_comm.shard_spec.
+    slot_specs`): the training shard only when the layout's generation side is its training
+    side, as in the disaggregated actor's plan."""
 
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.model = build_model(spec.model, self.groups)
-        self.engine = HybridEngine(self.model, spec.optim)
+        self.train = TrainEngine(self.model, spec.optim)
         # actor.loss.mode, else the algorithm's own registered policy loss
         self.pg_loss = get_policy_loss(spec.loss.mode or algorithm(spec.algo).policy_loss)
-        self.checkpoint = ShardCheckpoint(self.model, self.engine.train)
+        self.checkpoint = ShardCheckpoint(self.model, self.train)
 
-    @protocol(THREE_D_PROTO)
-    def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        """Rollouts of this replica's prompts (input_ids/attention_mask ``[B, P]``)."""
-        t0 = time.perf_counter()
-        with self.engine.generation_mode() as stats:
-            out = self.engine.generate_sequences(prompts["input_ids"],
-                                                 prompts["attention_mask"], sampling)
-        plen = out.prompt_length
-        return Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
-                      "response_mask": out.response_mask,
-                      "rollout_log_probs": out.log_probs},
-                     dict(prompts.non_tensors),
-                     {"reshard_s": stats.time_s, "gen_s": time.perf_counter() - t0,
-                      "prompt_len": plen})
+    @protocol(ONE_TO_ALL)
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank's flat buffer holds: its training shard plus, on an
+        actor that generates, the other slots of its generation shard."""
+        return self.model.buffer.gen_nbytes
 
     @protocol(THREE_D_PROTO)
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy
         at the sampling temperature (what the rollout's own log-probs are)."""
-        out = forward_outputs(self.engine.train, batch, self.spec.update.max_tokens,
+        out = forward_outputs(self.train, batch, self.spec.update.max_tokens,
                               temperature=self.spec.temperature)
         if out is None:
             return None  # not the last pipeline stage: not collected
@@ -92,7 +89,7 @@ class ActorWorker(CheckpointedWorker):
             for mbs in update_micro_batches(data, u, self.groups.train_dp):
                 # one denominator for the whole mini-batch (all micro-batches, all DP ranks)
                 d = loss_denominator(mbs, loss.loss_agg_mode, self.groups.train_dp)
-                grad_norms.append(self.engine.train.train_step(
+                grad_norms.append(self.train.train_step(
                     mbs, functools.partial(loss_fn, denominator=d),
                     head_from=response_head_from(batch), temperature=self.spec.temperature,
                     remove_padding=u.max_tokens is not None)["grad_norm"])
@@ -101,12 +98,35 @@ class ActorWorker(CheckpointedWorker):
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
         return mean_row(records)
 
-
     @protocol(ONE_TO_ALL)
     def save_hf(self, folder: str) -> None:
         """The policy as an HF checkpoint in ``folder`` (collective; layout rank 0 writes it
         one tensor at a time, never holding the whole model)."""
         stream_hf_checkpoint(self.model, folder)
+
+
+class ActorWorker(PolicyWorker):
+    """The policy that also generates: a :class:`HybridEngine` around the training engine,
+    on the same flat buffer."""
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.engine = HybridEngine(self.model, train=self.train)
+
+    @protocol(THREE_D_PROTO)
+    def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """Rollouts of this replica's prompts (input_ids/attention_mask ``[B, P]``)."""
+        t0 = time.perf_counter()
+        with self.engine.generation_mode() as stats:
+            out = self.engine.generate_sequences(prompts["input_ids"],
+                                                 prompts["attention_mask"], sampling)
+        plen = out.prompt_length
+        return Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
+                      "response_mask": out.response_mask,
+                      "rollout_log_probs": out.log_probs},
+                     dict(prompts.non_tensors),
+                     {"reshard_s": stats.time_s, "gen_s": time.perf_counter() - t0,
+                      "prompt_len": plen})
 
 
 class ReferenceWorker(CheckpointedWorker):

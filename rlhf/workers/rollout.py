@@ -6,19 +6,26 @@ worker, which holds generation weights only, and the actor that pushes its weigh
     training pool A (every role: actor,               rollout pool B (generation only)
       critics, reference, reward, cost)
     PushingActorWorker                                 RolloutWorker
-      trains on p-t-d (HybridEngine, as colocated)       GenerationEngine on gen_pp x gen_tp,
-      push_weights(): every training rank sends   ---->    dp_g = |B| / (gen_pp gen_tp) replicas
-      only the boxes it owns (WeightSync)                pull_weights(version): receives its
-                                                           generation shard in place, stamps
-                                                           the version on every later sample
+      trains on p-t-d (a TrainEngine only: no            GenerationEngine on gen_pp x gen_tp,
+      resharder, no generation engine, a flat            dp_g = |B| / (gen_pp gen_tp) replicas
+      buffer of the training shard alone)                pull_weights(version): receives its
+      push_weights(): every training rank sends   ---->    generation shard in place, stamps
+      only the boxes it owns (WeightSync)                  the version on every later sample
+                                                         generate_sequences(): the run's
+                                                           rollouts and its held-out evaluation
 
 The training pool runs the algorithm's whole program but its generation: it scores, values
-(PPO's GAE with the current critic) and trains on the rollout pool's rows.  Both ends of a push
-are one call each on their own pool, issued back to back by the controller
-(:class:`rlhf.programs.async_rl.RolloutPool`); the weight transfer is the collective between
-them (:class:`hybridflow_comm.sync.WeightSync` over the group of both pools).  Each rank runs
-its calls in issue order, so a push queued on the rollout pool runs after the generations
-issued before it, and a generation issued after it samples with the new weights.
+(PPO's GAE with the current critic) and trains on the rollout pool's rows, and it holds
+training state only (the plan gives the actor ``gen_pp x gen_tp = pp x tp``:
+:func:`rlhf.config.validate_for_world`).  The held-out evaluation generates on the rollout
+pool too (:class:`rlhf.evaluation.Evaluator`), with the weights pushed last.
+
+Both ends of a push are one call each on their own pool, issued back to back by the
+controller (:class:`rlhf.programs.async_rl.RolloutPool`); the weight transfer is the
+collective between them (:class:`hybridflow_comm.sync.WeightSync` over the group of both
+pools).  Each rank runs its calls in issue order, so a push queued on the rollout pool runs
+after the generations issued before it, and a generation issued after it samples with the
+new weights.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.sync import WeightSync, build_sync_group
 from hybridflow_comm.sync_plan import SyncLayout
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
-from rlhf.workers.actor import ActorWorker
+from rlhf.workers.actor import PolicyWorker
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,11 @@ def _connect(sync: SyncSpec, specs: list, **side) -> WeightSync:
     return WeightSync(specs, layout, build_sync_group(layout), **side)
 
 
-class PushingActorWorker(ActorWorker):
-    """The actor of a disaggregated run: trains as :class:`ActorWorker` does (generation on
-    its own ranks serves only the held-out evaluation) and pushes its weights to the rollout
-    pool after every update."""
+class PushingActorWorker(PolicyWorker):
+    """The actor of a disaggregated run: trains as :class:`~rlhf.workers.actor.ActorWorker`
+    does, generates nothing (no generation weights, no KV cache: the rollout pool generates
+    every rollout and the held-out evaluation) and pushes its weights to the rollout pool
+    after every update."""
 
     sync: WeightSync | None = None
 
