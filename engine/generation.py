@@ -322,7 +322,11 @@ class GenerationEngine:
         cache = KVCache(**self._kv_cache_sizes(batch, plen, n_new))
         kv_bytes = cache.nbytes
         generator = torch.Generator().manual_seed(sampling.seed)
-        sample = functools.partial(self._sample, sampling=sampling, generator=generator)
+        # the head's product is chosen once per call, by the full batch, so that dropping
+        # finished rows (early exit) never switches it between BLAS and the kernel
+        head_kernel = self.head_kernel if self.block_rows and batch <= self.block_rows else None
+        sample = functools.partial(self._sample, sampling=sampling, generator=generator,
+                                   head_kernel=head_kernel)
         out_ids = torch.full((batch, n_new), sampling.pad_token_id, dtype=torch.long)
         out_mask = torch.zeros(batch, n_new, dtype=torch.long)
         out_lp = torch.zeros(batch, n_new, dtype=torch.float32)
@@ -357,7 +361,8 @@ class GenerationEngine:
                 running = torch.zeros(batch, dtype=torch.bool)
                 running[run] = True
                 sample = functools.partial(self._sample, sampling=sampling,
-                                           generator=generator, rows=running)
+                                           generator=generator, rows=running,
+                                           head_kernel=head_kernel)
                 compactions += 1
             path, step_in, start, end = self.paths.decode, out_ids[run, i:i + 1], end, end + 1
             attn = keys_ok[..., :end]
@@ -396,17 +401,18 @@ class GenerationEngine:
         return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
 
     def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-                rows: torch.Tensor | None = None, step: int = 0
+                rows: torch.Tensor | None = None, step: int = 0, head_kernel=None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Last stage: the next token of every row from the last position of ``x [R, S, H]``
         (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
-        has produced, for ``sampling.min_new_tokens``)."""
+        has produced, for ``sampling.min_new_tokens``; ``head_kernel``: the decode kernels'
+        small-M product for the LM head, or None for BLAS)."""
         h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
         w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
-        if self.head_kernel is not None and h.shape[0] <= self.block_rows and w.stride(1) == 1:
+        if head_kernel is not None and w.stride(1) == 1:
             # a few rows: the kernels' product reads the head in place on every intra-op
             # thread (BLAS packs the whole [V/t_g, H] weight first: 2.4-3.9x slower at 1-4 rows)
-            logits = self.head_kernel(h.contiguous(), w)
+            logits = head_kernel(h.contiguous(), w)
         else:
             logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
         return sample_next(logits, sampling, self.tp_group, generator, rows, step)

@@ -166,6 +166,27 @@ def test_early_exit_is_bit_identical(cfg, fused, mode):
         assert a.stats["forward_steps"] == b.stats["forward_steps"]
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_early_exit_bit_identical_across_the_head_kernel_bound(mode):
+    """A batch above the kernels' row block (64 rows, 2 threads) that compacts to 32 or fewer:
+    the LM head's product is chosen by the full batch, so it stays BLAS after compaction."""
+    _, on = engine(CFG, True, early_exit=True)
+    _, off = engine(CFG, True, early_exit=False)
+    if on.block_rows is None:
+        pytest.skip("C++ kernels not built")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ids, mask, limits = batch_of(2 * on.block_rows, seed=3)
+        limits[8:] = 2  # all but 8 rows stop after 2 tokens: the run compacts to 8 rows
+        sp = MODES[mode]
+        a, b = on.generate(ids, mask, sp, limits), off.generate(ids, mask, sp, limits)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same(a, b)
+    assert a.stats["compactions"] >= 1 and a.stats["row_steps"] < b.stats["row_steps"]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_early_exit_greedy_matches_cache_free_loop(fused):
     """Independent of both engine paths: the training model's full forward on the whole

@@ -10,8 +10,10 @@
 //   x [B, H] --rms_norm--> mm(gate_up) --silu(gate) * up--> mm(down)        = MLP partial
 //
 // Each returns this rank's partial [B, H]; the caller all-reduces it over the generation TP
-// group and adds the residual.  The norm, silu and softmax use the same ATen kernels as the
-// Python layers (engine/layers.py), so those parts round identically; RoPE is written element
+// group and adds the residual.  The silu and softmax use the same ATen kernels as the Python
+// layers (engine/layers.py), so those parts round identically; the norm is the ATen formula
+// (the Python layers' float32 CPU norm is the rms_norm.cpp kernel, which sums x^2 in another
+// order: the two agree to float rounding); RoPE is written element
 // by element in the same order (x*cos + rot*sin, compiled without FMA contraction, so it
 // rounds like the separate ATen multiplies and add).  The matrix products of up to
 // kSmallGemmMaxRows rows (small_gemm.h: weights read in place, no packed copy) and the
@@ -133,6 +135,7 @@ void row_matmul_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
 // weight rows over the threads (small_linear_out), with the same bits.
 template <typename Fn>
 void for_row_blocks(int64_t batch, const Fn& fn) {
+  if (batch == 0) return;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch));
   if (blocks == 1) {
     const c10::AutoGradMode no_grad(false);
