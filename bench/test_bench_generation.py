@@ -5,17 +5,10 @@ figure is there and the agreement checks hold, not the speed goals (those are fo
 import json
 
 import pytest
-import torch
 
 from bench import generation
 from bench.shapes import bench_corpus, build_bpe_tokenizer, get_shape
 
-
-@pytest.fixture
-def keep_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_corpus_prompts_are_left_padded_corpus_text(tmp_path):

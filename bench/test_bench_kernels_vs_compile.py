@@ -23,12 +23,6 @@ EXPECTED = [("train_rms_norm", "kernel"), ("train_layer+bias", None),
             ("decode_b32+bias", None)]
 
 
-@pytest.fixture
-def keep_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
 
 def test_kernels_vs_compile_tiny(benchmark, tmp_path, keep_threads):
     path = tmp_path / "kvc.json"

@@ -7,21 +7,12 @@ there and every fraction of a limit is a plausible measurement, not the goals (t
 
 import json
 
-import pytest
-import torch
-
 from bench import roofline
 from bench.shapes import get_shape
 
 FRACTIONS = ("train_flops_fraction", "decode_b1_limit_fraction", "decode_b32_limit_fraction",
              "decode_limit_fraction")
 
-
-@pytest.fixture
-def keep_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def test_roofline_tiny(benchmark, tmp_path, keep_threads):

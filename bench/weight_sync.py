@@ -43,7 +43,7 @@ from bench.report import write_json  # noqa: E402
 from bench.shapes import add_shape_argument, get_shape  # noqa: E402
 from hybridflow_comm import _C, comm  # noqa: E402
 from hybridflow_comm.comm import CommLedger  # noqa: E402
-from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec  # noqa: E402
+from hybridflow_comm.flat_buffer import FlatParamBuffer  # noqa: E402
 from hybridflow_comm.groups import Group  # noqa: E402
 from hybridflow_comm.layout import HybridLayout, parse_sizes  # noqa: E402
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs  # noqa: E402

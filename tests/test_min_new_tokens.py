@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.generation import GenerationEngine
-from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.llama_spec import init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams, sample_next
 from hybridflow_comm.groups import build_hybrid_groups
