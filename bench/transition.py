@@ -9,9 +9,10 @@ Starts its own gloo ranks and builds the parameter set: with ``--shape`` exactly
 set of about ``size-mb`` MiB (bf16).  Every method runs ``repeat`` times after one warm-up; a
 method's time is the slowest rank's, median over repeats; ``user_s``/``sys_s`` are CPU seconds
 per transition summed over the ranks.  Interleaved with hybridflow's repeats (same buffers
-alive, same moment): ``raw_allgather_time_s``, one single-bucket ``all_gather_into_tensor`` of
-the same bytes in the same micro-DP groups (torch's collective: the practical limit the issue
-names), and ``raw_p2p_time_s``, the same bytes as zero-copy point-to-point messages (the
+alive, same moment): ``raw_allgather_time_s``, ``all_gather_into_tensor`` of the same bytes in
+the same micro-DP groups in chunks of at most :data:`RAW_CHUNK_BYTES` per rank (one call up to
+256 MiB per rank; gloo stages ``micro-DP x chunk`` bytes per call, so ``llama-1b`` at
+``2,2,1:1,1`` fits; torch's collective: the practical limit the issue names), and ``raw_p2p_time_s``, the same bytes as zero-copy point-to-point messages (the
 transport's own limit, what hybridflow's gather does per slot).
 
 JSON keys: ``ratio_vs_ds_chat`` and ``ratio_vs_raw`` (hybridflow's time over DS-Chat's and over
@@ -147,6 +148,10 @@ def _fill_training_shards(rs, hl: HybridLayout, rank: int) -> None:
                                    dtype=view.dtype))
 
 
+RAW_CHUNK_BYTES = 256 * 2**20
+"""Largest piece one rank contributes to one call of the raw all-gather."""
+
+
 def _rank_main(rank: int, world: int, cfg: dict):
     hl = HybridLayout(ParallelLayout(*cfg["train"]), pp_g=cfg["gen"][0], tp_g=cfg["gen"][1])
     groups = build_hybrid_groups(hl)
@@ -168,9 +173,13 @@ def _rank_main(rank: int, world: int, cfg: dict):
         mine = out[micro_dp.rank * piece:(micro_dp.rank + 1) * piece]
         limit_bytes.append(piece)
 
-        def raw():
-            if micro_dp.pg is not None:
-                dist.all_gather_into_tensor(out, mine, group=micro_dp.pg)
+        def raw():  # chunk c of every rank lands contiguously: out = [chunks][ranks][chunk]
+            if micro_dp.pg is None:
+                return
+            for lo in range(0, piece, RAW_CHUNK_BYTES):
+                n = min(RAW_CHUNK_BYTES, piece - lo)
+                dist.all_gather_into_tensor(out[micro_dp.size * lo:micro_dp.size * (lo + n)],
+                                            mine[lo:lo + n], group=micro_dp.pg)
 
         def raw_p2p():
             if micro_dp.pg is not None:
@@ -243,7 +252,8 @@ def _too_big(hl: HybridLayout, nproc: int, specs: list[ShardSpec]) -> dict[str, 
         return {}
     model = sum(s.nbytes for s in specs)
     gen = model / (hl.pp_g * hl.tp_g)
-    staged = hl.micro_dp_size * _train_bytes(specs, hl)  # gloo's copy in the raw all-gather
+    # gloo's copy in the raw all-gather: one chunk per rank at a time
+    staged = hl.micro_dp_size * min(_train_bytes(specs, hl), RAW_CHUNK_BYTES)
     needs = {method: gen + (model if method != "hybridflow" else 0) for method in TRANSITIONS}
     needs["raw"] = gen + staged  # (inside hybridflow's phase, into its buffer)
     return {name: (f"needs about {nproc * need / 2**30:.1f} GiB over {nproc} ranks, "
