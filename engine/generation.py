@@ -233,7 +233,6 @@ class GenerationEngine:
         self.weights_version: int | None = None
         self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
         self.block_rows: int | None = None  # the decode kernels' row blocks (decode_rows)
-        self.head_kernel = None  # the kernels' small-M product, for the LM head of <= block_rows
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
@@ -259,11 +258,10 @@ class GenerationEngine:
             tp_group=self.tp_group, dtype=c.dtype)
         self.weights, self.weights_version = weights, version
         self.paths = choose_paths(stage, self.fused_decode)
-        self.block_rows, self.head_kernel = None, None
+        self.block_rows = None
         if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
             from engine import _kernels  # built: the kernel paths exist only then
             self.block_rows = _kernels.small_gemm_max_rows
-            self.head_kernel = _kernels.small_linear
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -274,7 +272,7 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version, self.paths = None, None, None
-        self.block_rows, self.head_kernel = None, None
+        self.block_rows = None
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
@@ -324,7 +322,10 @@ class GenerationEngine:
         generator = torch.Generator().manual_seed(sampling.seed)
         # the head's product is chosen once per call, by the full batch, so that dropping
         # finished rows (early exit) never switches it between BLAS and the kernel
-        head_kernel = self.head_kernel if self.block_rows and batch <= self.block_rows else None
+        head_kernel = None
+        if self.block_rows and batch <= self.block_rows:
+            from engine import _kernels  # the kernel paths (block_rows) exist only when built
+            head_kernel = _kernels.small_linear
         sample = functools.partial(self._sample, sampling=sampling, generator=generator,
                                    head_kernel=head_kernel)
         out_ids = torch.full((batch, n_new), sampling.pad_token_id, dtype=torch.long)
