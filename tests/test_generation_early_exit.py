@@ -10,6 +10,7 @@ against direct computations."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -74,24 +75,39 @@ def assert_same(a, b) -> None:
 
 # Pure pieces ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_draw_is_torch_multinomial_and_independent_of_running_rows(dtype):
-    """The exponential race is torch.multinomial's one-sample draw bit for bit (so early exit
-    off samples what it sampled before), and a subset of rows draws what those rows draw in
-    the full batch, leaving the generator where the full batch leaves it."""
+def test_draw_is_the_first_clock_and_independent_of_running_rows(dtype):
+    """Each row's pick is the candidate whose exponential clock of rate ``p_j`` rings first
+    (arrival time ``-log(U_j) / p_j``, a direct loop over the uniforms of a generator in the
+    same state), truncated candidates are never picked, and a subset of rows draws what those
+    rows draw in the full batch, leaving the generator where the full batch leaves it."""
     g = torch.Generator().manual_seed(0)
     for batch, vocab in ((5, 7), (32, 96), (8, 4096)):
         z = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
         z[:, :2] = float("-inf")  # truncated candidates are never drawn
         a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
         for _ in range(5):
-            want = torch.multinomial(torch.softmax(z, -1), 1, generator=a)
-            assert torch.equal(_draw(z, b), want)
+            uniforms = torch.rand(batch, vocab, generator=a).tolist()
+            got = _draw(z, b)[:, 0].tolist()
+            for row in range(batch):
+                probs = torch.softmax(z[row], -1).tolist()
+                arrival = [-math.log(u) / p if p > 0 and u > 0 else math.inf
+                           for u, p in zip(uniforms[row], probs)]
+                assert got[row] == arrival.index(min(arrival)), (batch, vocab, row)
         rows = torch.rand(batch, generator=g) < 0.5
         rows[0] = True
         full, part = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
         for _ in range(3):
             assert torch.equal(_draw(z, full)[rows], _draw(z[rows], part, rows))
         assert torch.equal(full.get_state(), part.get_state())
+
+
+def test_draw_frequencies_follow_the_softmax():
+    z = torch.log(torch.tensor([1.0, 0.0, 3.0, 6.0, 0.0]))  # two impossible candidates
+    picks = _draw(z.expand(200_000, -1), torch.Generator().manual_seed(3))[:, 0]
+    freq = torch.bincount(picks, minlength=5).double() / len(picks)
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0, 0.3, 0.6, 0], dtype=torch.float64),
+                               atol=0.005, rtol=0)
+    assert float(freq[1]) == float(freq[4]) == 0
 
 
 def test_decode_rows_policy():
