@@ -18,6 +18,7 @@ import sys
 import yaml
 from omegaconf.errors import OmegaConfBaseException
 
+from engine.host_memory import keep_freed_memory
 from rlhf.builders import check_run, tokenizer_of, tokenizer_path
 from rlhf.config import Config, WorldPlan, load_config, validate_for_world
 from rlhf.controller import run
@@ -74,6 +75,7 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str]) -> int:
     try:
         cfg, plan = validated(argv)
+        keep_freed_memory()  # every rank's steps reuse their freed host memory
     except INVALID as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"[rlhf] invalid configuration: {_one_line(e)}", file=sys.stderr, flush=True)
