@@ -265,6 +265,8 @@ def choose_paths(stage: StageLayers, kernels: bool) -> ForwardPaths:
 # Stage boundaries ---------------------------------------------------------------------------
 Embed = Callable[[torch.Tensor], torch.Tensor]  # ids [B, S] -> x [B, S, H]
 Sample = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x -> (tokens, log-probs)
+# leave(x, sample, rows): the last stage samples from x[rows] (one row per sequence, when the
+# step ran on the distinct prompts only), or from x when rows is None
 
 
 class SingleStage:
@@ -273,8 +275,9 @@ class SingleStage:
     def enter(self, ids: torch.Tensor, embed: Embed) -> torch.Tensor:
         return embed(ids)
 
-    def leave(self, x: torch.Tensor, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample(x)
+    def leave(self, x: torch.Tensor, sample: Sample, rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample(x if rows is None else x[rows])
 
 
 @dataclass(frozen=True)
@@ -296,12 +299,14 @@ class PipelineStage:
         dist.recv(x, src=self.group.ranks[self.stage - 1], group=self.group.pg)
         return x
 
-    def leave(self, x: torch.Tensor, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    def leave(self, x: torch.Tensor, sample: Sample, rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.stage == self.group.size - 1:
-            tok, lp = sample(x)
+            tok, lp = sample(x if rows is None else x[rows])
             packed = torch.stack([tok.double(), lp.double()])
         else:
             dist.send(x.contiguous(), dst=self.group.ranks[self.stage + 1], group=self.group.pg)
-            packed = torch.empty(2, x.shape[0], dtype=torch.float64)
+            packed = torch.empty(2, x.shape[0] if rows is None else rows.numel(),
+                                 dtype=torch.float64)
         dist.broadcast(packed, src=self.group.ranks[-1], group=self.group.pg)
         return packed[0].long(), packed[1].float()

@@ -317,8 +317,10 @@ class GenerationEngine:
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.dtype,
                                c.rope_scaling)  # [B, P+N, D]
         keys_ok = full_mask.bool()[:, None, None, :]  # [B, 1, 1, P+N]
-        cache = KVCache(**self._kv_cache_sizes(batch, plen, n_new))
-        kv_bytes = cache.nbytes
+        prompt = _padded_prompt(input_ids, mask, sampling)
+        distinct, copies = distinct_prompts(prompt, mask)
+        cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new))
+        kv_bytes = self.kv_cache_bytes(batch, plen, n_new)
         generator = torch.Generator().manual_seed(sampling.seed)
         # the head's product is chosen once per call, by the full batch, so that dropping
         # finished rows (early exit) never switches it between BLAS and the kernel
@@ -334,14 +336,20 @@ class GenerationEngine:
         alive = torch.ones(batch, dtype=torch.bool)
         run = torch.arange(batch)  # [R] the full-batch row of each running row
         threads = torch.get_num_threads()
-        prompt = _padded_prompt(input_ids, mask, sampling)
-        # step 0 is the prefill of positions [0, P); step i > 0 decodes position P + i - 1
-        path, step_in, start, end = self.paths.for_prompt(plen), prompt, 0, plen
-        attn = causal_mask(mask, batch, plen)
+        # step 0 is the prefill of positions [0, P) of the distinct prompts (each prompt once
+        # however many sequences share it); step i > 0 decodes position P + i - 1 of every row
+        path, step_in, start, end = self.paths.for_prompt(plen), prompt[distinct], 0, plen
+        attn = causal_mask(mask[distinct], distinct.numel(), plen)
+        rope_rows = distinct
         steps = row_steps = compactions = 0
         for i in range(n_new):
-            tok, lp = self._step(path, step_in, cache, (cos[:, start:end], sin[:, start:end]),
-                                 attn, functools.partial(sample, step=i))  # [R] each
+            tok, lp = self._step(path, step_in, cache,
+                                 (cos[rope_rows, start:end], sin[rope_rows, start:end]),
+                                 attn, functools.partial(sample, step=i), copies)  # [R] each
+            if copies is not None:  # the prompts' caches, copied to each of their sequences
+                cache.keep_rows_(copies)
+                copies = None
+            rope_rows = run
             steps, row_steps = steps + 1, row_steps + run.numel()
             live = alive[run]
             out_ids[run, i] = torch.where(live, tok, sampling.pad_token_id)
@@ -357,7 +365,8 @@ class GenerationEngine:
                     if self.early_exit else run.numel())
             if rows < run.numel():  # drop finished rows (every rank of the replica alike)
                 keep = kept_rows(alive[run], rows)
-                run, cos, sin, keys_ok = run[keep], cos[keep], sin[keep], keys_ok[keep]
+                run, keys_ok = run[keep], keys_ok[keep]
+                rope_rows = run
                 cache.keep_rows_(keep)
                 running = torch.zeros(batch, dtype=torch.bool)
                 running[run] = True
@@ -375,6 +384,7 @@ class GenerationEngine:
             attention_mask=torch.cat([mask, out_mask], dim=1), log_probs=out_lp,
             prompt_length=plen,
             stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": steps,
+                   "prefill_rows": int(distinct.numel()),
                    "row_steps": row_steps, "compactions": compactions,
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9), "kv_cache_bytes": kv_bytes,
                    "weights_version": self.weights_version})
@@ -390,12 +400,14 @@ class GenerationEngine:
         return limits
 
     def _step(self, path: LayerPath, ids: torch.Tensor, cache: KVCache, rope: Rope,
-              attn: torch.Tensor, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of ``ids [B, S]`` through every stage; returns ``(tokens, log_probs)``."""
+              attn: torch.Tensor, sample: Sample, copies: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of ``ids [B, S]`` through every stage; returns ``(tokens, log_probs)``
+        of each row, or of each row of ``copies`` (a row index per sequence) when given."""
         x = self.boundary.enter(ids, self._embed)
         x = path.forward(x, cache, rope, attn)
         cache.advance(ids.shape[1])
-        return self.boundary.leave(x, sample)
+        return self.boundary.leave(x, sample, copies)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """First stage: ``ids [B, S]`` -> ``[B, S, H]``."""
@@ -417,6 +429,28 @@ class GenerationEngine:
         else:
             logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
         return sample_next(logits, sampling, self.tp_group, generator, rows, step)
+
+
+def distinct_prompts(prompt: torch.Tensor, mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows to prefill and how to copy them back to one row per sequence.
+
+    Identical prompts (the samples of one prompt in GRPO, RLOO, ...: equal ids and mask) share
+    their prefill, as vLLM's ``n > 1`` does.  Returns ``(distinct [U], copies)``: the first
+    row of each distinct prompt, in batch order, and ``copies [B]`` with the index into
+    ``distinct`` of every row's prompt, or None when all ``B`` prompts differ (then
+    ``distinct`` is every row and nothing is copied).
+    """
+    batch = prompt.shape[0]
+    _, group = torch.unique(torch.cat([prompt, mask], dim=1), dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long)
+    first.scatter_reduce_(0, group, torch.arange(batch), reduce="amin")
+    if first.numel() == batch:
+        return torch.arange(batch), None
+    distinct, order = first.sort()  # batch order
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel())
+    return distinct, slot[group]
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

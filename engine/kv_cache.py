@@ -15,7 +15,8 @@ views of ``[0, length + S)`` in the ``[B, S_kv, h_kv, D]`` form that
 :func:`engine.layers.attention` expects (strided views, no copy).  :meth:`advance` moves
 ``length`` once every layer of the step has run.  :meth:`keep_rows_` drops finished sequences
 (early exit in :mod:`engine.generation`): the kept rows' filled positions move to new, smaller
-tensors of the same layout.
+tensors of the same layout; with repeated rows it copies the cache of a prompt prefilled once
+to each of its sequences.
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ class KVCache:
         self.length += steps
 
     def keep_rows_(self, rows: torch.Tensor) -> None:
-        """Keep only the sequences ``rows`` (``[n]`` int64 indices into the current batch, in
-        the order they are to take), in place: new ``[layers, n, ...]`` tensors, of which the
-        filled positions ``[0, length)`` are copied (the rest stays unwritten, as before)."""
+        """Keep the sequences ``rows`` (``[n]`` int64 indices into the current batch, in the
+        order they are to take; an index may repeat: the copies of a shared prompt's cache),
+        in place: new ``[layers, n, ...]`` tensors, of which the filled positions
+        ``[0, length)`` are copied (the rest stays unwritten, as before)."""
         k = torch.empty(self.k.shape[0], rows.numel(), *self.k.shape[2:], dtype=self.k.dtype)
         v = torch.empty(self.v.shape[0], rows.numel(), *self.v.shape[2:], dtype=self.v.dtype)
         torch.index_select(self.k[..., :self.length], 1, rows, out=k[..., :self.length])
