@@ -338,18 +338,16 @@ class GenerationEngine:
         threads = torch.get_num_threads()
         # step 0 is the prefill of positions [0, P) of the distinct prompts (each prompt once
         # however many sequences share it); step i > 0 decodes position P + i - 1 of every row
-        path, step_in, start, end = self.paths.for_prompt(plen), prompt[distinct], 0, plen
+        path, step_in, end = self.paths.for_prompt(plen), prompt[distinct], plen
         attn = causal_mask(mask[distinct], distinct.numel(), plen)
-        rope_rows = distinct
+        rope = (cos[distinct, :plen], sin[distinct, :plen])
         steps = row_steps = compactions = 0
         for i in range(n_new):
-            tok, lp = self._step(path, step_in, cache,
-                                 (cos[rope_rows, start:end], sin[rope_rows, start:end]),
-                                 attn, functools.partial(sample, step=i), copies)  # [R] each
+            tok, lp = self._step(path, step_in, cache, rope, attn,
+                                 functools.partial(sample, step=i), copies)  # [R] each
             if copies is not None:  # the prompts' caches, copied to each of their sequences
                 cache.keep_rows_(copies)
                 copies = None
-            rope_rows = run
             steps, row_steps = steps + 1, row_steps + run.numel()
             live = alive[run]
             out_ids[run, i] = torch.where(live, tok, sampling.pad_token_id)
@@ -365,8 +363,7 @@ class GenerationEngine:
                     if self.early_exit else run.numel())
             if rows < run.numel():  # drop finished rows (every rank of the replica alike)
                 keep = kept_rows(alive[run], rows)
-                run, keys_ok = run[keep], keys_ok[keep]
-                rope_rows = run
+                run, cos, sin, keys_ok = run[keep], cos[keep], sin[keep], keys_ok[keep]
                 cache.keep_rows_(keep)
                 running = torch.zeros(batch, dtype=torch.bool)
                 running[run] = True
@@ -374,8 +371,8 @@ class GenerationEngine:
                                            generator=generator, rows=running,
                                            head_kernel=head_kernel)
                 compactions += 1
-            path, step_in, start, end = self.paths.decode, out_ids[run, i:i + 1], end, end + 1
-            attn = keys_ok[..., :end]
+            path, step_in, end = self.paths.decode, out_ids[run, i:i + 1], end + 1
+            attn, rope = keys_ok[..., :end], (cos[:, end - 1:end], sin[:, end - 1:end])
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
         new_tokens = int(out_mask.sum())
