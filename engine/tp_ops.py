@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine import onednn
 from engine.inductor import Compiled
 from hybridflow_comm.groups import Group
 
@@ -82,7 +83,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, group: Group | None) ->
     Returns:
         ``[..., out_local]``, this rank's slice of the output features.
     """
-    return torch.matmul(copy_to_tp(x, group), weight.t())
+    return onednn.linear(copy_to_tp(x, group), weight)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group | None) -> torch.Tensor:
@@ -98,7 +99,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group | None) -> to
         ``[..., out]`` replicated over the group.
     """
     if weight.dim() == 2:
-        y = torch.matmul(x, weight.t())
+        y = onednn.linear(x, weight)
     elif weight.dim() == 3:
         m, _, k = weight.shape
         if x.shape[-1] != m * k:

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench import roofline
 from bench.shapes import SHAPES, BenchShape
+from engine import onednn
 from engine.generation import GenerationEngine
 from engine.kv_cache import kv_cache_nbytes
 from engine.llama_spec import init_full_state_dict
@@ -30,6 +31,15 @@ BASE = BenchShape("t", hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=1
 MINI = {"qwen2-untied": BASE,
         "llama-tied": dataclasses.replace(BASE, tied=True, qkv_bias=False, model_type="llama",
                                           heads=8, kv_heads=8, ffn=160)}
+
+
+@pytest.fixture(autouse=True)
+def products_on_matmul():
+    """FlopCounterMode counts aten's products; oneDNN's op (engine.onednn) is not among them,
+    and the formulas are of the model's maths, whichever GEMM runs them."""
+    previous = onednn.set_enabled(False)
+    yield
+    onednn.set_enabled(previous)
 
 
 def build(shape: BenchShape) -> ParallelLlama:
