@@ -223,7 +223,9 @@ def test_early_exit_greedy_matches_cache_free_loop(fused):
 
 
 # Two ranks -------------------------------------------------------------------------------------
-def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple, fused: bool) -> dict:
+def resharded(train: tuple, gen: tuple):
+    """``(groups, resharder)``: CFG's seeded model on this rank, moved to the generation
+    layout (``train`` = (p, t, d), ``gen`` = (p_g, t_g))."""
     from hybridflow_comm.reshard import Resharder
 
     layout = HybridLayout(ParallelLayout(*train), *gen)
@@ -232,6 +234,11 @@ def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple, fused: b
     load_full_state_dict(model, init_full_state_dict(CFG, seed=0, std=0.2))
     resharder = Resharder(model.specs, groups, buffer=model.buffer)
     resharder.to_generation()
+    return groups, resharder
+
+
+def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple, fused: bool) -> dict:
+    groups, resharder = resharded(train, gen)
     engines = {flag: GenerationEngine(CFG, groups, fused_decode=fused, early_exit=flag)
                for flag in (True, False)}
     for e in engines.values():

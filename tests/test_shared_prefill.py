@@ -11,13 +11,9 @@ import pytest
 import torch
 
 from engine.generation import GenerationEngine, distinct_prompts
-from engine.llama_spec import init_full_state_dict
-from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
-from hybridflow_comm.groups import build_hybrid_groups
-from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from tests.test_generation import loop_reference
-from tests.test_generation_early_exit import CFG, QWEN, batch_of, engine
+from tests.test_generation_early_exit import CFG, QWEN, batch_of, engine, resharded
 
 N_NEW = 12
 
@@ -98,14 +94,7 @@ def test_sampled_shared_prefill_log_probs_are_the_models(fused):
 
 
 def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple) -> dict:
-    from hybridflow_comm.reshard import Resharder
-
-    layout = HybridLayout(ParallelLayout(*train), *gen)
-    groups = build_hybrid_groups(layout, pool=list(range(layout.world_size)))
-    model = ParallelLlama(CFG, groups)
-    load_full_state_dict(model, init_full_state_dict(CFG, seed=0, std=0.2))
-    resharder = Resharder(model.specs, groups, buffer=model.buffer)
-    resharder.to_generation()
+    groups, resharder = resharded(train, gen)
     eng = GenerationEngine(CFG, groups)
     eng.load_weights(resharder)
     ids, mask, _ = grouped_batch(3, 4, seed=5)
