@@ -149,7 +149,7 @@ def measure_matmul(products: dict[str, tuple], repeat: int) -> dict:
     g = torch.Generator().manual_seed(0)
     backends = {"blas": lambda x, w: torch.matmul(x, w.t())}
     if onednn.enabled():
-        backends["onednn"] = onednn._mm_t
+        backends["onednn"] = onednn.mm_t
     rates: dict[str, dict[str, float]] = {b: {} for b in backends}
     for name, (m, n, k) in {"gemm": (GEMM_SIZE,) * 3, **products}.items():
         x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)

@@ -44,7 +44,7 @@ def enabled() -> bool:
     return _enabled
 
 
-def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [n, k] @ b[m, k].T`` -> ``[n, m]`` on oneDNN (dense float32 inputs)."""
     return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none",
                                               [], "")
@@ -56,7 +56,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return _mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     @once_differentiable
@@ -65,9 +65,9 @@ class _Linear(torch.autograd.Function):
         grad2 = grad.reshape(-1, grad.shape[-1])  # [n, out]
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _mm_t(grad2, weight.t()).view(x.shape)  # [n, out] @ [out, in]
+            dx = mm_t(grad2, weight.t()).view(x.shape)  # [n, out] @ [out, in]
         if ctx.needs_input_grad[1]:
-            dw = _mm_t(grad2.t(), x.reshape(-1, x.shape[-1]).t())  # [out, n] @ [n, in]
+            dw = mm_t(grad2.t(), x.reshape(-1, x.shape[-1]).t())  # [out, n] @ [n, in]
         return dx, dw
 
 
@@ -84,4 +84,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, weight.t())
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
-    return _mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
