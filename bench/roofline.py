@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reshard-mb", type=float, default=1024.0)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    from engine.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # the allocator setting the RL ranks run with (rlhf/train.py)
     shape = get_shape(a.shape, rl=True)
     if a.threads < 1 or a.repeat < 1 or a.reshard_mb <= 0:
         print(f"error: threads={a.threads} and repeat={a.repeat} must be >= 1 and reshard_mb="
