@@ -50,13 +50,18 @@ def mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
                                               [], "")
 
 
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ weight[out, in].T`` -> ``[..., out]`` by :func:`mm_t`."""
+    return mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
 class _Linear(torch.autograd.Function):
     """``x [..., in] @ weight[out, in].T``: forward, input and weight gradients on oneDNN."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return _product(x, weight)
 
     @staticmethod
     @once_differentiable
@@ -84,4 +89,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, weight.t())
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _Linear.apply(x, weight)
-    return mm_t(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return _product(x, weight)
