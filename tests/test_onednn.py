@@ -58,6 +58,58 @@ def test_only_the_gradients_asked_for(onednn_on):
     assert x.grad.shape == (6, 16)
 
 
+def _layouts(a: torch.Tensor):
+    """``a`` row-major, as the transpose of a row-major tensor, and strided every other row."""
+    return {"row-major": a, "transposed": a.t().contiguous().t(),
+            "strided": torch.cat([a, a], dim=1)[:, : a.shape[1]]}
+
+
+@pytest.mark.parametrize("kernels", ["extension", "linear_pointwise"])
+def test_mm_reads_every_layout(monkeypatch, kernels):
+    """The C++ product (oneDNN reading a transposed operand in place) and the fallback without
+    the extension against float64, for each layout of each operand and an empty reduction."""
+    if kernels == "extension" and onednn._kernels is None:
+        pytest.skip("engine._kernels not built")
+    if kernels == "linear_pointwise":
+        monkeypatch.setattr(onednn, "_kernels", None)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(37, 53, generator=g), torch.randn(53, 29, generator=g)
+    want = a.double() @ b.double()
+    for (la, a_), (lb, b_) in ((x, y) for x in _layouts(a).items() for y in _layouts(b).items()):
+        got = onednn.mm(a_, b_)
+        assert got.shape == (37, 29) and got.is_contiguous(), (la, lb)
+        assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()), (la, lb)
+    torch.testing.assert_close(onednn.mm_t(a, b.t()), a @ b, atol=1e-4, rtol=0)
+    assert torch.equal(onednn.mm(torch.ones(3, 0), torch.ones(0, 4)), torch.zeros(3, 4))
+
+
+def test_extension_checks_its_operands():
+    if onednn._kernels is None:
+        pytest.skip("engine._kernels not built")
+    for a, b in ((torch.ones(3, 4), torch.ones(5, 2)), (torch.ones(3, 4).double(),
+                                                         torch.ones(4, 2).double())):
+        with pytest.raises(RuntimeError, match="onednn_mm_out"):
+            onednn._kernels.onednn_mm(a, b)
+
+
+def test_weight_gradient_needs_no_transposed_copy(onednn_on):
+    """The backward hands the transposed views straight to the product: with the extension,
+    no copy kernel runs while the gradients are computed."""
+    if onednn._kernels is None:
+        pytest.skip("engine._kernels not built")
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    grad = torch.randn(64, 48)
+    y = onednn.linear(x, w)
+    with torch.profiler.profile() as prof:
+        y.backward(grad)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::copy_" not in names and "aten::clone" not in names, names
+    _, dx, dw = _float64_reference(x.detach(), w.detach(), grad)
+    torch.testing.assert_close(x.grad.double(), dx, atol=1e-4, rtol=0)
+    torch.testing.assert_close(w.grad.double(), dw, atol=1e-4, rtol=0)
+
+
 def test_non_contiguous_input(onednn_on):
     x = torch.randn(16, 5, 8).transpose(0, 1)  # [5, 16, 8], strided
     w = torch.randn(3, 8)

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_layer.h"
+#include "onednn_matmul.h"
 #include "rms_norm.h"
 #include "small_gemm.h"
 
@@ -25,6 +26,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return y;
       },
       py::arg("x"), py::arg("weight"), "x [M, K] @ weight[N, K].T by the decode-step kernel",
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "onednn_mm",
+      [](const at::Tensor& a, const at::Tensor& b) {
+        at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+        hybridflow::onednn_mm_out(a, b, out, false);
+        return out;
+      },
+      py::arg("a"), py::arg("b"),
+      "a [n, k] @ b [k, m] on oneDNN, float32; either operand may be a transposed view",
       py::call_guard<py::gil_scoped_release>());
   m.attr("small_gemm_max_rows") = hybridflow::kSmallGemmMaxRows;
   m.def("use_small_gemm", &hybridflow::use_small_gemm, py::arg("enabled"),
