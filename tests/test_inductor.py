@@ -106,10 +106,13 @@ def _swiglu_reference(gu: torch.Tensor, grad: torch.Tensor):
 
 
 @pytest.mark.parametrize("numel", [4 * 6 * 32 * 2, MIN_NUMEL * 2], ids=["eager", "compiled"])
-def test_swiglu_node_matches_float64_autograd(compile_on, numel):
-    """engine.layers.swiglu (one autograd node; compiled above the threshold) against autograd
-    of the formula in float64: output and the interleaved gradient of gate and up."""
+def test_swiglu_node_matches_float64_autograd(compile_on, numel, monkeypatch):
+    """engine.layers.swiglu without the C++ kernel (one autograd node; compiled above the
+    threshold) against autograd of the formula in float64: output and the interleaved
+    gradient of gate and up."""
     from engine import layers
+
+    monkeypatch.setattr(layers, "_kernels", None)  # the kernel: tests/test_swiglu_kernel.py
 
     g = torch.Generator().manual_seed(5)
     gu = torch.randn(4, numel // (4 * 32 * 2), 32, 2, generator=g) * 3
@@ -119,7 +122,7 @@ def test_swiglu_node_matches_float64_autograd(compile_on, numel):
     out = layers.swiglu(x)
     out.backward(grad)
     assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_SwiGLUBackward"
-    assert layers._swiglu.uses_compiled(gu) == (numel >= MIN_NUMEL)
+    assert layers._compiled_swiglu.uses_compiled(gu) == (numel >= MIN_NUMEL)
     for a, b in ((out, want_out), (x.grad, want_grad)):
         assert float((a.double() - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
     with torch.no_grad():  # inference: the same values, no node

@@ -5,6 +5,7 @@
 #include "onednn_matmul.h"
 #include "rms_norm.h"
 #include "small_gemm.h"
+#include "swiglu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
@@ -49,6 +50,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // kernels'.
   m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  // SwiGLU of the interleaved gate/up layout (swiglu.h), training and prefill
+  m.def("swiglu_forward", &hybridflow::swiglu_forward, py::arg("gu"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("swiglu_backward", &hybridflow::swiglu_backward, py::arg("gu"), py::arg("dy"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm_backward", &hybridflow::rms_norm_backward, py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("rstd"), py::call_guard<py::gil_scoped_release>());
 }
