@@ -8,6 +8,7 @@ reference (below).  Rows (``B x S`` tokens, the shape's sizes)::
 
     operation             kernel (engine._kernels)             reference (engine.layers)
     train_rms_norm        layers.rms_norm fwd+bwd (C++)        rms_norm_formula       [4, P+R, H]
+    train_swiglu          layers.swiglu fwd+bwd (C++)          swiglu_formula   [4, P+R, F, 2]
     decode_b{1,32}        KernelStage / KernelLayers           PythonLayers, one step of the
                                                                stage at a cache of P + R/2
 
@@ -77,6 +78,7 @@ TRAIN_BATCH = 4
 DECODE_BATCHES = (1, 32)
 KERNEL_CODE = {  # what a verdict keeps or deletes
     "train_rms_norm": "csrc/engine/rms_norm.cpp (engine.layers.rms_norm on float32 CPU)",
+    "train_swiglu": "csrc/engine/swiglu.cpp (engine.layers.swiglu on float32 CPU)",
     "kernel_stage": "decode_layer.cpp decode_layers (+ small_gemm.cpp)",
     "kernel_layers": "decode_layer.cpp decode_attention/decode_mlp (+ small_gemm.cpp)",
 }
@@ -228,6 +230,19 @@ def training_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
            "eager": train_step(ref_norm, x, norm, dy),
            "compiled": train_step(compiled(ref_norm), x, norm, dy)}
     rows = measure("train_rms_norm", fns, repeat, {"kernel": "kernel"})
+    gu = torch.randn(batch, s.seq, s.f, 2, generator=gen).requires_grad_()
+    dgu = torch.randn(batch, s.seq, s.f, generator=gen)
+
+    def ref_swiglu(gu, w):
+        return layers.swiglu_formula(gu)
+
+    def kernel_swiglu(gu, w):  # float32 CPU: the C++ kernel (an autograd Function)
+        return layers.swiglu(gu)
+
+    fns = {"kernel": train_step(kernel_swiglu, gu, {}, dgu),
+           "eager": train_step(ref_swiglu, gu, {}, dgu),
+           "compiled": train_step(compiled(ref_swiglu), gu, {}, dgu)}
+    rows += measure("train_swiglu", fns, repeat, {"kernel": "kernel"})
     for op, ref in (("train_layer", ref_layer), ("train_attention", ref_attn)):
         keys = tuple(wb) if op == "train_layer" else ("qkv", "o_proj", "qkv_bias")
         ws = {k: wb[k] for k in keys}

@@ -16,7 +16,7 @@ pytest.importorskip("engine._kernels")
 from bench import kernels_vs_compile as kvc  # noqa: E402
 
 # (operation, kernel) rows, written out here rather than read from the bench
-EXPECTED = [("train_rms_norm", "kernel"), ("train_layer+bias", None),
+EXPECTED = [("train_rms_norm", "kernel"), ("train_swiglu", "kernel"), ("train_layer+bias", None),
             ("train_attention+bias", None), ("prefill+bias", None),
             ("decode_b1", "kernel_stage"), ("decode_b1", "kernel_layers"), ("decode_b1+bias", None),
             ("decode_b32", "kernel_stage"), ("decode_b32", "kernel_layers"),
