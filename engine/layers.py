@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from engine import batched_attention
 from engine.inductor import Compiled
 from engine.tp_ops import column_linear, copy_to_tp, row_linear
 from hybridflow_comm.groups import Group
@@ -177,10 +178,10 @@ class PackedSeqs:
         row   | seq 0 (L0) | seq 1 (L1) | ... |        T = cu_seqlens[-1]
         mask  block-diagonal causal [T, T] (never built: one attention per sequence)
 
-    :func:`attention` takes it in place of a mask and runs one causal
-    ``scaled_dot_product_attention`` per sequence (CPU flash attention, skipping the masked
-    half; ``torch.nn.attention.varlen`` is CUDA only), so the cost is ``sum L_i^2``, not
-    ``T^2``.  Built by :func:`engine.micro_batches.pack_rows`.
+    :func:`attention` takes it in place of a mask and runs one causal attention per sequence
+    (:mod:`engine.batched_attention`, or CPU flash attention for long sequences;
+    ``torch.nn.attention.varlen`` is CUDA only), so the cost is ``sum L_i^2``, not ``T^2``.
+    Built by :func:`engine.micro_batches.pack_rows`.
     """
 
     cu_seqlens: tuple[int, ...]
@@ -204,14 +205,21 @@ class PackedSeqs:
         return (torch.arange(self.total) - starts).unsqueeze(0)
 
 
-def _packed_attention(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor,
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[B, S, h_q*D]`` causal attention of ``q [B, S, h_q, D]``, ``k, v [B, S, h_kv, D]``."""
+    if batched_attention.applies(q, k, None):
+        return batched_attention.attention(q, k, v, None)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).flatten(2)
+
+
+def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       packed: PackedSeqs) -> torch.Tensor:
-    """``[1, heads, T, D]`` attention of every packed sequence on its own."""
+    """``[1, T, h_q*D]`` attention of every packed sequence on its own."""
     c = packed.cu_seqlens
-    return torch.cat([F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, a:b],
-                                                     vt[:, :, a:b], is_causal=True,
-                                                     enable_gqa=True)
-                      for a, b in zip(c, c[1:]) if b > a], dim=2)
+    return torch.cat([_causal_attention(q[:, a:b], k[:, a:b], v[:, a:b])
+                      for a, b in zip(c, c[1:]) if b > a], dim=1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -229,15 +237,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns:
         ``[B, S, h_q*D]``.
     """
-    if kv_hook is not None:
-        k, v = kv_hook(k, v)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
     if isinstance(mask, PackedSeqs):
         if q.shape[0] != 1 or q.shape[1] != mask.total or kv_hook is not None:
             raise ValueError(f"packed attention needs one row of {mask.total} tokens and no "
                              f"KV hook, got q {tuple(q.shape)}")
-        out = _packed_attention(qt, kt, vt, mask)
+        return _packed_attention(q, k, v, mask)
+    if kv_hook is not None:
+        k, v = kv_hook(k, v)
     elif mask is None:
+        return _causal_attention(q, k, v)
+    elif batched_attention.applies(q, k, mask):  # short sequences, no cache
+        return batched_attention.attention(q, k, v, mask)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+    if mask is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)

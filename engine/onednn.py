@@ -57,8 +57,14 @@ def enabled() -> bool:
     return _enabled
 
 
+def batched() -> bool:
+    """Whether :func:`mm` takes batched (3-D) operands: oneDNN on and the extension built."""
+    return _enabled and _kernels is not None
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [n, k] @ b [k, m]`` -> ``[n, m]`` on oneDNN (float32; either may be a transposed view)."""
+    """``a [n, k] @ b [k, m]`` -> ``[n, m]`` on oneDNN (float32; either may be a transposed
+    view); batched ``[g, n, k] @ [g, k, m]`` where :func:`batched`."""
     if _kernels is not None:
         return _kernels.onednn_mm(a, b)
     if a.shape[1] == 0:  # oneDNN rejects an empty reduction

@@ -31,12 +31,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "onednn_mm",
       [](const at::Tensor& a, const at::Tensor& b) {
-        at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+        TORCH_CHECK(a.dim() >= 2 && b.dim() >= 2, "onednn_mm_out: 2-D or 3-D operands, got ",
+                    a.sizes(), " @ ", b.sizes());
+        std::vector<int64_t> size(a.sizes().begin(), a.sizes().end());
+        size.back() = b.size(-1);
+        at::Tensor out = at::empty(size, a.options());
         hybridflow::onednn_mm_out(a, b, out, false);
         return out;
       },
       py::arg("a"), py::arg("b"),
-      "a [n, k] @ b [k, m] on oneDNN, float32; either operand may be a transposed view",
+      "a [(g,) n, k] @ b [(g,) k, m] on oneDNN, float32; either operand may be a transposed "
+      "view",
       py::call_guard<py::gil_scoped_release>());
   m.attr("small_gemm_max_rows") = hybridflow::kSmallGemmMaxRows;
   m.def("use_small_gemm", &hybridflow::use_small_gemm, py::arg("enabled"),

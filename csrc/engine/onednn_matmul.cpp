@@ -15,7 +15,7 @@ namespace hybridflow {
 namespace {
 
 bool row_major_or_transposed(const at::Tensor& t) {
-  return t.is_contiguous() || t.t().is_contiguous();
+  return t.is_contiguous() || t.transpose(-2, -1).is_contiguous();
 }
 
 at::Tensor readable(const at::Tensor& t) {
@@ -26,10 +26,13 @@ at::Tensor readable(const at::Tensor& t) {
 
 void onednn_mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, bool accumulate) {
 #if AT_MKLDNN_ENABLED()
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2,
-              "onednn_mm_out: 2-D operands, got ", a.sizes(), " @ ", b.sizes(), " -> ",
-              out.sizes());
-  TORCH_CHECK(a.size(1) == b.size(0) && out.size(0) == a.size(0) && out.size(1) == b.size(1),
+  const int64_t dims = a.dim();
+  TORCH_CHECK((dims == 2 || dims == 3) && b.dim() == dims && out.dim() == dims,
+              "onednn_mm_out: 2-D or 3-D (batched) operands, got ", a.sizes(), " @ ",
+              b.sizes(), " -> ", out.sizes());
+  TORCH_CHECK(a.size(-1) == b.size(-2) && out.size(-2) == a.size(-2) &&
+                  out.size(-1) == b.size(-1) &&
+                  (dims == 2 || (a.size(0) == b.size(0) && out.size(0) == a.size(0))),
               "onednn_mm_out: shapes ", a.sizes(), " @ ", b.sizes(), " -> ", out.sizes());
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
                   out.scalar_type() == at::kFloat,
@@ -37,7 +40,7 @@ void onednn_mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, bo
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && out.device().is_cpu(),
               "onednn_mm_out: CPU tensors only");
   TORCH_CHECK(out.is_contiguous(), "onednn_mm_out: out must be row-major");
-  if (a.size(1) == 0) {  // oneDNN rejects an empty reduction: the product is zero
+  if (a.size(-1) == 0) {  // oneDNN rejects an empty reduction: the product is zero
     if (!accumulate) out.zero_();
     return;
   }

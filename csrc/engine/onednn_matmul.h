@@ -6,10 +6,11 @@
 
 namespace hybridflow {
 
-// out [n, m] = a [n, k] @ b [k, m] (out += ... when accumulate).  a and b may each be
-// row-major or the transpose of a row-major matrix (a.t() of a contiguous tensor): oneDNN
-// reads both layouts in place, so the weight gradient x.T @ dy needs no transposed copy of
-// the activations.  Any other strides are copied to row-major first.  out must be row-major.
+// out [n, m] = a [n, k] @ b [k, m] (out += ... when accumulate), or batched: out [g, n, m] =
+// a [g, n, k] @ b [g, k, m].  a and b may each be row-major or the transpose (of the last two
+// dims) of a row-major tensor: oneDNN reads both layouts in place, so the weight gradient
+// x.T @ dy needs no transposed copy of the activations.  Any other strides are copied to
+// row-major first.  out must be row-major.
 void onednn_mm_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, bool accumulate);
 
 }  // namespace hybridflow
