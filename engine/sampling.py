@@ -235,7 +235,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     argmax_only = params.greedy or params.top_k == 1
     if argmax_only and whole_vocab:
         return arg, smax - torch.logsumexp(z, dim=-1)
-    lmax = smax if zs is z else z.max(dim=-1).values
+    lmax = smax if zs is z else z.amax(dim=-1)
     lsum = torch.exp(z - lmax.unsqueeze(-1)).sum(dim=-1)
     if argmax_only:
         packed = torch.stack([lmax.double(), lsum.double(), smax.double(),
