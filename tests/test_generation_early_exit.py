@@ -20,6 +20,7 @@ from engine.generation import COMPACT_DIVISOR, ROW_QUANTUM, GenerationEngine, de
 from engine.kv_cache import KVCache
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
+from engine import sampling
 from engine.sampling import SamplingParams, _draw
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -77,16 +78,19 @@ def assert_same(a, b) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_draw_is_the_first_clock_and_independent_of_running_rows(dtype):
     """Each row's pick is the candidate whose exponential clock of rate ``p_j`` rings first
-    (arrival time ``-log(U_j) / p_j``, a direct loop over the uniforms of a generator in the
-    same state), truncated candidates are never picked, and a subset of rows draws what those
-    rows draw in the full batch, leaving the generator where the full batch leaves it."""
+    (arrival time ``-log(U_j) / p_j``, a direct loop over SplitMix64 uniforms of the seed a
+    generator in the same state gives), truncated candidates are never picked, and a subset
+    of rows draws what those rows draw in the full batch, leaving the generator where the
+    full batch leaves it."""
     g = torch.Generator().manual_seed(0)
     for batch, vocab in ((5, 7), (32, 96), (8, 4096)):
         z = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
         z[:, :2] = float("-inf")  # truncated candidates are never drawn
         a, b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
         for _ in range(5):
-            uniforms = torch.rand(batch, vocab, generator=a).tolist()
+            seed = int(torch.empty((), dtype=torch.int64).random_(generator=a))
+            uniforms = [[splitmix64_uniform(seed, row, j) for j in range(vocab)]
+                        for row in range(batch)]
             got = _draw(z, b)[:, 0].tolist()
             for row in range(batch):
                 probs = torch.softmax(z[row], -1).tolist()
@@ -99,6 +103,37 @@ def test_draw_is_the_first_clock_and_independent_of_running_rows(dtype):
         for _ in range(3):
             assert torch.equal(_draw(z, full)[rows], _draw(z[rows], part, rows))
         assert torch.equal(full.get_state(), part.get_state())
+
+
+def splitmix64_uniform(seed: int, row: int, col: int) -> float:
+    """SplitMix64 (Steele, Lea, Flood 2014) of counter ``row << 32 | col`` with Python
+    integers: the reference of engine.sampling's uniforms."""
+    mask = (1 << 64) - 1
+    z = (seed + (((row << 32) | col) + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return ((z >> 40) + 1) / 2.0 ** 24
+
+
+def test_counter_uniforms_kernel_and_formula_are_splitmix64():
+    """engine._kernels.counter_uniforms and the tensor-op formula against the Python-integer
+    SplitMix64, on seeds with the top bit patterns and large row ids; uniform on (0, 1]."""
+    row_ids = torch.tensor([0, 1, 5, 31, (1 << 31) + 7])
+    for seed in (0, 1, 123456789, (1 << 63) - 1, 0x5DEECE66D << 20):
+        want = torch.tensor([[splitmix64_uniform(seed, int(r), j) for j in range(70)]
+                             for r in row_ids])
+        formula = sampling.counter_uniforms_formula(seed, row_ids, 70)
+        assert torch.equal(formula.double(), want.double())
+        if sampling._kernels is not None:
+            assert torch.equal(sampling._kernels.counter_uniforms(seed, row_ids, 70), formula)
+    u = sampling.clock_uniforms(torch.Generator().manual_seed(1), torch.arange(64), 1 << 14)
+    assert float(u.min()) > 0 and float(u.max()) <= 1
+    assert abs(float(u.double().mean()) - 0.5) < 2e-3  # sd of the mean of 1M: 2.9e-4
+    assert abs(float(u.double().var()) - 1 / 12) < 1e-3
+    if sampling._kernels is not None:
+        with pytest.raises(RuntimeError, match="row_ids must be a 1-D int64"):
+            sampling._kernels.counter_uniforms(0, torch.zeros(2, 2, dtype=torch.long), 4)
 
 
 def test_draw_frequencies_follow_the_softmax():

@@ -4,6 +4,7 @@
 #include "decode_layer.h"
 #include "onednn_matmul.h"
 #include "rms_norm.h"
+#include "sampling_noise.h"
 #include "small_gemm.h"
 #include "swiglu.h"
 
@@ -55,6 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // kernels'.
   m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("counter_uniforms", &hybridflow::counter_uniforms, py::arg("seed"), py::arg("row_ids"),
+        py::arg("cols"), "uniforms in (0, 1] from splitmix64 of (seed, row id, column)",
+        py::call_guard<py::gil_scoped_release>());
   // SwiGLU of the interleaved gate/up layout (swiglu.h), training and prefill
   m.def("swiglu_forward", &hybridflow::swiglu_forward, py::arg("gu"),
         py::call_guard<py::gil_scoped_release>());
