@@ -27,7 +27,9 @@ CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_laye
                   num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64,
                   tie_word_embeddings=False)
 B_PER_DP, P, N_NEW = 4, 6, 8
-LP_ATOL = 1e-5
+# rollout (KV-cached decode, log-normaliser summed in float32) against the training forward
+# (batched attention, oneDNN products): float32 summation orders, log-probs up to ~5 in size
+LP_ATOL = 2e-5
 HOT = 1.7  # a sampling temperature: rollout and training log-probs are of softmax(z / HOT)
 CASES = [((1, 4, 1), (1, 2)), ((1, 4, 1), (1, 1)), ((1, 2, 2), (1, 1)), ((2, 2, 1), (1, 1)),
          ((2, 2, 1), (2, 1))]
