@@ -13,7 +13,7 @@ product itself::
 
     q  [B, S, h_kv * qpg, D] -> [B * h_kv, qpg * S, D]     rows (head j of the group, pos s)
     k, v [B, S, h_kv, D]     -> [B * h_kv, S, D]
-    scores = q @ k.T * scale [B * h_kv, qpg * S, S]        masked to -inf, softmax over keys
+    scores = q @ k.T * scale [B * h_kv, qpg * S, S]        + mask bias (0 / -inf), softmax
     out  = probs @ v         [B * h_kv, qpg * S, D]     -> [B, S, h_q * D]
 
 Used by :func:`engine.layers.attention` without a KV cache, for a causal or boolean mask,
