@@ -18,7 +18,8 @@ product itself::
 
 Used by :func:`engine.layers.attention` without a KV cache, for a causal or boolean mask,
 where the scores of one call stay under :data:`MAX_SCORE_BYTES` (longer sequences keep the
-flash kernel, whose memory does not grow with ``S^2``).  Every query row must see at least
+flash kernel, whose memory does not grow with ``S^2``) and the products reach
+:data:`engine.onednn.MIN_MACS`.  Every query row must see at least
 one key (:func:`engine.layers.causal_mask` always lets a row see itself).
 """
 
@@ -42,8 +43,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool
         return False
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
         return False
-    b, s, h_q, _ = q.shape
-    return 0 < b * h_q * s * k.shape[1] * 4 <= MAX_SCORE_BYTES
+    b, s, h_q, d = q.shape
+    scores = b * h_q * s * k.shape[1]
+    return scores * 4 <= MAX_SCORE_BYTES and scores * d >= onednn.MIN_MACS
 
 
 class _GroupedAttention(torch.autograd.Function):

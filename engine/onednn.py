@@ -10,8 +10,9 @@ median relative error against float64 is 2.9e-7 (MKL 2.2e-7).
 
 :func:`linear` is one autograd node whose forward and both gradients run oneDNN's
 ``mkldnn::_linear_pointwise`` (``a @ b.T`` of two dense matrices), for float32 CPU tensors and
-a 2-D weight; anything else, code that ``torch.compile`` traces, a torch without the op, and
-``HYBRIDFLOW_ONEDNN=0`` in the environment run ``torch.matmul``.  The two agree within float32
+a 2-D weight, from :data:`MIN_MACS` multiply-adds; anything else, code that ``torch.compile``
+traces, a torch without the op, and ``HYBRIDFLOW_ONEDNN=0`` in the environment run
+``torch.matmul``.  The two agree within float32
 rounding, not bit for bit.
 
 With the C++ extension built, every product goes through ``engine._kernels.onednn_mm``
@@ -36,6 +37,11 @@ except ImportError:  # pragma: no cover - a source tree never built
     _kernels = None
 
 ONEDNN_ENV = "HYBRIDFLOW_ONEDNN"
+MIN_MACS = 1 << 22
+"""Smallest product (``n * k * m`` multiply-adds) run on oneDNN.  Below it MKL is faster
+(11 against 26 us at 32 x 64 x 64; the two cross between 1M and 8M), and every new shape costs
+oneDNN a primitive (about 0.45 ms), which small, varied shapes (tests, the tiny model) would
+pay over and over."""
 
 
 def _available() -> bool:
@@ -108,7 +114,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` runs oneDNN for these operands."""
     return (_enabled and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
-            and x.dim() >= 1 and x.numel() > 0 and not torch.compiler.is_compiling())
+            and x.dim() >= 1 and x.numel() > 0 and x.numel() * weight.shape[0] >= MIN_MACS
+            and not torch.compiler.is_compiling())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,13 @@ pytestmark = pytest.mark.skipif(not onednn.batched(),
                                 reason="needs oneDNN and the engine._kernels extension")
 
 
+@pytest.fixture(autouse=True)
+def every_size(monkeypatch):
+    """The products of these small cases are under engine.onednn.MIN_MACS: run them anyway
+    (test_small_problems_keep_flash checks the bound itself)."""
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)
+
+
 def reference(q, k, v, mask):
     """float64 loop over query heads: ``softmax(q_h k_g^T / sqrt(D), masked) v_g``, g = h // qpg."""
     b, s, h_q, d = q.shape
@@ -70,16 +77,15 @@ def test_layers_choose_it_for_short_sequences_and_agree_with_flash(monkeypatch):
     real = batched_attention.attention
     monkeypatch.setattr(batched_attention, "attention",
                         lambda *a: chosen.append(True) or real(*a))
+    budget = batched_attention.MAX_SCORE_BYTES
     for m in (None, mask):
+        monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", budget)
         short = layers.attention(q, k, v, m)
         assert chosen.pop()
         # above the score budget: scaled_dot_product_attention (flash) does the same work
         monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", b * 4 * s * s * 4 - 1)
         long = layers.attention(q, k, v, m)
         assert not chosen
-        monkeypatch.undo()
-        monkeypatch.setattr(batched_attention, "attention",
-                            lambda *a: chosen.append(True) or real(*a))
         torch.testing.assert_close(short, long, atol=2e-6, rtol=0)
 
 
@@ -105,3 +111,14 @@ def test_where_it_does_not_apply():
         assert not batched_attention.applies(q, k, None)
     finally:
         onednn.set_enabled(previous)
+
+
+def test_small_problems_keep_flash(monkeypatch):
+    """Below engine.onednn.MIN_MACS multiply-adds of q k^T the layers keep
+    scaled_dot_product_attention; from it on, the batched products."""
+    q, k, _ = operands(2, 16, 4, 2, 8, seed=2)
+    macs = 2 * 4 * 16 * 16 * 8
+    monkeypatch.setattr(onednn, "MIN_MACS", macs + 1)
+    assert not batched_attention.applies(q, k, None)
+    monkeypatch.setattr(onednn, "MIN_MACS", macs)
+    assert batched_attention.applies(q, k, None)

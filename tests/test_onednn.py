@@ -17,10 +17,27 @@ pytestmark = pytest.mark.skipif(not onednn._available(), reason="torch built wit
 
 
 @pytest.fixture
-def onednn_on():
+def onednn_on(monkeypatch):
+    """oneDNN on for every product, however small (the tests' shapes are under MIN_MACS)."""
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)
     previous = onednn.set_enabled(True)
     yield
     onednn.set_enabled(previous)
+
+
+def test_small_products_stay_on_matmul():
+    """Below MIN_MACS multiply-adds the product is torch.matmul's (MKL is faster there and
+    oneDNN would build a primitive per new shape); from it on, the oneDNN node."""
+    hidden = 64
+    rows = onednn.MIN_MACS // (hidden * hidden)
+    w = torch.randn(hidden, hidden, requires_grad=True)
+    small = torch.randn(rows - 1, hidden)
+    assert not onednn.applies(small, w)
+    y = onednn.linear(small, w)
+    assert type(y.grad_fn).__name__ != "_LinearBackward"
+    assert torch.equal(y, torch.matmul(small, w.t()))
+    big = torch.randn(rows, hidden)
+    assert onednn.applies(big, w) == onednn.enabled()
 
 
 def _float64_reference(x, w, grad):
