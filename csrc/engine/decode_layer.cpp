@@ -10,8 +10,9 @@
 //   x [B, H] --rms_norm--> mm(gate_up) --silu(gate) * up--> mm(down)        = MLP partial
 //
 // Each returns this rank's partial [B, H]; the caller all-reduces it over the generation TP
-// group and adds the residual.  The silu and softmax use the same ATen kernels as the Python
-// layers (engine/layers.py), so those parts round identically; the norm is the ATen formula
+// group and adds the residual.  The SwiGLU is the Python layers' float32 CPU kernel
+// (swiglu.cpp) and the softmax the same ATen kernel (engine/layers.py), so those parts round
+// identically; the norm is the ATen formula
 // (the Python layers' float32 CPU norm is the rms_norm.cpp kernel, which sums x^2 in another
 // order: the two agree to float rounding); RoPE is written element
 // by element in the same order (x*cos + rot*sin, compiled without FMA contraction, so it
@@ -44,6 +45,7 @@
 
 #include "row_ops.h"
 #include "small_gemm.h"
+#include "swiglu.h"
 
 namespace hybridflow {
 namespace {
@@ -219,14 +221,7 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                     const at::Tensor& gate_up_weight) {
   const at::Tensor gu = project(rms_norm(x, norm_weight, eps), gate_up_weight);
-  const at::Tensor act = at::silu(gu);  // [rows, 2F/t]: silu of gate and up, up unused
-  const int64_t rows = gu.size(0), inner = gu.size(1) / 2;
-  at::Tensor prod = at::empty({rows, inner}, x.options());
-  const float* a = act.data_ptr<float>();
-  const float* g = gu.data_ptr<float>();
-  float* p = prod.data_ptr<float>();
-  for (int64_t i = 0; i < rows * inner; ++i) p[i] = a[2 * i] * g[2 * i + 1];
-  return prod;
+  return swiglu_forward(gu.view({gu.size(0), -1, 2}));  // the training layers' kernel
 }
 
 // Shape checks of the attention half (TORCH_CHECK: ValueError-like RuntimeError in Python).
