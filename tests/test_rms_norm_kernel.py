@@ -31,8 +31,10 @@ def on_kernel(y: torch.Tensor) -> bool:
     return type(y.grad_fn).__name__ == "_RMSNormBackward"
 
 
+# hidden sizes: 8 (scalar tail only), 24 (one vector + tail), 48 (two-vector block + one
+# vector), 83 (both + a tail of 3), 384 (the `small` model's); rows split over 1 and 2 threads
 @pytest.mark.parametrize("shape, threads", [((5, 7, 24), 1), ((3, 33, 48), 2), ((1, 8), 2),
-                                            ((0, 4, 16), 1)])
+                                            ((0, 4, 16), 1), ((2, 37, 83), 2), ((70, 384), 2)])
 def test_kernel_matches_formula_and_gradient(shape, threads):
     gen = torch.Generator().manual_seed(sum(shape) + threads)
     x = torch.randn(*shape, generator=gen) * 3

@@ -10,13 +10,11 @@
 //   x [B, H] --rms_norm--> mm(gate_up) --silu(gate) * up--> mm(down)        = MLP partial
 //
 // Each returns this rank's partial [B, H]; the caller all-reduces it over the generation TP
-// group and adds the residual.  The SwiGLU is the Python layers' float32 CPU kernel
-// (swiglu.cpp) and the softmax the same ATen kernel (engine/layers.py), so those parts round
-// identically; the norm is the ATen formula
-// (the Python layers' float32 CPU norm is the rms_norm.cpp kernel, which sums x^2 in another
-// order: the two agree to float rounding); RoPE is written element
-// by element in the same order (x*cos + rot*sin, compiled without FMA contraction, so it
-// rounds like the separate ATen multiplies and add).  The matrix products of up to
+// group and adds the residual.  The SwiGLU and the norm are the Python layers' float32 CPU
+// kernels (swiglu.cpp, rms_norm.cpp) and the softmax the same ATen kernel (engine/layers.py),
+// so those parts round identically; RoPE is written element by element in the same order
+// (x*cos + rot*sin, compiled without FMA contraction, so it rounds like the separate ATen
+// multiplies and add).  The matrix products of up to
 // kSmallGemmMaxRows rows (small_gemm.h: weights read in place, no packed copy) and the
 // attention sums (one query against the cached keys, the weighted sum of values) are our own
 // loops: their summation order differs from BLAS and scaled_dot_product_attention, so results
@@ -43,6 +41,7 @@
 #include <limits>
 #include <optional>
 
+#include "rms_norm.h"
 #include "row_ops.h"
 #include "small_gemm.h"
 #include "swiglu.h"
@@ -91,9 +90,13 @@ void weighted_values(const float* probs, const float* v, int64_t num_q, int64_t 
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  // as engine.layers.rms_norm for float32: weight * (x * rsqrt(mean(x^2) + eps))
-  return weight * (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps));
+// the Python layers' float32 norm (rms_norm.cpp) on this thread's rows
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), x.size(1),
+                static_cast<float>(eps), y.data_ptr<float>(), nullptr);
+  return y;
 }
 
 std::atomic<bool> g_small_gemm{true};
