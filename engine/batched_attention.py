@@ -32,20 +32,50 @@ from torch.autograd.function import once_differentiable
 
 from engine import onednn
 
+try:  # torch (imported above) must be loaded before the extension
+    from engine import _kernels
+except ImportError:  # extension not built: attention_from_qkv does not apply
+    _kernels = None
+
 MAX_SCORE_BYTES = 32 << 20
 """Largest score matrix (``B * h_q * S * S_kv`` float32) one call writes out."""
+MAX_HEAD_DIM = 512
+"""Largest head dim of :func:`attention_from_qkv` (csrc/engine/row_ops.h kMaxHeadDim)."""
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether :func:`attention` runs for these operands (see the module docstring)."""
-    if not (onednn.batched() and q.dtype == torch.float32 and k.dtype == torch.float32
-            and q.device.type == "cpu" and not torch.compiler.is_compiling()):
+    b, s, h_q, d = q.shape
+    return _applies(b, s, h_q, k.shape[1], d, q, k, mask)
+
+
+def _applies(b: int, s: int, h_q: int, kv_len: int, d: int, *tensors_and_mask) -> bool:
+    *tensors, mask = tensors_and_mask
+    if not (onednn.batched() and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                      for t in tensors) and not torch.compiler.is_compiling()):
         return False
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
         return False
-    b, s, h_q, d = q.shape
-    scores = b * h_q * s * k.shape[1]
+    scores = b * h_q * s * kv_len
     return scores * 4 <= MAX_SCORE_BYTES and scores * d >= onednn.MIN_MACS
+
+
+def qkv_applies(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor | None, q_per_group: int,
+                head_dim: int) -> bool:
+    """Whether :func:`attention_from_qkv` runs: :func:`applies` for the heads of ``qkv``, the
+    extension built, and per-token RoPE tables ``[B, S, D]``."""
+    if _kernels is None or qkv.dim() != 3 or head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        return False
+    b, s, width = qkv.shape
+    groups, rest = divmod(width, (q_per_group + 2) * head_dim)
+    tables = (b, s, head_dim)
+    if rest or groups == 0 or cos.shape != tables or sin.shape != tables:
+        return False
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return False
+    tensors = (qkv, cos, sin) if bias is None else (qkv, cos, sin, bias)
+    return _applies(b, s, groups * q_per_group, s, head_dim, *tensors, mask)
 
 
 class _GroupedAttention(torch.autograd.Function):
@@ -78,6 +108,42 @@ class _GroupedAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None
 
 
+class _QKVHeads(torch.autograd.Function):
+    """The stacked layout above from the fused projection ``qkv [B, S, h_kv*(qpg+2)*D]``:
+    bias, RoPE and the query scale in one pass each way (csrc/engine/qkv_heads.cpp)."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, cos, sin, q_per_group, scale):
+        q, k, v = _kernels.qkv_heads_forward(qkv, bias, cos, sin, q_per_group, scale)
+        ctx.save_for_backward(cos, sin)
+        ctx.q_per_group, ctx.scale = q_per_group, scale
+        return q, k, v
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_q, grad_k, grad_v):
+        cos, sin = ctx.saved_tensors  # unused outputs' gradients come as zeros (materialised)
+        dqkv = _kernels.qkv_heads_backward(grad_q, grad_k, grad_v, cos, sin, ctx.q_per_group,
+                                           ctx.scale)
+        dbias = dqkv.view(-1, dqkv.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dqkv, dbias, None, None, None, None
+
+
+def _mask_bias(mask: torch.Tensor | None, b: int, s: int, kv_len: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[B, 1, S, S_kv]`` form (0 / -inf) of a boolean mask (None: causal)."""
+    if mask is None:
+        mask = torch.ones(s, kv_len, dtype=torch.bool).tril_()
+    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return bias.expand(b, 1, s, kv_len)
+
+
+def _merge_heads(out: torch.Tensor, b: int, s: int, h_kv: int, qpg: int, d: int
+                 ) -> torch.Tensor:
+    """``[B * h_kv, qpg * S, D]`` -> ``[B, S, h_q * D]``."""
+    return out.view(b, h_kv, qpg, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h_kv * qpg * d)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention, as ``scaled_dot_product_attention(enable_gqa=True)``.
@@ -93,11 +159,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, s, h_q, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
     qpg = h_q // h_kv
-    if mask is None:
-        mask = torch.ones(s, kv_len, dtype=torch.bool).tril_()
-    bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-    bias = bias.expand(b, 1, s, kv_len)
+    bias = _mask_bias(mask, b, s, kv_len, q.dtype)
     qg = q.view(b, s, h_kv, qpg, d).permute(0, 2, 3, 1, 4).reshape(b * h_kv, qpg * s, d)
     kg, vg = (t.permute(0, 2, 1, 3).reshape(b * h_kv, kv_len, d) for t in (k, v))
     out = _GroupedAttention.apply(qg * (1.0 / math.sqrt(d)), kg, vg, bias)
-    return out.view(b, h_kv, qpg, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, h_q * d)
+    return _merge_heads(out, b, s, h_kv, qpg, d)
+
+
+def attention_from_qkv(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, mask: torch.Tensor | None, q_per_group: int,
+                       head_dim: int) -> torch.Tensor:
+    """:func:`attention` of the heads of a fused projection, where :func:`qkv_applies`.
+
+    Args:
+        qkv: ``[B, S, h_kv * (qpg + 2) * D]`` per KV group: ``qpg`` query heads, a key, a
+            value (:mod:`engine.layers`' layout), before the bias.
+        bias: ``[h_kv * (qpg + 2) * D]`` or None.
+        cos, sin: RoPE tables ``[B, S, D]``.
+        mask: as for :func:`attention`.
+
+    Returns:
+        ``[B, S, h_q * D]``: the values of ``attention(rope(q), rope(k), v, mask)`` after the
+        bias add and split of :func:`engine.layers.attention_block`, rounded alike.
+    """
+    b, s, width = qkv.shape
+    h_kv = width // ((q_per_group + 2) * head_dim)
+    qg, kg, vg = _QKVHeads.apply(qkv, bias, cos, sin, q_per_group, 1.0 / math.sqrt(head_dim))
+    out = _GroupedAttention.apply(qg, kg, vg, _mask_bias(mask, b, s, s, qkv.dtype))
+    return _merge_heads(out, b, s, h_kv, q_per_group, head_dim)

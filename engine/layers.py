@@ -264,6 +264,14 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``,
     with the optional biases and q/k norms of ``w`` (see the module docstring)."""
     qkv = column_linear(x, w["qkv"], tp_group)  # [B, S, h_kv*(qpg+2)*D]
+    cos, sin = rope
+    if ("q_norm" not in w and kv_hook is None and not isinstance(mask, PackedSeqs)
+            and batched_attention.qkv_applies(qkv, w.get("qkv_bias"), cos, sin, mask,
+                                              q_per_group, head_dim)):
+        # bias, RoPE, scale and the attention layout in one C++ pass each way
+        out = batched_attention.attention_from_qkv(qkv, w.get("qkv_bias"), cos, sin, mask,
+                                                   q_per_group, head_dim)
+        return _o_proj(out, w, tp_group)
     if "qkv_bias" in w:
         qkv = qkv + w["qkv_bias"]
     qkv = qkv.unflatten(-1, (-1, q_per_group + 2, head_dim))  # [B, S, h_kv, qpg+2, D]
@@ -275,8 +283,12 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     if "q_norm" in w:
         q = rms_norm(q, copy_to_tp(w["q_norm"], tp_group), eps)
         k = rms_norm(k, copy_to_tp(w["k_norm"], tp_group), eps)
-    cos, sin = rope
     out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask, kv_hook)
+    return _o_proj(out, w, tp_group)
+
+
+def _o_proj(out: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None
+            ) -> torch.Tensor:
     out = row_linear(out, w["o_proj"], tp_group)
     return out + w["o_proj_bias"] if "o_proj_bias" in w else out
 

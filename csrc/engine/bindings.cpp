@@ -3,6 +3,7 @@
 
 #include "decode_layer.h"
 #include "onednn_matmul.h"
+#include "qkv_heads.h"
 #include "rms_norm.h"
 #include "sampling_noise.h"
 #include "small_gemm.h"
@@ -64,6 +65,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("swiglu_backward", &hybridflow::swiglu_backward, py::arg("gu"), py::arg("dy"),
         py::call_guard<py::gil_scoped_release>());
+  // the attention inputs of a training layer from its fused q/k/v projection (qkv_heads.h)
+  m.def("qkv_heads_forward", &hybridflow::qkv_heads_forward, py::arg("qkv"), py::arg("bias"),
+        py::arg("cos"), py::arg("sin"), py::arg("q_per_group"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("qkv_heads_backward", &hybridflow::qkv_heads_backward, py::arg("grad_q"),
+        py::arg("grad_k"), py::arg("grad_v"), py::arg("cos"), py::arg("sin"),
+        py::arg("q_per_group"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm_backward", &hybridflow::rms_norm_backward, py::arg("dy"), py::arg("x"),
         py::arg("weight"), py::arg("rstd"), py::call_guard<py::gil_scoped_release>());
 }

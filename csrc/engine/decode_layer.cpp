@@ -49,8 +49,6 @@
 namespace hybridflow {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 512;
-
 // scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed
 // (k_t [D, L]): a row of scores is a sum over d of q[d] * k_t[d, :], so the inner loop runs
 // over contiguous keys and vectorises with no horizontal sums; the order of the additions

@@ -1,10 +1,13 @@
-// Pieces of the engine's kernels: the float32 CPU argument check (decode_layer.cpp,
-// rms_norm.cpp) and RoPE of one head's row (decode_layer.cpp).
+// Pieces of the engine's kernels: the float32 CPU argument check, the largest head dim and
+// RoPE of one head's row (decode_layer.cpp, qkv_heads.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace hybridflow {
+
+// Largest head dim the kernels take (a head's row lives in a stack buffer).
+constexpr int64_t kMaxHeadDim = 512;
 
 // TORCH_CHECK (a RuntimeError in Python) that t is a float32 CPU tensor (and contiguous when
 // asked); `where` names the kernel family in the message.
