@@ -120,6 +120,55 @@ def test_layer_path_matches_reference(name, stacked, qkv_bias, plen, threads):
     assert ran > 0, f"{name} ran none of the steps"
 
 
+def attention_reference(x, qkv_w, cos, sin, k_cache, v_cache, pos, key_ok, qpg):
+    """float64 decode attention of one new token per row (norm weight 1): the output
+    ``[B, h_q * D]`` and the key/value it caches at ``pos``."""
+    b, h_kv, d, _ = k_cache.shape
+    xd = x.double()
+    h = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + EPS)
+    qkv = (h @ qkv_w.double().T).view(b, h_kv, qpg + 2, d)
+    c, s = cos.double()[:, None, None], sin.double()[:, None, None]
+
+    def rope(t):
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * c + torch.cat([-t2, t1], dim=-1) * s
+
+    q, k, v = rope(qkv[:, :, :qpg]), rope(qkv[:, :, qpg:qpg + 1])[:, :, 0], qkv[:, :, qpg + 1]
+    keys = k_cache.double()[..., :pos + 1].clone()  # [B, h_kv, D, pos + 1]
+    vals = v_cache.double()[:, :, :pos + 1].clone()  # [B, h_kv, pos + 1, D]
+    keys[..., pos], vals[:, :, pos] = k, v
+    scores = torch.einsum("bgjd,bgdl->bgjl", q, keys) / d ** 0.5
+    scores = scores.masked_fill(~key_ok[:, None, None, :pos + 1], float("-inf"))
+    out = torch.einsum("bgjl,bgld->bgjd", torch.softmax(scores, -1), vals)
+    return out.reshape(b, -1), k, v
+
+
+# the blocked loops of csrc/engine/decode_layer.cpp: up to 8 queries per KV group, key runs of
+# 64 and 16 and a scalar tail, head dims that are multiples of 64 for the weighted values;
+# 9 queries and a head dim of 16 or 24 take the plain loops
+@pytest.mark.parametrize("qpg, d", [(1, 64), (3, 64), (8, 128), (9, 64), (3, 16), (2, 24)])
+@pytest.mark.parametrize("pos", [4, 16, 79, 143])
+def test_decode_attention_loops_match_float64(qpg, d, pos):
+    gen = torch.Generator().manual_seed(qpg * 1000 + d + pos)
+    b, h_kv, hidden, max_len = 3, 2, 40, 150
+    x = torch.randn(b, hidden, generator=gen)
+    qkv_w = torch.randn(h_kv * (qpg + 2) * d, hidden, generator=gen) / hidden ** 0.5
+    k_cache = torch.randn(b, h_kv, d, max_len, generator=gen)
+    v_cache = torch.randn(b, h_kv, max_len, d, generator=gen)
+    key_ok = torch.rand(b, max_len, generator=gen) > 0.3
+    key_ok[:, pos] = True  # the new token sees itself
+    angle = torch.rand(b, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    want, want_k, want_v = attention_reference(x, qkv_w, cos, sin, k_cache, v_cache, pos,
+                                               key_ok, qpg)
+    eye = torch.eye(h_kv * qpg * d)  # o projection = identity: the output is the attention's
+    got = _kernels.decode_attention(x, torch.ones(hidden), EPS, qkv_w, eye, cos, sin, k_cache,
+                                    v_cache, pos, key_ok, qpg)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache[..., pos].double(), want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache[:, :, pos].double(), want_v, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_rejects_bad_shapes():
     gen = torch.Generator().manual_seed(0)
     w = weights(gen)

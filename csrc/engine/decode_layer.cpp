@@ -38,6 +38,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 
@@ -49,25 +50,127 @@
 namespace hybridflow {
 namespace {
 
+typedef float vf __attribute__((vector_size(64)));  // 16 floats
+constexpr int64_t kLanes = 16;
+constexpr int kMaxBlockQueries = 8;  // the blocked loops below take up to 8 queries per group
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+// Scores of Q queries against keys [l0, l0 + 16 * V): Q * V accumulators over d, so each key
+// vector is loaded once for all queries of the group.  Every score is summed over d = 0, 1, ...
+// in order, as the scalar loop below does.
+template <int Q, int V>
+inline __attribute__((always_inline)) void scores_block(const float* q, int64_t head_dim,
+                                                        const float* k_t, int64_t max_len,
+                                                        int64_t l0, float* s,
+                                                        int64_t num_keys) {
+  vf acc[Q][V];
+  for (int j = 0; j < Q; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = vf{};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    vf kv[V];
+    for (int v = 0; v < V; ++v) kv[v] = vload(k_t + d * max_len + l0 + v * kLanes);
+    for (int j = 0; j < Q; ++j) {
+      const vf qd = splat(q[j * head_dim + d]);
+      for (int v = 0; v < V; ++v) acc[j][v] = acc[j][v] + qd * kv[v];
+    }
+  }
+  for (int j = 0; j < Q; ++j)
+    for (int v = 0; v < V; ++v) vstore(s + j * num_keys + l0 + v * kLanes, acc[j][v]);
+}
+
+template <int Q>
+inline __attribute__((always_inline)) void scores_blocked(const float* q, const float* k_t,
+                                                          int64_t num_keys, int64_t head_dim,
+                                                          int64_t max_len, float* scores) {
+  int64_t l0 = 0;
+  for (; l0 + 4 * kLanes <= num_keys; l0 += 4 * kLanes)
+    scores_block<Q, 4>(q, head_dim, k_t, max_len, l0, scores, num_keys);
+  for (; l0 + kLanes <= num_keys; l0 += kLanes)
+    scores_block<Q, 1>(q, head_dim, k_t, max_len, l0, scores, num_keys);
+  for (int j = 0; j < Q; ++j) {  // the last keys (fewer than a vector)
+    float* s = scores + j * num_keys;
+    for (int64_t l = l0; l < num_keys; ++l) s[l] = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float qd = q[j * head_dim + d];
+      for (int64_t l = l0; l < num_keys; ++l) s[l] += qd * k_t[d * max_len + l];
+    }
+  }
+}
+
 // scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed
 // (k_t [D, L]): a row of scores is a sum over d of q[d] * k_t[d, :], so the inner loop runs
 // over contiguous keys and vectorises with no horizontal sums; the order of the additions
-// (d = 0, 1, ...) does not depend on the instruction set the clone runs on.
+// (d = 0, 1, ...) does not depend on the instruction set the clone runs on, nor on whether
+// the blocked loops (up to kMaxBlockQueries queries) or the plain ones run.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attention_scores(const float* q, const float* k_t, const bool* key_ok, int64_t num_q,
                       int64_t num_keys, int64_t head_dim, int64_t max_len, float scale,
                       float* scores) {
+  switch (num_q) {
+    case 1: scores_blocked<1>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 2: scores_blocked<2>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 3: scores_blocked<3>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 4: scores_blocked<4>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 5: scores_blocked<5>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 6: scores_blocked<6>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 7: scores_blocked<7>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    case 8: scores_blocked<8>(q, k_t, num_keys, head_dim, max_len, scores); break;
+    default:
+      for (int64_t j = 0; j < num_q; ++j) {
+        float* s = scores + j * num_keys;
+        const float* qj = q + j * head_dim;
+        for (int64_t l = 0; l < num_keys; ++l) s[l] = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float qd = qj[d];
+          const float* kd = k_t + d * max_len;
+          for (int64_t l = 0; l < num_keys; ++l) s[l] += qd * kd[l];
+        }
+      }
+  }
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
-    const float* qj = q + j * head_dim;
-    for (int64_t l = 0; l < num_keys; ++l) s[l] = 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const float qd = qj[d];
-      const float* kd = k_t + d * max_len;
-      for (int64_t l = 0; l < num_keys; ++l) s[l] += qd * kd[l];
-    }
     for (int64_t l = 0; l < num_keys; ++l)
       s[l] = key_ok[l] ? s[l] * scale : -std::numeric_limits<float>::infinity();
+  }
+}
+
+// out[j, d0 : d0 + 64] of Q queries: Q * 4 accumulators over the keys, each value row loaded
+// once for all queries.  Keys are added in order; a query skips a key whose probability is 0
+// (masked: exp(-inf)), as the scalar loop does.
+template <int Q>
+inline __attribute__((always_inline)) void values_blocked(const float* probs, const float* v,
+                                                          int64_t num_keys, int64_t head_dim,
+                                                          int64_t kv_stride, float* out,
+                                                          int64_t out_stride) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 4 * kLanes) {
+    vf acc[Q][4];
+    for (int j = 0; j < Q; ++j)
+      for (int i = 0; i < 4; ++i) acc[j][i] = vf{};
+    for (int64_t l = 0; l < num_keys; ++l) {
+      float p[Q];
+      bool any = false;
+      for (int j = 0; j < Q; ++j) {
+        p[j] = probs[j * num_keys + l];
+        any = any || p[j] != 0.f;
+      }
+      if (!any) continue;
+      vf vv[4];
+      for (int i = 0; i < 4; ++i) vv[i] = vload(v + l * kv_stride + d0 + i * kLanes);
+      for (int j = 0; j < Q; ++j) {
+        if (p[j] == 0.f) continue;
+        const vf pj = splat(p[j]);
+        for (int i = 0; i < 4; ++i) acc[j][i] = acc[j][i] + pj * vv[i];
+      }
+    }
+    for (int j = 0; j < Q; ++j)
+      for (int i = 0; i < 4; ++i) vstore(out + j * out_stride + d0 + i * kLanes, acc[j][i]);
   }
 }
 
@@ -75,6 +178,19 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 void weighted_values(const float* probs, const float* v, int64_t num_q, int64_t num_keys,
                      int64_t head_dim, int64_t kv_stride, float* out, int64_t out_stride) {
   // out[j, :] = sum_l probs[j, l] * v[l, :]
+  if (head_dim % (4 * kLanes) == 0 && num_q <= kMaxBlockQueries) {
+    switch (num_q) {
+      case 1: values_blocked<1>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 2: values_blocked<2>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 3: values_blocked<3>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 4: values_blocked<4>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 5: values_blocked<5>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 6: values_blocked<6>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 7: values_blocked<7>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      case 8: values_blocked<8>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
+      default: break;
+    }
+  }
   for (int64_t j = 0; j < num_q; ++j) {
     float* o = out + j * out_stride;
     for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
