@@ -206,10 +206,19 @@ def counter_uniforms_formula(seed: int, row_ids: torch.Tensor, vocab: int) -> to
     return (shr(z, 40) + 1).float() * 2.0 ** -24
 
 
+def _rows_kernel(z: torch.Tensor) -> bool:
+    """Whether ``engine._kernels.argmax_logsumexp`` takes ``z``: float32 CPU ``[R, V > 0]``."""
+    return (_kernels is not None and z.dtype == torch.float32 and z.device.type == "cpu"
+            and z.dim() == 2 and z.shape[-1] > 0)
+
+
 def _logsumexp(z: torch.Tensor) -> torch.Tensor:
     """``log sum exp(z)`` over the last dim as float64, summed in float32 after subtracting
     the row maximum (relative error of the sum ~1e-7): 0.12 against 0.25 ms for
-    ``logsumexp`` of a float64 copy at 32 x 8,192."""
+    ``logsumexp`` of a float64 copy at 32 x 8,192; the C++ rows kernel where it applies
+    (csrc/engine/vocab_rows.cpp, two passes on vectors)."""
+    if _rows_kernel(z):
+        return _kernels.argmax_logsumexp(z, -1)[2]
     zmax = z.amax(dim=-1, keepdim=True)
     total = torch.exp(z - zmax).sum(dim=-1)
     return zmax.squeeze(-1).double() + torch.log(total.double())
@@ -272,7 +281,13 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     whole_vocab = group is None or group.pg is None
     v_local = z.shape[-1]
     start = (0 if group is None else group.rank) * v_local
-    zs = _without(z, params.banned_token(step), start)
+    banned = params.banned_token(step)
+    if whole_vocab and (params.greedy or params.top_k == 1) and _rows_kernel(z):
+        # the argmax-only modes below: the first maximum over the columns but EOS (while
+        # banned) and the normaliser over all of them, in one C++ call
+        arg, best, lse = _kernels.argmax_logsumexp(z, -1 if banned is None else banned)
+        return arg, (best.double() - lse).float()
+    zs = _without(z, banned, start)
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
         pick = _draw(zs, generator, rows)

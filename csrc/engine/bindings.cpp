@@ -8,6 +8,7 @@
 #include "sampling_noise.h"
 #include "small_gemm.h"
 #include "swiglu.h"
+#include "vocab_rows.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
@@ -57,6 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // kernels'.
   m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  // the greedy choice and log-normaliser of next-token logits (vocab_rows.h)
+  m.def("argmax_logsumexp", &hybridflow::argmax_logsumexp, py::arg("z"), py::arg("banned"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("counter_uniforms", &hybridflow::counter_uniforms, py::arg("seed"), py::arg("row_ids"),
         py::arg("cols"), "uniforms in (0, 1] from splitmix64 of (seed, row id, column)",
         py::call_guard<py::gil_scoped_release>());

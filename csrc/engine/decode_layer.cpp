@@ -46,21 +46,15 @@
 #include "row_ops.h"
 #include "small_gemm.h"
 #include "swiglu.h"
+#include "vec_math.h"
 
 namespace hybridflow {
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));  // 16 floats
-constexpr int64_t kLanes = 16;
+using vec::kLanes;
+using vec::splat;
+using vec::vf;
 constexpr int kMaxBlockQueries = 8;  // the blocked loops below take up to 8 queries per group
-
-inline vf vload(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
 
 // Scores of Q queries against keys [l0, l0 + 16 * V): Q * V accumulators over d, so each key
 // vector is loaded once for all queries of the group.  Every score is summed over d = 0, 1, ...
@@ -75,14 +69,14 @@ inline __attribute__((always_inline)) void scores_block(const float* q, int64_t 
     for (int v = 0; v < V; ++v) acc[j][v] = vf{};
   for (int64_t d = 0; d < head_dim; ++d) {
     vf kv[V];
-    for (int v = 0; v < V; ++v) kv[v] = vload(k_t + d * max_len + l0 + v * kLanes);
+    for (int v = 0; v < V; ++v) kv[v] = vec::load(k_t + d * max_len + l0 + v * kLanes);
     for (int j = 0; j < Q; ++j) {
       const vf qd = splat(q[j * head_dim + d]);
       for (int v = 0; v < V; ++v) acc[j][v] = acc[j][v] + qd * kv[v];
     }
   }
   for (int j = 0; j < Q; ++j)
-    for (int v = 0; v < V; ++v) vstore(s + j * num_keys + l0 + v * kLanes, acc[j][v]);
+    for (int v = 0; v < V; ++v) vec::store(s + j * num_keys + l0 + v * kLanes, acc[j][v]);
 }
 
 template <int Q>
@@ -162,7 +156,7 @@ inline __attribute__((always_inline)) void values_blocked(const float* probs, co
       }
       if (!any) continue;
       vf vv[4];
-      for (int i = 0; i < 4; ++i) vv[i] = vload(v + l * kv_stride + d0 + i * kLanes);
+      for (int i = 0; i < 4; ++i) vv[i] = vec::load(v + l * kv_stride + d0 + i * kLanes);
       for (int j = 0; j < Q; ++j) {
         if (p[j] == 0.f) continue;
         const vf pj = splat(p[j]);
@@ -170,7 +164,7 @@ inline __attribute__((always_inline)) void values_blocked(const float* probs, co
       }
     }
     for (int j = 0; j < Q; ++j)
-      for (int i = 0; i < 4; ++i) vstore(out + j * out_stride + d0 + i * kLanes, acc[j][i]);
+      for (int i = 0; i < 4; ++i) vec::store(out + j * out_stride + d0 + i * kLanes, acc[j][i]);
   }
 }
 

@@ -23,25 +23,17 @@
 #include <cstring>
 
 #include "row_ops.h"
+#include "vec_math.h"
 
 namespace hybridflow {
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));  // 16 floats
-constexpr int64_t kLanes = 16;
+using vec::kLanes;
+using vec::lane_sum;
+using vec::load;
+using vec::store;
+using vec::vf;
 constexpr int64_t kGrainRows = 32;
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline float lane_sum(vf v) {
-  float s = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
 
 // sum of a[j] * b[j] (* c[j] where c is given), j < H: 32 lanes, then the scalar tail
 inline float row_dot(const float* a, const float* b, const float* c, int64_t H) {

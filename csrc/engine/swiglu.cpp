@@ -10,40 +10,18 @@
 #include <cstring>
 
 #include "row_ops.h"
+#include "vec_math.h"
 
 namespace hybridflow {
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));    // 16 floats
-typedef int32_t vi __attribute__((vector_size(64)));  // 16 int32
-
-constexpr int64_t kLanes = 16;
+using vec::kLanes;
+using vec::splat;
+using vec::vf;
+using vec::vi;
 constexpr int64_t kGrainPairs = 1 << 14;
 
-inline vf splat(float x) { return vf{} + x; }
-
-// exp(x) within 2 ulp on [-87.3, 88.3] (x is clamped to it): x = n ln2 + r, |r| <= ln2 / 2,
-// exp(r) by the minimax polynomial of Cephes' expf, 2^n written into the exponent bits.
-inline vf vexp(vf x) {
-  x = x < splat(88.3f) ? x : splat(88.3f);
-  x = x > splat(-87.3f) ? x : splat(-87.3f);
-  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const vf r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * (r * r) + r + splat(1.f);
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-inline vf vsigmoid(vf x) { return splat(1.f) / (splat(1.f) + vexp(-x)); }
+inline vf vsigmoid(vf x) { return splat(1.f) / (splat(1.f) + vec::exp(-x)); }
 
 constexpr vi kEven = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 constexpr vi kOdd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};

@@ -1,0 +1,95 @@
+// See vocab_rows.h.  In ATen a greedy step was max() (which also finds the index, 7x the cost
+// of amax) and logsumexp (max, subtract, exp, sum: four passes); here the row maximum on
+// vectors, the first column holding it, and one pass of exp(z - max) on vectors (the
+// polynomial exp of vec_math.h, 2 ulp), summed in 32 lanes.  Rows go to the intra-op threads.
+#include "vocab_rows.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "row_ops.h"
+#include "vec_math.h"
+
+namespace hybridflow {
+namespace {
+
+using vec::kLanes;
+using vec::load;
+using vec::splat;
+using vec::vf;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// max of z[a, b) (-inf when empty)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+float range_max(const float* z, int64_t a, int64_t b) {
+  vf m0 = splat(kNegInf), m1 = m0;
+  int64_t j = a;
+  for (; j + 2 * kLanes <= b; j += 2 * kLanes) {
+    const vf x0 = load(z + j), x1 = load(z + j + kLanes);
+    m0 = x0 > m0 ? x0 : m0;
+    m1 = x1 > m1 ? x1 : m1;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  float m = kNegInf;
+  for (int64_t l = 0; l < kLanes; ++l) m = m0[l] > m ? m0[l] : m;
+  for (; j < b; ++j) m = z[j] > m ? z[j] : m;
+  return m;
+}
+
+// sum of exp(z[j] - m), j < n
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+float exp_sum(const float* z, int64_t n, float m) {
+  const vf mv = splat(m);
+  vf s0{}, s1{};
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    s0 += vec::exp(load(z + j) - mv);
+    s1 += vec::exp(load(z + j + kLanes) - mv);
+  }
+  float s = vec::lane_sum(s0 + s1);
+  for (; j < n; ++j) s += std::exp(z[j] - m);
+  return s;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& z_in,
+                                                                int64_t banned) {
+  check_float_cpu(z_in, "argmax_logsumexp", "z");
+  TORCH_CHECK(z_in.dim() == 2 && z_in.size(1) > 0, "argmax_logsumexp: z must be [R, V > 0], got ",
+              z_in.sizes());
+  const at::Tensor z = z_in.contiguous();
+  const int64_t rows = z.size(0), vocab = z.size(1);
+  TORCH_CHECK(banned >= -1 && banned < vocab && (banned < 0 || vocab > 1),
+              "argmax_logsumexp: banned column ", banned, " outside [-1, ", vocab,
+              ") or the only one");
+  at::Tensor arg = at::empty({rows}, z.options().dtype(at::kLong));
+  at::Tensor best = at::empty({rows}, z.options());
+  at::Tensor lse = at::empty({rows}, z.options().dtype(at::kDouble));
+  const float* zp = z.data_ptr<float>();
+  int64_t* ap = arg.data_ptr<int64_t>();
+  float* bp = best.data_ptr<float>();
+  double* lp = lse.data_ptr<double>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = zp + r * vocab;
+      float m_sel = range_max(row, 0, banned < 0 ? vocab : banned);
+      if (banned >= 0) m_sel = std::max(m_sel, range_max(row, banned + 1, vocab));
+      const float m_all = banned >= 0 ? std::max(m_sel, row[banned]) : m_sel;
+      int64_t j = 0;
+      while (j < vocab && (row[j] != m_sel || j == banned)) ++j;
+      j = j < vocab ? j : (banned == 0 ? 1 : 0);  // all NaN: some allowed column
+      ap[r] = j;
+      bp[r] = row[j];
+      lp[r] = static_cast<double>(m_all) +
+              std::log(static_cast<double>(exp_sum(row, vocab, m_all)));
+    }
+  });
+  return {arg, best, lse};
+}
+
+}  // namespace hybridflow

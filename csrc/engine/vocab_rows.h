@@ -1,0 +1,17 @@
+// Per-row statistics of next-token logits, CPU float32 (engine/sampling.py): the greedy
+// choice and the log-normaliser in two passes over each row.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace hybridflow {
+
+// For z [R, V]: (arg [R] int64, z[arg] [R] float32, lse [R] float64), arg the first column
+// of the largest logit among the columns other than `banned` (-1: none), lse = log sum_j
+// exp(z_j) over every column (banned included), summed in float32 after the row maximum.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& z,
+                                                                int64_t banned);
+
+}  // namespace hybridflow
