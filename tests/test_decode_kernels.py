@@ -282,6 +282,10 @@ def test_small_gemm_same_bits_on_any_thread_count(m, n, k):
     assert torch.equal(one, two)
     torch.testing.assert_close(two.double(), x.double() @ w.double().t(), rtol=0,
                                atol=1e-4 * max(1.0, k ** 0.5))
+    # and the same bits for a row whatever rows come with it (whole 4-row blocks, the tail
+    # rows, alone): a sequence's logits do not change when others leave the batch
+    for rows in ([0], [m - 1], list(range(0, m, 3))):
+        assert torch.equal(_kernels.small_linear(x[rows], w), two[rows])
 
 
 def test_decode_with_blas_products_agrees():

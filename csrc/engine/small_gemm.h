@@ -14,8 +14,9 @@ constexpr int64_t kSmallGemmMaxRows = 32;
 // inner stride (any row stride).  The intra-op threads (at::parallel_for) split the rows of w
 // (inside a parallel region: the calling thread alone).  Each output is the sum of 16 lanes
 // (AVX-512) or 8 lanes accumulated with fused multiply-adds over K, then added in a fixed
-// order: the same result on every run of one machine and any thread count (machines with
-// other vector widths, or without FMA, round differently).
+// order (one tree for every output): the same result on every run of one machine, any thread
+// count and any number of rows of x around it (machines with other vector widths, or without
+// FMA, round differently).
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate);
 
 }  // namespace hybridflow
