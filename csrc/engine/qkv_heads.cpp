@@ -67,6 +67,19 @@ inline void rope_grad(const float* g, const float* c, const float* s, int64_t di
   }
 }
 
+// fn(row, g, bg, s, cos, sin) for every token row = b * S + s and KV group g (bg = b * h_kv + g),
+// token rows split over the intra-op threads
+template <typename Fn>
+void for_token_groups(const Sizes& z, const Tables& tab, const Fn& fn) {
+  at::parallel_for(0, z.batch * z.seq, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / z.seq, s = row % z.seq;
+      for (int64_t g = 0; g < z.groups; ++g)
+        fn(row, g, b * z.groups + g, s, tab.c(b, s), tab.s(b, s));
+    }
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads_forward(
@@ -100,30 +113,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_heads_forward(
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float scale = static_cast<float>(scale_in);
-  at::parallel_for(0, z.batch * z.seq, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / z.seq, s = row % z.seq;
-      const float *c = tab.c(b, s), *sn = tab.s(b, s);
-      for (int64_t g = 0; g < z.groups; ++g) {
-        const int64_t head0 = g * (z.qpg + 2);  // this group's first head in the row
-        const float* x = src + row * width + head0 * dim;
-        const float* xb = bp ? bp + head0 * dim : nullptr;
-        const int64_t bg = b * z.groups + g;
-        for (int64_t j = 0; j < z.qpg; ++j)
-          rope_in(x + j * dim, xb ? xb + j * dim : nullptr, c, sn, dim, true, scale,
-                  qp + ((bg * z.qpg + j) * z.seq + s) * dim);
-        rope_in(x + z.qpg * dim, xb ? xb + z.qpg * dim : nullptr, c, sn, dim, false, 1.f,
-                kp + (bg * z.seq + s) * dim);
-        const float* xv = x + (z.qpg + 1) * dim;
-        float* out = vp + (bg * z.seq + s) * dim;
-        if (xb != nullptr) {
-          const float* bv = xb + (z.qpg + 1) * dim;
-          for (int64_t d = 0; d < dim; ++d) out[d] = xv[d] + bv[d];
-        } else {
-          for (int64_t d = 0; d < dim; ++d) out[d] = xv[d];
-        }
-      }
-    }
+  for_token_groups(z, tab, [&](int64_t row, int64_t g, int64_t bg, int64_t s, const float* c,
+                               const float* sn) {
+    const int64_t head0 = g * (z.qpg + 2);  // this group's first head in the row
+    const float* x = src + row * width + head0 * dim;
+    const float* xb = bp ? bp + head0 * dim : nullptr;
+    for (int64_t j = 0; j < z.qpg; ++j)
+      rope_in(x + j * dim, xb ? xb + j * dim : nullptr, c, sn, dim, true, scale,
+              qp + ((bg * z.qpg + j) * z.seq + s) * dim);
+    rope_in(x + z.qpg * dim, xb ? xb + z.qpg * dim : nullptr, c, sn, dim, false, 1.f,
+            kp + (bg * z.seq + s) * dim);
+    const float* xv = x + (z.qpg + 1) * dim;
+    float* out = vp + (bg * z.seq + s) * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d] = xb ? xv[d] + xb[(z.qpg + 1) * dim + d] : xv[d];
   });
   return {q, k, v};
 }
@@ -153,22 +155,16 @@ at::Tensor qkv_heads_backward(const at::Tensor& grad_q_in, const at::Tensor& gra
   const float *qp = gq.data_ptr<float>(), *kp = gk.data_ptr<float>(), *vp = gv.data_ptr<float>();
   float* out = dqkv.data_ptr<float>();
   const float scale = static_cast<float>(scale_in);
-  at::parallel_for(0, z.batch * z.seq, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / z.seq, s = row % z.seq;
-      const float *c = tab.c(b, s), *sn = tab.s(b, s);
-      for (int64_t g = 0; g < z.groups; ++g) {
-        float* dx = out + row * width + g * (z.qpg + 2) * dim;
-        const int64_t bg = b * z.groups + g;
-        for (int64_t j = 0; j < z.qpg; ++j)
-          rope_grad(qp + ((bg * z.qpg + j) * z.seq + s) * dim, c, sn, dim, true, scale,
-                    dx + j * dim);
-        rope_grad(kp + (bg * z.seq + s) * dim, c, sn, dim, false, 1.f, dx + z.qpg * dim);
-        const float* gvr = vp + (bg * z.seq + s) * dim;
-        float* dv = dx + (z.qpg + 1) * dim;
-        for (int64_t d = 0; d < dim; ++d) dv[d] = gvr[d];
-      }
-    }
+  for_token_groups(z, tab, [&](int64_t row, int64_t g, int64_t bg, int64_t s, const float* c,
+                               const float* sn) {
+    float* dx = out + row * width + g * (z.qpg + 2) * dim;
+    for (int64_t j = 0; j < z.qpg; ++j)
+      rope_grad(qp + ((bg * z.qpg + j) * z.seq + s) * dim, c, sn, dim, true, scale,
+                dx + j * dim);
+    rope_grad(kp + (bg * z.seq + s) * dim, c, sn, dim, false, 1.f, dx + z.qpg * dim);
+    const float* gvr = vp + (bg * z.seq + s) * dim;
+    float* dv = dx + (z.qpg + 1) * dim;
+    for (int64_t d = 0; d < dim; ++d) dv[d] = gvr[d];
   });
   return dqkv;
 }
