@@ -17,8 +17,10 @@ product itself::
     out  = probs @ v         [B * h_kv, qpg * S, D]     -> [B, S, h_q * D]
 
 Used by :func:`engine.layers.attention` without a KV cache, for a causal or boolean mask,
-where the scores of one call stay under :data:`MAX_SCORE_BYTES` (longer sequences keep the
-flash kernel, whose memory does not grow with ``S^2``) and the products reach
+where the scores stay under :data:`MAX_SCORE_BYTES` (longer sequences keep the flash kernel,
+whose memory does not grow with ``S^2``): those of the whole batch under autograd (the
+backward keeps them), those of one sequence without it, the batch then taken in chunks (the
+reference forward of 64 sequences of 192 tokens at ``small``); and where the products reach
 :data:`engine.onednn.MIN_MACS`.  Every query row must see at least
 one key (:func:`engine.layers.causal_mask` always lets a row see itself).
 """
@@ -57,7 +59,28 @@ def _applies(b: int, s: int, h_q: int, kv_len: int, d: int, *tensors_and_mask) -
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1):
         return False
     scores = b * h_q * s * kv_len
-    return scores * 4 <= MAX_SCORE_BYTES and scores * d >= onednn.MIN_MACS
+    # with autograd the probabilities of every sequence are kept for the backward: the whole
+    # batch within the budget; without (reference and critic forwards) the batch is taken in
+    # chunks of sequences (:func:`_batch_chunks`), one sequence within the budget
+    budget = b if _records_graph(tensors) else 1
+    return (budget * h_q * s * kv_len * 4 <= MAX_SCORE_BYTES
+            and scores * d >= onednn.MIN_MACS)
+
+
+def _records_graph(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _batch_chunks(b: int, s: int, h_q: int, kv_len: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of sequences whose scores stay within the budget (one range
+    when the whole batch does)."""
+    per_chunk = max(1, MAX_SCORE_BYTES // (4 * h_q * s * kv_len))
+    return [(i, min(b, i + per_chunk)) for i in range(0, b, per_chunk)]
+
+
+def _rows(t: torch.Tensor | None, start: int, end: int, b: int) -> torch.Tensor | None:
+    """Sequences ``[start, end)`` of ``t`` (None, or broadcast over the batch: as it is)."""
+    return t if t is None or t.shape[0] != b else t[start:end]
 
 
 def qkv_applies(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
@@ -158,6 +181,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     b, s, h_q, d = q.shape
     kv_len, h_kv = k.shape[1], k.shape[2]
+    chunks = _batch_chunks(b, s, h_q, kv_len)
+    if len(chunks) > 1:
+        return torch.cat([attention(q[i:j], k[i:j], v[i:j], _rows(mask, i, j, b))
+                          for i, j in chunks])
     qpg = h_q // h_kv
     bias = _mask_bias(mask, b, s, kv_len, q.dtype)
     qg = q.view(b, s, h_kv, qpg, d).permute(0, 2, 3, 1, 4).reshape(b * h_kv, qpg * s, d)
@@ -184,6 +211,11 @@ def attention_from_qkv(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.
     """
     b, s, width = qkv.shape
     h_kv = width // ((q_per_group + 2) * head_dim)
+    chunks = _batch_chunks(b, s, h_kv * q_per_group, s)
+    if len(chunks) > 1:
+        return torch.cat([attention_from_qkv(qkv[i:j], bias, cos[i:j], sin[i:j],
+                                             _rows(mask, i, j, b), q_per_group, head_dim)
+                          for i, j in chunks])
     qg, kg, vg = _QKVHeads.apply(qkv, bias, cos, sin, q_per_group, 1.0 / math.sqrt(head_dim))
     out = _GroupedAttention.apply(qg, kg, vg, _mask_bias(mask, b, s, s, qkv.dtype))
     return _merge_heads(out, b, s, h_kv, q_per_group, head_dim)

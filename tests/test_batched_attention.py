@@ -89,6 +89,32 @@ def test_layers_choose_it_for_short_sequences_and_agree_with_flash(monkeypatch):
         torch.testing.assert_close(short, long, atol=2e-6, rtol=0)
 
 
+def test_without_autograd_long_batches_go_in_chunks(monkeypatch):
+    """Without autograd only one sequence's scores must fit: the batch is taken in chunks
+    (here 2 + 2 + 1 sequences), with the values of flash attention; with autograd the whole
+    batch must fit, else flash runs."""
+    b, s, h_q, d = 5, 24, 4, 16
+    q, k, v = operands(b, s, h_q, 2, d, seed=5)
+    mask = padding_mask(b, s, seed=5)
+    per_seq = h_q * s * s * 4
+    monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", 2 * per_seq)
+    assert batched_attention._batch_chunks(b, s, h_q, s) == [(0, 2), (2, 4), (4, 5)]
+    calls = []
+    real = batched_attention._GroupedAttention.apply
+    monkeypatch.setattr(batched_attention._GroupedAttention, "apply",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    assert not batched_attention.applies(q, k, mask)  # autograd: 5 sequences do not fit
+    with torch.no_grad():
+        for m in (None, mask):
+            assert batched_attention.applies(q, k, m)
+            got = layers.attention(q, k, v, m)
+            assert calls == [2 * 2, 2 * 2, 1 * 2]  # B * h_kv per chunk
+            calls.clear()
+            torch.testing.assert_close(got.double(), reference(q, k, v, m), atol=1e-5, rtol=0)
+        monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", per_seq - 1)
+        assert not batched_attention.applies(q, k, mask)  # not even one sequence: flash
+
+
 def test_packed_sequences_each_attend_to_themselves():
     lengths = (5, 1, 12)
     q, k, v = operands(1, sum(lengths), 4, 2, 8, seed=11)

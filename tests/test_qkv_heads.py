@@ -182,3 +182,24 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="grad_q"):
         _kernels.qkv_heads_backward(torch.ones(2, 9, 8), torch.ones(2, 5, 8),
                                     torch.ones(2, 5, 8), cos, sin, 2, 1.0)
+
+
+def test_chunked_without_autograd(monkeypatch):
+    """A long batch without autograd: attention_from_qkv in chunks of sequences, the same
+    values as the Python path on flash attention."""
+    b, s, h, h_kv, qpg, d = 5, 17, 32, 2, 3, 16
+    _, _, rope, mask = case(b, s, h_kv, qpg, d, False, seed=12)
+    w = layer_weights(h, h_kv, qpg, d, True, seed=13)
+    x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(14))
+    monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", 2 * h_kv * qpg * s * s * 4)
+    calls = []
+    real = batched_attention._QKVHeads.apply
+    monkeypatch.setattr(batched_attention._QKVHeads, "apply",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.no_grad():
+        got = layers.attention_block(x, w, rope, mask, qpg, d, 1e-6, None)
+        assert calls == [2, 2, 1]
+        monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", 0)  # flash, Python path
+        want = layers.attention_block(x, w, rope, mask, qpg, d, 1e-6, None)
+    assert calls == [2, 2, 1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
