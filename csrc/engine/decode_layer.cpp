@@ -56,9 +56,26 @@ using vec::splat;
 using vec::vf;
 constexpr int kMaxBlockQueries = 8;  // the blocked loops below take up to 8 queries per group
 
+// Scores of num_q queries against keys [l0, num_keys), one key at a time: each a sum over
+// d = 0, 1, ... of q[d] * k_t[d, l].
+inline __attribute__((always_inline)) void scores_plain(const float* q, const float* k_t,
+                                                        int64_t num_q, int64_t l0,
+                                                        int64_t num_keys, int64_t head_dim,
+                                                        int64_t max_len, float* scores) {
+  for (int64_t j = 0; j < num_q; ++j) {
+    float* s = scores + j * num_keys;
+    for (int64_t l = l0; l < num_keys; ++l) s[l] = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const float qd = q[j * head_dim + d];
+      const float* kd = k_t + d * max_len;
+      for (int64_t l = l0; l < num_keys; ++l) s[l] += qd * kd[l];
+    }
+  }
+}
+
 // Scores of Q queries against keys [l0, l0 + 16 * V): Q * V accumulators over d, so each key
 // vector is loaded once for all queries of the group.  Every score is summed over d = 0, 1, ...
-// in order, as the scalar loop below does.
+// in order, as scores_plain does.
 template <int Q, int V>
 inline __attribute__((always_inline)) void scores_block(const float* q, int64_t head_dim,
                                                         const float* k_t, int64_t max_len,
@@ -88,14 +105,7 @@ inline __attribute__((always_inline)) void scores_blocked(const float* q, const 
     scores_block<Q, 4>(q, head_dim, k_t, max_len, l0, scores, num_keys);
   for (; l0 + kLanes <= num_keys; l0 += kLanes)
     scores_block<Q, 1>(q, head_dim, k_t, max_len, l0, scores, num_keys);
-  for (int j = 0; j < Q; ++j) {  // the last keys (fewer than a vector)
-    float* s = scores + j * num_keys;
-    for (int64_t l = l0; l < num_keys; ++l) s[l] = 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const float qd = q[j * head_dim + d];
-      for (int64_t l = l0; l < num_keys; ++l) s[l] += qd * k_t[d * max_len + l];
-    }
-  }
+  scores_plain(q, k_t, Q, l0, num_keys, head_dim, max_len, scores);  // fewer than a vector
 }
 
 // scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed
@@ -116,17 +126,7 @@ void attention_scores(const float* q, const float* k_t, const bool* key_ok, int6
     case 6: scores_blocked<6>(q, k_t, num_keys, head_dim, max_len, scores); break;
     case 7: scores_blocked<7>(q, k_t, num_keys, head_dim, max_len, scores); break;
     case 8: scores_blocked<8>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    default:
-      for (int64_t j = 0; j < num_q; ++j) {
-        float* s = scores + j * num_keys;
-        const float* qj = q + j * head_dim;
-        for (int64_t l = 0; l < num_keys; ++l) s[l] = 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          const float qd = qj[d];
-          const float* kd = k_t + d * max_len;
-          for (int64_t l = 0; l < num_keys; ++l) s[l] += qd * kd[l];
-        }
-      }
+    default: scores_plain(q, k_t, num_q, 0, num_keys, head_dim, max_len, scores);
   }
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
