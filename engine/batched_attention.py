@@ -48,11 +48,11 @@ MAX_HEAD_DIM = 512
 def applies(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether :func:`attention` runs for these operands (see the module docstring)."""
     b, s, h_q, d = q.shape
-    return _applies(b, s, h_q, k.shape[1], d, q, k, mask)
+    return _applies(b, s, h_q, k.shape[1], d, (q, k), mask)
 
 
-def _applies(b: int, s: int, h_q: int, kv_len: int, d: int, *tensors_and_mask) -> bool:
-    *tensors, mask = tensors_and_mask
+def _applies(b: int, s: int, h_q: int, kv_len: int, d: int, tensors: tuple[torch.Tensor, ...],
+             mask: torch.Tensor | None) -> bool:
     if not (onednn.batched() and all(t.dtype == torch.float32 and t.device.type == "cpu"
                                       for t in tensors) and not torch.compiler.is_compiling()):
         return False
@@ -98,7 +98,7 @@ def qkv_applies(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
     if cos.stride() != sin.stride() or cos.stride(-1) != 1:
         return False
     tensors = (qkv, cos, sin) if bias is None else (qkv, cos, sin, bias)
-    return _applies(b, s, groups * q_per_group, s, head_dim, *tensors, mask)
+    return _applies(b, s, groups * q_per_group, s, head_dim, tensors, mask)
 
 
 class _GroupedAttention(torch.autograd.Function):

@@ -42,13 +42,18 @@ def operands(b, s, h_q, h_kv, d, seed):
     return [torch.randn(b, s, h, d, generator=g).requires_grad_() for h in (h_q, h_kv, h_kv)]
 
 
-def padding_mask(b, s, seed):
-    """An RL micro-batch's mask: left-padded prompts, right-padded responses."""
+def padding_rows(b, s, seed):
+    """An RL micro-batch's ``[B, S]`` 0/1 mask: left-padded prompts, right-padded responses."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, s // 3, (b,), generator=g)
     end = torch.randint(2 * s // 3, s + 1, (b,), generator=g)
     pos = torch.arange(s)
-    return layers.causal_mask(((pos >= start[:, None]) & (pos < end[:, None])).long(), b, s)
+    return ((pos >= start[:, None]) & (pos < end[:, None])).long()
+
+
+def padding_mask(b, s, seed):
+    """:func:`padding_rows` as the layers' boolean ``[B, 1, S, S]`` causal mask."""
+    return layers.causal_mask(padding_rows(b, s, seed), b, s)
 
 
 @pytest.mark.parametrize("h_q, h_kv", [(6, 2), (4, 4), (8, 1)])

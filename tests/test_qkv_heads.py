@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import batched_attention, layers, onednn
+from tests.test_batched_attention import padding_rows
 
 pytestmark = pytest.mark.skipif(batched_attention._kernels is None or not onednn.batched(),
                                 reason="needs oneDNN and the engine._kernels extension")
@@ -23,21 +24,12 @@ def every_size(monkeypatch):
     monkeypatch.setattr(onednn, "MIN_MACS", 0)
 
 
-def rl_mask(b, s, seed):
-    """Left-padded prompts, right-padded responses: ``[B, S]`` 0/1."""
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, s // 3, (b,), generator=g)
-    end = torch.randint(2 * s // 3, s + 1, (b,), generator=g)
-    pos = torch.arange(s)
-    return ((pos >= start[:, None]) & (pos < end[:, None])).long()
-
-
 def case(b, s, h_kv, qpg, d, bias, seed):
     g = torch.Generator().manual_seed(seed)
     width = h_kv * (qpg + 2) * d
     qkv = torch.randn(b, s, width, generator=g).requires_grad_()
     w = {"qkv_bias": torch.randn(width, generator=g).requires_grad_()} if bias else {}
-    mask2d = rl_mask(b, s, seed)
+    mask2d = padding_rows(b, s, seed)
     cos, sin = layers.rope_tables(layers.position_ids_from_mask(mask2d), d, 10000.0)
     return qkv, w, (cos, sin), layers.causal_mask(mask2d, b, s)
 
