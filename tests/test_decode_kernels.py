@@ -302,3 +302,53 @@ def test_decode_with_blas_products_agrees():
     small = fused.generate(ids, None, sp)
     assert torch.equal(small.input_ids, blas.input_ids)
     torch.testing.assert_close(small.log_probs, blas.log_probs, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("stacked, qkv_bias", [(1, False), (2, True)])
+@pytest.mark.parametrize("batch", [1, 2, 5, 32, 33])
+def test_decode_layers_same_bits_on_any_thread_count(batch, stacked, qkv_bias):
+    """``decode_layers`` on one thread (one call through every layer) and on 2 and 3 threads:
+    up to 32 rows the threads share one step (the products split the weight rows, the norms
+    and the attention split the batch rows; 3 threads leave a thread without rows at 2), above
+    it each thread takes a block of rows.  Outputs and the caches written are the same bits
+    either way, and within float rounding of the Python layers (those on one thread)."""
+    gen = torch.Generator().manual_seed(batch * 10 + stacked)
+    stage = stage_layers(gen, stacked, qkv_bias)
+    path = KernelStage.build(stage)
+    pos, max_len = 6, 9
+    x = torch.randn(batch, 1, H, generator=gen)
+    lengths = torch.randint(1, pos + 1, (batch,), generator=gen)
+    mask = torch.cat([(torch.arange(pos) >= pos - lengths[:, None]).long(),
+                      torch.ones(batch, max_len - pos, dtype=torch.long)], 1)
+    cos, sin = rope_tables(position_ids_from_mask(mask), D, 1000.0)
+    rope = (cos[:, pos:pos + 1], sin[:, pos:pos + 1])
+    attn = mask.bool()[:, None, None, :pos + 1]
+    start = KVCache(LAYERS, batch, max_len, G, D, torch.float32)
+    start.k.normal_(generator=gen)
+    start.v.normal_(generator=gen)
+    start.advance(pos)
+
+    def run(threads: int, layer_path):
+        cache = KVCache(LAYERS, batch, max_len, G, D, torch.float32)
+        cache.k.copy_(start.k)
+        cache.v.copy_(start.v)
+        cache.advance(pos)
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                return layer_path.forward(x, cache, rope, attn), cache
+        finally:
+            torch.set_num_threads(old)
+
+    # one thread with more rows than the small GEMM takes runs BLAS: compare 2 with 3 there
+    first = 1 if batch <= _kernels.small_gemm_max_rows else 2
+    one, one_cache = run(first, path)
+    for threads in range(first + 1, 4):
+        got, cache = run(threads, path)
+        assert torch.equal(got, one), threads
+        assert torch.equal(cache.k, one_cache.k) and torch.equal(cache.v, one_cache.v)
+    want, ref_cache = run(1, REFERENCE.build(stage))
+    torch.testing.assert_close(one, want, rtol=1e-5, atol=1e-5)
+    for got_kv, ref_kv in zip(filled(one_cache, pos + 1), filled(ref_cache, pos + 1)):
+        torch.testing.assert_close(got_kv, ref_kv, rtol=1e-5, atol=1e-5)

@@ -2,8 +2,10 @@
 // CPU float32.  decode_layers runs every layer of a stage in one call (no TP: nothing to
 // all-reduce in between); with TP, decode_attention and decode_mlp are the two halves of a
 // layer around the caller's all-reduces.  Either way Python makes one or two calls per step or
-// layer instead of about thirty tensor operations per layer, and each intra-op thread takes its
-// own block of rows through the work (for_row_blocks).
+// layer instead of about thirty tensor operations per layer.  decode_layers with up to
+// kSmallGemmMaxRows rows runs the whole step in one parallel region whose products split the
+// weight rows between the threads (layers_shared_step: each weight byte is read once a step);
+// otherwise each intra-op thread takes its own block of rows through the work (for_row_blocks).
 //
 //   x [B, H] --rms_norm--> mm(qkv) [+ qkv_bias] --RoPE(q, k); k, v -> cache[pos]--> attention
 //            --> mm(o)                                                     = attention partial
@@ -35,12 +37,14 @@
 
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <omp.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "rms_norm.h"
 #include "row_ops.h"
@@ -57,17 +61,20 @@ using vec::vf;
 constexpr int kMaxBlockQueries = 8;  // the blocked loops below take up to 8 queries per group
 
 // Scores of num_q queries against keys [l0, num_keys), one key at a time: each a sum over
-// d = 0, 1, ... of q[d] * k_t[d, l].
+// d = 0, 1, ... of q[d] * k_t[d, l].  k_next: the next group's keys, whose rows are
+// prefetched from l0 on (a hint; the current keys when there is none).
 inline __attribute__((always_inline)) void scores_plain(const float* q, const float* k_t,
-                                                        int64_t num_q, int64_t l0,
-                                                        int64_t num_keys, int64_t head_dim,
-                                                        int64_t max_len, float* scores) {
+                                                        const float* k_next, int64_t num_q,
+                                                        int64_t l0, int64_t num_keys,
+                                                        int64_t head_dim, int64_t max_len,
+                                                        float* scores) {
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
     for (int64_t l = l0; l < num_keys; ++l) s[l] = 0.f;
     for (int64_t d = 0; d < head_dim; ++d) {
       const float qd = q[j * head_dim + d];
       const float* kd = k_t + d * max_len;
+      if (j == 0 && l0 < num_keys) __builtin_prefetch(k_next + d * max_len + l0, 0, 3);
       for (int64_t l = l0; l < num_keys; ++l) s[l] += qd * kd[l];
     }
   }
@@ -78,7 +85,8 @@ inline __attribute__((always_inline)) void scores_plain(const float* q, const fl
 // in order, as scores_plain does.
 template <int Q, int V>
 inline __attribute__((always_inline)) void scores_block(const float* q, int64_t head_dim,
-                                                        const float* k_t, int64_t max_len,
+                                                        const float* k_t, const float* k_next,
+                                                        int64_t max_len,
                                                         int64_t l0, float* s,
                                                         int64_t num_keys) {
   vf acc[Q][V];
@@ -86,7 +94,12 @@ inline __attribute__((always_inline)) void scores_block(const float* q, int64_t 
     for (int v = 0; v < V; ++v) acc[j][v] = vf{};
   for (int64_t d = 0; d < head_dim; ++d) {
     vf kv[V];
-    for (int v = 0; v < V; ++v) kv[v] = vec::load(k_t + d * max_len + l0 + v * kLanes);
+    for (int v = 0; v < V; ++v) {
+      kv[v] = vec::load(k_t + d * max_len + l0 + v * kLanes);
+      // the next group's keys at the same place (a hint): 64 strided key rows a group are
+      // more streams than the hardware prefetcher follows
+      __builtin_prefetch(k_next + d * max_len + l0 + v * kLanes, 0, 3);
+    }
     for (int j = 0; j < Q; ++j) {
       const vf qd = splat(q[j * head_dim + d]);
       for (int v = 0; v < V; ++v) acc[j][v] = acc[j][v] + qd * kv[v];
@@ -98,14 +111,31 @@ inline __attribute__((always_inline)) void scores_block(const float* q, int64_t 
 
 template <int Q>
 inline __attribute__((always_inline)) void scores_blocked(const float* q, const float* k_t,
-                                                          int64_t num_keys, int64_t head_dim,
-                                                          int64_t max_len, float* scores) {
+                                                          const float* k_next, int64_t num_keys,
+                                                          int64_t head_dim, int64_t max_len,
+                                                          float* scores) {
   int64_t l0 = 0;
   for (; l0 + 4 * kLanes <= num_keys; l0 += 4 * kLanes)
-    scores_block<Q, 4>(q, head_dim, k_t, max_len, l0, scores, num_keys);
+    scores_block<Q, 4>(q, head_dim, k_t, k_next, max_len, l0, scores, num_keys);
   for (; l0 + kLanes <= num_keys; l0 += kLanes)
-    scores_block<Q, 1>(q, head_dim, k_t, max_len, l0, scores, num_keys);
-  scores_plain(q, k_t, Q, l0, num_keys, head_dim, max_len, scores);  // fewer than a vector
+    scores_block<Q, 1>(q, head_dim, k_t, k_next, max_len, l0, scores, num_keys);
+  scores_plain(q, k_t, k_next, Q, l0, num_keys, head_dim, max_len, scores);  // < a vector
+}
+
+// The blocked loops for the query counts 1 .. kMaxBlockQueries, picked by a fold (no lambda:
+// it would not be compiled for the caller's target clone); false for other counts.
+using kBlockCounts = std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>;
+static_assert(kMaxBlockQueries == 8, "kBlockCounts lists 1 .. kMaxBlockQueries");
+
+template <int... Q>
+inline __attribute__((always_inline)) bool scores_by_count(std::integer_sequence<int, Q...>,
+                                                           int64_t num_q, const float* q,
+                                                           const float* k_t, const float* k_next,
+                                                           int64_t num_keys, int64_t head_dim,
+                                                           int64_t max_len, float* scores) {
+  return ((num_q == Q &&
+           (scores_blocked<Q>(q, k_t, k_next, num_keys, head_dim, max_len, scores), true)) ||
+          ...);
 }
 
 // scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed
@@ -114,20 +144,12 @@ inline __attribute__((always_inline)) void scores_blocked(const float* q, const 
 // (d = 0, 1, ...) does not depend on the instruction set the clone runs on, nor on whether
 // the blocked loops (up to kMaxBlockQueries queries) or the plain ones run.
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attention_scores(const float* q, const float* k_t, const bool* key_ok, int64_t num_q,
-                      int64_t num_keys, int64_t head_dim, int64_t max_len, float scale,
-                      float* scores) {
-  switch (num_q) {
-    case 1: scores_blocked<1>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 2: scores_blocked<2>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 3: scores_blocked<3>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 4: scores_blocked<4>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 5: scores_blocked<5>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 6: scores_blocked<6>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 7: scores_blocked<7>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    case 8: scores_blocked<8>(q, k_t, num_keys, head_dim, max_len, scores); break;
-    default: scores_plain(q, k_t, num_q, 0, num_keys, head_dim, max_len, scores);
-  }
+void attention_scores(const float* q, const float* k_t, const float* k_next, const bool* key_ok,
+                      int64_t num_q, int64_t num_keys, int64_t head_dim, int64_t max_len,
+                      float scale, float* scores) {
+  if (!scores_by_count(kBlockCounts{}, num_q, q, k_t, k_next, num_keys, head_dim, max_len,
+                       scores))
+    scores_plain(q, k_t, k_next, num_q, 0, num_keys, head_dim, max_len, scores);
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
     for (int64_t l = 0; l < num_keys; ++l)
@@ -140,9 +162,9 @@ void attention_scores(const float* q, const float* k_t, const bool* key_ok, int6
 // (masked: exp(-inf)), as the scalar loop does.
 template <int Q>
 inline __attribute__((always_inline)) void values_blocked(const float* probs, const float* v,
-                                                          int64_t num_keys, int64_t head_dim,
-                                                          int64_t kv_stride, float* out,
-                                                          int64_t out_stride) {
+                                                          const float* v_next, int64_t num_keys,
+                                                          int64_t head_dim, int64_t kv_stride,
+                                                          float* out, int64_t out_stride) {
   for (int64_t d0 = 0; d0 < head_dim; d0 += 4 * kLanes) {
     vf acc[Q][4];
     for (int j = 0; j < Q; ++j)
@@ -156,7 +178,10 @@ inline __attribute__((always_inline)) void values_blocked(const float* probs, co
       }
       if (!any) continue;
       vf vv[4];
-      for (int i = 0; i < 4; ++i) vv[i] = vec::load(v + l * kv_stride + d0 + i * kLanes);
+      for (int i = 0; i < 4; ++i) {
+        vv[i] = vec::load(v + l * kv_stride + d0 + i * kLanes);
+        __builtin_prefetch(v_next + l * kv_stride + d0 + i * kLanes, 0, 3);  // next group's
+      }
       for (int j = 0; j < Q; ++j) {
         if (p[j] == 0.f) continue;
         const vf pj = splat(p[j]);
@@ -168,22 +193,28 @@ inline __attribute__((always_inline)) void values_blocked(const float* probs, co
   }
 }
 
+template <int... Q>
+inline __attribute__((always_inline)) bool values_by_count(std::integer_sequence<int, Q...>,
+                                                           int64_t num_q, const float* probs,
+                                                           const float* v, const float* v_next,
+                                                           int64_t num_keys, int64_t head_dim,
+                                                           int64_t kv_stride, float* out,
+                                                           int64_t out_stride) {
+  return ((num_q == Q && (values_blocked<Q>(probs, v, v_next, num_keys, head_dim, kv_stride,
+                                             out, out_stride),
+                          true)) ||
+          ...);
+}
+
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void weighted_values(const float* probs, const float* v, int64_t num_q, int64_t num_keys,
+void weighted_values(const float* probs, const float* v, const float* v_next, int64_t num_q,
+                     int64_t num_keys,
                      int64_t head_dim, int64_t kv_stride, float* out, int64_t out_stride) {
   // out[j, :] = sum_l probs[j, l] * v[l, :]
   if (head_dim % (4 * kLanes) == 0 && num_q <= kMaxBlockQueries) {
-    switch (num_q) {
-      case 1: values_blocked<1>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 2: values_blocked<2>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 3: values_blocked<3>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 4: values_blocked<4>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 5: values_blocked<5>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 6: values_blocked<6>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 7: values_blocked<7>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      case 8: values_blocked<8>(probs, v, num_keys, head_dim, kv_stride, out, out_stride); return;
-      default: break;
-    }
+    if (values_by_count(kBlockCounts{}, num_q, probs, v, v_next, num_keys, head_dim, kv_stride,
+                        out, out_stride))
+      return;
   }
   for (int64_t j = 0; j < num_q; ++j) {
     float* o = out + j * out_stride;
@@ -270,23 +301,19 @@ struct AttentionInputs {
   at::Tensor cos, sin, k_cache, v_cache, key_mask;
 };
 
-// Rows [b0, b0 + rows) of x: rms_norm -> qkv (+ qkv_bias where defined) -> RoPE -> cache
-// write -> attention; returns the attention output [rows, h_q*D] (before the o projection).
-at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionInputs& in,
-                          const at::Tensor& norm_weight, double eps,
-                          const at::Tensor& qkv_weight, const at::Tensor& qkv_bias, int64_t pos,
-                          int64_t q_per_group) {
-  const int64_t rows = x_rows.size(0), groups = in.k_cache.size(1),
-                head_dim = in.k_cache.size(2), max_len = in.k_cache.size(3),
-                per_group = q_per_group + 2, num_keys = pos + 1;
+// Rows [b0, b0 + rows) of the batch from their qkv [rows, h_kv*(Q/G+2)*D] (bias added):
+// RoPE -> cache write -> attention; writes the attention output [rows, h_q*D] (before the o
+// projection) to the contiguous rows at `out`.
+void attend_rows(const float* qkv_p, int64_t b0, int64_t rows, const AttentionInputs& in,
+                 int64_t pos, int64_t q_per_group, float* out) {
+  const int64_t groups = in.k_cache.size(1), head_dim = in.k_cache.size(2),
+                max_len = in.k_cache.size(3), per_group = q_per_group + 2, num_keys = pos + 1;
   const at::Tensor cos = in.cos.narrow(0, b0, rows), sin = in.sin.narrow(0, b0, rows);
   const at::Tensor mask = in.key_mask.narrow(0, b0, rows);
-  at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
-  if (qkv_bias.defined()) qkv.add_(qkv_bias);  // one float add, as qkv + bias in Python
-  at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, x_rows.options());
-  at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, x_rows.options());
+  const at::TensorOptions options = in.cos.options();
+  at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, options);
+  at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const float* qkv_p = qkv.data_ptr<float>();
   float* kc = in.k_cache.narrow(0, b0, rows).data_ptr<float>();
   float* vc = in.v_cache.narrow(0, b0, rows).data_ptr<float>();
   float* qr = q_rot.data_ptr<float>();
@@ -310,17 +337,32 @@ at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionI
       kb[d * max_len + pos] = k_rot[d];
       vb[pos * head_dim + d] = v_new[d];
     }
-    attention_scores(qb, kb, mk + b * mask_stride, q_per_group, num_keys, head_dim, max_len,
-                     scale, sc + bg * q_per_group * num_keys);
+    const float* k_next = bg + 1 < rows * groups ? kb + head_dim * max_len : kb;
+    attention_scores(qb, kb, k_next, mk + b * mask_stride, q_per_group, num_keys, head_dim,
+                     max_len, scale, sc + bg * q_per_group * num_keys);
   }
   const at::Tensor probs = at::softmax(scores, -1);
-  at::Tensor attn = at::empty({rows, groups * q_per_group * head_dim}, x_rows.options());
   const float* pr = probs.data_ptr<float>();
-  float* out = attn.data_ptr<float>();
-  for (int64_t bg = 0; bg < rows * groups; ++bg)
-    weighted_values(pr + bg * q_per_group * num_keys, vc + bg * max_len * head_dim,
-                    q_per_group, num_keys, head_dim, head_dim,
-                    out + bg * q_per_group * head_dim, head_dim);
+  for (int64_t bg = 0; bg < rows * groups; ++bg) {
+    const float* vb = vc + bg * max_len * head_dim;
+    weighted_values(pr + bg * q_per_group * num_keys, vb,
+                    bg + 1 < rows * groups ? vb + max_len * head_dim : vb, q_per_group,
+                    num_keys, head_dim, head_dim, out + bg * q_per_group * head_dim, head_dim);
+  }
+}
+
+// Rows [b0, b0 + rows) of x: rms_norm -> qkv (+ qkv_bias where defined) -> attend_rows;
+// returns the attention output [rows, h_q*D] (before the o projection).
+at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionInputs& in,
+                          const at::Tensor& norm_weight, double eps,
+                          const at::Tensor& qkv_weight, const at::Tensor& qkv_bias, int64_t pos,
+                          int64_t q_per_group) {
+  const int64_t rows = x_rows.size(0);
+  at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
+  if (qkv_bias.defined()) qkv.add_(qkv_bias);  // one float add, as qkv + bias in Python
+  at::Tensor attn = at::empty({rows, in.k_cache.size(1) * q_per_group * in.k_cache.size(2)},
+                              x_rows.options());
+  attend_rows(qkv.data_ptr<float>(), b0, rows, in, pos, q_per_group, attn.data_ptr<float>());
   return attn;
 }
 
@@ -370,6 +412,108 @@ void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at
   TORCH_CHECK(cos.size(0) == batch && cos.size(1) == head_dim && cos.stride(1) == 1 &&
                   sin.stride(1) == 1 && sin.sizes() == cos.sizes(),
               "decode_attention: cos/sin must be [B, D] with unit inner stride");
+}
+
+// One product of the shared-step path for this thread's share of the weight rows:
+// y[:, n0:n1] = x @ w[n0:n1].T for w [N, K], or the stacked row-parallel form [m, N, K/m]
+// summed slice by slice as row_matmul_out does.  Returns [n0, n1).
+std::pair<int64_t, int64_t> product_share(const float* x, int64_t ldx, const at::Tensor& w,
+                                          float* y, int64_t ldy, int64_t rows, int64_t thread,
+                                          int64_t threads) {
+  const int64_t n = w.size(-2), k = w.size(-1), slices = w.dim() == 3 ? w.size(0) : 1;
+  const auto [n0, n1] = small_gemm_share(n, thread, threads);
+  const float* wp = w.data_ptr<float>();
+  for (int64_t i = 0; i < slices; ++i)
+    small_gemm_rows(x + i * k, ldx, wp + i * (slices > 1 ? w.stride(0) : 0), w.stride(-2), y,
+                    ldy, rows, n0, n1, k, i > 0);
+  return {n0, n1};
+}
+
+// y[r, c] += add[r, c] for the columns [c0, c1) of `rows` rows (one float add each, as add_).
+void add_columns(float* y, int64_t ldy, const float* add, int64_t ld_add, int64_t rows,
+                 int64_t c0, int64_t c1) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = c0; c < c1; ++c) y[r * ldy + c] += add[r * ld_add + c];
+}
+
+// Can decode_layers take its batch on the shared-step path: more than one thread, 1 to
+// kSmallGemmMaxRows rows (the small GEMM takes them whole), every weight with unit inner stride?
+bool shared_step_applies(int64_t batch, const std::vector<at::Tensor>& layer_weights,
+                         const std::vector<at::Tensor>& biases) {
+  if (at::get_num_threads() < 2 || batch < 1 || batch > kSmallGemmMaxRows ||
+      !g_small_gemm.load(std::memory_order_relaxed))
+    return false;
+  for (size_t i = 0; i < layer_weights.size(); ++i) {
+    const at::Tensor& w = layer_weights[i];
+    if (i % 6 == 0 || i % 6 == 3) continue;  // the norms' weights
+    if (w.stride(-1) != 1 || (w.dim() != 2 && w.dim() != 3)) return false;
+  }
+  for (const at::Tensor& b : biases)
+    if (b.defined() && !b.is_contiguous()) return false;
+  return true;
+}
+
+// decode_layers on the shared-step path: one OpenMP parallel region for the whole step, in
+// which every matrix product splits the weight rows between the threads (each weight byte is
+// read once a step, not once per thread: at 32 rows the step streams half the bytes) and the
+// norms and the attention split the batch rows, with a barrier between the stages.  Every
+// value is the same sum as on the row-block path (the small GEMM's outputs do not depend on
+// the rows or threads around them; norms and attention are per row), so both give the same
+// bits.  h [B, H] is updated in place.
+void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weights,
+                        const std::vector<at::Tensor>& biases,
+                        const std::vector<AttentionInputs>& inputs, double eps, int64_t pos,
+                        int64_t q_per_group) {
+  const int64_t batch = h.size(0), hidden = h.size(1),
+                num_layers = static_cast<int64_t>(inputs.size());
+  const at::Tensor& w0 = layer_weights[1];
+  const int64_t n_qkv = w0.size(0), n_attn = inputs[0].k_cache.size(1) * q_per_group *
+                                                 inputs[0].k_cache.size(2),
+                n_gu = layer_weights[4].size(0);
+  const at::TensorOptions options = h.options();
+  at::Tensor xn = at::empty({batch, hidden}, options), part = at::empty({batch, hidden}, options);
+  at::Tensor qkv = at::empty({batch, n_qkv}, options), attn = at::empty({batch, n_attn}, options);
+  at::Tensor gu = at::empty({batch, n_gu}, options), act = at::empty({batch, n_gu / 2}, options);
+  std::vector<at::Tensor> norms;
+  for (int64_t l = 0; l < num_layers; ++l)
+    for (int j : {0, 3}) norms.push_back(layer_weights[6 * l + j].contiguous());
+  float *hp = h.data_ptr<float>(), *xp = xn.data_ptr<float>(), *pp = part.data_ptr<float>(),
+        *qp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>(), *gp = gu.data_ptr<float>(),
+        *actp = act.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const c10::AutoGradMode no_grad(false);  // grad mode is per thread; inference kernels
+    const int64_t r0 = t * batch / nt, rows = (t + 1) * batch / nt - r0;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const at::Tensor* w = layer_weights.data() + 6 * l;
+      rms_norm_rows(hp + r0 * hidden, norms[2 * l].data_ptr<float>(), rows, hidden, epsf,
+                    xp + r0 * hidden, nullptr);
+#pragma omp barrier
+      const auto [q0, q1] = product_share(xp, hidden, w[1], qp, n_qkv, batch, t, nt);
+      if (biases[l].defined()) {
+        add_columns(qp, n_qkv, biases[l].data_ptr<float>(), 0, batch, q0, q1);  // one bias row
+      }
+#pragma omp barrier
+      if (rows > 0)
+        attend_rows(qp + r0 * n_qkv, r0, rows, inputs[l], pos, q_per_group, ap + r0 * n_attn);
+#pragma omp barrier
+      const auto [o0, o1] = product_share(ap, n_attn, w[2], pp, hidden, batch, t, nt);
+      add_columns(hp, hidden, pp, hidden, batch, o0, o1);
+#pragma omp barrier
+      rms_norm_rows(hp + r0 * hidden, norms[2 * l + 1].data_ptr<float>(), rows, hidden, epsf,
+                    xp + r0 * hidden, nullptr);
+#pragma omp barrier
+      const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt);
+      swiglu_forward_rows(gp + g0, n_gu, actp + g0 / 2, n_gu / 2, batch, (g1 - g0) / 2);
+#pragma omp barrier
+      const auto [d0, d1] = product_share(actp, n_gu / 2, w[5], pp, hidden, batch, t, nt);
+      add_columns(hp, hidden, pp, hidden, batch, d0, d1);
+#pragma omp barrier
+    }
+  }
 }
 
 }  // namespace
@@ -430,11 +574,15 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
                     pos, key_mask, q_per_group);
     check_float_cpu(layer_weights[6 * l + 4], "gate_up_weight");
   }
-  at::Tensor out = x.clone();
+  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
   std::vector<AttentionInputs> inputs;
   for (int64_t l = 0; l < num_layers; ++l)
     inputs.push_back({cos, sin, k_cache[l], v_cache[l], mask});
+  if (shared_step_applies(x.size(0), layer_weights, biases)) {
+    layers_shared_step(out, layer_weights, biases, inputs, eps, pos, q_per_group);
+    return out;
+  }
   for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
     at::Tensor h = out.narrow(0, b0, rows);  // this thread's rows, updated in place
     for (int64_t l = 0; l < num_layers; ++l) {

@@ -26,8 +26,11 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
 // gate_up, down_proj) per layer; qkv_biases is empty (no biases) or one optional qkv bias per
 // layer (Qwen2, see decode_attention); k_cache [layers, B, h_kv, D, L], v_cache
 // [layers, B, h_kv, L, D].
-// Each intra-op thread takes its block of rows through all layers with no synchronisation.
-// Returns the hidden states [B, H] after the last layer.
+// Up to kSmallGemmMaxRows rows on several intra-op threads, the threads share the step in one
+// parallel region (each product split by weight rows, norms and attention by batch rows, a
+// barrier between stages); above it each thread takes its block of rows through all layers
+// with no synchronisation.  Both give the same bits.  Returns the hidden states [B, H] after
+// the last layer.
 at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
                          double eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,

@@ -24,7 +24,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 typedef int32_t i16 __attribute__((vector_size(64)));
-constexpr int64_t kPanel = 4;  // weight rows per register block
+constexpr int64_t kPanel = kSmallGemmPanel;  // weight rows per register block
 // Fewest multiply-adds a thread takes (a few microseconds of work; at one row of x, 256 KiB of
 // weights): below it one thread runs alone.
 constexpr int64_t kMinMultiplyAdds = 1 << 16;
@@ -191,6 +191,18 @@ const GemmFn gemm = pick_gemm();
 
 }  // namespace
 
+std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  return {std::min(n, thread * panels / threads * kPanel),
+          std::min(n, (thread + 1) * panels / threads * kPanel)};
+}
+
+void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                     int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k,
+                     bool accumulate) {
+  if (n1 > n0) gemm(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate);
+}
+
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
                       bool accumulate) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
@@ -207,7 +219,8 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
   // whichever thread computes it, so the result does not depend on the thread count.
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t grain = std::max<int64_t>(1, kMinMultiplyAdds / std::max<int64_t>(1, kPanel * k * m));
+  const int64_t grain =
+      std::max<int64_t>(1, kMinMultiplyAdds / std::max<int64_t>(1, kPanel * k * m));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <utility>
+
 namespace hybridflow {
 
 // Up to this many rows of x, small_linear_out reads the weight in place faster than BLAS: for a
@@ -18,5 +20,19 @@ constexpr int64_t kSmallGemmMaxRows = 32;
 // count and any number of rows of x around it (machines with other vector widths, or without
 // FMA, round differently).
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate);
+
+// Weight rows a thread of small_linear_out takes as a unit.
+constexpr int64_t kSmallGemmPanel = 4;
+
+// Weight rows [n0, n1) of this thread's share when `threads` threads split n rows in whole
+// panels (as even as the panels allow; possibly empty).
+std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t threads);
+
+// The product of small_linear_out for the weight rows [n0, n1) only, on the calling thread,
+// on raw rows (leading dimensions ldx, ldw, ldy): y[:, n0:n1] (+)= x [m, k] @ w[n0:n1].T.
+// Every output is the same sum as in small_linear_out.
+void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                     int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k,
+                     bool accumulate);
 
 }  // namespace hybridflow

@@ -90,14 +90,20 @@ void check_pairs(const at::Tensor& gu) {
 
 }  // namespace
 
+void swiglu_forward_rows(const float* gu, int64_t ld_gu, float* y, int64_t ld_y, int64_t rows,
+                         int64_t pairs) {
+  for (int64_t r = 0; r < rows; ++r)
+    over_pairs(pairs, gu + r * ld_gu, nullptr, y + r * ld_y, 1,
+               [](const float* g, const float*, float* o, int64_t b, int64_t e) {
+                 forward_pairs(g, o, b, e);
+               });
+}
+
 at::Tensor swiglu_forward(const at::Tensor& gu_in) {
   check_pairs(gu_in);
   const at::Tensor gu = gu_in.contiguous();
   at::Tensor y = at::empty(gu.sizes().slice(0, gu.dim() - 1), gu.options());
-  over_pairs(y.numel(), gu.data_ptr<float>(), nullptr, y.data_ptr<float>(), 1,
-             [](const float* g, const float*, float* o, int64_t b, int64_t e) {
-               forward_pairs(g, o, b, e);
-             });
+  swiglu_forward_rows(gu.data_ptr<float>(), 0, y.data_ptr<float>(), 0, 1, y.numel());
   return y;
 }
 

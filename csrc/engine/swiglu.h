@@ -9,6 +9,12 @@ namespace hybridflow {
 // y [..., F] = silu(gate) * up of gu [..., F, 2] (gate, up interleaved).
 at::Tensor swiglu_forward(const at::Tensor& gu);
 
+// The same values for `rows` rows of `pairs` interleaved pairs each on raw rows (leading
+// dimensions ld_gu, ld_y in floats): y[r, :pairs] = silu(gate) * up of gu[r, :2 * pairs].
+// Inside a parallel region it runs on the calling thread (decode_layer.cpp).
+void swiglu_forward_rows(const float* gu, int64_t ld_gu, float* y, int64_t ld_y, int64_t rows,
+                         int64_t pairs);
+
 // The gradient [..., F, 2] (interleaved like gu) of swiglu_forward at gu for dy [..., F]:
 // d gate = dy * up * s * (1 + gate * (1 - s)), d up = dy * gate * s, s = sigmoid(gate).
 at::Tensor swiglu_backward(const at::Tensor& gu, const at::Tensor& dy);
