@@ -181,8 +181,10 @@ class PythonLayers:
 @register_layer_path
 @dataclass(frozen=True, eq=False)
 class KernelStage:
-    """Decode without TP: the whole stage in one :func:`engine._kernels.decode_layers` call, in
-    which each intra-op thread takes its block of rows through every layer."""
+    """Decode without TP: the whole stage in one :func:`engine._kernels.decode_layers` call. Up
+    to ``small_gemm_max_rows`` rows the intra-op threads share each step (every product split
+    by weight rows, so each weight is read once a step); above it each thread takes its block
+    of rows through every layer. Both give the same bits."""
 
     name: ClassVar[str] = "kernel_stage"
     steps: ClassVar[frozenset[str]] = frozenset({DECODE})
