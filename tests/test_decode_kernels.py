@@ -189,6 +189,36 @@ def test_decode_attention_rejects_bad_shapes():
                                3, ok, QPG, [None, None])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_layers_rejects_bad_weight_shapes(threads):
+    """Weights the threads would read in place past their end are refused before any work,
+    on the shared step (2 threads) as on the single call."""
+    gen = torch.Generator().manual_seed(1)
+    good = weights(gen)
+    cache = KVCache(1, B, 8, G, D, torch.float32)
+    cache.k.zero_(), cache.v.zero_()
+    x, cos = torch.randn(B, H), torch.randn(B, D)
+    ok = torch.ones(B, 8, dtype=torch.bool)
+    bad = {"o_proj": (good["o_proj"][:, :-1],
+                      r"o_proj \[48, 95\] must be \[H, h_q\*D\] = \[48, 96\]"),
+           "down_proj": (good["down_proj"][:-1],
+                         r"down_proj \[47, 40\] must be \[H, F\] = \[48, 40\]"),
+           "gate_up": (good["gate_up"][:-1], r"gate_up \[79, 48\] must be \[2F, H = 48\]"),
+           "post_norm": (good["post_norm"][:-2], "norm weights of 48 values expected"),
+           "qkv": (good["qkv"][:, :-1], r"qkv weight \[160, 47\] must be \[., H = 48\]")}
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, (tensor, message) in bad.items():
+            w = good | {name: tensor}
+            with pytest.raises(RuntimeError, match=message):
+                _kernels.decode_layers(x, [w[k] for k in LAYER_KEYS], EPS, cos, cos, cache.k,
+                                       cache.v, 3, ok, QPG, [])
+            assert not cache.k.any() and not cache.v.any()  # nothing written
+    finally:
+        torch.set_num_threads(old)
+
+
 CFG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=64,
                   tie_word_embeddings=False)

@@ -86,8 +86,7 @@ inline __attribute__((always_inline)) void scores_plain(const float* q, const fl
 template <int Q, int V>
 inline __attribute__((always_inline)) void scores_block(const float* q, int64_t head_dim,
                                                         const float* k_t, const float* k_next,
-                                                        int64_t max_len,
-                                                        int64_t l0, float* s,
+                                                        int64_t max_len, int64_t l0, float* s,
                                                         int64_t num_keys) {
   vf acc[Q][V];
   for (int j = 0; j < Q; ++j)
@@ -208,8 +207,8 @@ inline __attribute__((always_inline)) bool values_by_count(std::integer_sequence
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void weighted_values(const float* probs, const float* v, const float* v_next, int64_t num_q,
-                     int64_t num_keys,
-                     int64_t head_dim, int64_t kv_stride, float* out, int64_t out_stride) {
+                     int64_t num_keys, int64_t head_dim, int64_t kv_stride, float* out,
+                     int64_t out_stride) {
   // out[j, :] = sum_l probs[j, l] * v[l, :]
   if (head_dim % (4 * kLanes) == 0 && num_q <= kMaxBlockQueries) {
     if (values_by_count(kBlockCounts{}, num_q, probs, v, v_next, num_keys, head_dim, kv_stride,
@@ -414,6 +413,34 @@ void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at
               "decode_attention: cos/sin must be [B, D] with unit inner stride");
 }
 
+// Inputs of a weight of shape [N, K] or of the stacked row-parallel form [m, N, K/m].
+int64_t weight_inputs(const at::Tensor& w) {
+  return w.dim() == 3 ? w.size(0) * w.size(2) : w.size(-1);
+}
+
+// Shapes of one layer's weights (w: input_norm, qkv, o_proj, post_norm, gate_up, down_proj)
+// beyond what check_attention covers, before any thread reads them in place: norms [H],
+// qkv [., H], o [H, h_q*D], gate_up [2F, H], down [H, F] (o and down possibly stacked).
+void check_layer(const at::Tensor* w, int64_t hidden, int64_t n_attn) {
+  for (const auto& [t, name] : {std::pair{w, "input_norm"}, {w + 2, "o_proj"},
+                                {w + 3, "post_norm"}, {w + 4, "gate_up"}, {w + 5, "down_proj"}})
+    check_float_cpu(*t, name);
+  TORCH_CHECK(w[0].numel() == hidden && w[3].numel() == hidden, "decode_layers: norm weights of ",
+              hidden, " values expected, got ", w[0].sizes(), " and ", w[3].sizes());
+  TORCH_CHECK(w[1].dim() == 2 && w[1].size(1) == hidden, "decode_layers: qkv weight ",
+              w[1].sizes(), " must be [., H = ", hidden, "]");
+  TORCH_CHECK((w[2].dim() == 2 || w[2].dim() == 3) && w[2].size(-2) == hidden &&
+                  weight_inputs(w[2]) == n_attn,
+              "decode_layers: o_proj ", w[2].sizes(), " must be [H, h_q*D] = [", hidden, ", ",
+              n_attn, "] or stacked [m, H, h_q*D/m]");
+  TORCH_CHECK(w[4].dim() == 2 && w[4].size(1) == hidden && w[4].size(0) % 2 == 0,
+              "decode_layers: gate_up ", w[4].sizes(), " must be [2F, H = ", hidden, "]");
+  TORCH_CHECK((w[5].dim() == 2 || w[5].dim() == 3) && w[5].size(-2) == hidden &&
+                  weight_inputs(w[5]) == w[4].size(0) / 2,
+              "decode_layers: down_proj ", w[5].sizes(), " must be [H, F] = [", hidden, ", ",
+              w[4].size(0) / 2, "] or stacked [m, H, F/m]");
+}
+
 // One product of the shared-step path for this thread's share of the weight rows:
 // y[:, n0:n1] = x @ w[n0:n1].T for w [N, K], or the stacked row-parallel form [m, N, K/m]
 // summed slice by slice as row_matmul_out does.  Returns [n0, n1).
@@ -421,7 +448,7 @@ std::pair<int64_t, int64_t> product_share(const float* x, int64_t ldx, const at:
                                           float* y, int64_t ldy, int64_t rows, int64_t thread,
                                           int64_t threads) {
   const int64_t n = w.size(-2), k = w.size(-1), slices = w.dim() == 3 ? w.size(0) : 1;
-  const auto [n0, n1] = small_gemm_share(n, thread, threads);
+  const auto [n0, n1] = small_gemm_share(n, thread, threads);  // shapes: check_layer
   const float* wp = w.data_ptr<float>();
   for (int64_t i = 0; i < slices; ++i)
     small_gemm_rows(x + i * k, ldx, wp + i * (slices > 1 ? w.stride(0) : 0), w.stride(-2), y,
@@ -572,7 +599,8 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
   for (int64_t l = 0; l < num_layers; ++l) {
     check_attention(x, layer_weights[6 * l + 1], biases[l], cos, sin, k_cache[l], v_cache[l],
                     pos, key_mask, q_per_group);
-    check_float_cpu(layer_weights[6 * l + 4], "gate_up_weight");
+    check_layer(layer_weights.data() + 6 * l, x.size(1),
+                k_cache.size(2) * q_per_group * k_cache.size(3));
   }
   at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
