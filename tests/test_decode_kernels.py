@@ -42,11 +42,12 @@ def weights(gen: torch.Generator, stacked: int = 1, qkv_bias: bool = False
     return w
 
 
-def setup_cache(gen: torch.Generator, prompt_len: int):
-    """Left-padded prompt masks, the mask with 4 new tokens, and RoPE tables for all of it."""
-    lengths = torch.randint(1, prompt_len + 1, (B,), generator=gen)
+def setup_cache(gen: torch.Generator, prompt_len: int, batch: int = B, new_tokens: int = 4):
+    """Left-padded prompt masks, the mask with ``new_tokens`` more, and RoPE tables for all of
+    it."""
+    lengths = torch.randint(1, prompt_len + 1, (batch,), generator=gen)
     mask = (torch.arange(prompt_len) >= prompt_len - lengths[:, None]).long()
-    full_mask = torch.cat([mask, torch.ones(B, 4, dtype=torch.long)], 1)
+    full_mask = torch.cat([mask, torch.ones(batch, new_tokens, dtype=torch.long)], 1)
     cos, sin = rope_tables(position_ids_from_mask(full_mask), D, 1000.0)
     return mask, full_mask, cos, sin
 
@@ -347,10 +348,7 @@ def test_decode_layers_same_bits_on_any_thread_count(batch, stacked, qkv_bias):
     path = KernelStage.build(stage)
     pos, max_len = 6, 9
     x = torch.randn(batch, 1, H, generator=gen)
-    lengths = torch.randint(1, pos + 1, (batch,), generator=gen)
-    mask = torch.cat([(torch.arange(pos) >= pos - lengths[:, None]).long(),
-                      torch.ones(batch, max_len - pos, dtype=torch.long)], 1)
-    cos, sin = rope_tables(position_ids_from_mask(mask), D, 1000.0)
+    _, mask, cos, sin = setup_cache(gen, pos, batch, max_len - pos)
     rope = (cos[:, pos:pos + 1], sin[:, pos:pos + 1])
     attn = mask.bool()[:, None, None, :pos + 1]
     start = KVCache(LAYERS, batch, max_len, G, D, torch.float32)

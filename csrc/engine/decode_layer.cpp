@@ -464,17 +464,15 @@ void add_columns(float* y, int64_t ldy, const float* add, int64_t ld_add, int64_
 }
 
 // Can decode_layers take its batch on the shared-step path: more than one thread, 1 to
-// kSmallGemmMaxRows rows (the small GEMM takes them whole), every weight with unit inner stride?
+// kSmallGemmMaxRows rows (the small GEMM takes them whole), every matrix with unit inner stride
+// (their shapes are check_layer's)?
 bool shared_step_applies(int64_t batch, const std::vector<at::Tensor>& layer_weights,
                          const std::vector<at::Tensor>& biases) {
   if (at::get_num_threads() < 2 || batch < 1 || batch > kSmallGemmMaxRows ||
       !g_small_gemm.load(std::memory_order_relaxed))
     return false;
-  for (size_t i = 0; i < layer_weights.size(); ++i) {
-    const at::Tensor& w = layer_weights[i];
-    if (i % 6 == 0 || i % 6 == 3) continue;  // the norms' weights
-    if (w.stride(-1) != 1 || (w.dim() != 2 && w.dim() != 3)) return false;
-  }
+  for (size_t i = 0; i < layer_weights.size(); ++i)
+    if (i % 6 != 0 && i % 6 != 3 && layer_weights[i].stride(-1) != 1) return false;  // not norms
   for (const at::Tensor& b : biases)
     if (b.defined() && !b.is_contiguous()) return false;
   return true;

@@ -226,8 +226,8 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    const int64_t j0 = begin * kPanel, j1 = std::min(n, end * kPanel);
-    gemm(xp, ldx, wp + j0 * ldw, ldw, yp + j0, ldy, m, j1 - j0, k, accumulate);
+    small_gemm_rows(xp, ldx, wp, ldw, yp, ldy, m, begin * kPanel, std::min(n, end * kPanel), k,
+                    accumulate);
   });
 }
 
