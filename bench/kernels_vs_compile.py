@@ -269,7 +269,7 @@ def stage_step(path_forward: Callable, cache, x: torch.Tensor, rope, attn: torch
     def run() -> Outputs:
         with torch.no_grad():
             y = path_forward(x, cache, rope, attn)
-        return [y, cache.k[..., start:end], cache.v[:, :, :, start:end]]
+        return [y, cache.keys(start, end), cache.v[:, :, :, start:end]]
     return run
 
 

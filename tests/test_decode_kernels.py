@@ -13,7 +13,7 @@ from engine import _kernels
 from engine.generation import GenerationEngine
 from engine.forward_paths import (DECODE, LAYER_PATHS, PREFILL, KernelStage, PythonLayers,
                                   StageLayers)
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, tile_keys, untile_keys
 from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 from engine.llama_spec import LAYER_KEYS, LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
@@ -68,7 +68,7 @@ def runs(path, seq: int, cached: int) -> bool:
 
 def filled(cache: KVCache, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached keys ``[L, B, h_kv, D, end]`` and values ``[L, B, h_kv, end, D]`` so far."""
-    return cache.k[..., :end], cache.v[:, :, :, :end]
+    return cache.keys(0, end), cache.v[:, :, :, :end]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -144,11 +144,12 @@ def attention_reference(x, qkv_w, cos, sin, k_cache, v_cache, pos, key_ok, qpg):
     return out.reshape(b, -1), k, v
 
 
-# the blocked loops of csrc/engine/decode_layer.cpp: up to 8 queries per KV group, key runs of
-# 64 and 16 and a scalar tail, head dims that are multiples of 64 for the weighted values;
-# 9 queries and a head dim of 16 or 24 take the plain loops
+# the blocked loops of csrc/engine/decode_layer.cpp: up to 8 queries per KV group, whole key
+# tiles of 64 positions and the filled 1 to 4 vectors of the last one (the last vector partly
+# filled or not), head dims that are multiples of 64 for the weighted values; 9 queries and a
+# head dim of 16 or 24 take the plain loops
 @pytest.mark.parametrize("qpg, d", [(1, 64), (3, 64), (8, 128), (9, 64), (3, 16), (2, 24)])
-@pytest.mark.parametrize("pos", [4, 16, 79, 143])
+@pytest.mark.parametrize("pos", [4, 16, 63, 79, 112, 143])
 def test_decode_attention_loops_match_float64(qpg, d, pos):
     gen = torch.Generator().manual_seed(qpg * 1000 + d + pos)
     b, h_kv, hidden, max_len = 3, 2, 40, 150
@@ -163,10 +164,13 @@ def test_decode_attention_loops_match_float64(qpg, d, pos):
     want, want_k, want_v = attention_reference(x, qkv_w, cos, sin, k_cache, v_cache, pos,
                                                key_ok, qpg)
     eye = torch.eye(h_kv * qpg * d)  # o projection = identity: the output is the attention's
-    got = _kernels.decode_attention(x, torch.ones(hidden), EPS, qkv_w, eye, cos, sin, k_cache,
+    k_tiles = tile_keys(k_cache)  # the cache's layout
+    got = _kernels.decode_attention(x, torch.ones(hidden), EPS, qkv_w, eye, cos, sin, k_tiles,
                                     v_cache, pos, key_ok, qpg)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k_cache[..., pos].double(), want_k, rtol=1e-5, atol=1e-5)
+    written = untile_keys(k_tiles, pos, pos + 1)[..., 0]
+    torch.testing.assert_close(written.double(), want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(untile_keys(k_tiles, 0, pos), k_cache[..., :pos])  # the rest untouched
     torch.testing.assert_close(v_cache[:, :, pos].double(), want_v, rtol=1e-5, atol=1e-5)
 
 
@@ -185,6 +189,8 @@ def test_decode_attention_rejects_bad_shapes():
         _kernels.decode_attention(x.double(), *args[1:], 3, ok, QPG)
     with pytest.raises(RuntimeError, match="qkv_bias shape"):
         _kernels.decode_attention(*args, 3, ok, QPG, torch.zeros(G * (QPG + 2) * D - 1))
+    with pytest.raises(RuntimeError, match=r"k_cache \[B, h_kv, T, D, 64\] \(keys in tiles"):
+        _kernels.decode_attention(*args[:7], cache.keys(0, 8)[0], cache.v[0], 3, ok, QPG)
     with pytest.raises(RuntimeError, match="2 qkv biases for 1 layers"):
         _kernels.decode_layers(x, [w[k] for k in LAYER_KEYS], EPS, cos, cos, cache.k, cache.v,
                                3, ok, QPG, [None, None])

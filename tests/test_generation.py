@@ -215,8 +215,9 @@ def test_kv_cache_sized_and_released(monkeypatch):
     monkeypatch.setattr(generation_mod, "KVCache", Tracked)
     ids, mask = prompts(batch=3, plen=5)
     out = eng.generate(ids, mask, SamplingParams(max_new_tokens=9, temperature=0.0))
-    # 2 (k, v) * 2 layers * 3 rows * 2 kv heads * (5 + 9 - 1) positions * 16 dims * 4 bytes
-    assert out.stats["kv_cache_bytes"] == 2 * 2 * 3 * 2 * 13 * 16 * 4
+    # 2 layers * 3 rows * 2 kv heads * 16 dims * 4 bytes * positions: (5 + 9 - 1) of V, and of
+    # K one tile of KEY_TILE (64) positions
+    assert out.stats["kv_cache_bytes"] == 2 * 3 * 2 * 16 * 4 * (13 + 64)
     assert out.stats["kv_cache_bytes"] == eng.kv_cache_bytes(3, 5, 9)
     gc.collect()
     assert len(made) == 2 and all(r() is None for r in made)

@@ -17,7 +17,7 @@ import torch
 
 from engine.generation import COMPACT_DIVISOR, ROW_QUANTUM, GenerationEngine, decode_rows, \
     kept_rows
-from engine.kv_cache import KVCache
+from engine.kv_cache import KEY_TILE, KVCache, untile_keys
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine import sampling
@@ -185,9 +185,9 @@ def test_kept_rows_and_kv_cache_rows():
     k, v = cache.k.clone(), cache.v.clone()
     rows = torch.tensor([1, 2, 5])
     cache.keep_rows_(rows)
-    assert cache.k.shape == (3, 3, 2, 4, 11) and cache.v.shape == (3, 3, 2, 11, 4)
+    assert cache.k.shape == (3, 3, 2, 1, 4, KEY_TILE) and cache.v.shape == (3, 3, 2, 11, 4)
     for j, r in enumerate(rows.tolist()):
-        assert torch.equal(cache.k[:, j, ..., :7], k[:, r, ..., :7])
+        assert torch.equal(cache.keys(0, 7)[:, j], untile_keys(k, 0, 7)[:, r])
         assert torch.equal(cache.v[:, j, :, :7], v[:, r, :, :7])
 
 

@@ -29,7 +29,8 @@
 //   o weight     [H, h_q*D] or stacked [m, H, h_q*D/m]
 //   gate_up      [2*F/t, H]               gate/up rows interleaved
 //   down weight  [H, F/t]   or stacked [m, H, F/t/m]
-//   k cache      [B, h_kv, D, L]          one layer's keys, transposed; column pos is written
+//   k cache      [B, h_kv, T, D, 64]      one layer's keys, transposed in tiles of 64 positions
+//                                         (T * 64 >= L); position pos is written
 //   v cache      [B, h_kv, L, D]          one layer's values; row pos is written
 //   key_mask     [B, >= pos+1] bool       which cached positions are real tokens
 //   cos, sin     [B, D]                   RoPE tables of the new token's position
@@ -39,6 +40,7 @@
 #include <c10/core/GradMode.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -59,45 +61,55 @@ using vec::kLanes;
 using vec::splat;
 using vec::vf;
 constexpr int kMaxBlockQueries = 8;  // the blocked loops below take up to 8 queries per group
+// Positions per tile of the cached keys (engine/kv_cache.py KEY_TILE): a (sequence, KV group)'s
+// keys are tiles [T, D, kKeyTile], tile t holding positions t * kKeyTile + [0, kKeyTile) as D
+// rows, so the keys of positions [0, n) are one contiguous run read front to back.
+constexpr int64_t kKeyTile = 64;
+constexpr int kTileVectors = static_cast<int>(kKeyTile / kLanes);
+static_assert(kKeyTile % kLanes == 0 && kTileVectors == 4, "a key tile row is 4 vectors");
 
-// Scores of num_q queries against keys [l0, num_keys), one key at a time: each a sum over
-// d = 0, 1, ... of q[d] * k_t[d, l].  k_next: the next group's keys, whose rows are
-// prefetched from l0 on (a hint; the current keys when there is none).
-inline __attribute__((always_inline)) void scores_plain(const float* q, const float* k_t,
-                                                        const float* k_next, int64_t num_q,
-                                                        int64_t l0, int64_t num_keys,
-                                                        int64_t head_dim, int64_t max_len,
-                                                        float* scores) {
+// Offset of key l's dim d in one (sequence, KV group)'s tiles.
+inline int64_t key_offset(int64_t l, int64_t d, int64_t head_dim) {
+  return (l / kKeyTile) * head_dim * kKeyTile + d * kKeyTile + l % kKeyTile;
+}
+
+// Scores of num_q queries against keys [0, num_keys), one key at a time: each a sum over
+// d = 0, 1, ... of q[d] * k[d, l], tile by tile.
+inline __attribute__((always_inline)) void scores_plain(const float* q, const float* k,
+                                                        int64_t num_q, int64_t num_keys,
+                                                        int64_t head_dim, float* scores) {
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
-    for (int64_t l = l0; l < num_keys; ++l) s[l] = 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const float qd = q[j * head_dim + d];
-      const float* kd = k_t + d * max_len;
-      if (j == 0 && l0 < num_keys) __builtin_prefetch(k_next + d * max_len + l0, 0, 3);
-      for (int64_t l = l0; l < num_keys; ++l) s[l] += qd * kd[l];
+    for (int64_t l = 0; l < num_keys; ++l) s[l] = 0.f;
+    for (int64_t t0 = 0; t0 < num_keys; t0 += kKeyTile) {
+      const float* kt = k + key_offset(t0, 0, head_dim);
+      const int64_t n = std::min(kKeyTile, num_keys - t0);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float qd = q[j * head_dim + d];
+        for (int64_t l = 0; l < n; ++l) s[t0 + l] += qd * kt[d * kKeyTile + l];
+      }
     }
   }
 }
 
-// Scores of Q queries against keys [l0, l0 + 16 * V): Q * V accumulators over d, so each key
-// vector is loaded once for all queries of the group.  Every score is summed over d = 0, 1, ...
-// in order, as scores_plain does.
+// Scores of Q queries against the V key vectors at `kt` (a tile's column, V * 16 positions):
+// Q * V accumulators over d, so each key vector is loaded once for all queries of the group.
+// Every score is summed over d = 0, 1, ... in order, as scores_plain does.  The first `valid`
+// scores are stored (the last vector may reach past the filled positions: those lanes, read
+// inside the tile, are dropped).  kt_next: the next group's keys at the same place (a hint).
 template <int Q, int V>
 inline __attribute__((always_inline)) void scores_block(const float* q, int64_t head_dim,
-                                                        const float* k_t, const float* k_next,
-                                                        int64_t max_len, int64_t l0, float* s,
-                                                        int64_t num_keys) {
+                                                        const float* kt, const float* kt_next,
+                                                        float* s, int64_t num_keys,
+                                                        int64_t valid) {
   vf acc[Q][V];
   for (int j = 0; j < Q; ++j)
     for (int v = 0; v < V; ++v) acc[j][v] = vf{};
   for (int64_t d = 0; d < head_dim; ++d) {
     vf kv[V];
     for (int v = 0; v < V; ++v) {
-      kv[v] = vec::load(k_t + d * max_len + l0 + v * kLanes);
-      // the next group's keys at the same place (a hint): 64 strided key rows a group are
-      // more streams than the hardware prefetcher follows
-      __builtin_prefetch(k_next + d * max_len + l0 + v * kLanes, 0, 3);
+      kv[v] = vec::load(kt + d * kKeyTile + v * kLanes);
+      __builtin_prefetch(kt_next + d * kKeyTile + v * kLanes, 0, 3);
     }
     for (int j = 0; j < Q; ++j) {
       const vf qd = splat(q[j * head_dim + d]);
@@ -105,20 +117,35 @@ inline __attribute__((always_inline)) void scores_block(const float* q, int64_t 
     }
   }
   for (int j = 0; j < Q; ++j)
-    for (int v = 0; v < V; ++v) vec::store(s + j * num_keys + l0 + v * kLanes, acc[j][v]);
+    for (int v = 0; v < V; ++v) {
+      float* out = s + j * num_keys + v * kLanes;
+      const int64_t n = valid - v * kLanes;
+      if (n >= kLanes) {
+        vec::store(out, acc[j][v]);
+      } else {
+        float lanes[kLanes];
+        vec::store(lanes, acc[j][v]);
+        std::memcpy(out, lanes, n * sizeof(float));
+      }
+    }
 }
 
+// Q queries against every filled position, a tile (or the filled part of the last one) at a
+// time.
 template <int Q>
-inline __attribute__((always_inline)) void scores_blocked(const float* q, const float* k_t,
+inline __attribute__((always_inline)) void scores_blocked(const float* q, const float* k,
                                                           const float* k_next, int64_t num_keys,
-                                                          int64_t head_dim, int64_t max_len,
-                                                          float* scores) {
-  int64_t l0 = 0;
-  for (; l0 + 4 * kLanes <= num_keys; l0 += 4 * kLanes)
-    scores_block<Q, 4>(q, head_dim, k_t, k_next, max_len, l0, scores, num_keys);
-  for (; l0 + kLanes <= num_keys; l0 += kLanes)
-    scores_block<Q, 1>(q, head_dim, k_t, k_next, max_len, l0, scores, num_keys);
-  scores_plain(q, k_t, k_next, Q, l0, num_keys, head_dim, max_len, scores);  // < a vector
+                                                          int64_t head_dim, float* scores) {
+  for (int64_t t0 = 0; t0 < num_keys; t0 += kKeyTile) {
+    const int64_t at = key_offset(t0, 0, head_dim), n = std::min(kKeyTile, num_keys - t0);
+    const float *kt = k + at, *kn = k_next + at;
+    switch ((n + kLanes - 1) / kLanes) {
+      case 4: scores_block<Q, 4>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
+      case 3: scores_block<Q, 3>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
+      case 2: scores_block<Q, 2>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
+      default: scores_block<Q, 1>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
+    }
+  }
 }
 
 // The blocked loops for the query counts 1 .. kMaxBlockQueries, picked by a fold (no lambda:
@@ -129,26 +156,24 @@ static_assert(kMaxBlockQueries == 8, "kBlockCounts lists 1 .. kMaxBlockQueries")
 template <int... Q>
 inline __attribute__((always_inline)) bool scores_by_count(std::integer_sequence<int, Q...>,
                                                            int64_t num_q, const float* q,
-                                                           const float* k_t, const float* k_next,
+                                                           const float* k, const float* k_next,
                                                            int64_t num_keys, int64_t head_dim,
-                                                           int64_t max_len, float* scores) {
-  return ((num_q == Q &&
-           (scores_blocked<Q>(q, k_t, k_next, num_keys, head_dim, max_len, scores), true)) ||
+                                                           float* scores) {
+  return ((num_q == Q && (scores_blocked<Q>(q, k, k_next, num_keys, head_dim, scores), true)) ||
           ...);
 }
 
-// scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed
-// (k_t [D, L]): a row of scores is a sum over d of q[d] * k_t[d, :], so the inner loop runs
-// over contiguous keys and vectorises with no horizontal sums; the order of the additions
+// scores [num_q, num_keys] of one (sequence, KV group) from keys stored transposed in tiles
+// (k [T, D, kKeyTile]): a row of scores is a sum over d of q[d] * k[d, :], so the inner loop
+// runs over contiguous keys and vectorises with no horizontal sums; the order of the additions
 // (d = 0, 1, ...) does not depend on the instruction set the clone runs on, nor on whether
 // the blocked loops (up to kMaxBlockQueries queries) or the plain ones run.
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attention_scores(const float* q, const float* k_t, const float* k_next, const bool* key_ok,
-                      int64_t num_q, int64_t num_keys, int64_t head_dim, int64_t max_len,
-                      float scale, float* scores) {
-  if (!scores_by_count(kBlockCounts{}, num_q, q, k_t, k_next, num_keys, head_dim, max_len,
-                       scores))
-    scores_plain(q, k_t, k_next, num_q, 0, num_keys, head_dim, max_len, scores);
+void attention_scores(const float* q, const float* k, const float* k_next, const bool* key_ok,
+                      int64_t num_q, int64_t num_keys, int64_t head_dim, float scale,
+                      float* scores) {
+  if (!scores_by_count(kBlockCounts{}, num_q, q, k, k_next, num_keys, head_dim, scores))
+    scores_plain(q, k, num_q, num_keys, head_dim, scores);
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
     for (int64_t l = 0; l < num_keys; ++l)
@@ -305,8 +330,9 @@ struct AttentionInputs {
 // projection) to the contiguous rows at `out`.
 void attend_rows(const float* qkv_p, int64_t b0, int64_t rows, const AttentionInputs& in,
                  int64_t pos, int64_t q_per_group, float* out) {
-  const int64_t groups = in.k_cache.size(1), head_dim = in.k_cache.size(2),
-                max_len = in.k_cache.size(3), per_group = q_per_group + 2, num_keys = pos + 1;
+  const int64_t groups = in.k_cache.size(1), head_dim = in.k_cache.size(3),
+                key_block = in.k_cache.size(2) * head_dim * kKeyTile,
+                max_len = in.v_cache.size(2), per_group = q_per_group + 2, num_keys = pos + 1;
   const at::Tensor cos = in.cos.narrow(0, b0, rows), sin = in.sin.narrow(0, b0, rows);
   const at::Tensor mask = in.key_mask.narrow(0, b0, rows);
   const at::TensorOptions options = in.cos.options();
@@ -327,18 +353,18 @@ void attend_rows(const float* qkv_p, int64_t b0, int64_t rows, const AttentionIn
     float* qb = qr + bg * q_per_group * head_dim;
     for (int64_t j = 0; j < q_per_group; ++j)
       rope_row(block + j * head_dim, c, s, head_dim, qb + j * head_dim);
-    float* kb = kc + bg * head_dim * max_len;  // [D, L]
+    float* kb = kc + bg * key_block;           // [T, D, kKeyTile]
     float* vb = vc + bg * max_len * head_dim;  // [L, D]
     float k_rot[kMaxHeadDim];
     rope_row(block + q_per_group * head_dim, c, s, head_dim, k_rot);
     const float* v_new = block + (q_per_group + 1) * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) {
-      kb[d * max_len + pos] = k_rot[d];
+      kb[key_offset(pos, d, head_dim)] = k_rot[d];
       vb[pos * head_dim + d] = v_new[d];
     }
-    const float* k_next = bg + 1 < rows * groups ? kb + head_dim * max_len : kb;
+    const float* k_next = bg + 1 < rows * groups ? kb + key_block : kb;
     attention_scores(qb, kb, k_next, mk + b * mask_stride, q_per_group, num_keys, head_dim,
-                     max_len, scale, sc + bg * q_per_group * num_keys);
+                     scale, sc + bg * q_per_group * num_keys);
   }
   const at::Tensor probs = at::softmax(scores, -1);
   const float* pr = probs.data_ptr<float>();
@@ -359,7 +385,7 @@ at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionI
   const int64_t rows = x_rows.size(0);
   at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
   if (qkv_bias.defined()) qkv.add_(qkv_bias);  // one float add, as qkv + bias in Python
-  at::Tensor attn = at::empty({rows, in.k_cache.size(1) * q_per_group * in.k_cache.size(2)},
+  at::Tensor attn = at::empty({rows, in.k_cache.size(1) * q_per_group * in.k_cache.size(3)},
                               x_rows.options());
   attend_rows(qkv.data_ptr<float>(), b0, rows, in, pos, q_per_group, attn.data_ptr<float>());
   return attn;
@@ -385,13 +411,17 @@ void check_attention(const at::Tensor& x, const at::Tensor& qkv_weight, const at
                                 {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&cos, "cos"},
                                 {&sin, "sin"}})
     check_float_cpu(*t, name);
-  TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && v_cache.dim() == 4 &&
+  TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 5 && v_cache.dim() == 4 &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
-              "decode_attention: x [B, H], contiguous k_cache [B, h_kv, D, L] and v_cache "
-              "[B, h_kv, L, D] expected");
-  const int64_t batch = x.size(0), groups = k_cache.size(1), max_len = k_cache.size(3),
-                head_dim = k_cache.size(2), per_group = q_per_group + 2;
+                  k_cache.size(4) == kKeyTile && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(1) && k_cache.size(3) == v_cache.size(3) &&
+                  k_cache.size(2) * kKeyTile >= v_cache.size(2),
+              "decode_attention: x [B, H], contiguous k_cache [B, h_kv, T, D, ", kKeyTile,
+              "] (keys in tiles of ", kKeyTile, " positions, T * ", kKeyTile,
+              " >= L) and v_cache [B, h_kv, L, D] expected, got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
+  const int64_t batch = x.size(0), groups = k_cache.size(1), max_len = v_cache.size(2),
+                head_dim = k_cache.size(3), per_group = q_per_group + 2;
   TORCH_CHECK(head_dim % 2 == 0 && head_dim <= kMaxHeadDim, "decode_attention: head_dim ",
               head_dim, " must be even and <= ", kMaxHeadDim);
   TORCH_CHECK(k_cache.size(0) == batch && pos >= 0 && pos < max_len,
@@ -493,7 +523,7 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
                 num_layers = static_cast<int64_t>(inputs.size());
   const at::Tensor& w0 = layer_weights[1];
   const int64_t n_qkv = w0.size(0), n_attn = inputs[0].k_cache.size(1) * q_per_group *
-                                                 inputs[0].k_cache.size(2),
+                                                 inputs[0].k_cache.size(3),
                 n_gu = layer_weights[4].size(0);
   const at::TensorOptions options = h.options();
   at::Tensor xn = at::empty({batch, hidden}, options), part = at::empty({batch, hidden}, options);
@@ -584,7 +614,7 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
                          const at::Tensor& key_mask, int64_t q_per_group,
                          const std::vector<std::optional<at::Tensor>>& qkv_biases) {
   TORCH_CHECK(layer_weights.size() % 6 == 0 && !layer_weights.empty() &&
-                  k_cache.dim() == 5 && v_cache.dim() == 5 &&
+                  k_cache.dim() == 6 && v_cache.dim() == 5 &&
                   k_cache.size(0) == static_cast<int64_t>(layer_weights.size() / 6) &&
                   v_cache.size(0) == k_cache.size(0),
               "decode_layers: 6 weights per layer and caches [layers, ...] for as many layers");
@@ -598,7 +628,7 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
     check_attention(x, layer_weights[6 * l + 1], biases[l], cos, sin, k_cache[l], v_cache[l],
                     pos, key_mask, q_per_group);
     check_layer(layer_weights.data() + 6 * l, x.size(1),
-                k_cache.size(2) * q_per_group * k_cache.size(3));
+                k_cache.size(2) * q_per_group * k_cache.size(4));
   }
   at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();

@@ -24,8 +24,8 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
 // Every layer of a generation stage for one new token per row, when no TP all-reduce is needed
 // between the halves (tp_g == 1): layer_weights holds (input_norm, qkv, o_proj, post_norm,
 // gate_up, down_proj) per layer; qkv_biases is empty (no biases) or one optional qkv bias per
-// layer (Qwen2, see decode_attention); k_cache [layers, B, h_kv, D, L], v_cache
-// [layers, B, h_kv, L, D].
+// layer (Qwen2, see decode_attention); k_cache [layers, B, h_kv, T, D, 64] (keys transposed in
+// tiles of 64 positions, T * 64 >= L: engine/kv_cache.py), v_cache [layers, B, h_kv, L, D].
 // Up to kSmallGemmMaxRows rows on several intra-op threads, the threads share the step in one
 // parallel region (each product split by weight rows, norms and attention by batch rows, a
 // barrier between stages); above it each thread takes its block of rows through all layers
