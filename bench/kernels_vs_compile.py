@@ -36,7 +36,9 @@ Compiled = ``torch.compile(fn, dynamic=False, fullgraph=True)`` (inductor, CPU),
 the check call outside the timing; its first call's wall time is ``compile_s``.  Training
 rows compile the reference function under autograd (AOTAutograd: forward and backward graphs).
 Prefill and decode compile the bound ``PythonLayers.forward`` *with* the KV cache writes: the
-cache's hook slices ``cache.k`` / ``cache.v`` and assigns into them, which dynamo traces as
+cache's hook assigns into ``cache.k`` / ``cache.v`` and hands the layers the values as a view
+and the keys gathered out of their tiles (a copy of the filled keys per layer, which the
+kernels do not make: part of what the Python path costs), which dynamo traces as
 in-place mutations of graph inputs (inductor writes them inside its kernels); it specialises on
 ``cache.length`` (an int), so every timed call writes the same position, as every contender's
 does here.  A real decode loop would recompile per cache length under ``dynamic=False`` (or
@@ -275,7 +277,7 @@ def stage_step(path_forward: Callable, cache, x: torch.Tensor, rope, attn: torch
 
 def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     from engine.forward_paths import LAYER_PATHS
-    from engine.kv_cache import KVCache
+    from engine.kv_cache import KVCache, tile_keys
     from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 
     p, r = s.shape.prompt_len, s.shape.response_len
@@ -307,7 +309,7 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
 
         def cache():
             kv = KVCache(s.layers, batch, c + 1, s.g, s.d, torch.float32)
-            kv.k.copy_(k0)
+            kv.k.copy_(tile_keys(k0))
             kv.v.copy_(v0)
             kv.advance(c)
             return kv

@@ -25,7 +25,13 @@ def test_roofline_tiny(benchmark, tmp_path, keep_threads):
     assert result["shape"]["name"] == "tiny" and result["argv"] == argv
     assert result["threads"] >= 1
     for key in FRACTIONS:
-        assert 0 < result[key] <= 1.5, (key, result[key])
+        # a fraction of a FLOP limit cannot beat the measured matmul peak by much; one of a
+        # bytes limit can: the tiny shape's weights (17 MB) fit in a 32 MB L3 and are read
+        # faster than the memory's read rate the limit assumes (1.58 on 2026-11-24).  The
+        # bound only catches a unit error.
+        b = key.removeprefix("decode_").removesuffix("_limit_fraction")
+        bytes_bound = b in ("b1", "b32") and result["decode"][b]["bound"] == "bytes"
+        assert 0 < result[key] <= (10 if bytes_bound else 1.5), (key, result[key])
         benchmark.extra_info[key] = result[key]
     assert result["decode_limit_fraction"] == min(result["decode_b1_limit_fraction"],
                                                   result["decode_b32_limit_fraction"])

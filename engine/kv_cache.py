@@ -64,8 +64,10 @@ def untile_keys(tiles: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """Positions ``[start, end)`` of tiled keys ``[..., T, D, KEY_TILE]`` as transposed keys
     ``[..., D, end - start]`` (a copy)."""
     t0, t1 = start // KEY_TILE, key_tiles(end)
-    flat = tiles[..., t0:t1, :, :].transpose(-3, -2).flatten(-2)  # [..., D, (t1-t0)*TILE]
-    return flat[..., start - t0 * KEY_TILE:end - t0 * KEY_TILE]
+    out = torch.empty(*tiles.shape[:-3], tiles.shape[-2], (t1 - t0) * KEY_TILE,
+                      dtype=tiles.dtype)
+    out.view(*out.shape[:-1], t1 - t0, KEY_TILE).copy_(tiles[..., t0:t1, :, :].transpose(-3, -2))
+    return out[..., start - t0 * KEY_TILE:end - t0 * KEY_TILE]
 
 
 class KVCache:
@@ -132,9 +134,10 @@ class KVCache:
         in place: new ``[layers, n, ...]`` tensors, of which the filled positions
         ``[0, length)`` are copied (the tiles of K that hold them whole; the rest of K is
         zeros, the rest of V unwritten, as before)."""
-        k = torch.zeros(self.k.shape[0], rows.numel(), *self.k.shape[2:], dtype=self.k.dtype)
+        k = torch.empty(self.k.shape[0], rows.numel(), *self.k.shape[2:], dtype=self.k.dtype)
         v = torch.empty(self.v.shape[0], rows.numel(), *self.v.shape[2:], dtype=self.v.dtype)
         t = key_tiles(self.length)
         torch.index_select(self.k[:, :, :, :t], 1, rows, out=k[:, :, :, :t])
+        k[:, :, :, t:].zero_()
         torch.index_select(self.v[:, :, :, :self.length], 1, rows, out=v[:, :, :, :self.length])
         self.k, self.v = k, v

@@ -57,6 +57,9 @@ def test_tile_round_trip_and_sizes():
     assert torch.equal(untile_keys(tiles, KEY_TILE + 1, KEY_TILE + 2), keys[..., 65:66])
     assert torch.equal(tiles[:, :, 1, 3, 7], keys[:, :, 3, KEY_TILE + 7])  # tile 1, dim 3
     assert not tiles[:, :, 2, :, 5:].any()
+    inside_one_tile = untile_keys(tiles, 1, 5)
+    inside_one_tile.add_(1.0)  # a copy, never a view of the cache
+    assert torch.equal(untile_keys(tiles, 1, 5), keys[..., 1:5])
     cache = KVCache(3, B, 2 * KEY_TILE + 5, G, D, torch.float32)
     assert cache.nbytes == kv_cache_nbytes(3, B, 2 * KEY_TILE + 5, G, D, torch.float32)
     assert cache.nbytes == 3 * B * G * D * 4 * (3 * KEY_TILE + 2 * KEY_TILE + 5)

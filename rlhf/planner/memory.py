@@ -92,7 +92,9 @@ def gen_weight_extra_bytes(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> 
 
 def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, work: Workload,
                           prof: DeviceProfile) -> float:
-    """KV cache of one full-length sequence on one device of a generation replica."""
+    """KV cache of one full-length sequence on one device of a generation replica (the keys'
+    padding to whole tiles of :data:`engine.kv_cache.KEY_TILE` positions, at most 63 more
+    positions of K per sequence, is left out)."""
     return shape.kv_elems_per_token() * work.seq_len * prof.act_bytes / (s.tp_g * s.pp_g)
 
 
