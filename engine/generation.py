@@ -417,8 +417,17 @@ class GenerationEngine:
         (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
         has produced, for ``sampling.min_new_tokens``; ``head_kernel``: the decode kernels'
         small-M product for the LM head, or None for BLAS)."""
-        h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
         w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
+        if (head_kernel is not None and w.stride(1) == 1 and sampling.greedy
+                and (self.tp_group is None or self.tp_group.pg is None)):
+            # the whole vocabulary here and argmax only: norm, head and choice in one call
+            # (the same bits as the three below, without the Python between them)
+            from engine import _kernels
+            banned = sampling.banned_token(step)
+            return _kernels.greedy_head(x[:, -1], self.weights["norm"],
+                                        self.config.rms_norm_eps, w,
+                                        -1 if banned is None else banned)
+        h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
         if head_kernel is not None and w.stride(1) == 1:
             # a few rows: the kernels' product reads the head in place on every intra-op
             # thread (BLAS packs the whole [V/t_g, H] weight first: 2.4-3.9x slower at 1-4 rows)

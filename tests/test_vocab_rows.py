@@ -74,3 +74,48 @@ def test_sampler_steps_agree_with_the_tensor_ops(params, step, monkeypatch):
     banned = params.banned_token(step) is not None
     assert ((tok != 3) if banned else (tok == 3)).all()
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_greedy_head_is_the_three_calls_it_replaces(rows, threads):
+    """``greedy_head`` (norm, LM head and greedy choice in one parallel region) against
+    rms_norm_forward, small_linear and argmax_logsumexp called in turn: the same tokens and
+    the same log-prob bits, with and without a banned column (3 threads at 1 row: threads
+    without rows), and a log-prob within float rounding of a float64 log_softmax."""
+    gen = torch.Generator().manual_seed(rows * 10 + threads)
+    hidden, vocab, eps = 48, 1001, 1e-6
+    x = torch.randn(rows, hidden, generator=gen) * 2
+    norm = 1 + 0.1 * torch.randn(hidden, generator=gen)
+    table = torch.randn(vocab + 3, hidden, generator=gen) / hidden ** 0.5
+    head = table[3:]  # a view with a row offset, as a tied embedding slice would be
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for banned in (-1, 0, 17):
+            tok, lp = _kernels.greedy_head(x, norm, eps, head, banned)
+            h, _ = _kernels.rms_norm_forward(x, norm, eps)
+            logits = _kernels.small_linear(h, head)
+            arg, best, lse = _kernels.argmax_logsumexp(logits, banned)
+            assert torch.equal(tok, arg)
+            assert torch.equal(lp, (best.double() - lse).float())
+            want = torch.log_softmax(logits.double(), dim=-1).gather(1, tok[:, None])[:, 0]
+            torch.testing.assert_close(lp.double(), want, rtol=0, atol=1e-5)
+            if banned >= 0:
+                assert (tok != banned).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_greedy_head_rejects_bad_arguments():
+    x, norm, head = torch.randn(2, 8), torch.ones(8), torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match="banned column 20"):
+        _kernels.greedy_head(x, norm, 1e-6, head, 20)
+    with pytest.raises(RuntimeError, match=r"head \[V > 0, H\] with unit inner stride"):
+        _kernels.greedy_head(x, norm, 1e-6, head[:, :7], -1)
+    with pytest.raises(RuntimeError, match=r"unit inner stride"):
+        _kernels.greedy_head(x, norm, 1e-6, torch.randn(8, 20).t(), -1)
+    with pytest.raises(RuntimeError, match=r"norm_weight \[H\]"):
+        _kernels.greedy_head(x, norm[:7], 1e-6, head, -1)
+    with pytest.raises(RuntimeError, match="float32"):
+        _kernels.greedy_head(x.double(), norm, 1e-6, head, -1)

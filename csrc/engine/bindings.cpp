@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_layer.h"
+#include "greedy_head.h"
 #include "onednn_matmul.h"
 #include "qkv_heads.h"
 #include "rms_norm.h"
@@ -60,6 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   // the greedy choice and log-normaliser of next-token logits (vocab_rows.h)
   m.def("argmax_logsumexp", &hybridflow::argmax_logsumexp, py::arg("z"), py::arg("banned"),
+        py::call_guard<py::gil_scoped_release>());
+  // final norm, LM head and greedy choice of a decode step in one call (greedy_head.h)
+  m.def("greedy_head", &hybridflow::greedy_head, py::arg("x"), py::arg("norm_weight"),
+        py::arg("eps"), py::arg("head"), py::arg("banned"),
         py::call_guard<py::gil_scoped_release>());
   m.def("counter_uniforms", &hybridflow::counter_uniforms, py::arg("seed"), py::arg("row_ids"),
         py::arg("cols"), "uniforms in (0, 1] from splitmix64 of (seed, row id, column)",

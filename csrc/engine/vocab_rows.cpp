@@ -57,6 +57,24 @@ float exp_sum(const float* z, int64_t n, float m) {
 
 }  // namespace
 
+void row_argmax_logsumexp(const float* row, int64_t vocab, int64_t banned, int64_t* arg,
+                          float* best, double* lse) {
+  float m_sel = range_max(row, 0, banned < 0 ? vocab : banned);
+  if (banned >= 0) m_sel = std::max(m_sel, range_max(row, banned + 1, vocab));
+  const float m_all = banned >= 0 ? std::max(m_sel, row[banned]) : m_sel;
+  int64_t j = 0;
+  while (j < vocab && (row[j] != m_sel || j == banned)) ++j;
+  j = j < vocab ? j : (banned == 0 ? 1 : 0);  // all NaN: some allowed column
+  *arg = j;
+  *best = row[j];
+  *lse = static_cast<double>(m_all) + std::log(static_cast<double>(exp_sum(row, vocab, m_all)));
+}
+
+void check_banned(int64_t banned, int64_t vocab, const char* where) {
+  TORCH_CHECK(banned >= -1 && banned < vocab && (banned < 0 || vocab > 1), where,
+              ": banned column ", banned, " outside [-1, ", vocab, ") or the only one");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& z_in,
                                                                 int64_t banned) {
   check_float_cpu(z_in, "argmax_logsumexp", "z");
@@ -64,9 +82,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor
               z_in.sizes());
   const at::Tensor z = z_in.contiguous();
   const int64_t rows = z.size(0), vocab = z.size(1);
-  TORCH_CHECK(banned >= -1 && banned < vocab && (banned < 0 || vocab > 1),
-              "argmax_logsumexp: banned column ", banned, " outside [-1, ", vocab,
-              ") or the only one");
+  check_banned(banned, vocab, "argmax_logsumexp");
   at::Tensor arg = at::empty({rows}, z.options().dtype(at::kLong));
   at::Tensor best = at::empty({rows}, z.options());
   at::Tensor lse = at::empty({rows}, z.options().dtype(at::kDouble));
@@ -75,19 +91,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor
   float* bp = best.data_ptr<float>();
   double* lp = lse.data_ptr<double>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = zp + r * vocab;
-      float m_sel = range_max(row, 0, banned < 0 ? vocab : banned);
-      if (banned >= 0) m_sel = std::max(m_sel, range_max(row, banned + 1, vocab));
-      const float m_all = banned >= 0 ? std::max(m_sel, row[banned]) : m_sel;
-      int64_t j = 0;
-      while (j < vocab && (row[j] != m_sel || j == banned)) ++j;
-      j = j < vocab ? j : (banned == 0 ? 1 : 0);  // all NaN: some allowed column
-      ap[r] = j;
-      bp[r] = row[j];
-      lp[r] = static_cast<double>(m_all) +
-              std::log(static_cast<double>(exp_sum(row, vocab, m_all)));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      row_argmax_logsumexp(zp + r * vocab, vocab, banned, ap + r, bp + r, lp + r);
   });
   return {arg, best, lse};
 }

@@ -14,4 +14,11 @@ namespace hybridflow {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& z,
                                                                 int64_t banned);
 
+// One row of argmax_logsumexp on the calling thread: z[arg], its column and the normaliser.
+void row_argmax_logsumexp(const float* row, int64_t vocab, int64_t banned, int64_t* arg,
+                          float* best, double* lse);
+
+// TORCH_CHECK that `banned` is -1 (none) or a column of [0, vocab) that is not the only one.
+void check_banned(int64_t banned, int64_t vocab, const char* where);
+
 }  // namespace hybridflow
