@@ -325,32 +325,37 @@ struct AttentionInputs {
   at::Tensor cos, sin, k_cache, v_cache, key_mask;
 };
 
-// Rows [b0, b0 + rows) of the batch from their qkv [rows, h_kv*(Q/G+2)*D] (bias added):
-// RoPE -> cache write -> attention; writes the attention output [rows, h_q*D] (before the o
-// projection) to the contiguous rows at `out`.
-void attend_rows(const float* qkv_p, int64_t b0, int64_t rows, const AttentionInputs& in,
-                 int64_t pos, int64_t q_per_group, float* out) {
+// The (sequence, KV group) pairs [bg0, bg1) of the batch (pair bg = sequence bg / h_kv, group
+// bg % h_kv) from their qkv blocks at `qkv_p` (per pair (Q/G+2)*D floats: Q/G queries, the key,
+// the value; bias added): RoPE -> cache write -> attention; writes each pair's attention
+// output (Q/G*D floats, before the o projection) contiguously from `out`.  Pairs rather than
+// rows, so that threads can share the attention of fewer rows than threads (batch 1: one
+// group each).
+void attend_pairs(const float* qkv_p, int64_t bg0, int64_t bg1, const AttentionInputs& in,
+                  int64_t pos, int64_t q_per_group, float* out) {
+  const int64_t n = bg1 - bg0;
+  if (n <= 0) return;
   const int64_t groups = in.k_cache.size(1), head_dim = in.k_cache.size(3),
                 key_block = in.k_cache.size(2) * head_dim * kKeyTile,
                 max_len = in.v_cache.size(2), per_group = q_per_group + 2, num_keys = pos + 1;
-  const at::Tensor cos = in.cos.narrow(0, b0, rows), sin = in.sin.narrow(0, b0, rows);
-  const at::Tensor mask = in.key_mask.narrow(0, b0, rows);
   const at::TensorOptions options = in.cos.options();
-  at::Tensor q_rot = at::empty({rows, groups, q_per_group, head_dim}, options);
-  at::Tensor scores = at::empty({rows, groups, q_per_group, num_keys}, options);
+  at::Tensor q_rot = at::empty({n, q_per_group, head_dim}, options);
+  at::Tensor scores = at::empty({n, q_per_group, num_keys}, options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  float* kc = in.k_cache.narrow(0, b0, rows).data_ptr<float>();
-  float* vc = in.v_cache.narrow(0, b0, rows).data_ptr<float>();
+  float* kc = in.k_cache.data_ptr<float>();  // contiguous [B, h_kv, T, D, kKeyTile]
+  float* vc = in.v_cache.data_ptr<float>();  // contiguous [B, h_kv, L, D]
   float* qr = q_rot.data_ptr<float>();
   float* sc = scores.data_ptr<float>();
-  const bool* mk = mask.data_ptr<bool>();
-  const int64_t mask_stride = mask.stride(0);
-  for (int64_t bg = 0; bg < rows * groups; ++bg) {
-    const int64_t b = bg / groups;
-    const float* block = qkv_p + bg * per_group * head_dim;
-    const float* c = cos.data_ptr<float>() + b * cos.stride(0);
-    const float* s = sin.data_ptr<float>() + b * sin.stride(0);
-    float* qb = qr + bg * q_per_group * head_dim;
+  const float *cos = in.cos.data_ptr<float>(), *sin = in.sin.data_ptr<float>();
+  const bool* mk = in.key_mask.data_ptr<bool>();
+  const int64_t cos_stride = in.cos.stride(0), sin_stride = in.sin.stride(0),
+                mask_stride = in.key_mask.stride(0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t bg = bg0 + i, b = bg / groups;
+    const float* block = qkv_p + i * per_group * head_dim;
+    const float* c = cos + b * cos_stride;
+    const float* s = sin + b * sin_stride;
+    float* qb = qr + i * q_per_group * head_dim;
     for (int64_t j = 0; j < q_per_group; ++j)
       rope_row(block + j * head_dim, c, s, head_dim, qb + j * head_dim);
     float* kb = kc + bg * key_block;           // [T, D, kKeyTile]
@@ -362,21 +367,21 @@ void attend_rows(const float* qkv_p, int64_t b0, int64_t rows, const AttentionIn
       kb[key_offset(pos, d, head_dim)] = k_rot[d];
       vb[pos * head_dim + d] = v_new[d];
     }
-    const float* k_next = bg + 1 < rows * groups ? kb + key_block : kb;
+    const float* k_next = i + 1 < n ? kb + key_block : kb;
     attention_scores(qb, kb, k_next, mk + b * mask_stride, q_per_group, num_keys, head_dim,
-                     scale, sc + bg * q_per_group * num_keys);
+                     scale, sc + i * q_per_group * num_keys);
   }
   const at::Tensor probs = at::softmax(scores, -1);
   const float* pr = probs.data_ptr<float>();
-  for (int64_t bg = 0; bg < rows * groups; ++bg) {
-    const float* vb = vc + bg * max_len * head_dim;
-    weighted_values(pr + bg * q_per_group * num_keys, vb,
-                    bg + 1 < rows * groups ? vb + max_len * head_dim : vb, q_per_group,
-                    num_keys, head_dim, head_dim, out + bg * q_per_group * head_dim, head_dim);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vb = vc + (bg0 + i) * max_len * head_dim;
+    weighted_values(pr + i * q_per_group * num_keys, vb,
+                    i + 1 < n ? vb + max_len * head_dim : vb, q_per_group, num_keys, head_dim,
+                    head_dim, out + i * q_per_group * head_dim, head_dim);
   }
 }
 
-// Rows [b0, b0 + rows) of x: rms_norm -> qkv (+ qkv_bias where defined) -> attend_rows;
+// Rows [b0, b0 + rows) of x: rms_norm -> qkv (+ qkv_bias where defined) -> attend_pairs;
 // returns the attention output [rows, h_q*D] (before the o projection).
 at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionInputs& in,
                           const at::Tensor& norm_weight, double eps,
@@ -387,7 +392,9 @@ at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionI
   if (qkv_bias.defined()) qkv.add_(qkv_bias);  // one float add, as qkv + bias in Python
   at::Tensor attn = at::empty({rows, in.k_cache.size(1) * q_per_group * in.k_cache.size(3)},
                               x_rows.options());
-  attend_rows(qkv.data_ptr<float>(), b0, rows, in, pos, q_per_group, attn.data_ptr<float>());
+  const int64_t groups = in.k_cache.size(1);
+  attend_pairs(qkv.data_ptr<float>(), b0 * groups, (b0 + rows) * groups, in, pos, q_per_group,
+               attn.data_ptr<float>());
   return attn;
 }
 
@@ -511,9 +518,10 @@ bool shared_step_applies(int64_t batch, const std::vector<at::Tensor>& layer_wei
 // decode_layers on the shared-step path: one OpenMP parallel region for the whole step, in
 // which every matrix product splits the weight rows between the threads (each weight byte is
 // read once a step, not once per thread: at 32 rows the step streams half the bytes) and the
-// norms and the attention split the batch rows, with a barrier between the stages.  Every
-// value is the same sum as on the row-block path (the small GEMM's outputs do not depend on
-// the rows or threads around them; norms and attention are per row), so both give the same
+// norms split the batch rows and the attention the (row, KV group) pairs, with a barrier
+// between the stages.  Every value is the same sum as on the row-block path (the small GEMM's
+// outputs do not depend on the rows or threads around them; norms are per row, attention per
+// pair), so both give the same
 // bits.  h [B, H] is updated in place.
 void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weights,
                         const std::vector<at::Tensor>& biases,
@@ -522,8 +530,8 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
   const int64_t batch = h.size(0), hidden = h.size(1),
                 num_layers = static_cast<int64_t>(inputs.size());
   const at::Tensor& w0 = layer_weights[1];
-  const int64_t n_qkv = w0.size(0), n_attn = inputs[0].k_cache.size(1) * q_per_group *
-                                                 inputs[0].k_cache.size(3),
+  const int64_t groups = inputs[0].k_cache.size(1), n_qkv = w0.size(0),
+                n_attn = groups * q_per_group * inputs[0].k_cache.size(3),
                 n_gu = layer_weights[4].size(0);
   const at::TensorOptions options = h.options();
   at::Tensor xn = at::empty({batch, hidden}, options), part = at::empty({batch, hidden}, options);
@@ -542,6 +550,7 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const c10::AutoGradMode no_grad(false);  // grad mode is per thread; inference kernels
     const int64_t r0 = t * batch / nt, rows = (t + 1) * batch / nt - r0;
+    const int64_t p0 = t * batch * groups / nt, p1 = (t + 1) * batch * groups / nt;  // pairs
     for (int64_t l = 0; l < num_layers; ++l) {
       const at::Tensor* w = layer_weights.data() + 6 * l;
       rms_norm_rows(hp + r0 * hidden, norms[2 * l].data_ptr<float>(), rows, hidden, epsf,
@@ -552,8 +561,8 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
         add_columns(qp, n_qkv, biases[l].data_ptr<float>(), 0, batch, q0, q1);  // one bias row
       }
 #pragma omp barrier
-      if (rows > 0)
-        attend_rows(qp + r0 * n_qkv, r0, rows, inputs[l], pos, q_per_group, ap + r0 * n_attn);
+      attend_pairs(qp + p0 * n_qkv / groups, p0, p1, inputs[l], pos, q_per_group,
+                   ap + p0 * n_attn / groups);
 #pragma omp barrier
       const auto [o0, o1] = product_share(ap, n_attn, w[2], pp, hidden, batch, t, nt);
       add_columns(hp, hidden, pp, hidden, batch, o0, o1);

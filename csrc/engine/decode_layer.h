@@ -27,9 +27,9 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
 // layer (Qwen2, see decode_attention); k_cache [layers, B, h_kv, T, D, 64] (keys transposed in
 // tiles of 64 positions, T * 64 >= L: engine/kv_cache.py), v_cache [layers, B, h_kv, L, D].
 // Up to kSmallGemmMaxRows rows on several intra-op threads, the threads share the step in one
-// parallel region (each product split by weight rows, norms and attention by batch rows, a
-// barrier between stages); above it each thread takes its block of rows through all layers
-// with no synchronisation.  Both give the same bits.  Returns the hidden states [B, H] after
+// parallel region (each product split by weight rows, norms by batch rows, attention by
+// (row, KV group) pairs, a barrier between stages); above it each thread takes its block of
+// rows through all layers with no synchronisation.  Both give the same bits.  Returns the hidden states [B, H] after
 // the last layer.
 at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
                          double eps, const at::Tensor& cos, const at::Tensor& sin,
