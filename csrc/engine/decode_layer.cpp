@@ -521,8 +521,7 @@ bool shared_step_applies(int64_t batch, const std::vector<at::Tensor>& layer_wei
 // norms split the batch rows and the attention the (row, KV group) pairs, with a barrier
 // between the stages.  Every value is the same sum as on the row-block path (the small GEMM's
 // outputs do not depend on the rows or threads around them; norms are per row, attention per
-// pair), so both give the same
-// bits.  h [B, H] is updated in place.
+// pair), so both give the same bits.  h [B, H] is updated in place.
 void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weights,
                         const std::vector<at::Tensor>& biases,
                         const std::vector<AttentionInputs>& inputs, double eps, int64_t pos,
