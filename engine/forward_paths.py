@@ -16,7 +16,9 @@ KV cache at ``[cache.length, cache.length + S)`` without advancing it:
                                      the cache's hook: the reference every other path is
                                      tested against (tests/test_decode_kernels.py)
     kernel_stage   decode            engine._kernels.decode_layers: the whole stage in one
-                                     call; no TP
+                                     call; no TP; its small products in the k-lane or the
+                                     row-lane form (csrc/engine/small_gemm.h), one form a
+                                     generation (ForwardPaths.with_row_lanes)
     kernel_layers  decode            engine._kernels.decode_attention / decode_mlp per layer,
                                      the TP all-reduces between them
 
@@ -34,7 +36,7 @@ bench/kernels_vs_compile.py).  A prefill step starts from an empty cache with th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
 import torch
@@ -194,6 +196,9 @@ class KernelStage:
     layer."""
     qkv_biases: tuple[torch.Tensor | None, ...]
     """Per layer its ``qkv_bias`` or None; ``()`` without biases."""
+    row_lanes: bool = False
+    """The small products in the row-lane form (other roundings than the k-lane form: a
+    generation keeps one form throughout, see :meth:`ForwardPaths.with_row_lanes`)."""
 
     @classmethod
     def build(cls, stage: StageLayers) -> KernelStage | None:
@@ -208,7 +213,7 @@ class KernelStage:
         cos, sin, key_mask = _decode_tables(rope, attn)
         return _kernels.decode_layers(x[:, 0], self.flat_weights, s.eps, cos, sin, cache.k,
                                       cache.v, cache.length, key_mask, s.q_per_group,
-                                      self.qkv_biases).unsqueeze(1)
+                                      self.qkv_biases, row_lanes=self.row_lanes).unsqueeze(1)
 
 
 @register_layer_path
@@ -251,6 +256,13 @@ class ForwardPaths:
     def for_prompt(self, width: int) -> LayerPath:
         """The path of the prefill of a ``width``-token prompt."""
         return self.decode if width == 1 else self.prefill
+
+    def with_row_lanes(self, row_lanes: bool) -> ForwardPaths:
+        """These paths with the kernel stage's small products in the row-lane form (or not);
+        other paths have one form only."""
+        if not isinstance(self.decode, KernelStage) or self.decode.row_lanes == row_lanes:
+            return self
+        return replace(self, decode=replace(self.decode, row_lanes=row_lanes))
 
 
 def choose_paths(stage: StageLayers, kernels: bool) -> ForwardPaths:

@@ -51,7 +51,9 @@ Results are bit-identical to ``early_exit=False`` (tests/test_generation_early_e
   :data:`ROW_QUANTUM` = 4 rows (finished rows fill it up) and a batch that is not one is
   never compacted.  The C++ decode kernels give each thread a block of rows and switch from
   their small-M product to BLAS above ``small_gemm_max_rows`` rows per block, so a batch that
-  runs BLAS blocks is only compacted to sizes that still do.
+  runs BLAS blocks is only compacted to sizes that still do.  Their small-M product has two
+  forms that round differently (csrc/engine/small_gemm.h); a call picks one by its full
+  batch (:func:`uses_row_lanes`) and keeps it when rows leave.
 
 When: a compaction copies the kept rows' filled KV cache (about what one decode step's
 attention reads), so it is worth doing for a real cut in compute, not for every finished row:
@@ -85,6 +87,17 @@ ROW_QUANTUM = 4
 """A compacted running batch is a multiple of this many rows (see the module docstring)."""
 COMPACT_DIVISOR = 8
 """Compact once the rows to drop are at least 1/COMPACT_DIVISOR of the running rows."""
+ROW_LANES_MIN_ROWS = 28
+"""A call of this many rows or more (and at most the kernels' ``small_gemm_max_rows``) runs
+its decode products in the row-lane form (csrc/engine/small_gemm.h): at the ``small`` shape,
+a greedy step of 32 rows 1.09-1.14x, 28 rows 1.04x, 24 rows 0.96x the k-lane form."""
+
+
+def uses_row_lanes(batch: int, block_rows: int | None, supported: bool) -> bool:
+    """Does a generation of ``batch`` rows run its small decode products in the row-lane form
+    (pure)?  Chosen once a call by the full batch: the two forms round differently, and a row's
+    tokens must not change when other rows finish and leave the batch."""
+    return supported and block_rows is not None and ROW_LANES_MIN_ROWS <= batch <= block_rows
 
 
 def _round_up(n: int, quantum: int) -> int:
@@ -324,12 +337,14 @@ class GenerationEngine:
         generator = torch.Generator().manual_seed(sampling.seed)
         # the head's product is chosen once per call, by the full batch, so that dropping
         # finished rows (early exit) never switches it between BLAS and the kernel
-        head_kernel = None
+        head_kernel, row_lanes = None, False
         if self.block_rows and batch <= self.block_rows:
             from engine import _kernels  # the kernel paths (block_rows) exist only when built
             head_kernel = _kernels.small_linear
+            row_lanes = uses_row_lanes(batch, self.block_rows, _kernels.row_lanes_supported)
+        paths = self.paths.with_row_lanes(row_lanes)  # one product form for the whole call
         sample = functools.partial(self._sample, sampling=sampling, generator=generator,
-                                   head_kernel=head_kernel)
+                                   head_kernel=head_kernel, row_lanes=row_lanes)
         out_ids = torch.full((batch, n_new), sampling.pad_token_id, dtype=torch.long)
         out_mask = torch.zeros(batch, n_new, dtype=torch.long)
         out_lp = torch.zeros(batch, n_new, dtype=torch.float32)
@@ -338,7 +353,7 @@ class GenerationEngine:
         threads = torch.get_num_threads()
         # step 0 is the prefill of positions [0, P) of the distinct prompts (each prompt once
         # however many sequences share it); step i > 0 decodes position P + i - 1 of every row
-        path, step_in, end = self.paths.for_prompt(plen), prompt[distinct], plen
+        path, step_in, end = paths.for_prompt(plen), prompt[distinct], plen
         attn = causal_mask(mask[distinct], distinct.numel(), plen)
         rope = (cos[distinct, :plen], sin[distinct, :plen])
         steps = row_steps = compactions = 0
@@ -369,9 +384,9 @@ class GenerationEngine:
                 running[run] = True
                 sample = functools.partial(self._sample, sampling=sampling,
                                            generator=generator, rows=running,
-                                           head_kernel=head_kernel)
+                                           head_kernel=head_kernel, row_lanes=row_lanes)
                 compactions += 1
-            path, step_in, end = self.paths.decode, out_ids[run, i:i + 1], end + 1
+            path, step_in, end = paths.decode, out_ids[run, i:i + 1], end + 1
             attn, rope = keys_ok[..., :end], (cos[:, end - 1:end], sin[:, end - 1:end])
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
@@ -411,12 +426,12 @@ class GenerationEngine:
         return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
 
     def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-                rows: torch.Tensor | None = None, step: int = 0, head_kernel=None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor | None = None, step: int = 0, head_kernel=None,
+                row_lanes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Last stage: the next token of every row from the last position of ``x [R, S, H]``
         (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
         has produced, for ``sampling.min_new_tokens``; ``head_kernel``: the decode kernels'
-        small-M product for the LM head, or None for BLAS)."""
+        small-M product for the LM head, or None for BLAS; ``row_lanes``: its form, the call's)."""
         w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
         if (head_kernel is not None and w.stride(1) == 1 and sampling.greedy
                 and (self.tp_group is None or self.tp_group.pg is None)):
@@ -426,12 +441,12 @@ class GenerationEngine:
             banned = sampling.banned_token(step)
             return _kernels.greedy_head(x[:, -1], self.weights["norm"],
                                         self.config.rms_norm_eps, w,
-                                        -1 if banned is None else banned)
+                                        -1 if banned is None else banned, row_lanes=row_lanes)
         h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
         if head_kernel is not None and w.stride(1) == 1:
             # a few rows: the kernels' product reads the head in place on every intra-op
             # thread (BLAS packs the whole [V/t_g, H] weight first: 2.4-3.9x slower at 1-4 rows)
-            logits = head_kernel(h.contiguous(), w)
+            logits = head_kernel(h.contiguous(), w, row_lanes=row_lanes)
         else:
             logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
         return sample_next(logits, sampling, self.tp_group, generator, rows, step)

@@ -6,6 +6,8 @@ generations with the kernels on and off."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -325,6 +327,65 @@ def test_small_gemm_same_bits_on_any_thread_count(m, n, k):
         assert torch.equal(_kernels.small_linear(x[rows], w), two[rows])
 
 
+def fma_chains(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with every output one float32 fused multiply-add chain over k = 0, 1, ... from
+    +0: each step exact in float64 (a float32 product has 48 bits), then rounded to float32
+    (for these seeds no double rounding moves a result)."""
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for kk in range(x.shape[1]):
+        acc = (x[:, kk, None].double() * w[None, :, kk].double() + acc.double()).float()
+    return acc
+
+
+@pytest.mark.skipif(not _kernels.row_lanes_supported, reason="no AVX-512 (x86-64-v4)")
+@pytest.mark.parametrize("m, n, k", [(20, 13, 100), (32, 9, 384), (1, 17, 33), (17, 4, 16)])
+def test_small_gemm_row_lanes_are_fma_chains(m, n, k):
+    """The row-lane form: each output is one FMA chain over k in order (the formula, computed
+    step by step in Python), whatever block the output falls in (n not a multiple of 8 or
+    16, k not a multiple of 16, rows in one or two vectors), and y += ... adds it at the end."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 3, generator=g)[:, 3:]  # row stride != K
+    w = torch.randn(n, k, generator=g)
+    want = fma_chains(x, w)
+    assert torch.equal(_kernels.small_linear(x, w, row_lanes=True), want)
+    assert not torch.equal(_kernels.small_linear(x, w), want) or m * n <= 4  # other roundings
+
+
+@pytest.mark.parametrize("m, n, k", [(32, 1152, 384), (29, 640, 1000), (1, 2048, 384),
+                                     (8, 13, 40)])
+def test_small_gemm_row_lanes_same_bits_on_any_thread_count_and_rows(m, n, k):
+    """The row-lane form too gives every output the same bits on 1 or 2 threads and whatever
+    rows come with it (one vector of rows or two), within float rounding of float64.  Where
+    the CPU lacks AVX-512 it is the k-lane form."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _kernels.small_linear(x, w, row_lanes=True)
+        torch.set_num_threads(2)
+        two = _kernels.small_linear(x, w, row_lanes=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(two.double(), x.double() @ w.double().t(), rtol=0,
+                               atol=1e-4 * max(1.0, k ** 0.5))
+    for rows in ([0], [m - 1], list(range(0, m, 3)), list(range(m // 2))):
+        if rows:
+            assert torch.equal(_kernels.small_linear(x[rows], w, row_lanes=True), two[rows])
+    if not _kernels.row_lanes_supported:
+        assert torch.equal(two, _kernels.small_linear(x, w))
+
+
+def test_small_gemm_row_lanes_takes_up_to_the_row_block():
+    rows = _kernels.small_gemm_max_rows + 1
+    with pytest.raises(RuntimeError, match="row-lane form takes up to"):
+        _kernels.small_linear(torch.zeros(rows, 8), torch.zeros(4, 8), row_lanes=True)
+    with pytest.raises(RuntimeError, match="row-lane form takes up to"):
+        _kernels.greedy_head(torch.zeros(rows, 8), torch.ones(8), 1e-5, torch.zeros(4, 8), -1,
+                             row_lanes=True)
+
+
 def test_decode_with_blas_products_agrees():
     """The small-M kernel and BLAS give the same generation up to float rounding."""
     fused, _ = engines(CFG)
@@ -341,17 +402,19 @@ def test_decode_with_blas_products_agrees():
     torch.testing.assert_close(small.log_probs, blas.log_probs, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("row_lanes", [False, True])
 @pytest.mark.parametrize("stacked, qkv_bias", [(1, False), (2, True)])
 @pytest.mark.parametrize("batch", [1, 2, 5, 32, 33])
-def test_decode_layers_same_bits_on_any_thread_count(batch, stacked, qkv_bias):
+def test_decode_layers_same_bits_on_any_thread_count(batch, stacked, qkv_bias, row_lanes):
     """``decode_layers`` on one thread (one call through every layer) and on 2 and 3 threads:
     up to 32 rows the threads share one step (the products split the weight rows, the norms
     and the attention split the batch rows; 3 threads leave a thread without rows at 2), above
     it each thread takes a block of rows.  Outputs and the caches written are the same bits
-    either way, and within float rounding of the Python layers (those on one thread)."""
+    either way, in either form of the small products, and within float rounding of the
+    Python layers (those on one thread)."""
     gen = torch.Generator().manual_seed(batch * 10 + stacked)
     stage = stage_layers(gen, stacked, qkv_bias)
-    path = KernelStage.build(stage)
+    path = dataclasses.replace(KernelStage.build(stage), row_lanes=row_lanes)
     pos, max_len = 6, 9
     x = torch.randn(batch, 1, H, generator=gen)
     _, mask, cos, sin = setup_cache(gen, pos, batch, max_len - pos)

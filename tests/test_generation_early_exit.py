@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from engine.generation import COMPACT_DIVISOR, ROW_QUANTUM, GenerationEngine, decode_rows, \
+from engine.generation import COMPACT_DIVISOR, ROW_LANES_MIN_ROWS, ROW_QUANTUM, \
+    GenerationEngine, decode_rows, uses_row_lanes, \
     kept_rows
 from engine.kv_cache import KEY_TILE, KVCache, untile_keys
 from engine.llama_spec import LlamaConfig, init_full_state_dict
@@ -166,6 +167,14 @@ def test_decode_rows_policy():
     assert decode_rows(32, 32, 24, 2, None) == 24
 
 
+def test_row_lanes_policy():
+    """The row-lane form for calls of ROW_LANES_MIN_ROWS to block_rows rows where the CPU has
+    it, never without the kernels: the rule written out, for every batch."""
+    for batch, block, supported in itertools.product(range(1, 70), (None, 16, 32), (False, True)):
+        want = supported and block is not None and ROW_LANES_MIN_ROWS <= batch <= block
+        assert uses_row_lanes(batch, block, supported) == want
+
+
 def test_kept_rows_and_kv_cache_rows():
     g = torch.Generator().manual_seed(0)
     for running in (1, 5, 12, 33):
@@ -238,14 +247,24 @@ def test_early_exit_bit_identical_across_the_head_kernel_bound(mode):
     assert a.stats["compactions"] >= 1 and a.stats["row_steps"] < b.stats["row_steps"]
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_early_exit_greedy_matches_cache_free_loop(fused):
+@pytest.mark.parametrize("fused, batch", [(False, 16), (True, 16), (True, 32)])
+def test_early_exit_greedy_matches_cache_free_loop(fused, batch, monkeypatch):
     """Independent of both engine paths: the training model's full forward on the whole
-    sequence, step by step, with EOS and per-row limits."""
+    sequence, step by step, with EOS and per-row limits (32 rows: the kernels' products in
+    the row-lane form, every step of the call, compacted or not)."""
     model, eng = engine(CFG, fused, early_exit=True)
     if fused and not eng.fused_decode:
         pytest.skip("C++ kernels not built")
-    ids, mask, limits = batch_of(16, seed=2)
+    forms = set()
+    if fused:
+        from engine import _kernels
+        layers = _kernels.decode_layers
+
+        def recorded(*args, row_lanes=False, **kwargs):
+            forms.add(row_lanes)
+            return layers(*args, row_lanes=row_lanes, **kwargs)
+        monkeypatch.setattr(_kernels, "decode_layers", recorded)
+    ids, mask, limits = batch_of(batch, seed=2)
     first = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
     eos = frequent_token(first)
     toks, lps, live = loop_reference(model, ids, mask, N_NEW, limits=limits, eos=eos)
@@ -255,6 +274,8 @@ def test_early_exit_greedy_matches_cache_free_loop(fused):
     assert torch.equal(out.response_mask, live)
     assert torch.equal(out.responses, toks)
     torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
+    if fused:
+        assert forms == {uses_row_lanes(batch, eng.block_rows, _kernels.row_lanes_supported)}
 
 
 # Two ranks -------------------------------------------------------------------------------------

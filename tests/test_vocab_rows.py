@@ -76,13 +76,15 @@ def test_sampler_steps_agree_with_the_tensor_ops(params, step, monkeypatch):
     torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("row_lanes", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 32])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_greedy_head_is_the_three_calls_it_replaces(rows, threads):
+def test_greedy_head_is_the_three_calls_it_replaces(rows, threads, row_lanes):
     """``greedy_head`` (norm, LM head and greedy choice in one parallel region) against
-    rms_norm_forward, small_linear and argmax_logsumexp called in turn: the same tokens and
-    the same log-prob bits, with and without a banned column (3 threads at 1 row: threads
-    without rows), and a log-prob within float rounding of a float64 log_softmax."""
+    rms_norm_forward, small_linear (in the same product form) and argmax_logsumexp called in
+    turn: the same tokens and the same log-prob bits, with and without a banned column (3
+    threads at 1 row: threads without rows), and a log-prob within float rounding of a
+    float64 log_softmax."""
     gen = torch.Generator().manual_seed(rows * 10 + threads)
     hidden, vocab, eps = 48, 1001, 1e-6
     x = torch.randn(rows, hidden, generator=gen) * 2
@@ -93,9 +95,9 @@ def test_greedy_head_is_the_three_calls_it_replaces(rows, threads):
     torch.set_num_threads(threads)
     try:
         for banned in (-1, 0, 17):
-            tok, lp = _kernels.greedy_head(x, norm, eps, head, banned)
+            tok, lp = _kernels.greedy_head(x, norm, eps, head, banned, row_lanes=row_lanes)
             h, _ = _kernels.rms_norm_forward(x, norm, eps)
-            logits = _kernels.small_linear(h, head)
+            logits = _kernels.small_linear(h, head, row_lanes=row_lanes)
             arg, best, lse = _kernels.argmax_logsumexp(logits, banned)
             assert torch.equal(tok, arg)
             assert torch.equal(lp, (best.double() - lse).float())

@@ -25,12 +25,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def(
       "small_linear",
-      [](const at::Tensor& x, const at::Tensor& w) {
+      [](const at::Tensor& x, const at::Tensor& w, bool row_lanes) {
         at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-        hybridflow::small_linear_out(x, w, y, false);
+        hybridflow::small_linear_out(x, w, y, false, row_lanes);
         return y;
       },
-      py::arg("x"), py::arg("weight"), "x [M, K] @ weight[N, K].T by the decode-step kernel",
+      py::arg("x"), py::arg("weight"), py::arg("row_lanes") = false,
+      "x [M, K] @ weight[N, K].T by the decode-step kernel (row_lanes: its row-lane form, up to "
+      "small_gemm_max_rows rows)",
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "onednn_mm",
@@ -48,13 +50,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "view",
       py::call_guard<py::gil_scoped_release>());
   m.attr("small_gemm_max_rows") = hybridflow::kSmallGemmMaxRows;
+  m.attr("row_lanes_supported") = hybridflow::row_lanes_supported();
   m.def("use_small_gemm", &hybridflow::use_small_gemm, py::arg("enabled"),
         "decode-step matrix products by the in-place small-M kernel (True, default) or BLAS");
   m.def("decode_layers", &hybridflow::decode_layers, py::arg("x"), py::arg("layer_weights"),
         py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("pos"), py::arg("key_mask"), py::arg("q_per_group"),
         py::arg("qkv_biases") = std::vector<std::optional<at::Tensor>>{},
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("row_lanes") = false, py::call_guard<py::gil_scoped_release>());
   // RMSNorm (rms_norm.h), training and the final norm; the GIL is released like the decode
   // kernels'.
   m.def("rms_norm_forward", &hybridflow::rms_norm_forward, py::arg("x"), py::arg("weight"),
@@ -64,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   // final norm, LM head and greedy choice of a decode step in one call (greedy_head.h)
   m.def("greedy_head", &hybridflow::greedy_head, py::arg("x"), py::arg("norm_weight"),
-        py::arg("eps"), py::arg("head"), py::arg("banned"),
+        py::arg("eps"), py::arg("head"), py::arg("banned"), py::arg("row_lanes") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("counter_uniforms", &hybridflow::counter_uniforms, py::arg("seed"), py::arg("row_ids"),
         py::arg("cols"), "uniforms in (0, 1] from splitmix64 of (seed, row id, column)",

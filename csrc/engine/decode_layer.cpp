@@ -264,12 +264,13 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
 
 std::atomic<bool> g_small_gemm{true};
 
-// out (+)= x @ w.T for w [out, in]: the in-place small-M kernel for a decode step's few rows,
-// BLAS otherwise.
-void linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out, bool accumulate) {
+// out (+)= x @ w.T for w [out, in]: the in-place small-M kernel for a decode step's few rows
+// (in the row-lane form where row_lanes: small_gemm.h), BLAS otherwise.
+void linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out, bool accumulate,
+                bool row_lanes) {
   if (g_small_gemm.load(std::memory_order_relaxed) && x.size(0) <= kSmallGemmMaxRows &&
       x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1) {
-    small_linear_out(x, w, out, accumulate);
+    small_linear_out(x, w, out, accumulate, row_lanes);
   } else if (accumulate) {
     out.addmm_(x, w.t());
   } else {
@@ -278,22 +279,22 @@ void linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out, bool a
 }
 
 // x @ w.T into a new tensor (see linear_out).
-at::Tensor project(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, bool row_lanes) {
   at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-  linear_out(x, w, out, false);
+  linear_out(x, w, out, false, row_lanes);
   return out;
 }
 
 // out = x @ w.T for w [out, in], or the stacked row-parallel form [m, out, in/m] read in place.
-void row_matmul_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out) {
+void row_matmul_out(const at::Tensor& x, const at::Tensor& w, at::Tensor out, bool row_lanes) {
   if (w.dim() == 2) {
-    linear_out(x, w, out, false);
+    linear_out(x, w, out, false, row_lanes);
     return;
   }
   TORCH_CHECK(w.dim() == 3 && x.size(1) == w.size(0) * w.size(2), "decode: stacked weight ",
               w.sizes(), " does not match input ", x.sizes());
   const int64_t m = w.size(0), k = w.size(2);
-  for (int64_t i = 0; i < m; ++i) linear_out(x.narrow(1, i * k, k), w[i], out, i > 0);
+  for (int64_t i = 0; i < m; ++i) linear_out(x.narrow(1, i * k, k), w[i], out, i > 0, row_lanes);
 }
 
 // Runs fn(first_row, rows) on disjoint row blocks, one per intra-op thread.  Inside the
@@ -386,9 +387,9 @@ void attend_pairs(const float* qkv_p, int64_t bg0, int64_t bg1, const AttentionI
 at::Tensor attention_rows(const at::Tensor& x_rows, int64_t b0, const AttentionInputs& in,
                           const at::Tensor& norm_weight, double eps,
                           const at::Tensor& qkv_weight, const at::Tensor& qkv_bias, int64_t pos,
-                          int64_t q_per_group) {
+                          int64_t q_per_group, bool row_lanes) {
   const int64_t rows = x_rows.size(0);
-  at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight);
+  at::Tensor qkv = project(rms_norm(x_rows, norm_weight, eps), qkv_weight, row_lanes);
   if (qkv_bias.defined()) qkv.add_(qkv_bias);  // one float add, as qkv + bias in Python
   at::Tensor attn = at::empty({rows, in.k_cache.size(1) * q_per_group * in.k_cache.size(3)},
                               x_rows.options());
@@ -404,8 +405,8 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
 
 // rms_norm -> gate_up -> silu(gate) * up; returns [rows, F/t] (before the down projection).
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
-                    const at::Tensor& gate_up_weight) {
-  const at::Tensor gu = project(rms_norm(x, norm_weight, eps), gate_up_weight);
+                    const at::Tensor& gate_up_weight, bool row_lanes) {
+  const at::Tensor gu = project(rms_norm(x, norm_weight, eps), gate_up_weight, row_lanes);
   return swiglu_forward(gu.view({gu.size(0), -1, 2}));  // the training layers' kernel
 }
 
@@ -483,13 +484,13 @@ void check_layer(const at::Tensor* w, int64_t hidden, int64_t n_attn) {
 // summed slice by slice as row_matmul_out does.  Returns [n0, n1).
 std::pair<int64_t, int64_t> product_share(const float* x, int64_t ldx, const at::Tensor& w,
                                           float* y, int64_t ldy, int64_t rows, int64_t thread,
-                                          int64_t threads) {
+                                          int64_t threads, bool row_lanes) {
   const int64_t n = w.size(-2), k = w.size(-1), slices = w.dim() == 3 ? w.size(0) : 1;
   const auto [n0, n1] = small_gemm_share(n, thread, threads);  // shapes: check_layer
   const float* wp = w.data_ptr<float>();
   for (int64_t i = 0; i < slices; ++i)
     small_gemm_rows(x + i * k, ldx, wp + i * (slices > 1 ? w.stride(0) : 0), w.stride(-2), y,
-                    ldy, rows, n0, n1, k, i > 0);
+                    ldy, rows, n0, n1, k, i > 0, row_lanes);
   return {n0, n1};
 }
 
@@ -525,7 +526,7 @@ bool shared_step_applies(int64_t batch, const std::vector<at::Tensor>& layer_wei
 void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weights,
                         const std::vector<at::Tensor>& biases,
                         const std::vector<AttentionInputs>& inputs, double eps, int64_t pos,
-                        int64_t q_per_group) {
+                        int64_t q_per_group, bool row_lanes) {
   const int64_t batch = h.size(0), hidden = h.size(1),
                 num_layers = static_cast<int64_t>(inputs.size());
   const at::Tensor& w0 = layer_weights[1];
@@ -555,7 +556,7 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
       rms_norm_rows(hp + r0 * hidden, norms[2 * l].data_ptr<float>(), rows, hidden, epsf,
                     xp + r0 * hidden, nullptr);
 #pragma omp barrier
-      const auto [q0, q1] = product_share(xp, hidden, w[1], qp, n_qkv, batch, t, nt);
+      const auto [q0, q1] = product_share(xp, hidden, w[1], qp, n_qkv, batch, t, nt, row_lanes);
       if (biases[l].defined()) {
         add_columns(qp, n_qkv, biases[l].data_ptr<float>(), 0, batch, q0, q1);  // one bias row
       }
@@ -563,16 +564,16 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
       attend_pairs(qp + p0 * n_qkv / groups, p0, p1, inputs[l], pos, q_per_group,
                    ap + p0 * n_attn / groups);
 #pragma omp barrier
-      const auto [o0, o1] = product_share(ap, n_attn, w[2], pp, hidden, batch, t, nt);
+      const auto [o0, o1] = product_share(ap, n_attn, w[2], pp, hidden, batch, t, nt, row_lanes);
       add_columns(hp, hidden, pp, hidden, batch, o0, o1);
 #pragma omp barrier
       rms_norm_rows(hp + r0 * hidden, norms[2 * l + 1].data_ptr<float>(), rows, hidden, epsf,
                     xp + r0 * hidden, nullptr);
 #pragma omp barrier
-      const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt);
+      const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt, row_lanes);
       swiglu_forward_rows(gp + g0, n_gu, actp + g0 / 2, n_gu / 2, batch, (g1 - g0) / 2);
 #pragma omp barrier
-      const auto [d0, d1] = product_share(actp, n_gu / 2, w[5], pp, hidden, batch, t, nt);
+      const auto [d0, d1] = product_share(actp, n_gu / 2, w[5], pp, hidden, batch, t, nt, row_lanes);
       add_columns(hp, hidden, pp, hidden, batch, d0, d1);
 #pragma omp barrier
     }
@@ -594,8 +595,8 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_weight, 
                            key_mask.narrow(1, 0, pos + 1).contiguous()};
   for_row_blocks(batch, [&](int64_t b0, int64_t rows) {
     row_matmul_out(attention_rows(x.narrow(0, b0, rows), b0, in, norm_weight, eps, qkv_weight,
-                                  bias, pos, q_per_group),
-                   o_weight, out.narrow(0, b0, rows));
+                                  bias, pos, q_per_group, false),
+                   o_weight, out.narrow(0, b0, rows), false);
   });
   return out;
 }
@@ -608,8 +609,8 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
               "decode_mlp: x [B, H] and gate_up [2*F/t, H] expected");
   at::Tensor out = at::empty({x.size(0), down_weight.size(-2)}, x.options());
   for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
-    row_matmul_out(mlp_rows(x.narrow(0, b0, rows), norm_weight, eps, gate_up_weight),
-                   down_weight, out.narrow(0, b0, rows));
+    row_matmul_out(mlp_rows(x.narrow(0, b0, rows), norm_weight, eps, gate_up_weight, false),
+                   down_weight, out.narrow(0, b0, rows), false);
   });
   return out;
 }
@@ -620,7 +621,8 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
                          double eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
                          const at::Tensor& key_mask, int64_t q_per_group,
-                         const std::vector<std::optional<at::Tensor>>& qkv_biases) {
+                         const std::vector<std::optional<at::Tensor>>& qkv_biases,
+                         bool row_lanes) {
   TORCH_CHECK(layer_weights.size() % 6 == 0 && !layer_weights.empty() &&
                   k_cache.dim() == 6 && v_cache.dim() == 5 &&
                   k_cache.size(0) == static_cast<int64_t>(layer_weights.size() / 6) &&
@@ -644,7 +646,7 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
   for (int64_t l = 0; l < num_layers; ++l)
     inputs.push_back({cos, sin, k_cache[l], v_cache[l], mask});
   if (shared_step_applies(x.size(0), layer_weights, biases)) {
-    layers_shared_step(out, layer_weights, biases, inputs, eps, pos, q_per_group);
+    layers_shared_step(out, layer_weights, biases, inputs, eps, pos, q_per_group, row_lanes);
     return out;
   }
   for_row_blocks(x.size(0), [&](int64_t b0, int64_t rows) {
@@ -653,10 +655,11 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
       const at::Tensor* w = layer_weights.data() + 6 * l;
       at::Tensor part = at::empty_like(h);
       row_matmul_out(
-          attention_rows(h, b0, inputs[l], w[0], eps, w[1], biases[l], pos, q_per_group), w[2],
-          part);
+          attention_rows(h, b0, inputs[l], w[0], eps, w[1], biases[l], pos, q_per_group,
+                         row_lanes),
+          w[2], part, row_lanes);
       h.add_(part);
-      row_matmul_out(mlp_rows(h, w[3], eps, w[4]), w[5], part);
+      row_matmul_out(mlp_rows(h, w[3], eps, w[4], row_lanes), w[5], part, row_lanes);
       h.add_(part);
     }
   });

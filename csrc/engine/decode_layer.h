@@ -29,13 +29,15 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& norm_weight, double
 // Up to kSmallGemmMaxRows rows on several intra-op threads, the threads share the step in one
 // parallel region (each product split by weight rows, norms by batch rows, attention by
 // (row, KV group) pairs, a barrier between stages); above it each thread takes its block of
-// rows through all layers with no synchronisation.  Both give the same bits.  Returns the hidden states [B, H] after
-// the last layer.
+// rows through all layers with no synchronisation.  Both give the same bits.  row_lanes picks
+// the small products' form (small_gemm.h): one form for a whole generation.  Returns the
+// hidden states [B, H] after the last layer.
 at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& layer_weights,
                          double eps, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
                          const at::Tensor& key_mask, int64_t q_per_group,
-                         const std::vector<std::optional<at::Tensor>>& qkv_biases);
+                         const std::vector<std::optional<at::Tensor>>& qkv_biases,
+                         bool row_lanes);
 
 // Matrix products of a decode step: the in-place small-M kernel (default) or BLAS for all
 // (benchmarks and tests compare the two).

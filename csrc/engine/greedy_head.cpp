@@ -14,7 +14,8 @@ namespace hybridflow {
 
 std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& x_in,
                                                const at::Tensor& norm_weight_in, double eps,
-                                               const at::Tensor& head, int64_t banned) {
+                                               const at::Tensor& head, int64_t banned,
+                                               bool row_lanes) {
   check_float_cpu(x_in, "greedy_head", "x");
   check_float_cpu(norm_weight_in, "greedy_head", "norm_weight");
   check_float_cpu(head, "greedy_head", "head");
@@ -26,6 +27,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& x_in,
               head.sizes(), " (strides ", head.strides(), ")");
   const int64_t rows = x_in.size(0), hidden = x_in.size(1), vocab = head.size(0);
   check_banned(banned, vocab, "greedy_head");
+  TORCH_CHECK(!row_lanes || rows <= kSmallGemmMaxRows, "greedy_head: the row-lane form takes up to ",
+              kSmallGemmMaxRows, " rows, got ", rows);
   const at::Tensor x = x_in.contiguous(), norm_weight = norm_weight_in.contiguous();
   at::Tensor h = at::empty({rows, hidden}, x.options());
   at::Tensor logits = at::empty({rows, vocab}, x.options());
@@ -47,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& x_in,
                                nullptr);
 #pragma omp barrier
     const auto [n0, n1] = small_gemm_share(vocab, t, nt);
-    small_gemm_rows(hp, hidden, headp, ld_head, zp, vocab, rows, n0, n1, hidden, false);
+    small_gemm_rows(hp, hidden, headp, ld_head, zp, vocab, rows, n0, n1, hidden, false,
+                    row_lanes);
 #pragma omp barrier
     for (int64_t r = r0; r < r1; ++r) {
       float best;

@@ -3,6 +3,9 @@
 // Register block: 4 rows of x by 4 rows of w = 16 accumulators of 16 lanes (AVX-512,
 // x86-64-v4) or 8 lanes (x86-64-v3: AVX2 + FMA; a plain default); K is walked a vector at a
 // time.  GCC vector extensions give one source for every variant, chosen once at load time.
+// The row-lane form (AVX-512 only) puts 16 rows of x in the lanes instead: x is transposed into
+// a per-thread buffer, each weight element is broadcast, and every output is one chain of
+// fused multiply-adds over k in order (no lane sums).
 // This is the one place of the extension compiled with FMA contraction (per-function
 // attribute); everything else keeps ATen's separate multiply and add.
 #include "small_gemm.h"
@@ -13,6 +16,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 // 16-lane vectors pass between always-inline helpers compiled into the AVX-512 variant only.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -25,6 +29,10 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 constexpr int64_t kPanel = kSmallGemmPanel;  // weight rows per register block
+// Accumulators of a register block of the row-lane form: 16 independent FMA chains keep both
+// FMA pipes busy through their 4-cycle latency (8 weight rows x 2 vectors of rows of x, or 16
+// weight rows x 1: 8 chains ran 0.7x at 16 rows of x).
+constexpr int kRowLaneAccumulators = 16;
 // Fewest multiply-adds a thread takes (a few microseconds of work; at one row of x, 256 KiB of
 // weights): below it one thread runs alone.
 constexpr int64_t kMinMultiplyAdds = 1 << 16;
@@ -179,6 +187,115 @@ void gemm16(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, 
   gemm_lanes<v16>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate);
 }
 
+
+// ---- the row-lane form: lanes over the rows of x ------------------------------------------
+
+// x rows [0, m) (m <= kSmallGemmMaxRows), columns [0, k) -> xt [k, 32]: xt[c * 32 + r] = x[r, c],
+// rows m .. 31 zero.  16 x 16 blocks transposed in registers (4 rounds of two-source shuffles).
+template <int S, bool High, std::size_t... T>
+constexpr i16 transpose_mask(std::index_sequence<T...>) {
+  // round S swaps the S x S sub-blocks: lanes [0, S) of each 2S group from a, the next S from b
+  return i16{(static_cast<int>(T) % (2 * S) < S
+                  ? static_cast<int>(T / (2 * S) * 2 * S + T % (2 * S) + (High ? S : 0))
+                  : static_cast<int>(16 + T / (2 * S) * 2 * S + T % (2 * S) - S +
+                                     (High ? S : 0)))...};
+}
+
+template <int S>
+inline __attribute__((always_inline)) void transpose_round(v16* r) {
+  constexpr i16 lo = transpose_mask<S, false>(std::make_index_sequence<16>{});
+  constexpr i16 hi = transpose_mask<S, true>(std::make_index_sequence<16>{});
+  for (int g = 0; g < 16; g += 2 * S)
+    for (int i = g; i < g + S; ++i) {
+      const v16 a = r[i], b = r[i + S];
+      r[i] = __builtin_shuffle(a, b, lo);
+      r[i + S] = __builtin_shuffle(a, b, hi);
+    }
+}
+
+inline __attribute__((always_inline)) void transpose_rows(const float* x, int64_t ldx, int64_t m,
+                                                          int64_t k, float* xt) {
+  constexpr int64_t ld = kSmallGemmMaxRows;
+  for (int64_t r0 = 0; r0 < ld; r0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= k; c0 += 16) {
+      v16 r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = r0 + i < m ? load<v16>(x + (r0 + i) * ldx + c0) : v16{};
+      transpose_round<8>(r);
+      transpose_round<4>(r);
+      transpose_round<2>(r);
+      transpose_round<1>(r);
+      for (int j = 0; j < 16; ++j) std::memcpy(xt + (c0 + j) * ld + r0, &r[j], sizeof r[j]);
+    }
+    for (; c0 < k; ++c0)
+      for (int64_t i = 0; i < 16; ++i) xt[c0 * ld + r0 + i] = r0 + i < m ? x[(r0 + i) * ldx + c0] : 0.f;
+  }
+}
+
+// y[0:m, 0:NB] (+)= x @ w[0:NB].T from xt: NB weight rows by MV vectors of 16 rows of x.
+template <int NB, int MV>
+inline __attribute__((always_inline)) void row_lane_block(const float* xt, const float* w,
+                                                          int64_t ldw, float* y, int64_t ldy,
+                                                          int64_t m, int64_t k,
+                                                          bool accumulate) {
+  constexpr int64_t ld = kSmallGemmMaxRows;
+  v16 acc[NB][MV];
+  for (int j = 0; j < NB; ++j)
+    for (int v = 0; v < MV; ++v) acc[j][v] = v16{};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    v16 xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = load<v16>(xt + kk * ld + 16 * v);
+    if (kk % 16 == 0)  // the next block's rows, a cache line each (a hint, as in block above)
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(w + (j + NB) * ldw + kk, 0, 3);
+    for (int j = 0; j < NB; ++j) {
+      const v16 b = w[j * ldw + kk] - v16{};  // broadcast
+      for (int v = 0; v < MV; ++v) acc[j][v] = xv[v] * b + acc[j][v];
+    }
+  }
+  float out[NB][16 * MV];
+  for (int j = 0; j < NB; ++j)
+    for (int v = 0; v < MV; ++v) std::memcpy(&out[j][16 * v], &acc[j][v], sizeof acc[j][v]);
+  for (int64_t i = 0; i < m; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const float s = out[j][i];
+      y[i * ldy + j] = accumulate ? y[i * ldy + j] + s : s;
+    }
+}
+
+template <int MV>
+inline __attribute__((always_inline)) void row_lane_rows(const float* xt, const float* w,
+                                                         int64_t ldw, float* y, int64_t ldy,
+                                                         int64_t m, int64_t n, int64_t k,
+                                                         bool accumulate) {
+  constexpr int nb = kRowLaneAccumulators / MV;  // weight rows a block
+  int64_t j = 0;
+  for (; j + nb <= n; j += nb)
+    row_lane_block<nb, MV>(xt, w + j * ldw, ldw, y + j, ldy, m, k, accumulate);
+  for (; j + 4 <= n; j += 4)
+    row_lane_block<4, MV>(xt, w + j * ldw, ldw, y + j, ldy, m, k, accumulate);
+  for (; j < n; ++j) row_lane_block<1, MV>(xt, w + j * ldw, ldw, y + j, ldy, m, k, accumulate);
+}
+
+__attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                    int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
+  thread_local std::vector<float> xt;  // [k, 32], this thread's transposed x
+  if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
+  transpose_rows(x, ldx, m, k, xt.data());
+  if (m > 16)
+    row_lane_rows<2>(xt.data(), w, ldw, y, ldy, m, n, k, accumulate);
+  else
+    row_lane_rows<1>(xt.data(), w, ldw, y, ldy, m, n, k, accumulate);
+}
+
+bool pick_row_lanes() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("x86-64-v4");
+}
+
+const bool row_lanes_here = pick_row_lanes();
+
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                         int64_t, int64_t, bool);
 
@@ -197,14 +314,20 @@ std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t 
           std::min(n, (thread + 1) * panels / threads * kPanel)};
 }
 
+bool row_lanes_supported() { return row_lanes_here; }
+
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                     int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k,
-                     bool accumulate) {
-  if (n1 > n0) gemm(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate);
+                     int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,
+                     bool row_lanes) {
+  if (n1 <= n0) return;
+  if (row_lanes && row_lanes_here)
+    gemm_row_lanes(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate);
+  else
+    gemm(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate);
 }
 
-void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
-                      bool accumulate) {
+void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,
+                      bool row_lanes) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
                   y.scalar_type() == at::kFloat && x.device().is_cpu() && w.device().is_cpu(),
               "small_linear: float32 CPU tensors expected, got x ", x.toString(), " and w ",
@@ -215,6 +338,8 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
               w.sizes(), ", ", y.sizes());
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1,
               "small_linear: rows of x, w and y need unit inner stride");
+  TORCH_CHECK(!row_lanes || x.size(0) <= kSmallGemmMaxRows, "small_linear: the row-lane form takes up to ",
+              kSmallGemmMaxRows, " rows of x, got ", x.size(0));
   // Threads split the weight rows (whole panels of kPanel): every output is the same sum
   // whichever thread computes it, so the result does not depend on the thread count.
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
@@ -227,7 +352,7 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y,
   const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     small_gemm_rows(xp, ldx, wp, ldw, yp, ldy, m, begin * kPanel, std::min(n, end * kPanel), k,
-                    accumulate);
+                    accumulate, row_lanes);
   });
 }
 

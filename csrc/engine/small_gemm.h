@@ -19,7 +19,20 @@ constexpr int64_t kSmallGemmMaxRows = 32;
 // order (one tree for every output): the same result on every run of one machine, any thread
 // count and any number of rows of x around it (machines with other vector widths, or without
 // FMA, round differently).
-void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate);
+//
+// row_lanes (up to kSmallGemmMaxRows rows; where row_lanes_supported(), else the form above):
+// the vector lanes hold 16 rows of x (transposed into a per-thread buffer) and each weight
+// element is broadcast, so every output is one chain of fused multiply-adds over k = 0, 1, ...
+// in order, with no lane sums: 1.2-1.5x the form above at 17-32 rows in a decode step (x read
+// half as often, no transpose-reduce), slower at a few rows (the lanes go unused).  Its outputs
+// too do not depend on the rows or threads around them, but they are other roundings than the
+// form above: a caller picks one form for a whole generation (engine/generation.py, by the
+// full batch), so that rows leaving the batch never change another row's result.
+void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,
+                      bool row_lanes = false);
+
+// Does this CPU run the row-lane form (AVX-512: x86-64-v4)?  Elsewhere row_lanes is ignored.
+bool row_lanes_supported();
 
 // Weight rows a thread of small_linear_out takes as a unit.
 constexpr int64_t kSmallGemmPanel = 4;
@@ -30,9 +43,9 @@ std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t 
 
 // The product of small_linear_out for the weight rows [n0, n1) only, on the calling thread,
 // on raw rows (leading dimensions ldx, ldw, ldy): y[:, n0:n1] (+)= x [m, k] @ w[n0:n1].T.
-// Every output is the same sum as in small_linear_out.
+// Every output is the same sum as in small_linear_out (in the form row_lanes picks).
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                     int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k,
-                     bool accumulate);
+                     int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,
+                     bool row_lanes = false);
 
 }  // namespace hybridflow
