@@ -4,6 +4,8 @@ and top-k = 1 steps on it against the tensor-op path they replace."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -14,24 +16,31 @@ _kernels = pytest.importorskip("engine._kernels")
 
 
 def first_argmax(row: torch.Tensor, banned: int) -> int:
-    """Lowest column holding the largest value among the columns but ``banned``."""
+    """Lowest column holding the largest value among the columns but ``banned`` (NaNs never;
+    the first allowed column when every allowed one is NaN)."""
     best, arg = -float("inf"), None
     for j, x in enumerate(row.tolist()):
-        if j != banned and (arg is None or x > best):
+        if j != banned and not math.isnan(x) and (arg is None or x > best):
             best, arg = x, j
-    return arg
+    return arg if arg is not None else (1 if banned == 0 else 0)
 
 
 @pytest.mark.parametrize("vocab", [2, 7, 33, 64, 1000, 8192])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_direct_loop_and_float64(vocab, threads):
     gen = torch.Generator().manual_seed(vocab + threads)
-    rows = 9
+    rows = 12
     z = torch.randn(rows, vocab, generator=gen) * 4
     z[1] = z[1].round()  # many ties: the first maximum wins
     z[2, vocab // 2] = z[2].max() + 1  # the maximum banned below: the runner-up wins
     z[3, -1] = -float("inf")  # a column that can never be chosen
     z[4] = 0.0  # all equal
+    z[5, 1::3] = float("nan")  # NaNs are never chosen (a vector's lanes and the tail)
+    z[6] = -float("inf")  # nothing above -inf: the first allowed column
+    z[7] = 0.0
+    z[7, ::2] = -0.0  # signed zeros tie
+    z[8, -1] = z[8].max() + 1  # the maximum in the last column (past every whole vector)
+    z[9, vocab // 2:] = z[9, :vocab - vocab // 2].clone()  # the maximum twice: the first wins
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -41,8 +50,9 @@ def test_matches_direct_loop_and_float64(vocab, threads):
             for r in range(rows):
                 want = first_argmax(z[r], banned)
                 assert arg[r].item() == want, (r, banned)
-                assert best[r].item() == z[r, want].item()
-            torch.testing.assert_close(lse, want_lse, rtol=0, atol=2e-6)
+                assert torch.equal(best[r], z[r, want]) or best[r].isnan() and z[r, want].isnan()
+            ok = ~z.isnan().any(1) & (z > -float("inf")).any(1)  # a finite normaliser
+            torch.testing.assert_close(lse[ok], want_lse[ok], rtol=0, atol=2e-6)
     finally:
         torch.set_num_threads(before)
 

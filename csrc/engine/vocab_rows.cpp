@@ -20,27 +20,48 @@ using vec::kLanes;
 using vec::load;
 using vec::splat;
 using vec::vf;
+using vec::vi;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // max of z[a, b) (-inf when empty)
+// The largest value of z[a, b) (NaNs skipped) and the first column holding it: each lane keeps
+// its largest value and where it first saw it (only a strictly larger value moves it), then
+// the lanes holding the largest value give the smallest such column.  at = -1 when no value is
+// above -inf (an empty range, all NaN or all -inf).
+struct ColumnMax {
+  float value;
+  int64_t at;
+};
+
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-float range_max(const float* z, int64_t a, int64_t b) {
+ColumnMax range_argmax(const float* z, int64_t a, int64_t b) {
   vf m0 = splat(kNegInf), m1 = m0;
+  vi at0 = vi{} - 1, at1 = at0, col;
+  for (int64_t l = 0; l < kLanes; ++l) col[l] = static_cast<int32_t>(l);
   int64_t j = a;
   for (; j + 2 * kLanes <= b; j += 2 * kLanes) {
     const vf x0 = load(z + j), x1 = load(z + j + kLanes);
-    m0 = x0 > m0 ? x0 : m0;
-    m1 = x1 > m1 ? x1 : m1;
+    const vi c0 = col + static_cast<int32_t>(j), c1 = c0 + static_cast<int32_t>(kLanes);
+    const vi up0 = x0 > m0, up1 = x1 > m1;
+    m0 = up0 ? x0 : m0;
+    at0 = up0 ? c0 : at0;
+    m1 = up1 ? x1 : m1;
+    at1 = up1 ? c1 : at1;
   }
-  m0 = m1 > m0 ? m1 : m0;
-  float m = kNegInf;
-  for (int64_t l = 0; l < kLanes; ++l) m = m0[l] > m ? m0[l] : m;
-  for (; j < b; ++j) m = z[j] > m ? z[j] : m;
-  return m;
+  ColumnMax best{kNegInf, -1};
+  auto take = [&best](float v, int64_t c) {
+    if (c >= 0 && (v > best.value || (v == best.value && c < best.at))) best = {v, c};
+  };
+  for (int64_t l = 0; l < kLanes; ++l) {
+    take(m0[l], at0[l]);
+    take(m1[l], at1[l]);
+  }
+  for (; j < b; ++j)
+    if (z[j] > best.value) best = {z[j], j};  // columns after every vector's: only if larger
+  return best;
 }
 
-// sum of exp(z[j] - m), j < n
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 float exp_sum(const float* z, int64_t n, float m) {
   const vf mv = splat(m);
@@ -59,12 +80,19 @@ float exp_sum(const float* z, int64_t n, float m) {
 
 void row_argmax_logsumexp(const float* row, int64_t vocab, int64_t banned, int64_t* arg,
                           float* best, double* lse) {
-  float m_sel = range_max(row, 0, banned < 0 ? vocab : banned);
-  if (banned >= 0) m_sel = std::max(m_sel, range_max(row, banned + 1, vocab));
+  ColumnMax sel = range_argmax(row, 0, banned < 0 ? vocab : banned);
+  if (banned >= 0) {
+    const ColumnMax after = range_argmax(row, banned + 1, vocab);
+    if (after.at >= 0 && (sel.at < 0 || after.value > sel.value)) sel = after;
+  }
+  const float m_sel = sel.value;
   const float m_all = banned >= 0 ? std::max(m_sel, row[banned]) : m_sel;
-  int64_t j = 0;
-  while (j < vocab && (row[j] != m_sel || j == banned)) ++j;
-  j = j < vocab ? j : (banned == 0 ? 1 : 0);  // all NaN: some allowed column
+  int64_t j = sel.at;
+  if (j < 0) {  // nothing above -inf: the first allowed -inf, else some allowed column
+    j = 0;
+    while (j < vocab && (row[j] != m_sel || j == banned)) ++j;
+    j = j < vocab ? j : (banned == 0 ? 1 : 0);
+  }
   *arg = j;
   *best = row[j];
   *lse = static_cast<double>(m_all) + std::log(static_cast<double>(exp_sum(row, vocab, m_all)));
