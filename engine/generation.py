@@ -350,6 +350,7 @@ class GenerationEngine:
         out_lp = torch.zeros(batch, n_new, dtype=torch.float32)
         alive = torch.ones(batch, dtype=torch.bool)
         run = torch.arange(batch)  # [R] the full-batch row of each running row
+        at: slice | torch.Tensor = slice(None)  # run as an index: every row until a compaction
         threads = torch.get_num_threads()
         # step 0 is the prefill of positions [0, P) of the distinct prompts (each prompt once
         # however many sequences share it); step i > 0 decodes position P + i - 1 of every row
@@ -364,12 +365,12 @@ class GenerationEngine:
                 cache.keep_rows_(copies)
                 copies = None
             steps, row_steps = steps + 1, row_steps + run.numel()
-            live = alive[run]
-            out_ids[run, i] = torch.where(live, tok, sampling.pad_token_id)
-            out_mask[run, i] = live.long()
-            out_lp[run, i] = torch.where(live, lp, 0.0)
+            live = alive[at]
+            out_ids[at, i] = torch.where(live, tok, sampling.pad_token_id)
+            out_mask[at, i] = live.long()
+            out_lp[at, i] = torch.where(live, lp, 0.0)
             if sampling.eos_token_id is not None:
-                alive[run] = live & (tok != sampling.eos_token_id)
+                alive[at] = live & (tok != sampling.eos_token_id)
             alive &= limits > i + 1
             n_alive = int(alive.sum())
             if n_alive == 0:
@@ -379,6 +380,7 @@ class GenerationEngine:
             if rows < run.numel():  # drop finished rows (every rank of the replica alike)
                 keep = kept_rows(alive[run], rows)
                 run, cos, sin, keys_ok = run[keep], cos[keep], sin[keep], keys_ok[keep]
+                at = run
                 cache.keep_rows_(keep)
                 running = torch.zeros(batch, dtype=torch.bool)
                 running[run] = True
@@ -386,7 +388,7 @@ class GenerationEngine:
                                            generator=generator, rows=running,
                                            head_kernel=head_kernel, row_lanes=row_lanes)
                 compactions += 1
-            path, step_in, end = paths.decode, out_ids[run, i:i + 1], end + 1
+            path, step_in, end = paths.decode, out_ids[at, i:i + 1], end + 1
             attn, rope = keys_ok[..., :end], (cos[:, end - 1:end], sin[:, end - 1:end])
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
