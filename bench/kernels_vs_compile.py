@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -276,7 +277,9 @@ def stage_step(path_forward: Callable, cache, x: torch.Tensor, rope, attn: torch
 
 
 def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
+    from engine import _kernels
     from engine.forward_paths import LAYER_PATHS
+    from engine.generation import uses_row_lanes
     from engine.kv_cache import KVCache, tile_keys
     from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 
@@ -319,6 +322,10 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
             if not bias:
                 paths |= {k: LAYER_PATHS[k].build(stage) for k in ("kernel_stage",
                                                                    "kernel_layers")}
+                # the product form a generation of this batch runs (engine/generation.py)
+                paths["kernel_stage"] = dataclasses.replace(
+                    paths["kernel_stage"], row_lanes=uses_row_lanes(
+                        batch, _kernels.small_gemm_max_rows, _kernels.row_lanes_supported))
             fns = {name: stage_step(path.forward, cache(), x, rope, attn, c, c + 1)
                    for name, path in paths.items()}
             fns["compiled"] = stage_step(compiled(paths["eager"].forward), cache(), x, rope,
