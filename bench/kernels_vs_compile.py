@@ -322,10 +322,12 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
             if not bias:
                 paths |= {k: LAYER_PATHS[k].build(stage) for k in ("kernel_stage",
                                                                    "kernel_layers")}
-                # the product form a generation of this batch runs (engine/generation.py)
+                # the product form a generation of this batch runs when its rows all run
+                # every step (engine/generation.py)
                 paths["kernel_stage"] = dataclasses.replace(
                     paths["kernel_stage"], row_lanes=uses_row_lanes(
-                        batch, _kernels.small_gemm_max_rows, _kernels.row_lanes_supported))
+                        batch, _kernels.small_gemm_max_rows, _kernels.row_lanes_supported,
+                        rows_stay=True))
             fns = {name: stage_step(path.forward, cache(), x, rope, attn, c, c + 1)
                    for name, path in paths.items()}
             fns["compiled"] = stage_step(compiled(paths["eager"].forward), cache(), x, rope,

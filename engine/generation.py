@@ -53,7 +53,7 @@ Results are bit-identical to ``early_exit=False`` (tests/test_generation_early_e
   their small-M product to BLAS above ``small_gemm_max_rows`` rows per block, so a batch that
   runs BLAS blocks is only compacted to sizes that still do.  Their small-M product has two
   forms that round differently (csrc/engine/small_gemm.h); a call picks one by its full
-  batch (:func:`uses_row_lanes`) and keeps it when rows leave.
+  batch (:func:`uses_row_lanes`), the row-lane form only where no row can leave.
 
 When: a compaction copies the kept rows' filled KV cache (about what one decode step's
 attention reads), so it is worth doing for a real cut in compute, not for every finished row:
@@ -88,16 +88,22 @@ ROW_QUANTUM = 4
 COMPACT_DIVISOR = 8
 """Compact once the rows to drop are at least 1/COMPACT_DIVISOR of the running rows."""
 ROW_LANES_MIN_ROWS = 28
-"""A call of this many rows or more (and at most the kernels' ``small_gemm_max_rows``) runs
-its decode products in the row-lane form (csrc/engine/small_gemm.h): at the ``small`` shape,
-a greedy step of 32 rows 1.09-1.14x, 28 rows 1.04x, 24 rows 0.96x the k-lane form."""
+"""A call of this many rows or more (and at most the kernels' ``small_gemm_max_rows``) whose
+rows all run every step runs its decode products in the row-lane form
+(csrc/engine/small_gemm.h): at the ``small`` shape a greedy step of 32 rows takes 0.88-0.92x
+the k-lane form's time, 28 rows 0.96x, 24 rows 1.04x."""
 
 
-def uses_row_lanes(batch: int, block_rows: int | None, supported: bool) -> bool:
+def uses_row_lanes(batch: int, block_rows: int | None, supported: bool,
+                   rows_stay: bool) -> bool:
     """Does a generation of ``batch`` rows run its small decode products in the row-lane form
-    (pure)?  Chosen once a call by the full batch: the two forms round differently, and a row's
-    tokens must not change when other rows finish and leave the batch."""
-    return supported and block_rows is not None and ROW_LANES_MIN_ROWS <= batch <= block_rows
+    (pure)?  Only where every row runs every step (``rows_stay``: no EOS before the last step
+    and no shorter per-row limit; early exit on or off alike): at 16 rows or fewer the row-lane
+    form costs about what it does at 32 (a greedy run of 32 x 128 where half the rows stop
+    after 16 tokens: 1.07x the k-lane form's time; three quarters: 1.21x).  Chosen once a
+    call, by the full batch: the two forms round differently."""
+    return (supported and rows_stay and block_rows is not None
+            and ROW_LANES_MIN_ROWS <= batch <= block_rows)
 
 
 def _round_up(n: int, quantum: int) -> int:
@@ -341,7 +347,12 @@ class GenerationEngine:
         if self.block_rows and batch <= self.block_rows:
             from engine import _kernels  # the kernel paths (block_rows) exist only when built
             head_kernel = _kernels.small_linear
-            row_lanes = uses_row_lanes(batch, self.block_rows, _kernels.row_lanes_supported)
+            # whether rows can finish early, not whether they leave (early exit on and off
+            # give the same bits)
+            rows_stay = bool((limits == n_new).all()) and (
+                sampling.eos_token_id is None or sampling.min_new_tokens >= n_new)
+            row_lanes = uses_row_lanes(batch, self.block_rows, _kernels.row_lanes_supported,
+                                       rows_stay)
         paths = self.paths.with_row_lanes(row_lanes)  # one product form for the whole call
         sample = functools.partial(self._sample, sampling=sampling, generator=generator,
                                    head_kernel=head_kernel, row_lanes=row_lanes)

@@ -168,11 +168,12 @@ def test_decode_rows_policy():
 
 
 def test_row_lanes_policy():
-    """The row-lane form for calls of ROW_LANES_MIN_ROWS to block_rows rows where the CPU has
-    it, never without the kernels: the rule written out, for every batch."""
-    for batch, block, supported in itertools.product(range(1, 70), (None, 16, 32), (False, True)):
-        want = supported and block is not None and ROW_LANES_MIN_ROWS <= batch <= block
-        assert uses_row_lanes(batch, block, supported) == want
+    """The row-lane form for calls of ROW_LANES_MIN_ROWS to block_rows rows whose rows all run
+    every step, where the CPU has it, never without the kernels: the rule written out."""
+    for batch, block, supported, stay in itertools.product(range(1, 70), (None, 16, 32),
+                                                           (False, True), (False, True)):
+        want = supported and stay and block is not None and ROW_LANES_MIN_ROWS <= batch <= block
+        assert uses_row_lanes(batch, block, supported, stay) == want
 
 
 def test_kept_rows_and_kv_cache_rows():
@@ -247,26 +248,30 @@ def test_early_exit_bit_identical_across_the_head_kernel_bound(mode):
     assert a.stats["compactions"] >= 1 and a.stats["row_steps"] < b.stats["row_steps"]
 
 
+def record_forms(monkeypatch) -> set:
+    """The ``row_lanes`` of every decode_layers call from now on."""
+    from engine import _kernels
+    forms, layers = set(), _kernels.decode_layers
+
+    def recorded(*args, row_lanes=False, **kwargs):
+        forms.add(row_lanes)
+        return layers(*args, row_lanes=row_lanes, **kwargs)
+    monkeypatch.setattr(_kernels, "decode_layers", recorded)
+    return forms
+
+
 @pytest.mark.parametrize("fused, batch", [(False, 16), (True, 16), (True, 32)])
 def test_early_exit_greedy_matches_cache_free_loop(fused, batch, monkeypatch):
     """Independent of both engine paths: the training model's full forward on the whole
-    sequence, step by step, with EOS and per-row limits (32 rows: the kernels' products in
-    the row-lane form, every step of the call, compacted or not)."""
+    sequence, step by step, with EOS and per-row limits (rows leave: the k-lane form, also at
+    32 rows)."""
     model, eng = engine(CFG, fused, early_exit=True)
     if fused and not eng.fused_decode:
         pytest.skip("C++ kernels not built")
-    forms = set()
-    if fused:
-        from engine import _kernels
-        layers = _kernels.decode_layers
-
-        def recorded(*args, row_lanes=False, **kwargs):
-            forms.add(row_lanes)
-            return layers(*args, row_lanes=row_lanes, **kwargs)
-        monkeypatch.setattr(_kernels, "decode_layers", recorded)
     ids, mask, limits = batch_of(batch, seed=2)
     first = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
     eos = frequent_token(first)
+    forms = record_forms(monkeypatch) if fused else set()
     toks, lps, live = loop_reference(model, ids, mask, N_NEW, limits=limits, eos=eos)
     out = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0,
                                                  eos_token_id=eos), max_new_tokens=limits)
@@ -274,8 +279,25 @@ def test_early_exit_greedy_matches_cache_free_loop(fused, batch, monkeypatch):
     assert torch.equal(out.response_mask, live)
     assert torch.equal(out.responses, toks)
     torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
-    if fused:
-        assert forms == {uses_row_lanes(batch, eng.block_rows, _kernels.row_lanes_supported)}
+    assert forms == ({False} if fused else set())
+
+
+@pytest.mark.parametrize("batch, early_exit", [(32, True), (28, False), (27, True)])
+def test_row_lane_generation_matches_cache_free_loop(batch, early_exit, monkeypatch):
+    """A call whose rows all run every step, from ROW_LANES_MIN_ROWS rows: the kernels' products
+    in the row-lane form where the CPU has it (27 rows: the k-lane form), the same greedy tokens
+    as the training model's full forward and log-probs within float rounding of it."""
+    from engine import _kernels
+    model, eng = engine(CFG, True, early_exit=early_exit)
+    if not eng.fused_decode:
+        pytest.skip("C++ kernels not built")
+    forms = record_forms(monkeypatch)
+    ids, mask, _ = batch_of(batch, seed=4)
+    toks, lps, _ = loop_reference(model, ids, mask, N_NEW)
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
+    assert torch.equal(out.responses, toks)
+    torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
+    assert forms == {_kernels.row_lanes_supported and batch >= ROW_LANES_MIN_ROWS}
 
 
 # Two ranks -------------------------------------------------------------------------------------
