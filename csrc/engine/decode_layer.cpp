@@ -573,7 +573,8 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
       const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt, row_lanes);
       swiglu_forward_rows(gp + g0, n_gu, actp + g0 / 2, n_gu / 2, batch, (g1 - g0) / 2);
 #pragma omp barrier
-      const auto [d0, d1] = product_share(actp, n_gu / 2, w[5], pp, hidden, batch, t, nt, row_lanes);
+      const auto [d0, d1] =
+          product_share(actp, n_gu / 2, w[5], pp, hidden, batch, t, nt, row_lanes);
       add_columns(hp, hidden, pp, hidden, batch, d0, d1);
 #pragma omp barrier
     }

@@ -29,9 +29,8 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 constexpr int64_t kPanel = kSmallGemmPanel;  // weight rows per register block
-// Accumulators of a register block of the row-lane form: 16 independent FMA chains keep both
-// FMA pipes busy through their 4-cycle latency (8 weight rows x 2 vectors of rows of x, or 16
-// weight rows x 1: 8 chains ran 0.7x at 16 rows of x).
+// Accumulators of a register block of the row-lane form: 8 weight rows x 2 vectors of rows of
+// x, or 16 weight rows x 1 (24 accumulators, 12 weight rows, were no faster).
 constexpr int kRowLaneAccumulators = 16;
 // Fewest multiply-adds a thread takes (a few microseconds of work; at one row of x, 256 KiB of
 // weights): below it one thread runs alone.
@@ -191,7 +190,8 @@ void gemm16(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, 
 // ---- the row-lane form: lanes over the rows of x ------------------------------------------
 
 // x rows [0, m) (m <= kSmallGemmMaxRows), columns [0, k) -> xt [k, 32]: xt[c * 32 + r] = x[r, c],
-// rows m .. 31 zero.  16 x 16 blocks transposed in registers (4 rounds of two-source shuffles).
+// rows m .. 15 (m <= 16) or m .. 31 zero: the vectors the blocks read.  16 x 16 blocks
+// transposed in registers (4 rounds of two-source shuffles).
 template <int S, bool High, std::size_t... T>
 constexpr i16 transpose_mask(std::index_sequence<T...>) {
   // round S swaps the S x S sub-blocks: lanes [0, S) of each 2S group from a, the next S from b
@@ -216,7 +216,7 @@ inline __attribute__((always_inline)) void transpose_round(v16* r) {
 inline __attribute__((always_inline)) void transpose_rows(const float* x, int64_t ldx, int64_t m,
                                                           int64_t k, float* xt) {
   constexpr int64_t ld = kSmallGemmMaxRows;
-  for (int64_t r0 = 0; r0 < ld; r0 += 16) {
+  for (int64_t r0 = 0; r0 < (m > 16 ? ld : 16); r0 += 16) {
     int64_t c0 = 0;
     for (; c0 + 16 <= k; c0 += 16) {
       v16 r[16];
@@ -229,7 +229,8 @@ inline __attribute__((always_inline)) void transpose_rows(const float* x, int64_
       for (int j = 0; j < 16; ++j) std::memcpy(xt + (c0 + j) * ld + r0, &r[j], sizeof r[j]);
     }
     for (; c0 < k; ++c0)
-      for (int64_t i = 0; i < 16; ++i) xt[c0 * ld + r0 + i] = r0 + i < m ? x[(r0 + i) * ldx + c0] : 0.f;
+      for (int64_t i = 0; i < 16; ++i)
+        xt[c0 * ld + r0 + i] = r0 + i < m ? x[(r0 + i) * ldx + c0] : 0.f;
   }
 }
 
@@ -338,8 +339,9 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, b
               w.sizes(), ", ", y.sizes());
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1,
               "small_linear: rows of x, w and y need unit inner stride");
-  TORCH_CHECK(!row_lanes || x.size(0) <= kSmallGemmMaxRows, "small_linear: the row-lane form takes up to ",
-              kSmallGemmMaxRows, " rows of x, got ", x.size(0));
+  TORCH_CHECK(!row_lanes || x.size(0) <= kSmallGemmMaxRows,
+              "small_linear: the row-lane form takes up to ", kSmallGemmMaxRows,
+              " rows of x, got ", x.size(0));
   // Threads split the weight rows (whole panels of kPanel): every output is the same sum
   // whichever thread computes it, so the result does not depend on the thread count.
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);
