@@ -350,7 +350,7 @@ class GenerationEngine:
             # whether rows can finish early, not whether they leave (early exit on and off
             # give the same bits)
             rows_stay = bool((limits == n_new).all()) and (
-                sampling.eos_token_id is None or sampling.min_new_tokens >= n_new)
+                sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
             row_lanes = uses_row_lanes(batch, self.block_rows, _kernels.row_lanes_supported,
                                        rows_stay)
         paths = self.paths.with_row_lanes(row_lanes)  # one product form for the whole call
@@ -376,7 +376,7 @@ class GenerationEngine:
                 cache.keep_rows_(copies)
                 copies = None
             steps, row_steps = steps + 1, row_steps + run.numel()
-            live = alive[at]
+            live = alive[at]  # a view before the first compaction: used before alive changes
             out_ids[at, i] = torch.where(live, tok, sampling.pad_token_id)
             out_mask[at, i] = live.long()
             out_lp[at, i] = torch.where(live, lp, 0.0)

@@ -282,6 +282,33 @@ def test_early_exit_greedy_matches_cache_free_loop(fused, batch, monkeypatch):
     assert forms == ({False} if fused else set())
 
 
+@pytest.mark.parametrize("eos_from, limited, row_lanes", [
+    (None, False, True),       # no EOS
+    (N_NEW, False, True),      # EOS banned on every step
+    (N_NEW - 1, False, True),  # EOS allowed at the last step only: it ends nothing early
+    (N_NEW - 2, False, False),
+    (None, True, False),       # one row's own limit is shorter
+])
+def test_row_lanes_only_where_every_row_runs_every_step(eos_from, limited, row_lanes,
+                                                        monkeypatch):
+    """generate picks the row-lane form (where the CPU has it) for 32 rows only when no row
+    can finish before the last step; the form it ran is recorded on every decode step."""
+    from engine import _kernels
+    _, eng = engine(CFG, True, early_exit=True)
+    if not eng.fused_decode:
+        pytest.skip("C++ kernels not built")
+    ids, mask, _ = batch_of(32, seed=5)
+    limits = torch.full((32,), N_NEW)
+    if limited:
+        limits[3] = N_NEW - 1
+    sp = SamplingParams(max_new_tokens=N_NEW, temperature=0.0,
+                        eos_token_id=None if eos_from is None else 1,
+                        min_new_tokens=0 if eos_from is None else eos_from)
+    forms = record_forms(monkeypatch)
+    eng.generate(ids, mask, sp, limits)
+    assert forms == {row_lanes and _kernels.row_lanes_supported}
+
+
 @pytest.mark.parametrize("batch, early_exit", [(32, True), (28, False), (27, True)])
 def test_row_lane_generation_matches_cache_free_loop(batch, early_exit, monkeypatch):
     """A call whose rows all run every step, from ROW_LANES_MIN_ROWS rows: the kernels' products

@@ -31,8 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return y;
       },
       py::arg("x"), py::arg("weight"), py::arg("row_lanes") = false,
-      "x [M, K] @ weight[N, K].T by the decode-step kernel (row_lanes: its row-lane form, up to "
-      "small_gemm_max_rows rows)",
+      "x [M, K] @ weight[N, K].T by the decode-step kernel (row_lanes: its row-lane form)",
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "onednn_mm",

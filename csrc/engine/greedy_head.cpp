@@ -27,9 +27,6 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& x_in,
               head.sizes(), " (strides ", head.strides(), ")");
   const int64_t rows = x_in.size(0), hidden = x_in.size(1), vocab = head.size(0);
   check_banned(banned, vocab, "greedy_head");
-  TORCH_CHECK(!row_lanes || rows <= kSmallGemmMaxRows,
-              "greedy_head: the row-lane form takes up to ", kSmallGemmMaxRows, " rows, got ",
-              rows);
   const at::Tensor x = x_in.contiguous(), norm_weight = norm_weight_in.contiguous();
   at::Tensor h = at::empty({rows, hidden}, x.options());
   at::Tensor logits = at::empty({rows, vocab}, x.options());

@@ -15,7 +15,7 @@ namespace hybridflow {
 // and argmax_logsumexp in turn (engine/sampling.py's greedy step), in one parallel region of
 // the intra-op threads: the norm and the choice split the rows, the head product the vocab
 // rows (each head byte read once).  row_lanes: the head product in the row-lane form
-// (small_gemm.h; up to kSmallGemmMaxRows rows), the same bits as small_linear with it.
+// (small_gemm.h), the same bits as small_linear with it.
 std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& x,
                                                const at::Tensor& norm_weight, double eps,
                                                const at::Tensor& head, int64_t banned,

@@ -283,11 +283,14 @@ void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, fl
                     int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
   thread_local std::vector<float> xt;  // [k, 32], this thread's transposed x
   if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
-  transpose_rows(x, ldx, m, k, xt.data());
-  if (m > 16)
-    row_lane_rows<2>(xt.data(), w, ldw, y, ldy, m, n, k, accumulate);
-  else
-    row_lane_rows<1>(xt.data(), w, ldw, y, ldy, m, n, k, accumulate);
+  for (int64_t i = 0; i < m; i += kSmallGemmMaxRows) {  // a decode step: one pass of <= 32
+    const int64_t rows = std::min(kSmallGemmMaxRows, m - i);
+    transpose_rows(x + i * ldx, ldx, rows, k, xt.data());
+    if (rows > 16)
+      row_lane_rows<2>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate);
+    else
+      row_lane_rows<1>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate);
+  }
 }
 
 bool pick_row_lanes() {
@@ -339,9 +342,6 @@ void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, b
               w.sizes(), ", ", y.sizes());
   TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1 && y.stride(1) == 1,
               "small_linear: rows of x, w and y need unit inner stride");
-  TORCH_CHECK(!row_lanes || x.size(0) <= kSmallGemmMaxRows,
-              "small_linear: the row-lane form takes up to ", kSmallGemmMaxRows,
-              " rows of x, got ", x.size(0));
   // Threads split the weight rows (whole panels of kPanel): every output is the same sum
   // whichever thread computes it, so the result does not depend on the thread count.
   const int64_t m = x.size(0), n = w.size(0), k = x.size(1);

@@ -20,7 +20,7 @@ constexpr int64_t kSmallGemmMaxRows = 32;
 // count and any number of rows of x around it (machines with other vector widths, or without
 // FMA, round differently).
 //
-// row_lanes (up to kSmallGemmMaxRows rows; where row_lanes_supported(), else the form above):
+// row_lanes (where row_lanes_supported(), else the form above; meant for a decode step's rows):
 // the vector lanes hold 16 rows of x (transposed into a per-thread buffer) and each weight
 // element is broadcast, so every output is one chain of fused multiply-adds over k = 0, 1, ...
 // in order, with no lane sums (x read half as often, no transpose-reduce): a decode step of 32

@@ -24,7 +24,6 @@ using vec::vi;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// max of z[a, b) (-inf when empty)
 // The largest value of z[a, b) (NaNs skipped) and the first column holding it: each lane keeps
 // its largest value and where it first saw it (only a strictly larger value moves it), then
 // the lanes holding the largest value give the smallest such column.  at = -1 when no value is
@@ -62,6 +61,7 @@ ColumnMax range_argmax(const float* z, int64_t a, int64_t b) {
   return best;
 }
 
+// sum of exp(z[j] - m), j < n
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 float exp_sum(const float* z, int64_t n, float m) {
   const vf mv = splat(m);
