@@ -58,10 +58,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -324,7 +323,7 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
                                                                    "kernel_layers")}
                 # the product form a generation of this batch runs when its rows all run
                 # every step (engine/generation.py)
-                paths["kernel_stage"] = dataclasses.replace(
+                paths["kernel_stage"] = replace(
                     paths["kernel_stage"], row_lanes=uses_row_lanes(
                         batch, _kernels.small_gemm_max_rows, _kernels.row_lanes_supported,
                         rows_stay=True))

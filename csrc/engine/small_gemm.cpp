@@ -186,7 +186,6 @@ void gemm16(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, 
   gemm_lanes<v16>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate);
 }
 
-
 // ---- the row-lane form: lanes over the rows of x ------------------------------------------
 
 // x rows [0, m) (m <= kSmallGemmMaxRows), columns [0, k) -> xt [k, 32]: xt[c * 32 + r] = x[r, c],
@@ -293,13 +292,6 @@ void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, fl
   }
 }
 
-bool pick_row_lanes() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("x86-64-v4");
-}
-
-const bool row_lanes_here = pick_row_lanes();
-
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
                         int64_t, int64_t, bool);
 
@@ -309,6 +301,8 @@ GemmFn pick_gemm() {
 }
 
 const GemmFn gemm = pick_gemm();
+// the row-lane form is AVX-512 code: it runs where the 16-lane k-lane kernel does
+const bool row_lanes_here = gemm == gemm16;
 
 }  // namespace
 
