@@ -149,9 +149,10 @@ def attention_reference(x, qkv_w, cos, sin, k_cache, v_cache, pos, key_ok, qpg):
 # the blocked loops of csrc/engine/decode_layer.cpp: up to 8 queries per KV group, whole key
 # tiles of 64 positions and the filled 1 to 4 vectors of the last one (the last vector partly
 # filled or not), head dims that are multiples of 64 for the weighted values; 9 queries and a
-# head dim of 16 or 24 take the plain loops
+# head dim of 16 or 24 take the plain loops; the new key is scored from the rotated key it
+# caches (pos 0: no cached key; pos 64: the cached ones end on a tile's edge)
 @pytest.mark.parametrize("qpg, d", [(1, 64), (3, 64), (8, 128), (9, 64), (3, 16), (2, 24)])
-@pytest.mark.parametrize("pos", [4, 16, 63, 79, 112, 143])
+@pytest.mark.parametrize("pos", [0, 4, 16, 63, 64, 79, 112, 143])
 def test_decode_attention_loops_match_float64(qpg, d, pos):
     gen = torch.Generator().manual_seed(qpg * 1000 + d + pos)
     b, h_kv, hidden, max_len = 3, 2, 40, 150

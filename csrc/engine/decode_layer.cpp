@@ -74,12 +74,13 @@ inline int64_t key_offset(int64_t l, int64_t d, int64_t head_dim) {
 }
 
 // Scores of num_q queries against keys [0, num_keys), one key at a time: each a sum over
-// d = 0, 1, ... of q[d] * k[d, l], tile by tile.
+// d = 0, 1, ... of q[d] * k[d, l], tile by tile.  Rows of scores are ld apart.
 inline __attribute__((always_inline)) void scores_plain(const float* q, const float* k,
                                                         int64_t num_q, int64_t num_keys,
-                                                        int64_t head_dim, float* scores) {
+                                                        int64_t head_dim, float* scores,
+                                                        int64_t ld) {
   for (int64_t j = 0; j < num_q; ++j) {
-    float* s = scores + j * num_keys;
+    float* s = scores + j * ld;
     for (int64_t l = 0; l < num_keys; ++l) s[l] = 0.f;
     for (int64_t t0 = 0; t0 < num_keys; t0 += kKeyTile) {
       const float* kt = k + key_offset(t0, 0, head_dim);
@@ -135,15 +136,16 @@ inline __attribute__((always_inline)) void scores_block(const float* q, int64_t 
 template <int Q>
 inline __attribute__((always_inline)) void scores_blocked(const float* q, const float* k,
                                                           const float* k_next, int64_t num_keys,
-                                                          int64_t head_dim, float* scores) {
+                                                          int64_t head_dim, float* scores,
+                                                          int64_t ld) {
   for (int64_t t0 = 0; t0 < num_keys; t0 += kKeyTile) {
     const int64_t at = key_offset(t0, 0, head_dim), n = std::min(kKeyTile, num_keys - t0);
     const float *kt = k + at, *kn = k_next + at;
     switch ((n + kLanes - 1) / kLanes) {
-      case 4: scores_block<Q, 4>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
-      case 3: scores_block<Q, 3>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
-      case 2: scores_block<Q, 2>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
-      default: scores_block<Q, 1>(q, head_dim, kt, kn, scores + t0, num_keys, n); break;
+      case 4: scores_block<Q, 4>(q, head_dim, kt, kn, scores + t0, ld, n); break;
+      case 3: scores_block<Q, 3>(q, head_dim, kt, kn, scores + t0, ld, n); break;
+      case 2: scores_block<Q, 2>(q, head_dim, kt, kn, scores + t0, ld, n); break;
+      default: scores_block<Q, 1>(q, head_dim, kt, kn, scores + t0, ld, n); break;
     }
   }
 }
@@ -158,8 +160,9 @@ inline __attribute__((always_inline)) bool scores_by_count(std::integer_sequence
                                                            int64_t num_q, const float* q,
                                                            const float* k, const float* k_next,
                                                            int64_t num_keys, int64_t head_dim,
-                                                           float* scores) {
-  return ((num_q == Q && (scores_blocked<Q>(q, k, k_next, num_keys, head_dim, scores), true)) ||
+                                                           float* scores, int64_t ld) {
+  return ((num_q == Q &&
+           (scores_blocked<Q>(q, k, k_next, num_keys, head_dim, scores, ld), true)) ||
           ...);
 }
 
@@ -171,9 +174,19 @@ inline __attribute__((always_inline)) bool scores_by_count(std::integer_sequence
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void attention_scores(const float* q, const float* k, const float* k_next, const bool* key_ok,
                       int64_t num_q, int64_t num_keys, int64_t head_dim, float scale,
-                      float* scores) {
-  if (!scores_by_count(kBlockCounts{}, num_q, q, k, k_next, num_keys, head_dim, scores))
-    scores_plain(q, k, num_q, num_keys, head_dim, scores);
+                      float* scores, const float* new_key) {
+  // the new key (the last) from new_key, the others from the cache: the same sums in the same
+  // order, but no load waits on the stores that have just put the new key into its tiles (a
+  // vector load over a pending 4-byte store cannot be forwarded from it)
+  const int64_t cached = num_keys - (new_key != nullptr);
+  if (!scores_by_count(kBlockCounts{}, num_q, q, k, k_next, cached, head_dim, scores, num_keys))
+    scores_plain(q, k, num_q, cached, head_dim, scores, num_keys);
+  if (new_key != nullptr)
+    for (int64_t j = 0; j < num_q; ++j) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) sum += q[j * head_dim + d] * new_key[d];
+      scores[j * num_keys + cached] = sum;
+    }
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
     for (int64_t l = 0; l < num_keys; ++l)
@@ -370,7 +383,7 @@ void attend_pairs(const float* qkv_p, int64_t bg0, int64_t bg1, const AttentionI
     }
     const float* k_next = i + 1 < n ? kb + key_block : kb;
     attention_scores(qb, kb, k_next, mk + b * mask_stride, q_per_group, num_keys, head_dim,
-                     scale, sc + i * q_per_group * num_keys);
+                     scale, sc + i * q_per_group * num_keys, k_rot);
   }
   const at::Tensor probs = at::softmax(scores, -1);
   const float* pr = probs.data_ptr<float>();
