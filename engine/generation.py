@@ -221,6 +221,10 @@ class GenerationEngine:
             layers (the prefill always runs them).
         early_exit: drop finished rows from the running batch (see the module docstring);
             False computes every row until all have finished (same results, more work).
+        greedy_loop: run the decode steps of a greedy generation whose rows all run to the
+            end in one C++ call (``engine._kernels.greedy_decode``: the same kernels on the same
+            operands, no Python between steps) where the whole step is the kernels' (one
+            stage, no TP); False keeps the Python loop (same results).
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -230,7 +234,8 @@ class GenerationEngine:
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
-                 fused_decode: bool | None = None, early_exit: bool = True) -> None:
+                 fused_decode: bool | None = None, early_exit: bool = True,
+                 greedy_loop: bool = True) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -244,7 +249,7 @@ class GenerationEngine:
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.fused_decode = resolve_kernels(fused_decode, config.dtype, config.layer_keys)
-        self.early_exit = early_exit
+        self.early_exit, self.greedy_loop = early_exit, greedy_loop
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
                                        hidden_size=config.hidden_size, dtype=config.dtype))
@@ -343,7 +348,7 @@ class GenerationEngine:
         generator = torch.Generator().manual_seed(sampling.seed)
         # the head's product is chosen once per call, by the full batch, so that dropping
         # finished rows (early exit) never switches it between BLAS and the kernel
-        head_kernel, row_lanes = None, False
+        head_kernel, row_lanes, rest_in_kernels = None, False, False
         if self.block_rows and batch <= self.block_rows:
             from engine import _kernels  # the kernel paths (block_rows) exist only when built
             head_kernel = _kernels.small_linear
@@ -353,6 +358,7 @@ class GenerationEngine:
                 sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
             row_lanes = uses_row_lanes(batch, self.block_rows, _kernels.row_lanes_supported,
                                        rows_stay)
+            rest_in_kernels = rows_stay and self._greedy_loop_applies(sampling)
         paths = self.paths.with_row_lanes(row_lanes)  # one product form for the whole call
         sample = functools.partial(self._sample, sampling=sampling, generator=generator,
                                    head_kernel=head_kernel, row_lanes=row_lanes)
@@ -401,6 +407,14 @@ class GenerationEngine:
                 compactions += 1
             path, step_in, end = paths.decode, out_ids[at, i:i + 1], end + 1
             attn, rope = keys_ok[..., :end], (cos[:, end - 1:end], sin[:, end - 1:end])
+            if rest_in_kernels:  # every row runs steps 1 .. n_new - 1: one call for them all
+                rest = n_new - 1 - i
+                out_ids[:, i + 1:], out_lp[:, i + 1:] = self._greedy_rest(
+                    paths.decode, out_ids[:, i], rest, cache, cos, sin, keys_ok[:, 0, 0],
+                    [sampling.banned_token(j) for j in range(i + 1, n_new)])
+                out_mask[:, i + 1:] = 1
+                steps, row_steps = steps + rest, row_steps + rest * batch
+                break
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
         new_tokens = int(out_mask.sum())
@@ -413,6 +427,31 @@ class GenerationEngine:
                    "row_steps": row_steps, "compactions": compactions,
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9), "kv_cache_bytes": kv_bytes,
                    "weights_version": self.weights_version})
+
+    def _greedy_loop_applies(self, sampling: SamplingParams) -> bool:
+        """Whether :meth:`_greedy_rest` can take the decode steps: greedy, one stage, the
+        decode path is the one-call kernel stage and the head is read in place with no TP
+        (the conditions under which each step is exactly ``greedy_head(decode_layers(...))``)."""
+        return (self.greedy_loop and sampling.greedy and isinstance(self.boundary, SingleStage)
+                and isinstance(self.paths.decode, KernelStage)
+                and self.weights[self.head_name].stride(1) == 1
+                and (self.tp_group is None or self.tp_group.pg is None))
+
+    def _greedy_rest(self, decode: KernelStage, last: torch.Tensor, steps: int, cache: KVCache,
+                     cos: torch.Tensor, sin: torch.Tensor, keys_ok: torch.Tensor,
+                     banned: list[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``steps`` greedy decode steps of every row after the tokens ``last [B]`` in one
+        kernel call; the cache advances by ``steps``.  Returns tokens and log-probs
+        ``[B, steps]`` each."""
+        from engine import _kernels
+        s = decode.stage
+        toks, lps = _kernels.greedy_decode(
+            last, steps, self.weights["embed_tokens"], decode.flat_weights, s.eps, cos, sin,
+            cache.k, cache.v, cache.length, keys_ok, s.q_per_group, decode.qkv_biases,
+            self.weights["norm"], self.config.rms_norm_eps, self.weights[self.head_name],
+            [-1 if b is None else b for b in banned], row_lanes=decode.row_lanes)
+        cache.advance(steps)
+        return toks, lps
 
     @staticmethod
     def _check_limits(limits: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor:

@@ -55,11 +55,13 @@ def batch_of(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, tor
     return ids.masked_fill(mask == 0, 0), mask, limits
 
 
-def engine(cfg: LlamaConfig, fused: bool, early_exit: bool, seed: int = 0):
+def engine(cfg: LlamaConfig, fused: bool, early_exit: bool, seed: int = 0,
+           greedy_loop: bool = True):
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = ParallelLlama(cfg, groups)
     load_full_state_dict(model, init_full_state_dict(cfg, seed=seed, std=0.2))
-    eng = GenerationEngine(cfg, groups, fused_decode=fused, early_exit=early_exit)
+    eng = GenerationEngine(cfg, groups, fused_decode=fused, early_exit=early_exit,
+                           greedy_loop=greedy_loop)
     eng.set_weights(model.params)
     return model, eng
 
@@ -248,15 +250,23 @@ def test_early_exit_bit_identical_across_the_head_kernel_bound(mode):
     assert a.stats["compactions"] >= 1 and a.stats["row_steps"] < b.stats["row_steps"]
 
 
-def record_forms(monkeypatch) -> set:
-    """The ``row_lanes`` of every decode_layers call from now on."""
+def record_forms(monkeypatch, calls: list | None = None) -> set:
+    """The ``row_lanes`` of every decode call from now on: decode_layers (a step) or
+    greedy_decode (the rest of a generation in one call); ``calls`` gets each call's name."""
     from engine import _kernels
-    forms, layers = set(), _kernels.decode_layers
+    forms = set()
 
-    def recorded(*args, row_lanes=False, **kwargs):
-        forms.add(row_lanes)
-        return layers(*args, row_lanes=row_lanes, **kwargs)
-    monkeypatch.setattr(_kernels, "decode_layers", recorded)
+    def recording(name):
+        original = getattr(_kernels, name)
+
+        def recorded(*args, row_lanes=False, **kwargs):
+            forms.add(row_lanes)
+            if calls is not None:
+                calls.append(name)
+            return original(*args, row_lanes=row_lanes, **kwargs)
+        return recorded
+    for name in ("decode_layers", "greedy_decode"):
+        monkeypatch.setattr(_kernels, name, recording(name))
     return forms
 
 
@@ -325,6 +335,76 @@ def test_row_lane_generation_matches_cache_free_loop(batch, early_exit, monkeypa
     assert torch.equal(out.responses, toks)
     torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
     assert forms == {_kernels.row_lanes_supported and batch >= ROW_LANES_MIN_ROWS}
+
+
+@pytest.mark.parametrize("cfg, batch, eos_last, copies", [
+    (CFG, 32, False, False), (CFG, 5, False, False), (QWEN, 32, True, False),
+    (QWEN, 1, False, False), (CFG, 28, True, True)],
+    ids=["llama-32", "llama-5", "qwen2-32-eos-last", "qwen2-1", "llama-28-eos-last-copies"])
+def test_greedy_loop_in_kernels_matches_python_loop(cfg, batch, eos_last, copies, monkeypatch):
+    """Rows that all run every step: the decode steps after the prefill in one greedy_decode
+    call give the Python loop's tokens, log-probs, mask and step counts bit for bit (batches
+    in both product forms, Qwen2 biases, EOS allowed at the last step only, prompts shared by
+    several sequences); a call where rows can stop early keeps the Python loop."""
+    _, looped = engine(cfg, True, early_exit=True, greedy_loop=False)
+    if not looped.fused_decode:
+        pytest.skip("C++ kernels not built")
+    _, fused = engine(cfg, True, early_exit=True)
+    ids, mask, _ = batch_of(batch, seed=7)
+    if copies:  # 4 sequences per prompt: the prefill runs each prompt once
+        ids, mask = ids[:batch // 4].repeat(4, 1), mask[:batch // 4].repeat(4, 1)
+    sp = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+    if eos_last:  # a token some row draws at the last step: EOS there ends nothing early
+        eos = int(torch.mode(looped.generate(ids, mask, sp).responses[:, -1]).values)
+        sp = SamplingParams(max_new_tokens=N_NEW, temperature=0.0, eos_token_id=eos,
+                            min_new_tokens=N_NEW - 1)
+    want = looped.generate(ids, mask, sp)
+    calls = []
+    record_forms(monkeypatch, calls)
+    got = fused.generate(ids, mask, sp)
+    assert_same(got, want)
+    for key in ("forward_steps", "row_steps", "compactions", "prefill_rows", "new_tokens"):
+        assert got.stats[key] == want.stats[key], key
+    assert calls == ["greedy_decode"]
+    if eos_last:
+        assert bool((got.responses[:, -1] == sp.eos_token_id).any())
+    if copies:
+        assert got.stats["prefill_rows"] == batch // 4
+    calls.clear()  # EOS from the step before the last: rows may stop early, the Python loop
+    early = SamplingParams(max_new_tokens=N_NEW, temperature=0.0, eos_token_id=1,
+                           min_new_tokens=N_NEW - 2)
+    assert_same(fused.generate(ids, mask, early), looped.generate(ids, mask, early))
+    assert "greedy_decode" not in calls and "decode_layers" in calls
+
+
+def test_greedy_decode_checks_its_operands():
+    """greedy_decode refuses operands that do not describe the steps it is asked for."""
+    from engine import _kernels
+    _, eng = engine(CFG, True, early_exit=True)
+    if not eng.fused_decode:
+        pytest.skip("C++ kernels not built")
+    w, d = eng.weights, eng.paths.decode
+    plen, b = 4, 2
+    cache = KVCache(**eng._kv_cache_sizes(b, plen, N_NEW))
+    cos = sin = torch.zeros(b, plen + N_NEW, CFG.head_dim)
+    keys = torch.ones(b, plen + N_NEW, dtype=torch.bool)
+
+    def call(first, steps, banned, start=plen, tables=cos):
+        return _kernels.greedy_decode(first, steps, w["embed_tokens"], d.flat_weights,
+                                      CFG.rms_norm_eps, tables, tables, cache.k, cache.v, start,
+                                      keys, d.stage.q_per_group, d.qkv_biases, w["norm"],
+                                      CFG.rms_norm_eps, w[eng.head_name], banned)
+    first = torch.tensor([3, 5])
+    with pytest.raises(RuntimeError, match="banned columns for 3 steps"):
+        call(first, 3, [-1, -1])
+    with pytest.raises(RuntimeError, match=r"positions \[4, 29\)"):
+        call(first, N_NEW + 1, [-1] * (N_NEW + 1))
+    with pytest.raises(RuntimeError, match="first_tokens outside"):
+        call(torch.tensor([3, CFG.vocab_size]), 2, [-1, -1])
+    with pytest.raises(RuntimeError, match="first_tokens must be int64"):
+        call(first.int(), 2, [-1, -1])
+    toks, lps = call(first, 0, [])
+    assert toks.shape == (b, 0) and lps.shape == (b, 0)
 
 
 # Two ranks -------------------------------------------------------------------------------------

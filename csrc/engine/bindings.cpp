@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_layer.h"
+#include "greedy_decode.h"
 #include "greedy_head.h"
 #include "onednn_matmul.h"
 #include "qkv_heads.h"
@@ -68,6 +69,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_head", &hybridflow::greedy_head, py::arg("x"), py::arg("norm_weight"),
         py::arg("eps"), py::arg("head"), py::arg("banned"), py::arg("row_lanes") = false,
         py::call_guard<py::gil_scoped_release>());
+  // greedy decode steps of rows that all run to the end, no Python between (greedy_decode.h)
+  m.def("greedy_decode", &hybridflow::greedy_decode, py::arg("first_tokens"), py::arg("steps"),
+        py::arg("embed"), py::arg("layer_weights"), py::arg("eps"), py::arg("cos"),
+        py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start_pos"),
+        py::arg("key_mask"), py::arg("q_per_group"), py::arg("qkv_biases"),
+        py::arg("norm_weight"), py::arg("norm_eps"), py::arg("head"), py::arg("banned"),
+        py::arg("row_lanes") = false, py::call_guard<py::gil_scoped_release>());
   m.def("counter_uniforms", &hybridflow::counter_uniforms, py::arg("seed"), py::arg("row_ids"),
         py::arg("cols"), "uniforms in (0, 1] from splitmix64 of (seed, row id, column)",
         py::call_guard<py::gil_scoped_release>());
