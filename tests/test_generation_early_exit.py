@@ -386,10 +386,10 @@ def test_greedy_decode_checks_its_operands():
     w, d = eng.weights, eng.paths.decode
     plen, b = 4, 2
     cache = KVCache(**eng._kv_cache_sizes(b, plen, N_NEW))
-    cos = sin = torch.zeros(b, plen + N_NEW, CFG.head_dim)
+    tables = torch.zeros(b, plen + N_NEW, CFG.head_dim)
     keys = torch.ones(b, plen + N_NEW, dtype=torch.bool)
 
-    def call(first, steps, banned, start=plen, tables=cos):
+    def call(first, steps, banned, start=plen):
         return _kernels.greedy_decode(first, steps, w["embed_tokens"], d.flat_weights,
                                       CFG.rms_norm_eps, tables, tables, cache.k, cache.v, start,
                                       keys, d.stage.q_per_group, d.qkv_biases, w["norm"],
