@@ -648,17 +648,17 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
               " layers (give none or one, possibly None, per layer)");
   std::vector<at::Tensor> biases(num_layers);  // undefined: no bias
   for (size_t l = 0; l < qkv_biases.size(); ++l) biases[l] = qkv_biases[l].value_or(at::Tensor());
+  std::vector<AttentionInputs> inputs;  // each layer's cache views, made once
   for (int64_t l = 0; l < num_layers; ++l) {
-    check_attention(x, layer_weights[6 * l + 1], biases[l], cos, sin, k_cache[l], v_cache[l],
-                    pos, key_mask, q_per_group);
+    inputs.push_back({cos, sin, k_cache.select(0, l), v_cache.select(0, l), at::Tensor()});
+    check_attention(x, layer_weights[6 * l + 1], biases[l], cos, sin, inputs[l].k_cache,
+                    inputs[l].v_cache, pos, key_mask, q_per_group);
     check_layer(layer_weights.data() + 6 * l, x.size(1),
                 k_cache.size(2) * q_per_group * k_cache.size(4));
   }
-  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   const at::Tensor mask = key_mask.narrow(1, 0, pos + 1).contiguous();
-  std::vector<AttentionInputs> inputs;
-  for (int64_t l = 0; l < num_layers; ++l)
-    inputs.push_back({cos, sin, k_cache[l], v_cache[l], mask});
+  for (AttentionInputs& in : inputs) in.key_mask = mask;
+  at::Tensor out = x.clone(at::MemoryFormat::Contiguous);
   if (shared_step_applies(x.size(0), layer_weights, biases)) {
     layers_shared_step(out, layer_weights, biases, inputs, eps, pos, q_per_group, row_lanes);
     return out;
