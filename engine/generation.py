@@ -9,7 +9,10 @@ the layer paths when the weights are set.  Float32 Llama-style models without o_
 or q/k norms (Llama, Mistral, Qwen2 with its q/k/v biases; not Qwen3) run the decode steps
 through the C++ kernels of ``engine._kernels`` (the whole stage in one call without TP, two
 calls per layer with it), reading the same views; the prefill and every other step run the
-Python layers, the reference the kernels are tested against.
+Python layers, the reference the kernels are tested against.  A greedy call whose rows all run
+to the end, on one stage without TP, takes all its decode steps in one call
+(``engine._kernels.greedy_decode``, ``greedy_loop=True``): the same kernel calls per step with
+no Python between them, so the same bits as the loop below.
 
 One call::
 
