@@ -333,7 +333,8 @@ def decode_profile(w: Workload, eng: GenerationEngine) -> dict:
     write + scaled_dot_product_attention) and ``layer_matmuls`` (q/k/v, o, gate/up, down);
     ``lm_head`` (the [B, H] x [H, V] product), ``sampling``
     (:func:`engine.sampling.sample_next`), ``other`` (the rest: embedding, residuals, the
-    loop's own Python); the prefill step apart."""
+    loop's own Python); the prefill step apart.  The steps run the Python loop (the timers
+    sit around its calls), not the one-call greedy loop (``greedy_loop``)."""
     sp = SamplingParams(max_new_tokens=w.new_tokens, temperature=0.0,
                         pad_token_id=w.pad_token_id)
     totals: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
@@ -360,11 +361,12 @@ def decode_profile(w: Workload, eng: GenerationEngine) -> dict:
     with contextlib.ExitStack() as stack:
         for module, name, key in patches:
             stack.enter_context(_timed(module, name, totals, key, phase))
-        eng._step = timed_step
+        eng._step, greedy_loop, eng.greedy_loop = timed_step, eng.greedy_loop, False
         try:
             out = eng.generate(w.ids, w.mask, sp)
         finally:
             del eng._step
+            eng.greedy_loop = greedy_loop
     steps = out.stats["forward_steps"] - 1
     decode = totals["decode"]
     parts = {k: decode.get(k, 0.0) / steps * 1e3
