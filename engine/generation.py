@@ -395,6 +395,14 @@ class GenerationEngine:
             n_alive = int(alive.sum())
             if n_alive == 0:
                 break
+            if rest_in_kernels:  # every row runs steps i + 1 .. n_new - 1: one call for them all
+                rest = n_new - 1 - i
+                out_ids[:, i + 1:], out_lp[:, i + 1:] = self._greedy_rest(
+                    paths.decode, out_ids[:, i], rest, cache, cos, sin, keys_ok[:, 0, 0],
+                    [sampling.banned_token(j) for j in range(i + 1, n_new)])
+                out_mask[:, i + 1:] = 1
+                steps, row_steps = steps + rest, row_steps + rest * batch
+                break
             rows = (decode_rows(batch, run.numel(), n_alive, threads, self.block_rows)
                     if self.early_exit else run.numel())
             if rows < run.numel():  # drop finished rows (every rank of the replica alike)
@@ -410,14 +418,6 @@ class GenerationEngine:
                 compactions += 1
             path, step_in, end = paths.decode, out_ids[at, i:i + 1], end + 1
             attn, rope = keys_ok[..., :end], (cos[:, end - 1:end], sin[:, end - 1:end])
-            if rest_in_kernels:  # every row runs steps 1 .. n_new - 1: one call for them all
-                rest = n_new - 1 - i
-                out_ids[:, i + 1:], out_lp[:, i + 1:] = self._greedy_rest(
-                    paths.decode, out_ids[:, i], rest, cache, cos, sin, keys_ok[:, 0, 0],
-                    [sampling.banned_token(j) for j in range(i + 1, n_new)])
-                out_mask[:, i + 1:] = 1
-                steps, row_steps = steps + rest, row_steps + rest * batch
-                break
         del cache  # the KV cache lives only for the call
         elapsed = time.perf_counter() - t0
         new_tokens = int(out_mask.sum())

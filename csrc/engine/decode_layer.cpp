@@ -175,18 +175,17 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 void attention_scores(const float* q, const float* k, const float* k_next, const bool* key_ok,
                       int64_t num_q, int64_t num_keys, int64_t head_dim, float scale,
                       float* scores, const float* new_key) {
-  // the new key (the last) from new_key, the others from the cache: the same sums in the same
-  // order, but no load waits on the stores that have just put the new key into its tiles (a
-  // vector load over a pending 4-byte store cannot be forwarded from it)
-  const int64_t cached = num_keys - (new_key != nullptr);
+  // the new key (the last, num_keys - 1) from new_key, the others from the cache: the same
+  // sums in the same order, but no load waits on the stores that have just put the new key
+  // into its tiles (a vector load over a pending 4-byte store cannot be forwarded from it)
+  const int64_t cached = num_keys - 1;
   if (!scores_by_count(kBlockCounts{}, num_q, q, k, k_next, cached, head_dim, scores, num_keys))
     scores_plain(q, k, num_q, cached, head_dim, scores, num_keys);
-  if (new_key != nullptr)
-    for (int64_t j = 0; j < num_q; ++j) {
-      float sum = 0.f;
-      for (int64_t d = 0; d < head_dim; ++d) sum += q[j * head_dim + d] * new_key[d];
-      scores[j * num_keys + cached] = sum;
-    }
+  for (int64_t j = 0; j < num_q; ++j) {
+    float sum = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) sum += q[j * head_dim + d] * new_key[d];
+    scores[j * num_keys + cached] = sum;
+  }
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores + j * num_keys;
     for (int64_t l = 0; l < num_keys; ++l)
