@@ -491,27 +491,46 @@ void check_layer(const at::Tensor* w, int64_t hidden, int64_t n_attn) {
               w[4].size(0) / 2, "] or stacked [m, H, F/m]");
 }
 
-// One product of the shared-step path for this thread's share of the weight rows:
-// y[:, n0:n1] = x @ w[n0:n1].T for w [N, K], or the stacked row-parallel form [m, N, K/m]
-// summed slice by slice as row_matmul_out does.  Returns [n0, n1).
-std::pair<int64_t, int64_t> product_share(const float* x, int64_t ldx, const at::Tensor& w,
-                                          float* y, int64_t ldy, int64_t rows, int64_t thread,
-                                          int64_t threads, bool row_lanes) {
-  const int64_t n = w.size(-2), k = w.size(-1), slices = w.dim() == 3 ? w.size(0) : 1;
-  const auto [n0, n1] = small_gemm_share(n, thread, threads);  // shapes: check_layer
-  const float* wp = w.data_ptr<float>();
-  for (int64_t i = 0; i < slices; ++i)
-    small_gemm_rows(x + i * k, ldx, wp + i * (slices > 1 ? w.stride(0) : 0), w.stride(-2), y,
-                    ldy, rows, n0, n1, k, i > 0, row_lanes);
-  return {n0, n1};
-}
-
 // y[r, c] += add[r, c] for the columns [c0, c1) of `rows` rows (one float add each, as add_).
 void add_columns(float* y, int64_t ldy, const float* add, int64_t ld_add, int64_t rows,
                  int64_t c0, int64_t c1) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = c0; c < c1; ++c) y[r * ldy + c] += add[r * ld_add + c];
 }
+
+// One product of the shared-step path for this thread's share of the weight rows:
+// y[:, n0:n1] = x @ w[n0:n1].T (+ bias) for w [N, K], or the stacked row-parallel form
+// [m, N, K/m] summed slice by slice as row_matmul_out does.  Returns [n0, n1).
+std::pair<int64_t, int64_t> product_share(const float* x, int64_t ldx, const at::Tensor& w,
+                                          float* y, int64_t ldy, int64_t rows, int64_t thread,
+                                          int64_t threads, bool row_lanes,
+                                          const float* bias = nullptr) {
+  const int64_t n = w.size(-2), k = w.size(-1), slices = w.dim() == 3 ? w.size(0) : 1;
+  const auto [n0, n1] = small_gemm_share(n, thread, threads);  // shapes: check_layer
+  const float* wp = w.data_ptr<float>();
+  for (int64_t i = 0; i < slices; ++i)
+    small_gemm_rows(x + i * k, ldx, wp + i * (slices > 1 ? w.stride(0) : 0), w.stride(-2), y,
+                    ldy, rows, n0, n1, k, i > 0, row_lanes, i == 0 ? bias : nullptr);
+  return {n0, n1};
+}
+
+// h[:, n0:n1] += x @ w[n0:n1].T, this thread's share of a product that ends in the residual
+// stream: a plain weight [N, K] adds each output to h as it is stored (one float add, as
+// h.add_(part)); the stacked form [m, N, K/m] sums its slices into `part` first (their sum is
+// what row_matmul_out adds to h).
+void residual_share(const float* x, int64_t ldx, const at::Tensor& w, float* h, float* part,
+                    int64_t hidden, int64_t rows, int64_t thread, int64_t threads,
+                    bool row_lanes) {
+  if (w.dim() == 2) {
+    const auto [n0, n1] = small_gemm_share(w.size(0), thread, threads);
+    small_gemm_rows(x, ldx, w.data_ptr<float>(), w.stride(0), h, hidden, rows, n0, n1,
+                    w.size(1), true, row_lanes);
+    return;
+  }
+  const auto [n0, n1] = product_share(x, ldx, w, part, hidden, rows, thread, threads, row_lanes);
+  add_columns(h, hidden, part, hidden, rows, n0, n1);
+}
+
 
 // Can decode_layers take its batch on the shared-step path: more than one thread, 1 to
 // kSmallGemmMaxRows rows (the small GEMM takes them whole), every matrix with unit inner stride
@@ -568,16 +587,13 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
       rms_norm_rows(hp + r0 * hidden, norms[2 * l].data_ptr<float>(), rows, hidden, epsf,
                     xp + r0 * hidden, nullptr);
 #pragma omp barrier
-      const auto [q0, q1] = product_share(xp, hidden, w[1], qp, n_qkv, batch, t, nt, row_lanes);
-      if (biases[l].defined()) {
-        add_columns(qp, n_qkv, biases[l].data_ptr<float>(), 0, batch, q0, q1);  // one bias row
-      }
+      product_share(xp, hidden, w[1], qp, n_qkv, batch, t, nt, row_lanes,
+                    biases[l].defined() ? biases[l].data_ptr<float>() : nullptr);
 #pragma omp barrier
       attend_pairs(qp + p0 * n_qkv / groups, p0, p1, inputs[l], pos, q_per_group,
                    ap + p0 * n_attn / groups);
 #pragma omp barrier
-      const auto [o0, o1] = product_share(ap, n_attn, w[2], pp, hidden, batch, t, nt, row_lanes);
-      add_columns(hp, hidden, pp, hidden, batch, o0, o1);
+      residual_share(ap, n_attn, w[2], hp, pp, hidden, batch, t, nt, row_lanes);
 #pragma omp barrier
       rms_norm_rows(hp + r0 * hidden, norms[2 * l + 1].data_ptr<float>(), rows, hidden, epsf,
                     xp + r0 * hidden, nullptr);
@@ -585,9 +601,7 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
       const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt, row_lanes);
       swiglu_forward_rows(gp + g0, n_gu, actp + g0 / 2, n_gu / 2, batch, (g1 - g0) / 2);
 #pragma omp barrier
-      const auto [d0, d1] =
-          product_share(actp, n_gu / 2, w[5], pp, hidden, batch, t, nt, row_lanes);
-      add_columns(hp, hidden, pp, hidden, batch, d0, d1);
+      residual_share(actp, n_gu / 2, w[5], hp, pp, hidden, batch, t, nt, row_lanes);
 #pragma omp barrier
     }
   }

@@ -102,7 +102,7 @@ inline __attribute__((always_inline)) V reduce_lanes(V* a) {
 template <typename V, int MB, int NB>
 inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, const float* w,
                                                  int64_t ldw, float* y, int64_t ldy, int64_t k,
-                                                 bool accumulate) {
+                                                 bool accumulate, const float* bias) {
   constexpr int64_t L = lanes<V>();
   V acc[MB][NB];
   for (int i = 0; i < MB; ++i)
@@ -143,7 +143,7 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, co
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
       const float s = sums[i * NB + j];
-      y[i * ldy + j] = accumulate ? y[i * ldy + j] + s : s;
+      y[i * ldy + j] = accumulate ? y[i * ldy + j] + s : bias != nullptr ? s + bias[j] : s;
     }
 }
 
@@ -151,11 +151,14 @@ template <typename V, int MB>
 inline __attribute__((always_inline)) void row_block(const float* x, int64_t ldx,
                                                      const float* w, int64_t ldw, float* y,
                                                      int64_t ldy, int64_t n, int64_t k,
-                                                     bool accumulate) {
+                                                     bool accumulate, const float* bias) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4)
-    block<V, MB, 4>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate);
-  for (; j < n; ++j) block<V, MB, 1>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate);
+    block<V, MB, 4>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate,
+                    bias != nullptr ? bias + j : nullptr);
+  for (; j < n; ++j)
+    block<V, MB, 1>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate,
+                    bias != nullptr ? bias + j : nullptr);
 }
 
 // Weight rows outer, x rows inner: each 4-row slice of w is read once from memory and used
@@ -164,32 +167,34 @@ template <typename V>
 inline __attribute__((always_inline)) void gemm_lanes(const float* x, int64_t ldx,
                                                       const float* w, int64_t ldw, float* y,
                                                       int64_t ldy, int64_t m, int64_t n,
-                                                      int64_t k, bool accumulate) {
+                                                      int64_t k, bool accumulate,
+                                                      const float* bias) {
   for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
     const int64_t nb = std::min(kPanel, n - j0);
+    const float* b = bias != nullptr ? bias + j0 : nullptr;
     int64_t i = 0;
     for (; i + 4 <= m; i += 4)
       row_block<V, 4>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
-                      accumulate);
+                      accumulate, b);
     for (; i < m; ++i)
       row_block<V, 1>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
-                      accumulate);
+                      accumulate, b);
   }
 }
 
 // 8 lanes: x86-64-v3 (AVX2 + FMA) and a plain default clone.
 __attribute__((target_clones("arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
 void gemm8(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
-           int64_t m, int64_t n, int64_t k, bool accumulate) {
-  gemm_lanes<v8>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate);
+           int64_t m, int64_t n, int64_t k, bool accumulate, const float* bias) {
+  gemm_lanes<v8>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
 }
 
 // 16 lanes where the CPU has AVX-512 (x86-64-v4: 32 vector registers hold the 16
 // accumulators); 1.3-1.4x the 8-lane kernel on a Zen 5 core (4 to 32 rows).
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
 void gemm16(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
-            int64_t m, int64_t n, int64_t k, bool accumulate) {
-  gemm_lanes<v16>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate);
+            int64_t m, int64_t n, int64_t k, bool accumulate, const float* bias) {
+  gemm_lanes<v16>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
 }
 
 // ---- the row-lane form: lanes over the rows of x ------------------------------------------
@@ -239,12 +244,11 @@ inline __attribute__((always_inline)) void transpose_rows(const float* x, int64_
   }
 }
 
-// y[0:m, 0:NB] (+)= x @ w[0:NB].T from xt: NB weight rows by MV vectors of 16 rows of x.
+// Outputs of NB weight rows by MV vectors of 16 rows of x, from xt: acc[j][v] holds y[16 v + i,
+// j] in lane i.  Stored as they are (vector stores) into the chunk buffer yt [NB, 16 MV].
 template <int NB, int MV>
 inline __attribute__((always_inline)) void row_lane_block(const float* xt, const float* w,
-                                                          int64_t ldw, float* y, int64_t ldy,
-                                                          int64_t m, int64_t k,
-                                                          bool accumulate) {
+                                                          int64_t ldw, float* yt, int64_t k) {
   constexpr int64_t ld = kSmallGemmMaxRows;
   v16 acc[NB][MV];
   for (int j = 0; j < NB; ++j)
@@ -260,47 +264,88 @@ inline __attribute__((always_inline)) void row_lane_block(const float* xt, const
       for (int v = 0; v < MV; ++v) acc[j][v] = xv[v] * b + acc[j][v];
     }
   }
-  float out[NB][16 * MV];
   for (int j = 0; j < NB; ++j)
-    for (int v = 0; v < MV; ++v) std::memcpy(&out[j][16 * v], &acc[j][v], sizeof acc[j][v]);
-  for (int64_t i = 0; i < m; ++i)
-    for (int j = 0; j < NB; ++j) {
-      const float s = out[j][i];
-      y[i * ldy + j] = accumulate ? y[i * ldy + j] + s : s;
-    }
+    for (int v = 0; v < MV; ++v) std::memcpy(yt + j * 16 * MV + 16 * v, &acc[j][v], sizeof(v16));
 }
 
+// y[0:m, 0:nb] (+)= the chunk yt [nb, 16 MV] (yt[j, i] = y[i, j]), nb <= 16: each 16 x 16
+// block transposed in registers, then one (masked to nb columns) vector store per row of y
+// instead of nb scalar stores.  Every output is stored, or added to y once, as it was.
+template <int MV>
+inline __attribute__((always_inline)) void store_chunk(const float* yt, int64_t nb, float* y,
+                                                       int64_t ldy, int64_t m, bool accumulate,
+                                                       const float* bias) {
+  v16 b{};
+  if (bias != nullptr) {
+    float lanes[16] = {};
+    std::memcpy(lanes, bias, nb * sizeof(float));
+    b = load<v16>(lanes);
+  }
+  for (int v = 0; v < MV; ++v) {
+    v16 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < nb ? load<v16>(yt + j * 16 * MV + 16 * v) : v16{};
+    transpose_round<8>(r);
+    transpose_round<4>(r);
+    transpose_round<2>(r);
+    transpose_round<1>(r);
+    const int64_t rows = std::min<int64_t>(16, m - 16 * v);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* yr = y + (16 * v + i) * ldy;
+      if (nb == 16) {
+        const v16 out = accumulate ? load<v16>(yr) + r[i] : bias != nullptr ? r[i] + b : r[i];
+        std::memcpy(yr, &out, sizeof out);
+      } else {
+        float lanes[16];
+        std::memcpy(lanes, &r[i], sizeof lanes);
+        for (int64_t j = 0; j < nb; ++j)
+          yr[j] = accumulate ? yr[j] + lanes[j] : bias != nullptr ? lanes[j] + bias[j] : lanes[j];
+      }
+    }
+  }
+}
+
+// y[0:m, 0:n] (+)= x @ w[0:n].T from xt, in chunks of 16 weight rows (kRowLaneAccumulators / MV
+// rows a register block) stored by store_chunk.
 template <int MV>
 inline __attribute__((always_inline)) void row_lane_rows(const float* xt, const float* w,
                                                          int64_t ldw, float* y, int64_t ldy,
                                                          int64_t m, int64_t n, int64_t k,
-                                                         bool accumulate) {
+                                                         bool accumulate, const float* bias) {
   constexpr int nb = kRowLaneAccumulators / MV;  // weight rows a block
+  alignas(64) float yt[16 * 16 * MV];             // one chunk: 16 weight rows x 16 MV rows
   int64_t j = 0;
-  for (; j + nb <= n; j += nb)
-    row_lane_block<nb, MV>(xt, w + j * ldw, ldw, y + j, ldy, m, k, accumulate);
-  for (; j + 4 <= n; j += 4)
-    row_lane_block<4, MV>(xt, w + j * ldw, ldw, y + j, ldy, m, k, accumulate);
-  for (; j < n; ++j) row_lane_block<1, MV>(xt, w + j * ldw, ldw, y + j, ldy, m, k, accumulate);
+  for (; j + 16 <= n; j += 16) {
+    for (int b = 0; b < 16; b += nb)
+      row_lane_block<nb, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, k);
+    store_chunk<MV>(yt, 16, y + j, ldy, m, accumulate, bias != nullptr ? bias + j : nullptr);
+  }
+  if (j < n) {
+    int64_t b = 0;
+    for (; j + b + 4 <= n; b += 4)
+      row_lane_block<4, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, k);
+    for (; j + b < n; ++b) row_lane_block<1, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, k);
+    store_chunk<MV>(yt, n - j, y + j, ldy, m, accumulate, bias != nullptr ? bias + j : nullptr);
+  }
 }
 
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
 void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                    int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate) {
+                    int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate,
+                    const float* bias) {
   thread_local std::vector<float> xt;  // [k, 32], this thread's transposed x
   if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
   for (int64_t i = 0; i < m; i += kSmallGemmMaxRows) {  // a decode step: one pass of <= 32
     const int64_t rows = std::min(kSmallGemmMaxRows, m - i);
     transpose_rows(x + i * ldx, ldx, rows, k, xt.data());
     if (rows > 16)
-      row_lane_rows<2>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate);
+      row_lane_rows<2>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate, bias);
     else
-      row_lane_rows<1>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate);
+      row_lane_rows<1>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate, bias);
   }
 }
 
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                        int64_t, int64_t, bool);
+                        int64_t, int64_t, bool, const float*);
 
 GemmFn pick_gemm() {
   __builtin_cpu_init();
@@ -323,12 +368,14 @@ bool row_lanes_supported() { return row_lanes_here; }
 
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                      int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,
-                     bool row_lanes) {
+                     bool row_lanes, const float* bias) {
+  TORCH_CHECK(!(accumulate && bias != nullptr), "small_gemm_rows: a bias with accumulate");
   if (n1 <= n0) return;
+  const float* b = bias != nullptr ? bias + n0 : nullptr;
   if (row_lanes && row_lanes_here)
-    gemm_row_lanes(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate);
+    gemm_row_lanes(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate, b);
   else
-    gemm(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate);
+    gemm(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate, b);
 }
 
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,

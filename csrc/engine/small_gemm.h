@@ -43,9 +43,11 @@ std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t 
 
 // The product of small_linear_out for the weight rows [n0, n1) only, on the calling thread,
 // on raw rows (leading dimensions ldx, ldw, ldy): y[:, n0:n1] (+)= x [m, k] @ w[n0:n1].T.
-// Every output is the same sum as in small_linear_out (in the form row_lanes picks).
+// Every output is the same sum as in small_linear_out (in the form row_lanes picks).  With a
+// bias (indexed like the columns of y, all n of them; not with accumulate) each output is
+// stored as sum + bias[j]: one float add, as (x @ w.T) + bias in ATen.
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                      int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,
-                     bool row_lanes = false);
+                     bool row_lanes = false, const float* bias = nullptr);
 
 }  // namespace hybridflow
