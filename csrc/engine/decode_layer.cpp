@@ -567,7 +567,12 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
   const at::TensorOptions options = h.options();
   at::Tensor xn = at::empty({batch, hidden}, options), part = at::empty({batch, hidden}, options);
   at::Tensor qkv = at::empty({batch, n_qkv}, options), attn = at::empty({batch, n_attn}, options);
-  at::Tensor gu = at::empty({batch, n_gu}, options), act = at::empty({batch, n_gu / 2}, options);
+  // the MLP in the row-lane layout (small_gemm.h) where the products take the row-lane form:
+  // gate/up stored as gu_t [2F, 32], the SwiGLU on it, and the down projection reading act_t
+  // [F, 32] as its transposed input (no transposes in between); same bits as the row layout
+  const bool mlp_in_lanes = row_lanes && row_lanes_supported() && layer_weights[5].dim() == 2;
+  const int64_t mlp_rows = mlp_in_lanes ? kSmallGemmMaxRows : batch;
+  at::Tensor gu = at::empty({mlp_rows, n_gu}, options), act = at::empty({mlp_rows, n_gu / 2}, options);
   std::vector<at::Tensor> norms;
   for (int64_t l = 0; l < num_layers; ++l)
     for (int j : {0, 3}) norms.push_back(layer_weights[6 * l + j].contiguous());
@@ -598,10 +603,23 @@ void layers_shared_step(at::Tensor& h, const std::vector<at::Tensor>& layer_weig
       rms_norm_rows(hp + r0 * hidden, norms[2 * l + 1].data_ptr<float>(), rows, hidden, epsf,
                     xp + r0 * hidden, nullptr);
 #pragma omp barrier
-      const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt, row_lanes);
-      swiglu_forward_rows(gp + g0, n_gu, actp + g0 / 2, n_gu / 2, batch, (g1 - g0) / 2);
+      if (mlp_in_lanes) {
+        const auto [g0, g1] = small_gemm_share(n_gu, t, nt);  // whole panels: even
+        small_gemm_rows_to_lanes(xp, hidden, batch, w[4].data_ptr<float>(), w[4].stride(0), gp,
+                                 g0, g1, hidden);
+        swiglu_forward_lanes(gp, actp, kSmallGemmMaxRows, g0 / 2, g1 / 2);
+      } else {
+        const auto [g0, g1] = product_share(xp, hidden, w[4], gp, n_gu, batch, t, nt, row_lanes);
+        swiglu_forward_rows(gp + g0, n_gu, actp + g0 / 2, n_gu / 2, batch, (g1 - g0) / 2);
+      }
 #pragma omp barrier
-      residual_share(actp, n_gu / 2, w[5], hp, pp, hidden, batch, t, nt, row_lanes);
+      if (mlp_in_lanes) {
+        const auto [d0, d1] = small_gemm_share(hidden, t, nt);
+        small_gemm_rows_from_lanes(actp, batch, w[5].data_ptr<float>(), w[5].stride(0), hp,
+                                   hidden, d0, d1, n_gu / 2, true);
+      } else {
+        residual_share(actp, n_gu / 2, w[5], hp, pp, hidden, batch, t, nt, row_lanes);
+      }
 #pragma omp barrier
     }
   }

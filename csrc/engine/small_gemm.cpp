@@ -245,10 +245,11 @@ inline __attribute__((always_inline)) void transpose_rows(const float* x, int64_
 }
 
 // Outputs of NB weight rows by MV vectors of 16 rows of x, from xt: acc[j][v] holds y[16 v + i,
-// j] in lane i.  Stored as they are (vector stores) into the chunk buffer yt [NB, 16 MV].
+// j] in lane i.  Stored as they are (vector stores) at yt + j * ldt + 16 v.
 template <int NB, int MV>
 inline __attribute__((always_inline)) void row_lane_block(const float* xt, const float* w,
-                                                          int64_t ldw, float* yt, int64_t k) {
+                                                          int64_t ldw, float* yt, int64_t ldt,
+                                                          int64_t k) {
   constexpr int64_t ld = kSmallGemmMaxRows;
   v16 acc[NB][MV];
   for (int j = 0; j < NB; ++j)
@@ -265,7 +266,7 @@ inline __attribute__((always_inline)) void row_lane_block(const float* xt, const
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int v = 0; v < MV; ++v) std::memcpy(yt + j * 16 * MV + 16 * v, &acc[j][v], sizeof(v16));
+    for (int v = 0; v < MV; ++v) std::memcpy(yt + j * ldt + 16 * v, &acc[j][v], sizeof(v16));
 }
 
 // y[0:m, 0:nb] (+)= the chunk yt [nb, 16 MV] (yt[j, i] = y[i, j]), nb <= 16: each 16 x 16
@@ -316,14 +317,15 @@ inline __attribute__((always_inline)) void row_lane_rows(const float* xt, const 
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     for (int b = 0; b < 16; b += nb)
-      row_lane_block<nb, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, k);
+      row_lane_block<nb, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
     store_chunk<MV>(yt, 16, y + j, ldy, m, accumulate, bias != nullptr ? bias + j : nullptr);
   }
   if (j < n) {
     int64_t b = 0;
     for (; j + b + 4 <= n; b += 4)
-      row_lane_block<4, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, k);
-    for (; j + b < n; ++b) row_lane_block<1, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, k);
+      row_lane_block<4, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
+    for (; j + b < n; ++b)
+      row_lane_block<1, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
     store_chunk<MV>(yt, n - j, y + j, ldy, m, accumulate, bias != nullptr ? bias + j : nullptr);
   }
 }
@@ -342,6 +344,41 @@ void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, fl
     else
       row_lane_rows<1>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate, bias);
   }
+}
+
+// y_t [n, 32] = (x @ w[0:n].T) in the lane layout, from x [m, k] row-major (rows past m of
+// y_t hold the products of zero rows).
+template <int MV>
+inline __attribute__((always_inline)) void row_lane_rows_t(const float* xt, const float* w,
+                                                           int64_t ldw, float* yt, int64_t n,
+                                                           int64_t k) {
+  constexpr int nb = kRowLaneAccumulators / MV;
+  constexpr int64_t ld = kSmallGemmMaxRows;
+  int64_t j = 0;
+  for (; j + nb <= n; j += nb) row_lane_block<nb, MV>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
+  for (; j + 4 <= n; j += 4) row_lane_block<4, MV>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
+  for (; j < n; ++j) row_lane_block<1, MV>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
+}
+
+__attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+void gemm_to_lanes(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw,
+                   float* yt, int64_t n, int64_t k) {
+  thread_local std::vector<float> xt;
+  if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
+  transpose_rows(x, ldx, m, k, xt.data());
+  if (m > 16)
+    row_lane_rows_t<2>(xt.data(), w, ldw, yt, n, k);
+  else
+    row_lane_rows_t<1>(xt.data(), w, ldw, yt, n, k);
+}
+
+__attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+void gemm_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw, float* y,
+                     int64_t ldy, int64_t n, int64_t k, bool accumulate) {
+  if (m > 16)
+    row_lane_rows<2>(xt, w, ldw, y, ldy, m, n, k, accumulate, nullptr);
+  else
+    row_lane_rows<1>(xt, w, ldw, y, ldy, m, n, k, accumulate, nullptr);
 }
 
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
@@ -369,13 +406,23 @@ bool row_lanes_supported() { return row_lanes_here; }
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                      int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,
                      bool row_lanes, const float* bias) {
-  TORCH_CHECK(!(accumulate && bias != nullptr), "small_gemm_rows: a bias with accumulate");
   if (n1 <= n0) return;
   const float* b = bias != nullptr ? bias + n0 : nullptr;
   if (row_lanes && row_lanes_here)
     gemm_row_lanes(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate, b);
   else
     gemm(x, ldx, w + n0 * ldw, ldw, y + n0, ldy, m, n1 - n0, k, accumulate, b);
+}
+
+void small_gemm_rows_to_lanes(const float* x, int64_t ldx, int64_t m, const float* w,
+                              int64_t ldw, float* yt, int64_t n0, int64_t n1, int64_t k) {
+  if (n1 > n0) gemm_to_lanes(x, ldx, m, w + n0 * ldw, ldw, yt + n0 * kSmallGemmMaxRows, n1 - n0, k);
+}
+
+void small_gemm_rows_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw,
+                                float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t k,
+                                bool accumulate) {
+  if (n1 > n0) gemm_from_lanes(xt, m, w + n0 * ldw, ldw, y + n0, ldy, n1 - n0, k, accumulate);
 }
 
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,

@@ -44,10 +44,25 @@ std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t 
 // The product of small_linear_out for the weight rows [n0, n1) only, on the calling thread,
 // on raw rows (leading dimensions ldx, ldw, ldy): y[:, n0:n1] (+)= x [m, k] @ w[n0:n1].T.
 // Every output is the same sum as in small_linear_out (in the form row_lanes picks).  With a
-// bias (indexed like the columns of y, all n of them; not with accumulate) each output is
+// bias (indexed like the columns of y, all n of them; ignored with accumulate) each output is
 // stored as sum + bias[j]: one float add, as (x @ w.T) + bias in ATen.
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                      int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,
                      bool row_lanes = false, const float* bias = nullptr);
+
+// The row-lane form with the rows of x or y in the vector lanes, as its kernel holds them (for
+// chained products that skip the transposes between them).  Only where row_lanes_supported(),
+// for 1 to kSmallGemmMaxRows rows: the caller checks (these run inside parallel regions and
+// check nothing).  The lane layout of a matrix a [m, n] is a_t [n, kSmallGemmMaxRows],
+// a_t[j * kSmallGemmMaxRows + r] = a[r, j].  Every output is the same sum as in
+// small_gemm_rows(..., row_lanes = true).
+// y_t[n0:n1] = (x [m, k] @ w[n0:n1].T) in the lane layout (rows m.. of y_t: the products of
+// zero rows).
+void small_gemm_rows_to_lanes(const float* x, int64_t ldx, int64_t m, const float* w,
+                              int64_t ldw, float* yt, int64_t n0, int64_t n1, int64_t k);
+// y[:, n0:n1] (+)= x @ w[n0:n1].T for x given in the lane layout, x_t [k, kSmallGemmMaxRows].
+void small_gemm_rows_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw,
+                                float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t k,
+                                bool accumulate);
 
 }  // namespace hybridflow

@@ -37,6 +37,21 @@ inline void load_pairs(const float* gu, vf& gate, vf& up) {
   up = __builtin_shuffle(a, b, kOdd);
 }
 
+// pairs [f0, f1) with the batch rows in the lanes: gate and up of pair f are the rows 2f and
+// 2f + 1 of gu_t [2F, ld], the output the row f of y_t [F, ld]; each lane rounds by the same
+// operations as forward_pairs
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void forward_pairs_lanes(const float* gu_t, float* y_t, int64_t ld, int64_t f0, int64_t f1) {
+  for (int64_t f = f0; f < f1; ++f)
+    for (int64_t c = 0; c < ld; c += kLanes) {
+      vf gate, up;
+      std::memcpy(&gate, gu_t + 2 * f * ld + c, sizeof gate);
+      std::memcpy(&up, gu_t + (2 * f + 1) * ld + c, sizeof up);
+      const vf out = gate * vsigmoid(gate) * up;
+      std::memcpy(y_t + f * ld + c, &out, sizeof out);
+    }
+}
+
 // pairs [begin, end) of a run whose length is a multiple of kLanes
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 void forward_pairs(const float* gu, float* y, int64_t begin, int64_t end) {
@@ -97,6 +112,10 @@ void swiglu_forward_rows(const float* gu, int64_t ld_gu, float* y, int64_t ld_y,
                [](const float* g, const float*, float* o, int64_t b, int64_t e) {
                  forward_pairs(g, o, b, e);
                });
+}
+
+void swiglu_forward_lanes(const float* gu_t, float* y_t, int64_t ld, int64_t f0, int64_t f1) {
+  forward_pairs_lanes(gu_t, y_t, ld, f0, f1);
 }
 
 at::Tensor swiglu_forward(const at::Tensor& gu_in) {
