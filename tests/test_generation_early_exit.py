@@ -403,8 +403,35 @@ def test_greedy_decode_checks_its_operands():
         call(torch.tensor([3, CFG.vocab_size]), 2, [-1, -1])
     with pytest.raises(RuntimeError, match="first_tokens must be int64"):
         call(first.int(), 2, [-1, -1])
+    with pytest.raises(RuntimeError, match="banned column 999"):
+        call(first, 2, [-1, 999])
     toks, lps = call(first, 0, [])
     assert toks.shape == (b, 0) and lps.shape == (b, 0)
+
+
+@pytest.mark.parametrize("batch", [32, 5])
+def test_greedy_loop_same_bits_on_one_thread(batch, monkeypatch):
+    """greedy_decode on one thread (each step the decode_layers and greedy_head calls) and on
+    two (every step in one parallel region the threads share) give the Python loop's tokens
+    and log-probs bit for bit."""
+    _, looped = engine(CFG, True, early_exit=True, greedy_loop=False)
+    if not looped.fused_decode:
+        pytest.skip("C++ kernels not built")
+    _, fused = engine(CFG, True, early_exit=True)
+    ids, mask, _ = batch_of(batch, seed=9)
+    sp = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+    want = looped.generate(ids, mask, sp)
+    calls = []
+    record_forms(monkeypatch, calls)
+    threads = torch.get_num_threads()
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        try:
+            got = fused.generate(ids, mask, sp)
+        finally:
+            torch.set_num_threads(threads)
+        assert_same(got, want)
+    assert calls.count("greedy_decode") == 2
 
 
 # Two ranks -------------------------------------------------------------------------------------

@@ -39,8 +39,12 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
                          const std::vector<std::optional<at::Tensor>>& qkv_biases,
                          bool row_lanes);
 
-// Matrix products of a decode step: the in-place small-M kernel (default) or BLAS for all
-// (benchmarks and tests compare the two).
-void use_small_gemm(bool enabled);
+// decode_layers' operand checks (TORCH_CHECK) for the new token at position pos, cos/sin
+// [B, D] its RoPE rows; returns the qkv biases, one per layer (undefined: none).
+std::vector<at::Tensor> check_decode_layers(
+    const at::Tensor& x, const std::vector<at::Tensor>& layer_weights, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t pos,
+    const at::Tensor& key_mask, int64_t q_per_group,
+    const std::vector<std::optional<at::Tensor>>& qkv_biases);
 
 }  // namespace hybridflow

@@ -3,6 +3,14 @@
 
 #include "decode_layer.h"
 #include "greedy_head.h"
+#include "shared_step.h"
+#include "vocab_rows.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <omp.h>
+
+#include <cstring>
 
 namespace hybridflow {
 
@@ -31,24 +39,67 @@ std::tuple<at::Tensor, at::Tensor> greedy_decode(
               "greedy_decode: cos/sin [B, P + N, D] and key_mask [B, P + N] covering positions "
               "[", start_pos, ", ", start_pos + steps, ") expected, got ", cos.sizes(), " and ",
               key_mask.sizes());
-  if (steps > 0) {
-    const int64_t vocab = embed.size(0);
-    TORCH_CHECK(((first_tokens >= 0) & (first_tokens < vocab)).all().item<bool>(),
-                "greedy_decode: first_tokens outside [0, ", vocab, ")");
-  }
   at::Tensor tokens = at::empty({batch, steps}, first_tokens.options());
   at::Tensor log_probs = at::empty({batch, steps}, embed.options());
-  at::Tensor last = first_tokens;
-  for (int64_t s = 0; s < steps; ++s) {
-    const int64_t pos = start_pos + s;
-    const at::Tensor x = embed.index_select(0, last);  // [B, H]: F.embedding's rows
-    const at::Tensor h = decode_layers(x, layer_weights, eps, cos.select(1, pos),
-                                       sin.select(1, pos), k_cache, v_cache, pos, key_mask,
-                                       q_per_group, qkv_biases, row_lanes);
-    auto [tok, lp] = greedy_head(h, norm_weight, norm_eps, head, banned[s], row_lanes);
-    tokens.select(1, s).copy_(tok);
-    log_probs.select(1, s).copy_(lp);
-    last = tok;
+  if (steps == 0) return {tokens, log_probs};
+  const int64_t vocab = embed.size(0);
+  TORCH_CHECK(((first_tokens >= 0) & (first_tokens < vocab)).all().item<bool>(),
+              "greedy_decode: first_tokens outside [0, ", vocab, ")");
+  // the checks of every step's calls, made once: decode_layers' at the last position (the
+  // first step's operands otherwise), greedy_head's and every banned column
+  const int64_t last_pos = start_pos + steps - 1;
+  const at::Tensor x = embed.index_select(0, first_tokens);  // [B, H]: F.embedding's rows
+  const std::vector<at::Tensor> biases =
+      check_decode_layers(x, layer_weights, cos.select(1, last_pos), sin.select(1, last_pos),
+                          k_cache, v_cache, last_pos, key_mask, q_per_group, qkv_biases);
+  const GreedyHeadStep head_step(batch, x.size(1), norm_weight, norm_eps, head, row_lanes);
+  for (const int64_t b : banned) check_banned(b, head.size(0), "greedy_decode");
+  if (!SharedDecodeStep::applies(batch, layer_weights, biases) || embed.stride(1) != 1) {
+    at::Tensor last = first_tokens;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t pos = start_pos + s;
+      const at::Tensor h = decode_layers(embed.index_select(0, last), layer_weights, eps,
+                                         cos.select(1, pos), sin.select(1, pos), k_cache,
+                                         v_cache, pos, key_mask, q_per_group, qkv_biases,
+                                         row_lanes);
+      auto [tok, lp] = greedy_head(h, norm_weight, norm_eps, head, banned[s], row_lanes);
+      tokens.select(1, s).copy_(tok);
+      log_probs.select(1, s).copy_(lp);
+      last = tok;
+    }
+    return {tokens, log_probs};
+  }
+  // every step in one parallel region: each thread looks up the embedding rows of its own
+  // rows (those it chose the tokens of), runs the layers' shared step and the head
+  const int threads = at::get_num_threads();
+  const int64_t hidden = x.size(1);
+  const SharedDecodeStep layers(batch, hidden, layer_weights, biases, eps, k_cache, v_cache,
+                                key_mask, q_per_group, row_lanes, threads);
+  at::Tensor h = at::empty({batch, hidden}, embed.options());
+  const bool same_strides = cos.strides() == sin.strides();  // one stride for both in run()
+  const at::Tensor rope_cos = same_strides ? cos : cos.contiguous();
+  const at::Tensor rope_sin = same_strides ? sin : sin.contiguous();
+  const at::Tensor first = first_tokens.contiguous();
+  const float *emb = embed.data_ptr<float>(), *cp = rope_cos.data_ptr<float>(),
+              *sp = rope_sin.data_ptr<float>();
+  const int64_t* first_p = first.data_ptr<int64_t>();
+  float *hp = h.data_ptr<float>(), *lpp = log_probs.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+#pragma omp parallel num_threads(threads)
+  {
+    const c10::AutoGradMode no_grad(false);  // grad mode is per thread; inference kernels
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t r0 = t * batch / nt, r1 = (t + 1) * batch / nt;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t pos = start_pos + s;
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t id = s == 0 ? first_p[r] : tp[r * steps + s - 1];
+        std::memcpy(hp + r * hidden, emb + id * embed.stride(0), hidden * sizeof(float));
+      }
+      layers.run(t, nt, hp, pos, cp + pos * rope_cos.stride(1), sp + pos * rope_sin.stride(1),
+                 rope_cos.stride(0));
+      head_step.run(t, nt, hp, banned[s], tp + s, lpp + s, steps);
+    }
   }
   return {tokens, log_probs};
 }

@@ -14,7 +14,11 @@ namespace hybridflow {
 // position start_pos + s -> greedy_head with banned[s] -> the next tokens.  The tokens, log
 // probabilities and cache contents are the loop's bits (the same kernels on the same
 // operands); what it saves is the Python of each step (the loop's bookkeeping, two calls
-// into the extension, the views of the tables).
+// into the extension, the views of the tables).  Where decode_layers would share its step
+// between the threads, every step runs in one parallel region (SharedDecodeStep and
+// GreedyHeadStep, built once: the checks, views and buffers are made once per call, not once
+// per step, and there is one fork/join per call); otherwise each step calls decode_layers and
+// greedy_head.
 //   first_tokens [B] (int64): the tokens the prefill chose;
 //   embed [V, H]: the input embedding (rows looked up, no product);
 //   layer_weights, eps, k_cache, v_cache, q_per_group, qkv_biases, row_lanes: as

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <tuple>
 
 namespace hybridflow {
@@ -20,5 +21,26 @@ std::tuple<at::Tensor, at::Tensor> greedy_head(const at::Tensor& x,
                                                const at::Tensor& norm_weight, double eps,
                                                const at::Tensor& head, int64_t banned,
                                                bool row_lanes = false);
+
+// greedy_head built once for a run of steps (greedy_decode.cpp): the operands checked and the
+// work space made at construction, run() by every thread of a parallel region.
+class GreedyHeadStep {
+ public:
+  GreedyHeadStep(int64_t rows, int64_t hidden, const at::Tensor& norm_weight, double eps,
+                 const at::Tensor& head, bool row_lanes);
+
+  // On thread t of the region's nt: the rows x [R, H] (contiguous; each thread reads only its
+  // own rows [t R / nt, (t + 1) R / nt)); row r's token and log-probability are stored at
+  // tokens[r * stride] and log_probs[r * stride] by the thread that owns the row.  banned as
+  // greedy_head (checked by the caller: check_banned).
+  void run(int64_t t, int64_t nt, const float* x, int64_t banned, int64_t* tokens,
+           float* log_probs, int64_t stride) const;
+
+ private:
+  int64_t rows_, hidden_, vocab_;
+  float eps_;
+  bool row_lanes_;
+  at::Tensor norm_weight_, head_, normed_, logits_;
+};
 
 }  // namespace hybridflow

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -393,7 +394,13 @@ const GemmFn gemm = pick_gemm();
 // the row-lane form is AVX-512 code: it runs where the 16-lane k-lane kernel does
 const bool row_lanes_here = gemm == gemm16;
 
+std::atomic<bool> g_enabled{true};
+
 }  // namespace
+
+void use_small_gemm(bool enabled) { g_enabled.store(enabled); }
+
+bool small_gemm_enabled() { return g_enabled.load(std::memory_order_relaxed); }
 
 std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t threads) {
   const int64_t panels = (n + kPanel - 1) / kPanel;

@@ -31,6 +31,11 @@ constexpr int64_t kSmallGemmMaxRows = 32;
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,
                       bool row_lanes = false);
 
+// Matrix products of a decode step (decode_layer.cpp, shared_step.cpp): this kernel (default)
+// or BLAS for all (benchmarks and tests compare the two).
+void use_small_gemm(bool enabled);
+bool small_gemm_enabled();
+
 // Does this CPU run the row-lane form (AVX-512: x86-64-v4)?  Elsewhere row_lanes is ignored.
 bool row_lanes_supported();
 
