@@ -23,15 +23,13 @@ inline void check_float_cpu(const at::Tensor& t, const char* where, const char* 
 // head_dim values (half-split convention of transformers' Llama).  The product and the sum
 // are separate roundings (the extension is compiled with -ffp-contract=off), like ATen's
 // separate multiplies and add in engine/layers.py.
-inline void rope_row(const float* x, const float* cos, const float* sin, int64_t head_dim,
-                     float* out) {
+// The two halves are separate loops (each vectorises; one loop with the choice of rotated
+// element in it did not).  out must not overlap x.
+inline void rope_row(const float* __restrict__ x, const float* __restrict__ cos,
+                     const float* __restrict__ sin, int64_t head_dim, float* __restrict__ out) {
   const int64_t half = head_dim / 2;
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float rot = d < half ? -x[d + half] : x[d - half];
-    const float a = x[d] * cos[d];
-    const float b = rot * sin[d];
-    out[d] = a + b;
-  }
+  for (int64_t d = 0; d < half; ++d) out[d] = x[d] * cos[d] + (-x[d + half]) * sin[d];
+  for (int64_t d = half; d < head_dim; ++d) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
 }  // namespace hybridflow
