@@ -81,8 +81,10 @@ DECODE_BATCHES = (1, 32)
 KERNEL_CODE = {  # what a verdict keeps or deletes
     "train_rms_norm": "csrc/engine/rms_norm.cpp (engine.layers.rms_norm on float32 CPU)",
     "train_swiglu": "csrc/engine/swiglu.cpp (engine.layers.swiglu on float32 CPU)",
-    "kernel_stage": "decode_layer.cpp decode_layers (+ small_gemm.cpp)",
-    "kernel_layers": "decode_layer.cpp decode_attention/decode_mlp (+ small_gemm.cpp)",
+    "kernel_stage": "decode_layer.cpp decode_layers (+ shared_step.cpp, kv_attention.cpp, "
+                    "small_gemm.cpp)",
+    "kernel_layers": "decode_layer.cpp decode_attention/decode_mlp (+ kv_attention.cpp, "
+                     "small_gemm.cpp)",
 }
 
 Outputs = list[torch.Tensor]

@@ -146,7 +146,7 @@ def attention_reference(x, qkv_w, cos, sin, k_cache, v_cache, pos, key_ok, qpg):
     return out.reshape(b, -1), k, v
 
 
-# the blocked loops of csrc/engine/decode_layer.cpp: up to 8 queries per KV group, whole key
+# the blocked loops of csrc/engine/kv_attention.cpp: up to 8 queries per KV group, whole key
 # tiles of 64 positions and the filled 1 to 4 vectors of the last one (the last vector partly
 # filled or not), head dims that are multiples of 64 for the weighted values; 9 queries and a
 # head dim of 16 or 24 take the plain loops; the new key is scored from the rotated key it
