@@ -77,7 +77,7 @@ inline __attribute__((always_inline)) void scores_block(const float* q, int64_t 
       const int64_t n = valid - v * kLanes;
       if (n >= kLanes) {
         vec::store(out, acc[j][v]);
-      } else {
+      } else if (n > 0) {  // always (v < ceil(valid / 16)); said for the compiler's bounds
         float lanes[kLanes];
         vec::store(lanes, acc[j][v]);
         std::memcpy(out, lanes, n * sizeof(float));

@@ -271,8 +271,9 @@ inline __attribute__((always_inline)) void row_lane_block(const float* xt, const
 }
 
 // y[0:m, 0:nb] (+)= the chunk yt [nb, 16 MV] (yt[j, i] = y[i, j]), nb <= 16: each 16 x 16
-// block transposed in registers, then one (masked to nb columns) vector store per row of y
-// instead of nb scalar stores.  Every output is stored, or added to y once, as it was.
+// block transposed in registers, then one vector store per row of y instead of 16 scalar
+// stores (a chunk of fewer than 16 columns, at the end of a share, is stored element by
+// element).  Every output is stored, or added to y once, as before; a bias is added to each.
 template <int MV>
 inline __attribute__((always_inline)) void store_chunk(const float* yt, int64_t nb, float* y,
                                                        int64_t ldy, int64_t m, bool accumulate,
