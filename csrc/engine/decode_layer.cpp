@@ -42,9 +42,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
 #include <optional>
 #include <utility>
 
@@ -54,7 +51,6 @@
 #include "shared_step.h"
 #include "small_gemm.h"
 #include "swiglu.h"
-#include "vec_math.h"
 
 namespace hybridflow {
 namespace {
@@ -321,14 +317,12 @@ at::Tensor decode_layers(const at::Tensor& x, const std::vector<at::Tensor>& lay
     const int threads = at::get_num_threads();
     const SharedDecodeStep step(batch, x.size(1), layer_weights, biases, eps, k_cache, v_cache,
                                 key_mask, q_per_group, row_lanes, threads);
-    const at::Tensor cos_rows = cos.stride(0) == sin.stride(0) ? cos : cos.contiguous();
-    const at::Tensor sin_rows = cos.stride(0) == sin.stride(0) ? sin : sin.contiguous();
     float* h = out.data_ptr<float>();
 #pragma omp parallel num_threads(threads)
     {
       const c10::AutoGradMode no_grad(false);  // grad mode is per thread; inference kernels
-      step.run(omp_get_thread_num(), omp_get_num_threads(), h, pos,
-               cos_rows.data_ptr<float>(), sin_rows.data_ptr<float>(), cos_rows.stride(0));
+      step.run(omp_get_thread_num(), omp_get_num_threads(), h, pos, cos.data_ptr<float>(),
+               sin.data_ptr<float>(), cos.stride(0), sin.stride(0));
     }
     return out;
   }

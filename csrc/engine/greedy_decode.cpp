@@ -70,20 +70,15 @@ std::tuple<at::Tensor, at::Tensor> greedy_decode(
     return {tokens, log_probs};
   }
   // every step in one parallel region: each thread looks up the embedding rows of its own
-  // rows (those it chose the tokens of), runs the layers' shared step and the head
+  // rows (those it chose the tokens of; the first step's are x), runs the layers' shared step
+  // and the head
   const int threads = at::get_num_threads();
   const int64_t hidden = x.size(1);
   const SharedDecodeStep layers(batch, hidden, layer_weights, biases, eps, k_cache, v_cache,
                                 key_mask, q_per_group, row_lanes, threads);
-  at::Tensor h = at::empty({batch, hidden}, embed.options());
-  const bool same_strides = cos.strides() == sin.strides();  // one stride for both in run()
-  const at::Tensor rope_cos = same_strides ? cos : cos.contiguous();
-  const at::Tensor rope_sin = same_strides ? sin : sin.contiguous();
-  const at::Tensor first = first_tokens.contiguous();
-  const float *emb = embed.data_ptr<float>(), *cp = rope_cos.data_ptr<float>(),
-              *sp = rope_sin.data_ptr<float>();
-  const int64_t* first_p = first.data_ptr<int64_t>();
-  float *hp = h.data_ptr<float>(), *lpp = log_probs.data_ptr<float>();
+  const float *emb = embed.data_ptr<float>(), *cp = cos.data_ptr<float>(),
+              *sp = sin.data_ptr<float>();
+  float *hp = x.data_ptr<float>(), *lpp = log_probs.data_ptr<float>();  // x: the first rows
   int64_t* tp = tokens.data_ptr<int64_t>();
 #pragma omp parallel num_threads(threads)
   {
@@ -92,12 +87,11 @@ std::tuple<at::Tensor, at::Tensor> greedy_decode(
     const int64_t r0 = t * batch / nt, r1 = (t + 1) * batch / nt;
     for (int64_t s = 0; s < steps; ++s) {
       const int64_t pos = start_pos + s;
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t id = s == 0 ? first_p[r] : tp[r * steps + s - 1];
-        std::memcpy(hp + r * hidden, emb + id * embed.stride(0), hidden * sizeof(float));
-      }
-      layers.run(t, nt, hp, pos, cp + pos * rope_cos.stride(1), sp + pos * rope_sin.stride(1),
-                 rope_cos.stride(0));
+      for (int64_t r = r0; r < r1 && s > 0; ++r)  // the rows of the tokens this thread chose
+        std::memcpy(hp + r * hidden, emb + tp[r * steps + s - 1] * embed.stride(0),
+                    hidden * sizeof(float));
+      layers.run(t, nt, hp, pos, cp + pos * cos.stride(1), sp + pos * sin.stride(1),
+                 cos.stride(0), sin.stride(0));
       head_step.run(t, nt, hp, banned[s], tp + s, lpp + s, steps);
     }
   }

@@ -113,7 +113,7 @@ SharedDecodeStep::SharedDecodeStep(int64_t batch, int64_t hidden,
 }
 
 void SharedDecodeStep::run(int64_t t, int64_t nt, float* h, int64_t pos, const float* cos,
-                           const float* sin, int64_t rope_stride) const {
+                           const float* sin, int64_t cos_stride, int64_t sin_stride) const {
   const int64_t groups = k_cache_.size(2), head_dim = k_cache_.size(4);
   const int64_t r0 = t * batch_ / nt, rows = (t + 1) * batch_ / nt - r0;
   const int64_t p0 = t * batch_ * groups / nt, p1 = (t + 1) * batch_ * groups / nt;  // pairs
@@ -129,7 +129,7 @@ void SharedDecodeStep::run(int64_t t, int64_t nt, float* h, int64_t pos, const f
     const AttentionView view{k_cache_.data_ptr<float>() + l * k_cache_.stride(0),
                              v_cache_.data_ptr<float>() + l * v_cache_.stride(0), groups,
                              k_cache_.size(3), v_cache_.size(3), head_dim, cos, sin,
-                             rope_stride, rope_stride, key_mask_.data_ptr<bool>(),
+                             cos_stride, sin_stride, key_mask_.data_ptr<bool>(),
                              key_mask_.stride(0)};
     rms_norm_rows(h + r0 * hidden_, norms_[2 * l].data_ptr<float>(), rows, hidden_, eps_,
                   xp + r0 * hidden_, nullptr);

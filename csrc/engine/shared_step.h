@@ -36,11 +36,11 @@ class SharedDecodeStep {
                    bool row_lanes, int threads);
 
   // On thread t of the region's nt: h [B, H] (contiguous) through every layer, in place, for
-  // the new token at position pos, whose RoPE row of sequence b is at cos + b * rope_stride
-  // (likewise sin).  Each thread first reads only its own rows of h (rows [t B / nt,
-  // (t + 1) B / nt)) and, on return, has passed a barrier after the last write to h.
+  // the new token at position pos, whose RoPE rows of sequence b are at cos + b * cos_stride
+  // and sin + b * sin_stride.  Each thread first reads only its own rows of h (rows
+  // [t B / nt, (t + 1) B / nt)) and, on return, has passed a barrier after the last write to h.
   void run(int64_t t, int64_t nt, float* h, int64_t pos, const float* cos, const float* sin,
-           int64_t rope_stride) const;
+           int64_t cos_stride, int64_t sin_stride) const;
 
  private:
   int64_t batch_, hidden_, layers_, q_per_group_, n_qkv_, n_attn_, n_gu_, scratch_floats_;
