@@ -55,13 +55,13 @@ std::tuple<at::Tensor, at::Tensor> greedy_decode(
   const GreedyHeadStep head_step(batch, x.size(1), norm_weight, norm_eps, head, row_lanes);
   for (const int64_t b : banned) check_banned(b, head.size(0), "greedy_decode");
   if (!SharedDecodeStep::applies(batch, layer_weights, biases) || embed.stride(1) != 1) {
-    at::Tensor last = first_tokens;
+    at::Tensor last;  // the tokens the previous step chose (step 0's rows are x)
     for (int64_t s = 0; s < steps; ++s) {
       const int64_t pos = start_pos + s;
-      const at::Tensor h = decode_layers(embed.index_select(0, last), layer_weights, eps,
-                                         cos.select(1, pos), sin.select(1, pos), k_cache,
-                                         v_cache, pos, key_mask, q_per_group, qkv_biases,
-                                         row_lanes);
+      const at::Tensor h = decode_layers(s == 0 ? x : embed.index_select(0, last),
+                                         layer_weights, eps, cos.select(1, pos),
+                                         sin.select(1, pos), k_cache, v_cache, pos, key_mask,
+                                         q_per_group, qkv_biases, row_lanes);
       auto [tok, lp] = greedy_head(h, norm_weight, norm_eps, head, banned[s], row_lanes);
       tokens.select(1, s).copy_(tok);
       log_probs.select(1, s).copy_(lp);

@@ -332,19 +332,32 @@ inline __attribute__((always_inline)) void row_lane_rows(const float* xt, const 
   }
 }
 
+// This thread's buffer for x [<= 32, k] transposed into the lane layout ([k, 32] floats).
+inline float* thread_lanes(int64_t k) {
+  thread_local std::vector<float> xt;
+  if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
+  return xt.data();
+}
+
+// y[0:m, 0:n] (+)= x @ w[0:n].T (+ bias) from xt, x's m <= 32 rows in the lane layout.
+__attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
+void gemm_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw, float* y,
+                     int64_t ldy, int64_t n, int64_t k, bool accumulate, const float* bias) {
+  if (m > 16)
+    row_lane_rows<2>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
+  else
+    row_lane_rows<1>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
+}
+
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
 void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                     int64_t ldy, int64_t m, int64_t n, int64_t k, bool accumulate,
                     const float* bias) {
-  thread_local std::vector<float> xt;  // [k, 32], this thread's transposed x
-  if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
+  float* xt = thread_lanes(k);
   for (int64_t i = 0; i < m; i += kSmallGemmMaxRows) {  // a decode step: one pass of <= 32
     const int64_t rows = std::min(kSmallGemmMaxRows, m - i);
-    transpose_rows(x + i * ldx, ldx, rows, k, xt.data());
-    if (rows > 16)
-      row_lane_rows<2>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate, bias);
-    else
-      row_lane_rows<1>(xt.data(), w, ldw, y + i * ldy, ldy, rows, n, k, accumulate, bias);
+    transpose_rows(x + i * ldx, ldx, rows, k, xt);
+    gemm_from_lanes(xt, rows, w, ldw, y + i * ldy, ldy, n, k, accumulate, bias);
   }
 }
 
@@ -365,22 +378,12 @@ inline __attribute__((always_inline)) void row_lane_rows_t(const float* xt, cons
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
 void gemm_to_lanes(const float* x, int64_t ldx, int64_t m, const float* w, int64_t ldw,
                    float* yt, int64_t n, int64_t k) {
-  thread_local std::vector<float> xt;
-  if (static_cast<int64_t>(xt.size()) < k * kSmallGemmMaxRows) xt.resize(k * kSmallGemmMaxRows);
-  transpose_rows(x, ldx, m, k, xt.data());
+  float* xt = thread_lanes(k);
+  transpose_rows(x, ldx, m, k, xt);
   if (m > 16)
-    row_lane_rows_t<2>(xt.data(), w, ldw, yt, n, k);
+    row_lane_rows_t<2>(xt, w, ldw, yt, n, k);
   else
-    row_lane_rows_t<1>(xt.data(), w, ldw, yt, n, k);
-}
-
-__attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
-void gemm_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw, float* y,
-                     int64_t ldy, int64_t n, int64_t k, bool accumulate) {
-  if (m > 16)
-    row_lane_rows<2>(xt, w, ldw, y, ldy, m, n, k, accumulate, nullptr);
-  else
-    row_lane_rows<1>(xt, w, ldw, y, ldy, m, n, k, accumulate, nullptr);
+    row_lane_rows_t<1>(xt, w, ldw, yt, n, k);
 }
 
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
@@ -430,7 +433,8 @@ void small_gemm_rows_to_lanes(const float* x, int64_t ldx, int64_t m, const floa
 void small_gemm_rows_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw,
                                 float* y, int64_t ldy, int64_t n0, int64_t n1, int64_t k,
                                 bool accumulate) {
-  if (n1 > n0) gemm_from_lanes(xt, m, w + n0 * ldw, ldw, y + n0, ldy, n1 - n0, k, accumulate);
+  if (n1 > n0)
+    gemm_from_lanes(xt, m, w + n0 * ldw, ldw, y + n0, ldy, n1 - n0, k, accumulate, nullptr);
 }
 
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,
