@@ -41,13 +41,18 @@ def test_example_reshards_bit_exact_with_minimum_bytes(name):
     assert float(received) == float(minimum) > 0, results[0]
 
 
-def test_readme_shows_the_state_dict_example_as_it_is():
+def test_readme_links_every_example_with_the_entry_it_calls():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
-    with open(os.path.join(ROOT, "examples", "reshard_state_dict.py")) as f:
-        body = f.read().split('"""\n', 1)[1]  # after the module docstring
     section = readme[readme.index("## Call resharding from your framework"):]
-    assert f"```python\n{body}```" in section
+    section = section[:section.index("\n## ")]
+    rows = {m[1]: m[0] for m in re.finditer(r"^\|.*\]\(examples/(\w+)\.py\).*$", section,
+                                          re.MULTILINE)}
+    assert sorted(rows) == sorted(EXAMPLES)
+    for name, row in rows.items():
+        with open(os.path.join(ROOT, "examples", f"{name}.py")) as f:
+            entry = re.search(r"\bhc\.(reshard_from_state_dict|from_\w+)\(", f.read())[1]
+        assert f"`{entry}(" in row, (name, entry, row)
 
 
 def test_examples_are_short_and_use_the_public_api():
