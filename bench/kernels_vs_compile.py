@@ -280,7 +280,7 @@ def stage_step(path_forward: Callable, cache, x: torch.Tensor, rope, attn: torch
 def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     from engine import _kernels
     from engine.forward_paths import LAYER_PATHS
-    from engine.generation import uses_row_lanes
+    from engine.forward_paths import uses_row_lanes
     from engine.kv_cache import KVCache, tile_keys
     from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 

@@ -26,11 +26,16 @@ The kernel paths read float32 plain Llama layers (:data:`engine.llama_spec.LAYER
 the q/k/v bias (``qkv_bias``: Qwen2, :data:`DECODE_EXTRA_KEYS`), added after the qkv product
 and before RoPE as in :func:`engine.layers.attention_block`.  A layer with an o_proj bias or
 q/k norms (Qwen3, Llama ``attention_bias``) runs on the python path for every step.  Every
-prefill runs on the python path (a C++ prefill, the forward of fused training blocks, was
-deleted on 2026-11-23: 1.04x ``torch.compile`` of the python path at the ``small`` shape,
-bench/kernels_vs_compile.py).  A prefill step starts from an empty cache with the prompt
-(``S = P``); a decode step feeds one token per row (``S = 1``).  A path registers itself in
+prefill runs on the python path (bench/kernels_vs_compile.py compares it with
+``torch.compile``).  A prefill step starts from an empty cache with the prompt (``S = P``); a
+decode step feeds one token per row (``S = 1``).  A path registers itself in
 :data:`LAYER_PATHS`, which the test against the reference reads.
+
+What a generation call runs is fixed once per call by :func:`plan_call` (a
+:class:`CallPlan`): the paths in one product form, whether the LM head runs the kernels'
+small product, and whether a greedy call's decode steps after the first go to one
+``greedy_decode`` call.  Each choice is made by the call's full batch, never by the running
+rows, so dropping finished rows (:mod:`engine.early_exit`) never switches a product.
 """
 
 from __future__ import annotations
@@ -324,3 +329,58 @@ class PipelineStage:
                                  dtype=torch.float64)
         dist.broadcast(packed, src=self.group.ranks[-1], group=self.group.pg)
         return packed[0].long(), packed[1].float()
+
+
+# Per-call plan --------------------------------------------------------------------------------
+ROW_LANES_MIN_ROWS = 28
+"""A call of this many rows or more (and at most the kernels' ``small_gemm_max_rows``) whose
+rows all run every step runs its decode products in the row-lane form
+(csrc/engine/small_gemm.h); with fewer rows the k-lane form is as fast
+(bench/roofline.py times a decode step at batch 1 and 32)."""
+
+
+def uses_row_lanes(batch: int, block_rows: int | None, supported: bool,
+                   rows_stay: bool) -> bool:
+    """Does a generation of ``batch`` rows run its small decode products in the row-lane form
+    (pure)?  Only where every row runs every step (``rows_stay``: no EOS before the last step
+    and no shorter per-row limit): the row-lane form costs about as much at 16 rows as at 32,
+    so a batch that shrinks would pay for rows it no longer has.  Chosen once a call, by the
+    full batch: the two forms round differently."""
+    return (supported and rows_stay and block_rows is not None
+            and ROW_LANES_MIN_ROWS <= batch <= block_rows)
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """How one generation call runs its steps (:func:`plan_call`)."""
+
+    paths: ForwardPaths
+    """The layer paths, the kernel stage in the call's product form."""
+    row_lanes: bool
+    """The kernels' small products (decode stage and head) in the row-lane form."""
+    head_kernel: bool
+    """The LM head through the kernels' small product (read in place), else BLAS."""
+    greedy_rest: bool
+    """Every decode step after the first in one ``engine._kernels.greedy_decode`` call."""
+
+
+def plan_call(paths: ForwardPaths, batch: int, block_rows: int | None, rows_stay: bool,
+              one_call_greedy: bool) -> CallPlan:
+    """The plan of a call of ``batch`` rows (pure).
+
+    Args:
+        paths: the layer paths of the current weights.
+        batch: the call's full batch.
+        block_rows: the kernels' small-M row block (``_kernels.small_gemm_max_rows``), or None
+            when the decode steps run the Python layers.
+        rows_stay: no row can finish before the last step (no EOS before it, no shorter
+            per-row limit).
+        one_call_greedy: the call is greedy and its whole decode step is the kernel stage's
+            with the head read in place on one rank (the conditions under which a step is
+            exactly ``greedy_head(decode_layers(...))``).
+    """
+    small = block_rows is not None and batch <= block_rows
+    row_lanes = small and uses_row_lanes(batch, block_rows, _kernels.row_lanes_supported,
+                                         rows_stay)
+    return CallPlan(paths=paths.with_row_lanes(row_lanes), row_lanes=row_lanes,
+                    head_kernel=small, greedy_rest=small and rows_stay and one_call_greedy)

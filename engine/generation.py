@@ -5,14 +5,12 @@ generation shards, e.g. :meth:`hybridflow_comm.reshard.Resharder.generation_para
 the flat buffer: column weights ``[rows/t_g, H]``, row weights stacked ``[m, H, in/t]``), the
 generation TP group for the collectives and the generation PP group for stages.  How a step
 runs is chosen once (:mod:`engine.forward_paths`): the stage boundary when the engine is built,
-the layer paths when the weights are set.  Float32 Llama-style models without o_proj biases
-or q/k norms (Llama, Mistral, Qwen2 with its q/k/v biases; not Qwen3) run the decode steps
-through the C++ kernels of ``engine._kernels`` (the whole stage in one call without TP, two
-calls per layer with it), reading the same views; the prefill and every other step run the
-Python layers, the reference the kernels are tested against.  A greedy call whose rows all run
-to the end, on one stage without TP, takes all its decode steps in one call
-(``engine._kernels.greedy_decode``, ``greedy_loop=True``): the same kernel calls per step with
-no Python between them, so the same bits as the loop below.
+the layer paths when the weights are set, the rest of a call's choices
+once per call (:func:`engine.forward_paths.plan_call`).  Float32
+Llama-style models without o_proj biases or q/k norms (Llama, Mistral, Qwen2 with its q/k/v
+biases; not Qwen3) run the decode steps through the C++ kernels of ``engine._kernels``; the
+prefill and every other step run the Python layers, the reference the kernels are tested
+against.
 
 One call::
 
@@ -33,38 +31,10 @@ stages are not overlapped across steps (no micro-batching): simple, not fast.
 Every rank of a generation replica (its TP x PP group) must pass the same prompts and
 settings; the sampled tokens are then identical on all of them (see :mod:`engine.sampling`).
 
-Early exit (``early_exit=True``, the default): a row that has finished (EOS or its own
-``max_new_tokens``) stops being computed.  Between decode steps the running batch is
-compacted to the rows still alive: the KV cache (:meth:`engine.kv_cache.KVCache.keep_rows_`),
-the RoPE tables, the key mask and the step input keep only those rows, and each step's
-tokens are scattered back to their rows of the full output::
-
-    full batch   0 1 2 3 4 5 6 7        run = [0 2 3 5 6 7 ...]: full row of each running row
-    running      0 . 2 3 . 5 6 7 ...    (finished rows 1, 4 dropped at the last compaction)
-
-Results are bit-identical to ``early_exit=False`` (tests/test_generation_early_exit.py):
-
-- a sampled row's random draw does not depend on the running rows: the noise is drawn for
-  the full batch every step and indexed (``rows`` of :func:`engine.sampling.sample_next`);
-- a row's floats do not depend on the running batch size, which the policy of
-  :func:`decode_rows` keeps true.  BLAS (MKL here) gives a row of a product other bits in a
-  batch whose row count is small for its threads and not a multiple of 4 (measured: 1-3, 5-7
-  and 9-11 rows at 2 threads, also 17-19 and 25-27 at 16), and the same bits in every batch
-  of a multiple of 4 (1 to 32 threads), so a running batch is a multiple of
-  :data:`ROW_QUANTUM` = 4 rows (finished rows fill it up) and a batch that is not one is
-  never compacted.  The C++ decode kernels give each thread a block of rows and switch from
-  their small-M product to BLAS above ``small_gemm_max_rows`` rows per block, so a batch that
-  runs BLAS blocks is only compacted to sizes that still do.  Their small-M product has two
-  forms that round differently (csrc/engine/small_gemm.h); a call picks one by its full
-  batch (:func:`uses_row_lanes`), the row-lane form only where no row can leave.
-
-When: a compaction copies the kept rows' filled KV cache (about what one decode step's
-attention reads), so it is worth doing for a real cut in compute, not for every finished row:
-the batch is compacted once the rows it would drop are at least 1/:data:`COMPACT_DIVISOR` of
-the running rows.  Then at most 1/8 of a step's rows are finished ones (plus the quantum's
-fill), and since each compaction shrinks the batch by 1/8 or more, a call copies at most 8
-batch-sized caches in all, however its rows finish.  With ``pp_g > 1`` every stage compacts
-alike (all know every token) and only the running rows' hidden states cross the boundary.
+Early exit (``early_exit=True``, the default) stops computing the rows that have finished
+(:mod:`engine.early_exit`, which states what it guarantees).  A call runs in numbered phases
+(:meth:`GenerationEngine.generate`): tables and plan, prefill, the decode loop (step, record,
+stop, compact), output.
 """
 
 from __future__ import annotations
@@ -76,76 +46,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward_paths import ForwardPaths, KernelLayers, KernelStage, LayerPath, \
-    PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, resolve_kernels
+from engine.early_exit import RunningRows
+from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
+    LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
+    plan_call, resolve_kernels
 from engine.kv_cache import KVCache, kv_cache_nbytes
 from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
-from engine.sampling import SamplingParams, sample_next
+from engine.sampling import SamplingParams, SeedStream, sample_next
 from engine.tp_ops import column_linear, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
-
-
-ROW_QUANTUM = 4
-"""A compacted running batch is a multiple of this many rows (see the module docstring)."""
-COMPACT_DIVISOR = 8
-"""Compact once the rows to drop are at least 1/COMPACT_DIVISOR of the running rows."""
-ROW_LANES_MIN_ROWS = 28
-"""A call of this many rows or more (and at most the kernels' ``small_gemm_max_rows``) whose
-rows all run every step runs its decode products in the row-lane form
-(csrc/engine/small_gemm.h): at the ``small`` shape a greedy step of 32 rows takes 0.88-0.92x
-the k-lane form's time, 28 rows 0.96x, 24 rows 1.04x."""
-
-
-def uses_row_lanes(batch: int, block_rows: int | None, supported: bool,
-                   rows_stay: bool) -> bool:
-    """Does a generation of ``batch`` rows run its small decode products in the row-lane form
-    (pure)?  Only where every row runs every step (``rows_stay``: no EOS before the last step
-    and no shorter per-row limit; early exit on or off alike): at 16 rows or fewer the row-lane
-    form costs about what it does at 32 (a greedy run of 32 x 128 where half the rows stop
-    after 16 tokens: 1.07x the k-lane form's time; three quarters: 1.21x).  Chosen once a
-    call, by the full batch: the two forms round differently."""
-    return (supported and rows_stay and block_rows is not None
-            and ROW_LANES_MIN_ROWS <= batch <= block_rows)
-
-
-def _round_up(n: int, quantum: int) -> int:
-    return -(-n // quantum) * quantum
-
-
-def decode_rows(batch: int, running: int, alive: int, threads: int,
-                block_rows: int | None) -> int:
-    """How many rows the next decode step runs (the early-exit policy, pure).
-
-    Args:
-        batch: the call's full batch B.
-        running: rows the last step ran.
-        alive: rows not yet finished (>= 1), all among the running ones.
-        threads: intra-op threads of the decode step.
-        block_rows: the C++ decode kernels' largest small-M row block
-            (``_kernels.small_gemm_max_rows``), or None when the decode step runs the Python
-            layers.
-
-    Returns:
-        ``running`` (no compaction), or fewer: a multiple of :data:`ROW_QUANTUM` that holds
-        every alive row, never below the size at which a row's floats would change.
-    """
-    if batch % ROW_QUANTUM:
-        return running  # BLAS rounds a remainder row of B differently than in a batch of 4s
-    floor = ROW_QUANTUM
-    if block_rows is not None and batch > block_rows * threads:
-        # some kernel row blocks run BLAS: stay above block_rows per block, or do not compact
-        floor = _round_up((block_rows + 1) * threads, ROW_QUANTUM)
-        if batch < floor:
-            return running
-    target = max(_round_up(alive, ROW_QUANTUM), floor)
-    return target if (running - target) * COMPACT_DIVISOR >= running else running
-
-
-def kept_rows(alive: torch.Tensor, rows: int) -> torch.Tensor:
-    """Indices (ascending) of the ``rows`` running rows to keep: every alive one (``alive``
-    ``[running]`` bool), then finished ones in order to fill a multiple of the quantum."""
-    return torch.argsort(~alive, stable=True)[:rows].sort().values
 
 
 @dataclass
@@ -172,6 +82,64 @@ class GenerationOutput:
     @property
     def response_mask(self) -> torch.Tensor:
         return self.attention_mask[:, self.prompt_length:]
+
+
+@dataclass
+class StepTables:
+    """A call's per-row tables over every position ``[0, P + N)``, as if every new token were
+    real (a finished row's later positions are never read)."""
+
+    cos: torch.Tensor
+    """``[R, P + N, D]`` RoPE."""
+    sin: torch.Tensor
+    keys_ok: torch.Tensor
+    """``[R, 1, 1, P + N]`` bool: the key positions a query may attend (not left padding)."""
+
+    @classmethod
+    def build(cls, mask: torch.Tensor, n_new: int, config: LlamaConfig) -> StepTables:
+        full = torch.cat([mask, torch.ones(mask.shape[0], n_new, dtype=torch.long)], dim=1)
+        cos, sin = rope_tables(position_ids_from_mask(full), config.head_dim, config.rope_theta,
+                               config.dtype, config.rope_scaling)
+        return cls(cos, sin, full.bool()[:, None, None, :])
+
+    def prompt(self, rows: torch.Tensor, length: int) -> Rope:
+        """RoPE of the prefill of ``rows``' prompts of ``length`` tokens."""
+        return self.cos[rows, :length], self.sin[rows, :length]
+
+    def decode(self, end: int) -> tuple[Rope, torch.Tensor]:
+        """RoPE of position ``end - 1`` and the key mask over ``[0, end)``."""
+        return (self.cos[:, end - 1:end], self.sin[:, end - 1:end]), self.keys_ok[..., :end]
+
+    def keep_rows(self, keep: torch.Tensor) -> StepTables:
+        return StepTables(self.cos[keep], self.sin[keep], self.keys_ok[keep])
+
+
+@dataclass
+class Responses:
+    """The response columns of a call's output, filled step by step."""
+
+    ids: torch.Tensor
+    """``[B, N]`` int64, ``pad`` after a row's end."""
+    mask: torch.Tensor
+    """``[B, N]`` int64, 1 for real tokens."""
+    log_probs: torch.Tensor
+    """``[B, N]`` float32, 0 where masked."""
+    pad: int
+
+    @classmethod
+    def empty(cls, batch: int, n_new: int, pad: int) -> Responses:
+        return cls(torch.full((batch, n_new), pad, dtype=torch.long),
+                   torch.zeros(batch, n_new, dtype=torch.long),
+                   torch.zeros(batch, n_new, dtype=torch.float32), pad)
+
+    def record(self, step: int, rows: RunningRows, tokens: torch.Tensor,
+               log_probs: torch.Tensor) -> None:
+        """Step ``step``'s ``tokens`` and ``log_probs`` ``[R]`` of the running rows; a row
+        that had already finished gets padding."""
+        live = rows.alive[rows.at]
+        self.ids[rows.at, step] = torch.where(live, tokens, self.pad)
+        self.mask[rows.at, step] = live.long()
+        self.log_probs[rows.at, step] = torch.where(live, log_probs, 0.0)
 
 
 def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -259,7 +227,7 @@ class GenerationEngine:
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
         self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
-        self.block_rows: int | None = None  # the decode kernels' row blocks (decode_rows)
+        self.block_rows: int | None = None  # the decode kernels' small-M row block (plan_call)
 
     # Weights ---------------------------------------------------------------------------------
     def required_weights(self) -> list[str]:
@@ -336,125 +304,85 @@ class GenerationEngine:
         if self.weights is None:
             raise RuntimeError("no generation weights: call load_weights/set_weights first")
         t0 = time.perf_counter()
-        c = self.config
-        # Static per-call tables: every position as if all new tokens were real (a finished
-        # row's later positions are never used).
-        full_mask = torch.cat([mask, torch.ones(batch, n_new, dtype=torch.long)], dim=1)
-        positions = position_ids_from_mask(full_mask)
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.dtype,
-                               c.rope_scaling)  # [B, P+N, D]
-        keys_ok = full_mask.bool()[:, None, None, :]  # [B, 1, 1, P+N]
+        # 1. per-call tables, plan and state
+        tables = StepTables.build(mask, n_new, self.config)
         prompt = _padded_prompt(input_ids, mask, sampling)
         distinct, copies = distinct_prompts(prompt, mask)
+        plan = self._plan(batch, limits, sampling)
         cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new))
-        kv_bytes = self.kv_cache_bytes(batch, plen, n_new)
-        generator = torch.Generator().manual_seed(sampling.seed)
-        # the head's product is chosen once per call, by the full batch, so that dropping
-        # finished rows (early exit) never switches it between BLAS and the kernel
-        head_kernel, row_lanes, rest_in_kernels = None, False, False
-        if self.block_rows and batch <= self.block_rows:
-            from engine import _kernels  # the kernel paths (block_rows) exist only when built
-            head_kernel = _kernels.small_linear
-            # whether rows can finish early, not whether they leave (early exit on and off
-            # give the same bits)
-            rows_stay = bool((limits == n_new).all()) and (
-                sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
-            row_lanes = uses_row_lanes(batch, self.block_rows, _kernels.row_lanes_supported,
-                                       rows_stay)
-            rest_in_kernels = rows_stay and self._greedy_loop_applies(sampling)
-        paths = self.paths.with_row_lanes(row_lanes)  # one product form for the whole call
-        sample = functools.partial(self._sample, sampling=sampling, generator=generator,
-                                   head_kernel=head_kernel, row_lanes=row_lanes)
-        out_ids = torch.full((batch, n_new), sampling.pad_token_id, dtype=torch.long)
-        out_mask = torch.zeros(batch, n_new, dtype=torch.long)
-        out_lp = torch.zeros(batch, n_new, dtype=torch.float32)
-        alive = torch.ones(batch, dtype=torch.bool)
-        run = torch.arange(batch)  # [R] the full-batch row of each running row
-        at: slice | torch.Tensor = slice(None)  # run as an index: every row until a compaction
-        threads = torch.get_num_threads()
-        # step 0 is the prefill of positions [0, P) of the distinct prompts (each prompt once
-        # however many sequences share it); step i > 0 decodes position P + i - 1 of every row
-        path, step_in, end = paths.for_prompt(plen), prompt[distinct], plen
-        attn = causal_mask(mask[distinct], distinct.numel(), plen)
-        rope = (cos[distinct, :plen], sin[distinct, :plen])
-        steps = row_steps = compactions = 0
+        rows = RunningRows(limits, sampling.eos_token_id)
+        out = Responses.empty(batch, n_new, sampling.pad_token_id)
+        sample = functools.partial(self._sample, sampling=sampling,
+                                   stream=SeedStream(sampling.seed), plan=plan)
+        # 2. prefill: each distinct prompt once, its cache then copied to its sequences
+        tok, lp = self._step(plan.paths.for_prompt(plen), prompt[distinct], cache,
+                             tables.prompt(distinct, plen),
+                             causal_mask(mask[distinct], distinct.numel(), plen),
+                             functools.partial(sample, step=0), copies)
+        if copies is not None:
+            cache.keep_rows_(copies)
+        # 3. decode: record the step, stop, compact, next step
         for i in range(n_new):
-            tok, lp = self._step(path, step_in, cache, rope, attn,
-                                 functools.partial(sample, step=i), copies)  # [R] each
-            if copies is not None:  # the prompts' caches, copied to each of their sequences
-                cache.keep_rows_(copies)
-                copies = None
-            steps, row_steps = steps + 1, row_steps + run.numel()
-            live = alive[at]  # a view before the first compaction: used before alive changes
-            out_ids[at, i] = torch.where(live, tok, sampling.pad_token_id)
-            out_mask[at, i] = live.long()
-            out_lp[at, i] = torch.where(live, lp, 0.0)
-            if sampling.eos_token_id is not None:
-                alive[at] = live & (tok != sampling.eos_token_id)
-            alive &= limits > i + 1
-            n_alive = int(alive.sum())
-            if n_alive == 0:
+            out.record(i, rows, tok, lp)
+            alive = rows.finish_step(i, tok)
+            if alive == 0 or i == n_new - 1:
                 break
-            if rest_in_kernels:  # every row runs steps i + 1 .. n_new - 1: one call for them all
-                rest = n_new - 1 - i
-                out_ids[:, i + 1:], out_lp[:, i + 1:] = self._greedy_rest(
-                    paths.decode, out_ids[:, i], rest, cache, cos, sin, keys_ok[:, 0, 0],
-                    [sampling.banned_token(j) for j in range(i + 1, n_new)])
-                out_mask[:, i + 1:] = 1
-                steps, row_steps = steps + rest, row_steps + rest * batch
+            if plan.greedy_rest:  # no row leaves: the remaining steps in one kernel call
+                self._greedy_rest(plan.paths.decode, out, i, cache, tables, sampling, rows)
                 break
-            rows = (decode_rows(batch, run.numel(), n_alive, threads, self.block_rows)
-                    if self.early_exit else run.numel())
-            if rows < run.numel():  # drop finished rows (every rank of the replica alike)
-                keep = kept_rows(alive[run], rows)
-                run, cos, sin, keys_ok = run[keep], cos[keep], sin[keep], keys_ok[keep]
-                at = run
+            keep = rows.compact(alive) if self.early_exit else None
+            if keep is not None:
+                tables = tables.keep_rows(keep)
                 cache.keep_rows_(keep)
-                running = torch.zeros(batch, dtype=torch.bool)
-                running[run] = True
-                sample = functools.partial(self._sample, sampling=sampling,
-                                           generator=generator, rows=running,
-                                           head_kernel=head_kernel, row_lanes=row_lanes)
-                compactions += 1
-            path, step_in, end = paths.decode, out_ids[at, i:i + 1], end + 1
-            attn, rope = keys_ok[..., :end], (cos[:, end - 1:end], sin[:, end - 1:end])
+            rope, attn = tables.decode(plen + i + 1)
+            tok, lp = self._step(plan.paths.decode, out.ids[rows.at, i:i + 1], cache, rope,
+                                 attn, functools.partial(sample, rows=rows.mask, step=i + 1))
         del cache  # the KV cache lives only for the call
+        # 4. output
         elapsed = time.perf_counter() - t0
-        new_tokens = int(out_mask.sum())
+        new_tokens = int(out.mask.sum())
         return GenerationOutput(
-            input_ids=torch.cat([prompt, out_ids], dim=1),
-            attention_mask=torch.cat([mask, out_mask], dim=1), log_probs=out_lp,
+            input_ids=torch.cat([prompt, out.ids], dim=1),
+            attention_mask=torch.cat([mask, out.mask], dim=1), log_probs=out.log_probs,
             prompt_length=plen,
-            stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": steps,
-                   "prefill_rows": int(distinct.numel()),
-                   "row_steps": row_steps, "compactions": compactions,
-                   "tokens_per_s": new_tokens / max(elapsed, 1e-9), "kv_cache_bytes": kv_bytes,
+            stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": rows.steps,
+                   "prefill_rows": int(distinct.numel()), "row_steps": rows.row_steps,
+                   "compactions": rows.compactions,
+                   "tokens_per_s": new_tokens / max(elapsed, 1e-9),
+                   "kv_cache_bytes": self.kv_cache_bytes(batch, plen, n_new),
                    "weights_version": self.weights_version})
 
-    def _greedy_loop_applies(self, sampling: SamplingParams) -> bool:
-        """Whether :meth:`_greedy_rest` can take the decode steps: greedy, one stage, the
-        decode path is the one-call kernel stage and the head is read in place with no TP
-        (the conditions under which each step is exactly ``greedy_head(decode_layers(...))``)."""
-        return (self.greedy_loop and sampling.greedy and isinstance(self.boundary, SingleStage)
-                and isinstance(self.paths.decode, KernelStage)
-                and self.weights[self.head_name].stride(1) == 1
-                and (self.tp_group is None or self.tp_group.pg is None))
+    def _plan(self, batch: int, limits: torch.Tensor, sampling: SamplingParams) -> CallPlan:
+        """:func:`engine.forward_paths.plan_call` for a call of ``batch`` rows."""
+        n_new = sampling.max_new_tokens
+        # whether rows can finish early, not whether they leave (early exit on and off give
+        # the same product forms)
+        rows_stay = bool((limits == n_new).all()) and (
+            sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
+        one_call = (self.greedy_loop and sampling.greedy
+                    and isinstance(self.boundary, SingleStage)
+                    and isinstance(self.paths.decode, KernelStage)
+                    and self.weights[self.head_name].stride(1) == 1
+                    and (self.tp_group is None or self.tp_group.pg is None))
+        return plan_call(self.paths, batch, self.block_rows, rows_stay, one_call)
 
-    def _greedy_rest(self, decode: KernelStage, last: torch.Tensor, steps: int, cache: KVCache,
-                     cos: torch.Tensor, sin: torch.Tensor, keys_ok: torch.Tensor,
-                     banned: list[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``steps`` greedy decode steps of every row after the tokens ``last [B]`` in one
-        kernel call; the cache advances by ``steps``.  Returns tokens and log-probs
-        ``[B, steps]`` each."""
+    def _greedy_rest(self, decode: KernelStage, out: Responses, step: int, cache: KVCache,
+                     tables: StepTables, sampling: SamplingParams, rows: RunningRows) -> None:
+        """The greedy decode steps after ``step`` of every row in one kernel call, written to
+        ``out``; the cache advances by their number."""
         from engine import _kernels
-        s = decode.stage
-        toks, lps = _kernels.greedy_decode(
-            last, steps, self.weights["embed_tokens"], decode.flat_weights, s.eps, cos, sin,
-            cache.k, cache.v, cache.length, keys_ok, s.q_per_group, decode.qkv_biases,
-            self.weights["norm"], self.config.rms_norm_eps, self.weights[self.head_name],
-            [-1 if b is None else b for b in banned], row_lanes=decode.row_lanes)
+        s, n_new = decode.stage, sampling.max_new_tokens
+        steps = n_new - 1 - step
+        banned = [sampling.banned_token(j) for j in range(step + 1, n_new)]
+        out.ids[:, step + 1:], out.log_probs[:, step + 1:] = _kernels.greedy_decode(
+            out.ids[:, step], steps, self.weights["embed_tokens"], decode.flat_weights, s.eps,
+            tables.cos, tables.sin, cache.k, cache.v, cache.length, tables.keys_ok[:, 0, 0],
+            s.q_per_group, decode.qkv_biases, self.weights["norm"], self.config.rms_norm_eps,
+            self.weights[self.head_name], [-1 if b is None else b for b in banned],
+            row_lanes=decode.row_lanes)
+        out.mask[:, step + 1:] = 1
         cache.advance(steps)
-        return toks, lps
+        rows.steps, rows.row_steps = rows.steps + steps, rows.row_steps + steps * out.ids.shape[0]
 
     @staticmethod
     def _check_limits(limits: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor:
@@ -480,16 +408,16 @@ class GenerationEngine:
         """First stage: ``ids [B, S]`` -> ``[B, S, H]``."""
         return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
 
-    def _sample(self, x: torch.Tensor, sampling: SamplingParams, generator: torch.Generator,
-                rows: torch.Tensor | None = None, step: int = 0, head_kernel=None,
-                row_lanes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, x: torch.Tensor, sampling: SamplingParams, stream: SeedStream,
+                plan: CallPlan, rows: torch.Tensor | None = None, step: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Last stage: the next token of every row from the last position of ``x [R, S, H]``
         (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
-        has produced, for ``sampling.min_new_tokens``; ``head_kernel``: the decode kernels'
-        small-M product for the LM head, or None for BLAS; ``row_lanes``: its form, the call's)."""
+        has produced, for ``sampling.min_new_tokens``)."""
         w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
-        if (head_kernel is not None and w.stride(1) == 1 and sampling.greedy
-                and (self.tp_group is None or self.tp_group.pg is None)):
+        in_place = plan.head_kernel and w.stride(1) == 1
+        row_lanes = plan.row_lanes
+        if in_place and sampling.greedy and (self.tp_group is None or self.tp_group.pg is None):
             # the whole vocabulary here and argmax only: norm, head and choice in one call
             # (the same bits as the three below, without the Python between them)
             from engine import _kernels
@@ -498,13 +426,14 @@ class GenerationEngine:
                                         self.config.rms_norm_eps, w,
                                         -1 if banned is None else banned, row_lanes=row_lanes)
         h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
-        if head_kernel is not None and w.stride(1) == 1:
+        if in_place:
             # a few rows: the kernels' product reads the head in place on every intra-op
-            # thread (BLAS packs the whole [V/t_g, H] weight first: 2.4-3.9x slower at 1-4 rows)
-            logits = head_kernel(h.contiguous(), w, row_lanes=row_lanes)
+            # thread (BLAS packs the whole [V/t_g, H] weight first)
+            from engine import _kernels
+            logits = _kernels.small_linear(h.contiguous(), w, row_lanes=row_lanes)
         else:
             logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
-        return sample_next(logits, sampling, self.tp_group, generator, rows, step)
+        return sample_next(logits, sampling, self.tp_group, stream, rows, step)
 
 
 def distinct_prompts(prompt: torch.Tensor, mask: torch.Tensor

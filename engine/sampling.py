@@ -2,7 +2,8 @@
 
 Every rank of a generation TP group holds the logits of its own vocabulary slice
 ``[B, V/t_g]`` (rows ``vocab_range``).  All members must pick the *same* token; they do so by
-running identical code on identical, all-gathered inputs with identically seeded generators.
+running identical code on identical, all-gathered inputs with identical seed streams
+(:class:`SeedStream`).
 What is gathered depends on the mode, so the full ``[B, V]`` logits move only when the
 distribution really needs the whole vocabulary:
 
@@ -64,6 +65,40 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    """SplitMix64's output function (Steele, Lea, Flood 2014) of the 64-bit state ``z``."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class SeedStream:
+    """The per-step seeds of one sampling call: step ``n`` (from 1) takes the 63-bit
+    ``splitmix64(seed + n * gamma)``.  Every bit of the 63-bit ``seed`` counts (a
+    ``torch.Generator`` keeps only ``seed mod 2**32``, so two rollout seeds equal in their low
+    32 bits would draw the same tokens), and, as in SplitMix64, two seeds give overlapping
+    streams only if they differ by a multiple of gamma below the number of steps.
+
+    Args:
+        seed: an int in ``[0, 2**63)`` (:func:`derive_seed` gives one per named stream).
+    """
+
+    GAMMA = 0x9E3779B97F4A7C15
+
+    def __init__(self, seed: int) -> None:
+        if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        self.seed, self.steps = seed, 0
+
+    def next(self) -> int:
+        """The next step's seed, in ``[0, 2**63)``."""
+        self.steps += 1
+        return splitmix64((self.seed + self.steps * self.GAMMA) & _MASK64) >> 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """How to pick each new token."""
@@ -89,7 +124,8 @@ class SamplingParams:
     pad_token_id: int = 0
     """Written after a sequence has ended (mask 0)."""
     seed: int = 0
-    """Seed of the sampling generator; the same seed gives the same tokens."""
+    """Seed of the sampling call's :class:`SeedStream` (all 63 bits count); the same seed
+    gives the same tokens."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -109,6 +145,9 @@ class SamplingParams:
                 or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an int in "
                              f"[0, max_new_tokens={self.max_new_tokens}] (0 = off)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:
@@ -149,7 +188,7 @@ def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
     return m + torch.log((lsum * torch.exp(lmax - m)).sum(dim=0))
 
 
-def _draw(scaled: torch.Tensor, generator: torch.Generator, rows: torch.Tensor | None = None
+def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = None
           ) -> torch.Tensor:
     """One index ``[B, 1]`` per row from ``softmax(scaled)`` (every sampling path's draw).
 
@@ -157,17 +196,17 @@ def _draw(scaled: torch.Tensor, generator: torch.Generator, rows: torch.Tensor |
     ``argmax(p_j / E_j)`` (the candidate whose clock of rate ``p_j`` rings first) is a draw
     from ``p``, and removing a candidate that loses the race leaves the winner unchanged.
     The exponentials come from counter-based float32 uniforms (:func:`clock_uniforms`) and a
-    vectorised log: ``torch.multinomial``'s ``exponential_`` takes a scalar double ``log1p``
-    per candidate (4.3 ms of a 5-6 ms decode step at 32 x 8,192 on one core), and
-    ``torch.rand`` with a generator 0.55 ms; the whole draw now takes 0.3 ms.  ``rows``
+    vectorised log, not from ``torch.multinomial`` (its ``exponential_`` takes a scalar
+    double ``log1p`` per candidate) or ``torch.rand`` with a generator (a sequential Mersenne
+    Twister); ``bench/generation.py --profile`` times the sampling stage.  ``rows``
     (``[B_full]`` bool, the True rows are ``scaled``'s rows, in order) gives each row its id
-    in the full batch: a row's draw, and the generator's state after the step, do not depend
+    in the full batch: a row's draw, and the stream's state after the step, do not depend
     on which other rows are still running (early exit compacts finished rows away).
     """
     probs = torch.softmax(scaled, dim=-1)
     row_ids = (torch.arange(probs.shape[0]) if rows is None
                else rows.nonzero().squeeze(1))
-    noise = clock_uniforms(generator, row_ids, probs.shape[-1]).log_().neg_()
+    noise = clock_uniforms(stream, row_ids, probs.shape[-1]).log_().neg_()
     return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
 
@@ -175,17 +214,15 @@ _GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1C
                                                    0x94D049BB133111EB))  # as int64
 
 
-def clock_uniforms(generator: torch.Generator | None, row_ids: torch.Tensor,
-                   vocab: int) -> torch.Tensor:
+def clock_uniforms(stream: SeedStream, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """The race's uniforms ``[len(row_ids), vocab]`` float32 in ``(0, 1]`` of one step.
 
-    One 63-bit seed is taken from ``generator`` (so its state advances by the same amount
-    whatever the rows), and ``u[i, j]`` is SplitMix64 of ``(seed, row_ids[i], j)``
-    (:func:`counter_uniforms_formula`; ``engine._kernels.counter_uniforms`` where built, 0.03
-    against 0.55 ms for ``torch.rand``'s Mersenne Twister at 32 x 8,192).  A row's uniforms
-    depend on its id in the full batch only.
+    One 63-bit seed is taken from ``stream`` (so it advances by one step whatever the rows),
+    and ``u[i, j]`` is SplitMix64 of ``(seed, row_ids[i], j)`` (:func:`counter_uniforms_formula`;
+    ``engine._kernels.counter_uniforms`` where built).  A row's uniforms depend on its id in
+    the full batch only.
     """
-    seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+    seed = stream.next()
     if _kernels is not None:
         return _kernels.counter_uniforms(seed, row_ids, vocab)
     return counter_uniforms_formula(seed, row_ids, vocab)
@@ -225,7 +262,7 @@ def _logsumexp(z: torch.Tensor) -> torch.Tensor:
 
 
 def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator, rows: torch.Tensor | None = None
+                       stream: SeedStream, rows: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k, top-p over candidate logits ``values [B, C]`` (already divided by the
     temperature) with global ``ids``; ``rows`` as in :func:`_draw`.
@@ -234,7 +271,7 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
     """
     if params.top_p == 1 and not 0 < params.top_k < values.shape[-1]:
         # nothing is filtered: sample from the candidates as they come (no sort)
-        pick = _draw(values, generator, rows)
+        pick = _draw(values, stream, rows)
         return (torch.gather(ids, -1, pick).squeeze(-1),
                 torch.gather(values, -1, pick).squeeze(-1))
     sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
@@ -248,14 +285,14 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
         drop = mass_before >= params.top_p
         drop[:, 0] = False  # the most likely token always stays
         kept = kept.masked_fill(drop, float("-inf"))
-    pick = _draw(kept, generator, rows)
+    pick = _draw(kept, stream, rows)
     return torch.gather(sorted_ids, -1, pick).squeeze(-1), torch.gather(sorted_z, -1,
                                                                         pick).squeeze(-1)
 
 
 @torch.no_grad()
 def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | None,
-                generator: torch.Generator | None, rows: torch.Tensor | None = None,
+                stream: SeedStream | None, rows: torch.Tensor | None = None,
                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of every row from vocab-parallel logits.
 
@@ -263,7 +300,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         logits: ``[B, V/t_g]`` this rank's vocabulary slice (slice ``group.rank``).
         params: sampling settings (greedy when ``temperature == 0``).
         group: generation TP group (None or size 1: no communication).
-        generator: seeded CPU generator (unused when greedy); identical state on every member.
+        stream: the call's seeds (unused when greedy); identical state on every member.
         rows: ``[B_full]`` bool or None (all rows): the logits' rows are the True rows of a
             batch of ``B_full``; the random draw is made for all ``B_full`` rows, so a row's
             token does not depend on which rows are still running (:func:`_draw`).
@@ -290,7 +327,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     zs = _without(z, banned, start)
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
-        pick = _draw(zs, generator, rows)
+        pick = _draw(zs, stream, rows)
         lse = _logsumexp(z)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
@@ -318,11 +355,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         values = table[..., :k].permute(1, 0, 2).flatten(1)  # [B, t*k]
         ids = table[..., k:2 * k].permute(1, 0, 2).flatten(1).long()
         lse = _log_normaliser(table[..., 2 * k], table[..., 2 * k + 1])
-        chosen, chosen_z = _filter_and_sample(values, ids, params, generator, rows)
+        chosen, chosen_z = _filter_and_sample(values, ids, params, stream, rows)
         return chosen, (chosen_z - lse).float()
     full = _all_gather(z, group).permute(1, 0, 2).flatten(1)  # [B, V]: documented full gather
     lse = _logsumexp(full)
     ids = torch.arange(full.shape[-1]).expand_as(full)
     chosen, chosen_z = _filter_and_sample(_without(full, params.banned_token(step), 0), ids,
-                                          params, generator, rows)
+                                          params, stream, rows)
     return chosen, (chosen_z.double() - lse).float()

@@ -16,7 +16,7 @@ from engine.hf_interop import config_to_hf, full_to_hf_state_dict
 from engine.kv_cache import KVCache
 from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
 from engine.model import ParallelLlama, load_full_state_dict
-from engine.sampling import SamplingParams, sample_next
+from engine.sampling import SamplingParams, SeedStream, sample_next
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.reshard import Resharder
@@ -164,7 +164,7 @@ def test_sampling_distribution(t, k, p):
     z = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.5, 0.0, 1.0, -2.0])
     rows = 20000
     sp = SamplingParams(temperature=t, top_k=k, top_p=p)
-    tok, lp = sample_next(z.expand(rows, -1), sp, None, torch.Generator().manual_seed(0))
+    tok, lp = sample_next(z.expand(rows, -1), sp, None, SeedStream(0))
     want = _expected_probs(z, t, k, p)
     freq = torch.bincount(tok, minlength=len(z)).double() / rows
     assert bool((freq[want == 0] == 0).all()), (freq, want)
@@ -255,11 +255,10 @@ def test_unfiltered_sampling_without_tp_equals_the_gathered_path():
     z = torch.randn(64, 37, generator=torch.Generator().manual_seed(3)) * 2
     for temperature in (1.0, 0.7):
         params = SamplingParams(temperature=temperature, seed=5)
-        tok, lp = sample_next(z, params, None, torch.Generator().manual_seed(5))
+        tok, lp = sample_next(z, params, None, SeedStream(5))
         ids = torch.arange(z.shape[-1]).expand_as(z)
         scaled = z / temperature
-        ref_tok, ref_z = _filter_and_sample(scaled, ids, params,
-                                            torch.Generator().manual_seed(5))
+        ref_tok, ref_z = _filter_and_sample(scaled, ids, params, SeedStream(5))
         ref_lp = (ref_z.double() - torch.logsumexp(scaled.double(), dim=-1)).float()
         assert torch.equal(tok, ref_tok)
         torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=0)
@@ -286,6 +285,38 @@ def test_random_streams_of_steps_and_replicas_never_coincide():
     assert derive_seed(0, "rollout", 1) == derive_seed(0, "rollout", 1)  # a pure function
 
 
+def test_seed_streams_use_all_63_bits_over_4096_steps_and_64_replicas():
+    """The streams of 4,096 rollout steps x 64 replicas all start with distinct step seeds, and
+    the pairs whose seeds agree in their low 32 bits (what a ``torch.Generator`` keeps, so
+    they drew the same tokens) sample independently: first-token agreement on the same logits
+    near the chance level ``sum p^2``, not 1."""
+    from engine.sampling import derive_seed
+
+    seeds = [derive_seed(derive_seed(0, "rollout", step), "replica", replica)
+             for step in range(4096) for replica in range(64)]
+    firsts = [(SeedStream(s).next(), s) for s in seeds]
+    assert len({f for f, _ in firsts}) == len(seeds)
+    by_low: dict[int, int] = {}
+    pairs = []
+    for s in seeds:
+        if (s & 0xFFFFFFFF) in by_low:
+            pairs.append((by_low[s & 0xFFFFFFFF], s))
+        by_low[s & 0xFFFFFFFF] = s
+    assert pairs, "no low-32-bit collisions: the birthday bound says about 8 are expected"
+    z = torch.randn(256, 64, generator=torch.Generator().manual_seed(0)) * 2
+    chance = float((torch.softmax(z, -1) ** 2).sum(-1).mean())
+    sp = SamplingParams(temperature=1.0)
+    for a, b in pairs:
+        legacy = [torch.multinomial(torch.softmax(z, -1), 1,
+                                    generator=torch.Generator().manual_seed(s))
+                  for s in (a, b)]
+        assert torch.equal(*legacy)  # the collision a 32-bit generator seed gives
+        tok_a = sample_next(z, sp, None, SeedStream(a))[0]
+        tok_b = sample_next(z, sp, None, SeedStream(b))[0]
+        agree = float((tok_a == tok_b).double().mean())
+        assert agree < chance + 0.15, (a, b, agree, chance)
+
+
 def test_top_k_one_breaks_ties_like_greedy():
     """top_k=1 is greedy: among equal top logits both take the lowest id (torch.topk's order
     is unspecified), with that token's log-prob under softmax(z / temperature) (greedy's under
@@ -296,10 +327,9 @@ def test_top_k_one_breaks_ties_like_greedy():
         z = torch.randn(4, vocab)
         z[:, tied] = z.max() + 1.0
         greedy = sample_next(z, SamplingParams(temperature=0.0), None, None)
-        g = torch.Generator().manual_seed(3)
-        state = g.get_state()
+        g = SeedStream(3)
         top1 = sample_next(z, SamplingParams(temperature=0.7, top_k=1), None, g)
         assert top1[0].tolist() == greedy[0].tolist() == [min(tied)] * 4
         torch.testing.assert_close(greedy[1], torch.log_softmax(z, -1)[:, min(tied)])
         torch.testing.assert_close(top1[1], torch.log_softmax(z / 0.7, -1)[:, min(tied)])
-        assert torch.equal(g.get_state(), state)
+        assert g.steps == 0
