@@ -24,6 +24,7 @@ import os
 from engine.hf_interop import INDEX_FILE, SINGLE_FILE, read_hf_head
 from engine.sampling import SamplingParams, derive_seed
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from rlhf.algos import KLLossTerm
 from rlhf.checkpoint import resolve_resume
 from rlhf.config import MAX_MODEL_PARAMS, Config, WorldPlan
 from rlhf.controller import Controller, WorkerGroup
@@ -187,9 +188,7 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
     a = cfg.algo
     return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
                      loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
-                     kl_loss_coef=a.kl_loss_coef, kl_estimator=a.kl_estimator,
-                     kl_log_ratio_clamp=a.kl_log_ratio_clamp, kl_k3_clamp=a.kl_k3_clamp,
-                     temperature=cfg.data.temperature)
+                     kl_loss=KLLossTerm.of(a), temperature=cfg.data.temperature)
 
 
 def reference_spec(cfg: Config) -> ReferenceSpec:

@@ -14,7 +14,10 @@ from rlhf.config import PolicyLossConfig
 SEEDS = [0, 1, 2]
 B, T = 6, 7
 BOUNDS = {"log_ratio_clamp": 20.0, "k3_clamp": 10.0}        # the defaults of rlhf.config
-KL_BOUNDS = {"kl_log_ratio_clamp": 20.0, "kl_k3_clamp": 10.0}
+
+
+def _kl_term(estimator: str) -> algos.KLLossTerm:
+    return algos.KLLossTerm(coef=0.1, estimator=estimator, **BOUNDS)
 
 
 def _inputs(seed: int):
@@ -426,8 +429,7 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     cfg = PolicyLossConfig(loss_agg_mode="seq-mean-token-sum", clip_ratio=0.2,
                            clip_ratio_high=0.3, clip_ratio_c=None, entropy_coeff=0.01)
     loss, m = algos.actor_loss(logp, old, A, mask, pg_loss=algos.get_policy_loss("ppo"), cfg=cfg,
-                               ref_log_prob=ref, kl_loss_coef=0.1, kl_estimator="k2", entropy=H,
-                               **KL_BOUNDS)
+                               ref_log_prob=ref, kl=_kl_term("k2"), entropy=H)
     # each term from the loop references above
     pg = _ref_agg([[max(-float(A[b, t]) * math.exp(float(logp[b, t] - old[b, t])),
                         -float(A[b, t]) * min(max(math.exp(float(logp[b, t] - old[b, t])), 0.8),
@@ -439,8 +441,29 @@ def test_actor_loss_is_the_sum_of_its_terms(seed):
     assert math.isclose(float(loss), pg + 0.1 * kl - 0.01 * ent, rel_tol=1e-10, abs_tol=1e-12)
     assert {"pg_loss", "clipfrac", "approx_kl", "kl_loss", "entropy"} <= set(m)
     plain, m2 = algos.actor_loss(logp, old, A, mask, pg_loss=algos.get_policy_loss("ppo"),
-                                 cfg=cfg, kl_loss_coef=0.0, kl_estimator="k3", **KL_BOUNDS)
+                                 cfg=cfg)
     assert math.isclose(float(plain), pg, rel_tol=1e-10) and "kl_loss" not in m2
+
+
+def test_actor_loss_kl_term_settings():
+    from rlhf.config import AlgoConfig
+
+    _, mask, rnd = _inputs(0)
+    x = rnd()
+    cfg = PolicyLossConfig()
+    ppo = algos.get_policy_loss("ppo")
+    with pytest.raises(ValueError, match="ref_log_prob None"):
+        algos.actor_loss(x, x, x, mask, pg_loss=ppo, cfg=cfg, kl=_kl_term("k1"))
+    with pytest.raises(ValueError, match="kl=None"):
+        algos.actor_loss(x, x, x, mask, pg_loss=ppo, cfg=cfg, ref_log_prob=x)
+    for bad, match in [({"coef": -0.1}, "coef=-0.1"), ({"estimator": "k9"}, "'k9'"),
+                       ({"k3_clamp": 0.0}, "k3_clamp=0.0")]:
+        with pytest.raises(ValueError, match=match):
+            algos.KLLossTerm(**{"coef": 0.1, "estimator": "k1", **BOUNDS, **bad})
+    assert algos.KLLossTerm.of(AlgoConfig(kl_mode="reward")) is None
+    term = algos.KLLossTerm.of(AlgoConfig(kl_mode="loss", kl_coef=0.3, kl_estimator="k2",
+                                          kl_log_ratio_clamp=7.0, kl_k3_clamp=4.0))
+    assert term == algos.KLLossTerm(coef=0.3, estimator="k2", log_ratio_clamp=7.0, k3_clamp=4.0)
 
 
 # Group statistics in float32 -------------------------------------------------------------
@@ -571,8 +594,8 @@ def test_garbage_at_masked_positions_changes_nothing(seed):
                                       pg_loss=algos.get_policy_loss("ppo"),
                                       cfg=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01,
                                                            clip_ratio_c=None),
-                                      ref_log_prob=x["ref"], kl_loss_coef=0.1, kl_estimator="k3",
-                                      entropy=x["H"], **KL_BOUNDS),
+                                      ref_log_prob=x["ref"], kl=_kl_term("k3"),
+                                      entropy=x["H"]),
             "agg": (algos.agg_loss(lp, mask, mode), {}),
         }
         total = sum(loss for loss, _ in out.values())

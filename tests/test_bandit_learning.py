@@ -28,8 +28,9 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
-from rlhf.algos import (LagrangeMultiplier, actor_loss, agg_count, agg_denominator,
-                        entropy_from_logits, get_policy_loss, make_kl_controller, varied_groups)
+from rlhf.algos import (KLLossTerm, LagrangeMultiplier, actor_loss, agg_count,
+                        agg_denominator, entropy_from_logits, get_policy_loss,
+                        make_kl_controller, varied_groups)
 from rlhf.config import load_config
 from rlhf.controller import Batch
 from rlhf.metrics import PhaseTimer
@@ -138,7 +139,7 @@ def update_actor(cfg, policy: TabularPolicy, opt: torch.optim.Optimizer,
                  batch: Batch) -> None:
     a, loss_cfg = cfg.algo, cfg.actor.loss
     pg_loss = get_policy_loss(loss_cfg.mode or algorithm(a.name).policy_loss)
-    use_ref = a.kl_loss_coef is not None
+    kl = KLLossTerm.of(a)
     for _ in range(a.epochs):
         for mbs in micro_batches(batch, cfg.data.mini_batch_size, cfg.data.micro_batch_size):
             mode = loss_cfg.loss_agg_mode
@@ -148,9 +149,7 @@ def update_actor(cfg, policy: TabularPolicy, opt: torch.optim.Optimizer,
                 loss, _ = actor_loss(
                     policy.log_probs(mb["prompt"], mb["responses"]), mb["old_log_probs"],
                     mb["advantages"], mb["response_mask"], pg_loss=pg_loss, cfg=loss_cfg,
-                    ref_log_prob=mb["ref_log_probs"] if use_ref else None,
-                    kl_loss_coef=a.kl_loss_coef or 0.0, kl_estimator=a.kl_estimator,
-                    kl_log_ratio_clamp=a.kl_log_ratio_clamp, kl_k3_clamp=a.kl_k3_clamp,
+                    ref_log_prob=None if kl is None else mb["ref_log_probs"], kl=kl,
                     entropy=policy.entropy(mb["prompt"]), denominator=d)
                 loss.backward()
             opt.step()

@@ -311,6 +311,7 @@ BUDGET = 48  # tokens per micro-batch: 1 to 4 sequences each
 
 def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: int = B):
     from engine.train import OptimConfig
+    from rlhf.algos import KLLossTerm
     from rlhf.config import PolicyLossConfig, ValueLossConfig
     from rlhf.workers import (ActorSpec, ActorWorker, CriticSpec, CriticWorker, ModelSpec,
                               UpdateSpec)
@@ -324,8 +325,9 @@ def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: 
         cls, spec = ActorWorker, ActorSpec(
             model=model, optim=optim,
             loss=PolicyLossConfig(loss_agg_mode="token-mean", entropy_coeff=0.01),
-            update=update, algo="grpo", kl_loss_coef=0.1, kl_estimator="k3",
-            kl_log_ratio_clamp=20.0, kl_k3_clamp=10.0, temperature=0.9)
+            update=update, algo="grpo",
+            kl_loss=KLLossTerm(coef=0.1, estimator="k3", log_ratio_clamp=20.0, k3_clamp=10.0),
+            temperature=0.9)
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=model, optim=optim,

@@ -30,7 +30,7 @@ MODES = algos.LOSS_AGG_MODES
 B, T = 8, 6
 LENGTHS = [6, 1, 4, 0, 5, 2, 6, 3]                    # row 3: an empty response
 CLIP = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28, clip_ratio_c=3.0)
-KL = dict(kl_loss_coef=0.1, kl_estimator="k3", kl_log_ratio_clamp=20.0, kl_k3_clamp=10.0)
+KL = algos.KLLossTerm(coef=0.1, estimator="k3", log_ratio_clamp=20.0, k3_clamp=10.0)
 
 
 def _mask(hole: bool) -> torch.Tensor:
@@ -124,7 +124,7 @@ def _loss_of_rows(x: dict, role: str, mode: str, leaf: torch.Tensor, rows: slice
         loss, _ = algos.actor_loss(leaf[rows], x["old"][rows], x["A"][rows], m,
                                    pg_loss=algos.get_policy_loss("ppo"), cfg=cfg,
                                    ref_log_prob=x["ref"][rows], entropy=x["H"][rows],
-                                   denominator=denominator, **KL)
+                                   kl=KL, denominator=denominator)
     else:
         loss, _ = algos.value_loss(leaf[rows], x["old_v"][rows], x["R"][rows], m, 0.2, mode,
                                    denominator)
@@ -230,8 +230,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
             model=ModelSpec(config=config, head="lm", init_from=None, seed=0, fresh_head=False),
             optim=optim,
             loss=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, clip_ratio_c=3.0),
-            update=update, algo="grpo", kl_loss_coef=0.1, kl_estimator="k3",
-            kl_log_ratio_clamp=20.0, kl_k3_clamp=10.0, temperature=1.0)
+            update=update, algo="grpo", kl_loss=KL, temperature=1.0)
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=ModelSpec(config=config, head="value", init_from=None, seed=0,

@@ -22,6 +22,9 @@ Shapes: ``[B, T]`` with a response mask ``[B, T]``; masked positions are ignored
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from rlhf.algos.masked import agg_loss, check_same_shape, kept, masked_mean
@@ -39,9 +42,7 @@ def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: s
         log_ratio_clamp: bound on ``|x|`` (> 0).
         k3_clamp: bound on ``|k3|`` (> 0).
     """
-    if not (log_ratio_clamp > 0 and k3_clamp > 0):
-        raise ValueError(f"kl log_ratio_clamp={log_ratio_clamp} and k3_clamp={k3_clamp} must "
-                         f"be > 0")
+    _check_bounds(log_ratio_clamp, k3_clamp)
     x = (log_prob - ref_log_prob).clamp(-log_ratio_clamp, log_ratio_clamp)
     if estimator == "k1":
         return x
@@ -50,6 +51,45 @@ def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: s
     if estimator == "k3":
         return (torch.expm1(-x) + x).clamp(-k3_clamp, k3_clamp)
     raise ValueError(f"kl estimator={estimator!r} is not one of {KL_ESTIMATORS}")
+
+
+def _check_bounds(log_ratio_clamp: float, k3_clamp: float) -> None:
+    if not (log_ratio_clamp > 0 and k3_clamp > 0):
+        raise ValueError(f"kl log_ratio_clamp={log_ratio_clamp} and k3_clamp={k3_clamp} must "
+                         f"be > 0")
+
+
+@dataclass(frozen=True)
+class KLLossTerm:
+    """The KL-as-loss term of the actor's loss (:func:`rlhf.algos.actor_loss`):
+    ``coef * agg(k(log_prob, ref_log_prob))`` with :func:`kl_estimate`'s estimator and bounds.
+    """
+
+    coef: float
+    """Coefficient of the term (>= 0)."""
+    estimator: str
+    """k1, k2 or k3."""
+    log_ratio_clamp: float
+    """Bound on the estimators' log ratio (> 0)."""
+    k3_clamp: float
+    """Bound on k3 per token (> 0)."""
+
+    def __post_init__(self) -> None:
+        if not self.coef >= 0:
+            raise ValueError(f"kl coef={self.coef} must be >= 0")
+        if self.estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl estimator={self.estimator!r} is not one of {KL_ESTIMATORS}")
+        _check_bounds(self.log_ratio_clamp, self.k3_clamp)
+
+    @classmethod
+    def of(cls, algo: Any) -> KLLossTerm | None:
+        """The term an algorithm section asks for (``algo``: any object with the attributes of
+        :class:`rlhf.config.AlgoConfig`, read by name): None unless its ``kl_loss_coef`` is set
+        (``algo.kl_mode=loss``)."""
+        if algo.kl_loss_coef is None:
+            return None
+        return cls(coef=algo.kl_loss_coef, estimator=algo.kl_estimator,
+                   log_ratio_clamp=algo.kl_log_ratio_clamp, k3_clamp=algo.kl_k3_clamp)
 
 
 def kl_penalty_rewards(token_scores: torch.Tensor, log_prob: torch.Tensor,

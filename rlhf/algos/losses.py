@@ -1,5 +1,7 @@
-"""PPO losses: clipped surrogate (with dual-clip and DAPO's asymmetric clip), clipped value
-loss, entropy bonus.
+"""The actor's and the critics' losses: the actor's whole loss (a registered policy loss,
+:mod:`rlhf.algos.policy_losses`, plus the KL and entropy terms), the clipped value loss, the
+entropy bonus, and :func:`policy_loss`, the registered PPO loss with its clip settings passed
+one by one.
 
 Shapes: ``[B, T]`` per response token with a response mask ``[B, T]``; every loss is reduced
 with :func:`rlhf.algos.masked.agg_loss` in one of ``LOSS_AGG_MODES``, with the mini-batch's
@@ -12,14 +14,15 @@ a metric or a gradient.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rlhf.algos.kl import KLLossTerm, kl_loss
 from rlhf.algos.masked import agg_loss, check_same_shape, kept, masked_mean
-
-_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild ratio finite; such tokens are clipped anyway
+from rlhf.algos.policy_losses import get_policy_loss
 
 
 def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -27,57 +30,21 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
                 clip_ratio_high: float | None, clip_ratio_c: float | None,
                 loss_agg_mode: str, denominator: float | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017), optional dual-clip (Ye et al. 2020).
-
-    With ``rho = exp(log_prob - old_log_prob)``, ``eps_lo = clip_ratio_low or clip_ratio``,
-    ``eps_hi = clip_ratio_high or clip_ratio`` (DAPO's clip-higher when ``eps_hi > eps_lo``)::
-
-        L_clip = max(-A rho, -A clip(rho, 1 - eps_lo, 1 + eps_hi))
-        L      = min(L_clip, -A c)  if A < 0 and clip_ratio_c = c is set, else L_clip
+    """The registered ``ppo`` policy loss (:func:`rlhf.algos.policy_losses.ppo_loss`, where its
+    formula is) with the clip settings given one by one instead of as a loss section.
 
     Args:
-        log_prob: ``[B, T]`` log-probs under the current policy (carries the gradient).
-        old_log_prob: ``[B, T]`` log-probs under the rollout policy.
-        advantages: ``[B, T]``.
-        mask: ``[B, T]`` response mask.
+        log_prob, old_log_prob, advantages, mask: ``[B, T]``.
         clip_ratio, clip_ratio_low, clip_ratio_high: clip range.
         clip_ratio_c: dual-clip bound ``c > 1`` or None.
         loss_agg_mode, denominator: see :func:`agg_loss`.
     Returns:
-        ``(loss, {"pg_loss", "clipfrac", "clipfrac_lower", "approx_kl"})``; ``clipfrac`` is the
-        masked fraction of tokens where the clipped term is the larger one, ``clipfrac_lower``
-        where the dual clip bites, ``approx_kl = mean(old_log_prob - log_prob)`` (k1).
+        ``(loss, {"pg_loss", "approx_kl", "clipfrac", "clipfrac_lower"})``.
     """
-    check_same_shape(mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
-    eps_lo = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    eps_hi = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    if not (0 <= eps_lo < 1 and eps_hi >= 0):
-        raise ValueError(f"clip_ratio_low={eps_lo} must be in [0, 1) and clip_ratio_high="
-                         f"{eps_hi} >= 0")
-    if clip_ratio_c is not None and not clip_ratio_c > 1:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (or None to disable)")
-    log_prob, old_log_prob = kept(log_prob, mask), kept(old_log_prob, mask)
-    advantages = kept(advantages, mask)
-    log_ratio = (log_prob - old_log_prob).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * torch.clamp(ratio, 1 - eps_lo, 1 + eps_hi)
-    clipped = torch.maximum(loss1, loss2)
-    if clip_ratio_c is not None:
-        loss3 = -advantages * clip_ratio_c
-        dual = torch.minimum(clipped, loss3)
-        lower = (advantages < 0) & (clipped > loss3)
-        losses = torch.where(advantages < 0, dual, clipped)
-    else:
-        lower = torch.zeros_like(mask, dtype=torch.bool)
-        losses = clipped
-    loss = agg_loss(losses, mask, loss_agg_mode, denominator)
-    with torch.no_grad():
-        metrics = {"pg_loss": loss.detach(),
-                   "clipfrac": masked_mean((loss2 > loss1).to(log_prob.dtype), mask),
-                   "clipfrac_lower": masked_mean(lower.to(log_prob.dtype), mask),
-                   "approx_kl": masked_mean(-log_ratio, mask)}
-    return loss, metrics
+    cfg = types.SimpleNamespace(clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low,
+                                clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c)
+    return get_policy_loss("ppo")(log_prob, old_log_prob, advantages, mask, cfg=cfg,
+                                  loss_agg_mode=loss_agg_mode, denominator=denominator)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
@@ -142,36 +109,35 @@ def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, coeff: float, loss_a
 
 def actor_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
                mask: torch.Tensor, *, pg_loss: Callable, cfg: Any,
-               ref_log_prob: torch.Tensor | None = None, kl_loss_coef: float,
-               kl_estimator: str, kl_log_ratio_clamp: float, kl_k3_clamp: float,
+               ref_log_prob: torch.Tensor | None = None, kl: KLLossTerm | None = None,
                entropy: torch.Tensor | None = None, denominator: float | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's whole loss for one micro-batch::
 
-        L = L_pg + kl_loss_coef * agg(k(log_prob, ref_log_prob)) - entropy_coeff * agg(H)
+        L = L_pg + kl.coef * agg(k(log_prob, ref_log_prob)) - entropy_coeff * agg(H)
 
     ``L_pg`` is ``pg_loss`` (a registered policy loss, :mod:`rlhf.algos.policy_losses`) with
     the loss section ``cfg`` (:class:`rlhf.config.PolicyLossConfig`: its clip ranges and
-    per-loss settings, ``loss_agg_mode``, ``entropy_coeff``).  The KL term is added only when
-    ``ref_log_prob`` is given (KL as a loss, GRPO style; its estimator and bounds are
-    :func:`rlhf.algos.kl.kl_estimate`'s), the entropy term only when ``entropy`` (``[B, T]``)
-    is given.  Every term is aggregated with ``cfg.loss_agg_mode`` and the same
-    ``denominator``.
+    per-loss settings, ``loss_agg_mode``, ``entropy_coeff``).  The KL term (KL as a loss, GRPO
+    style) is added when ``kl`` is given, with the reference's ``ref_log_prob`` ``[B, T]``;
+    the entropy term only when ``entropy`` (``[B, T]``) is given.  Every term is aggregated
+    with ``cfg.loss_agg_mode`` and the same ``denominator``.
 
     Returns:
         ``(loss, metrics)`` with the policy loss's metrics plus ``kl_loss`` and ``entropy``
         when those terms are present.
     """
-    from rlhf.algos.kl import kl_loss
-
+    if (kl is None) != (ref_log_prob is None):
+        raise ValueError(f"the KL loss term needs both kl settings and ref_log_prob; got "
+                         f"kl={kl} and ref_log_prob {'None' if ref_log_prob is None else 'given'}")
     mode = cfg.loss_agg_mode
     loss, metrics = pg_loss(log_prob, old_log_prob, advantages, mask, cfg=cfg,
                             loss_agg_mode=mode, denominator=denominator)
-    if ref_log_prob is not None:
-        kl, m = kl_loss(log_prob, ref_log_prob, mask, kl_estimator, mode,
-                        log_ratio_clamp=kl_log_ratio_clamp, k3_clamp=kl_k3_clamp,
-                        denominator=denominator)
-        loss = loss + kl_loss_coef * kl
+    if kl is not None:
+        k, m = kl_loss(log_prob, ref_log_prob, mask, kl.estimator, mode,
+                       log_ratio_clamp=kl.log_ratio_clamp, k3_clamp=kl.k3_clamp,
+                       denominator=denominator)
+        loss = loss + kl.coef * k
         metrics.update(m)
     if entropy is not None:
         ent, m = entropy_loss(entropy, mask, cfg.entropy_coeff, mode, denominator)

@@ -37,8 +37,9 @@ from typing import Any, Callable
 
 import torch
 
-from rlhf.algos.losses import _MAX_LOG_RATIO, policy_loss
 from rlhf.algos.masked import agg_loss, check_same_shape, kept, masked_mean
+
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild ratio finite; such tokens are clipped anyway
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -112,16 +113,37 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_lo: fl
 def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, *, cfg: Any, loss_agg_mode: str,
              denominator: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with DAPO's asymmetric clip and the dual clip: exactly
-    :func:`rlhf.algos.losses.policy_loss` with ``cfg.clip_ratio``, ``clip_ratio_low``,
-    ``clip_ratio_high`` and ``clip_ratio_c``::
+    """PPO clipped surrogate (Schulman et al. 2017) with DAPO's asymmetric clip and the dual
+    clip (Ye et al. 2020)::
 
-        L_t = max(-A r, -A clip(r, 1 - eps_lo, 1 + eps_hi)),  min(L_t, -A c) where A < 0
+        L_t = max(-A r, -A clip(r, 1 - eps_lo, 1 + eps_hi))
+        L_t = min(L_t, -A c)   where A < 0, when cfg.clip_ratio_c = c is set
+
+    ``eps_lo = cfg.clip_ratio_low``, ``eps_hi = cfg.clip_ratio_high`` (each defaulting to
+    ``cfg.clip_ratio``; clip-higher when ``eps_hi > eps_lo``).
+
+    Args:
+        log_prob, old_log_prob, advantages, mask: ``[B, T]``.
+        cfg: the clip range fields and ``clip_ratio_c`` (> 1, or None: no dual clip).
+        loss_agg_mode, denominator: see :func:`agg_loss`.
+    Returns:
+        ``(loss, {"pg_loss", "approx_kl", "clipfrac", "clipfrac_lower"})``: ``clipfrac`` the
+        fraction of valid tokens where the clipped term is the larger one, ``clipfrac_lower``
+        where the dual clip bites.
     """
-    return policy_loss(log_prob, old_log_prob, advantages, mask, clip_ratio=cfg.clip_ratio,
-                       clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                       clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=loss_agg_mode,
-                       denominator=denominator)
+    eps_lo, eps_hi = _clip_range(cfg)
+    c = cfg.clip_ratio_c
+    if c is not None and not c > 1:
+        raise ValueError(f"clip_ratio_c={c} must be > 1 (or None to disable)")
+    _, advantages, log_ratio = _inputs(log_prob, old_log_prob, advantages, mask)
+    losses, clipped = _clipped_surrogate(torch.exp(log_ratio), advantages, eps_lo, eps_hi)
+    lower = torch.zeros_like(clipped)
+    if c is not None:
+        dual = -advantages * c
+        lower = (advantages < 0) & (losses > dual)
+        losses = torch.where(advantages < 0, torch.minimum(losses, dual), losses)
+    loss = agg_loss(losses, mask, loss_agg_mode, denominator)
+    return loss, _metrics(loss, log_ratio, mask, clipfrac=clipped, clipfrac_lower=lower)
 
 
 # GSPO ----------------------------------------------------------------------------------------

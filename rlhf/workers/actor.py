@@ -66,7 +66,7 @@ class PolicyWorker(CheckpointedWorker):
         """``epochs`` passes of mini-batch steps; returns one row of mean metrics."""
         s, loss = self.spec, self.spec.loss
         fields = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
-        if s.kl_loss_coef is not None:
+        if s.kl_loss is not None:
             fields.append("ref_log_probs")
         data = batch.select(fields)
         records: list[dict[str, float]] = []
@@ -77,9 +77,7 @@ class PolicyWorker(CheckpointedWorker):
             total, m = actor_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
                 pg_loss=self.pg_loss, cfg=loss, ref_log_prob=mb.get("ref_log_probs"),
-                kl_loss_coef=s.kl_loss_coef or 0.0, kl_estimator=s.kl_estimator,
-                kl_log_ratio_clamp=s.kl_log_ratio_clamp, kl_k3_clamp=s.kl_k3_clamp,
-                entropy=ent, denominator=denominator)
+                kl=s.kl_loss, entropy=ent, denominator=denominator)
             records.append({k: float(v) for k, v in m.items()})
             return total
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from engine.llama_spec import LlamaConfig
 from engine.train import OptimConfig
+from rlhf.algos.kl import KLLossTerm
 from rlhf.config import PolicyLossConfig, ValueLossConfig
 from rlhf.task import CostRule
 
@@ -57,14 +58,9 @@ class ActorSpec:
     update: UpdateSpec
     algo: str
     """Registered algorithm: its ``policy_loss`` is the actor's loss."""
-    kl_loss_coef: float | None
-    """KL-as-loss coefficient; None = no KL loss term (KL in the reward, or none)."""
-    kl_estimator: str
-    """k1, k2 or k3."""
-    kl_log_ratio_clamp: float
-    """Bound on the KL estimators' log-ratio (:func:`rlhf.algos.kl_estimate`)."""
-    kl_k3_clamp: float
-    """Bound on k3 per token."""
+    kl_loss: KLLossTerm | None
+    """The KL-as-loss term (coefficient, estimator, bounds); None = no KL loss term (KL in the
+    reward, or none)."""
     temperature: float
     """Rollout sampling temperature (data.temperature): log-probs and entropy are of
     ``softmax(logits / temperature)``, the distribution the rollouts were drawn from."""
