@@ -1,5 +1,5 @@
 """Seconds and peak RSS per rank of a checkpoint save and load: sharded DCP (every rank writes
-and reads its own blocks) against the old gather-to-rank-0 path, measured in one run, for a
+and reads its own blocks) against gathering everything to rank 0, measured in one run, for a
 tiny and a larger model at 1, 2 and 4 gloo ranks; and the HF export, gathered vs streamed.
 
     python -m bench.checkpoint [--models tiny,large] [--worlds 1,2,4] [--json PATH]
@@ -8,11 +8,10 @@ For each world size and method, fresh ranks build a model (layout 1-1-1, 1-2-1, 
 take one AdamW step (so the moments exist), then save (weights + both Adam moments + step)
 and load into the same model, ``--repeat`` times (fastest time, highest peak).  Methods:
 
-* ``gather_rank0`` (the old path, reimplemented here): the DP-rank-0 replica gathers every
-  global tensor to rank 0, which writes them (safetensors, fsynced, atomic folder); on load
-  every rank reads the whole state and cuts its shards (the controller used to send the whole
-  state to every rank).  The old controller socket transfer is left out, so this baseline is
-  a lower bound of the old cost.
+* ``gather_rank0`` (the baseline): the DP-rank-0 replica gathers every global tensor to
+  rank 0, which writes them (safetensors, fsynced, atomic folder); on load every rank reads the
+  whole state and cuts its shards.  Sending the state to the ranks through the controller's
+  socket is left out, so this baseline is a lower bound of a single-writer checkpoint's cost.
 * ``sharded``: :class:`rlhf.workers.common.ShardCheckpoint` (DCP, every rank its own file,
   written in a background thread; ``save_blocking_s`` is the part training waits for).
 * ``hf_gathered`` / ``hf_streamed``: the HF export, :func:`engine.hf_interop.save_hf_checkpoint`

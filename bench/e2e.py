@@ -31,8 +31,8 @@ forward, reward and loss/update.  Prints and optionally writes ``{"ours_tokens_p
 "trl_tokens_per_s", "ratio", "ours_phases_s", "trl_phases_s", "rounds", "shape", "argv"}``.
 TRL is an optional dev dependency (``pip install -r requirements-dev.txt``); HF_HUB_OFFLINE=1
 is set for it.  On a machine shared with other jobs, ``OMP_WAIT_POLICY=PASSIVE`` in the
-environment (both sides inherit it) keeps TRL's OpenMP threads from spin-waiting: with the
-cores oversubscribed, two spinning threads made HF generation 5-20x slower than one thread.
+environment (both sides inherit it) keeps TRL's OpenMP threads from spin-waiting, which on
+oversubscribed cores slows HF generation down by several times.
 """
 
 from __future__ import annotations

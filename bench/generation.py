@@ -84,12 +84,13 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout  # noqa: E402
 CFG = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=768, num_layers=4,
                   num_heads=8, num_kv_heads=4, max_position_embeddings=512,
                   tie_word_embeddings=False)
-"""The ``tiny`` model (the figures of record were taken on it; not the table's ``tiny`` row,
-which the other benches use)."""
+"""The ``tiny`` model of this bench (docs/benchmarks.md's tiny generation rows; not the
+table's ``tiny`` row, which the other benches use)."""
 SEED, STD = 0, 0.05
 TIE_TOL = 1e-4
-"""Logit gap below which two tokens count as tied: 25x the largest float32 logit error
-measured at batch 32 x 256 (``hf_logit_error``, 4e-6 against the arbiter)."""
+"""Logit gap below which two tokens count as tied: 25x the largest float32 logit error of
+transformers against the float64 arbiter (``hf_logit_error``, about 4e-6 with
+``--batch 32 --new-tokens 256``)."""
 DEFAULTS = {"tiny": (16, 64)}
 """``--batch`` and ``--new-tokens`` per shape where they are not the table's (other shapes:
 batch 32, ``shape.response_len``)."""

@@ -25,12 +25,9 @@ kernel included; ``torch.compile`` traces the formula instead (:func:`engine.lay
 Weights are seeded (std ``1/sqrt(fan_in)``), the training mask is an RL micro-batch's
 (left-padded prompts, right-padded responses).
 
-The fused C++ training blocks (a whole decoder layer, attention, MLP: ``train_layer``,
-``train_attention``, ``train_mlp``) and the prefill on their forward (``prefill``,
-``forward_paths.FusedBlocks``) were deleted on 2026-11-23 after a quiet run at ``--shape small
---repeat 10`` (kernel/compiled: train_layer 1.037, train_attention 0.994, train_mlp 1.104,
-prefill 1.044; kept: train_rms_norm 1.400, decode_b1 1.93 / 1.97 and decode_b32 4.47 / 4.37 for
-kernel_stage / kernel_layers; ``--shape tiny`` gave the same verdicts).
+Whole training layers, attention and MLP blocks and the prefill have no C++ kernel: they run
+on the Python layers, which a fused kernel would have to beat by the same 1.3x over their
+compiled form (the ``+bias`` rows time that form).
 
 Compiled = ``torch.compile(fn, dynamic=False, fullgraph=True)`` (inductor, CPU), warmed up by
 the check call outside the timing; its first call's wall time is ``compile_s``.  Training

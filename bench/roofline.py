@@ -8,7 +8,7 @@ measured before and after our code, the better run kept, ``limits_drift`` their 
   ``peak_matmul_flops``   float32 GEMM FLOP/s: the best of a 2048^3 product and the forward
                           products the model makes (``x @ w.t()`` at the training micro-batch),
                           on MKL (``torch.matmul``) and on oneDNN (:mod:`engine.onednn`, which
-                          the training products use: 2.2x MKL on this Zen 5, one core)
+                          the training products use); ``gemm_flops`` has each library's rate
   ``memcpy_bytes_per_s``  (read + write) bytes / s of a 256 MiB copy
   ``read_bytes_per_s``    the best read-only rate: a 256 MiB sum, or a GEMV over a matrix of
                           the model's matmul weight bytes (which may stay in the L3 cache

@@ -1,9 +1,8 @@
 """The one table of bench shapes: every bench takes ``--shape NAME`` and reads its sizes here.
 
-    tiny      the shapes the benches had before this table, for CI smoke runs: a Llama of
-              4 layers x 256 (generation, weight sync, roofline); bench/e2e.py and
-              bench/learning.py keep the GRPO recipe's actor and character tokenizer at
-              ``tiny`` (their figures of record were taken on it)
+    tiny      the smallest shapes, for CI smoke runs: a Llama of 4 layers x 256
+              (generation, weight sync, roofline); bench/e2e.py and bench/learning.py use
+              the GRPO recipe's actor and character tokenizer at ``tiny``
     small     a Qwen2-style decoder (q/k/v biases, tied embeddings, GQA 6/2) of 12.6M
               parameters with a byte-level BPE vocabulary of 8,192 trained here
               (:func:`build_bpe_tokenizer`), prompts of 64 tokens, responses of 128, 16 prompts

@@ -9,9 +9,7 @@ padding positions differ and are masked).  Presets: ``grpo`` = the GRPO recipe's
 (2 layers x 64, batch 32 x 14 tokens: one rank's share of the e2e benchmark), ``medium`` =
 4 layers x 256, batch 8 x 128.  Each round runs every contender once (interleaved medians).
 Prints ``{"ours_tokens_per_s", "hf_tokens_per_s", "ours_vs_hf", "forward_only": {...},
-"max_grad_rel_diff"}`` (the gradient difference against transformers').  The fused C++
-training blocks this bench once compared were deleted on 2026-11-23
-(bench/kernels_vs_compile.py).
+"max_grad_rel_diff"}`` (the gradient difference against transformers').
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Grouped-query attention of short sequences by batched products on oneDNN (float32 CPU).
 
-PyTorch's CPU flash attention runs its blocks on MKL, which takes its AVX2 kernels on this AMD
-machine, and its backward recomputes the probabilities block by block.  Below a few hundred
-tokens the whole score matrix fits in cache, so writing it out costs little: two batched
-products forward and four backward on oneDNN's AVX-512 kernels (:mod:`engine.onednn`).  At
-the ``small`` training shape (8 sequences of 192 tokens, 6 query / 2 KV heads of 64) forward
-and backward take 5.7-7.4 ms against 11.7-13.8 ms for ``scaled_dot_product_attention``.
+PyTorch's CPU flash attention runs its blocks on MKL, which may take its AVX2 kernels on AMD
+processors, and its backward recomputes the probabilities block by block.  Below a few
+hundred tokens the whole score matrix fits in cache, so writing it out costs little: two
+batched products forward and four backward on oneDNN (:mod:`engine.onednn`), which
+JIT-compiles for the CPU's own vector width.
 
 The query heads that share a KV head are stacked on the rows, so one product per (sequence,
 KV head) serves the whole group and the key/value gradients are summed over it by the

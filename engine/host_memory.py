@@ -5,8 +5,8 @@ largest block freed so far, up to 32 MiB) by a fresh ``mmap`` that is unmapped o
 gives the top of the heap back to the kernel once more than ``M_TRIM_THRESHOLD`` (twice that)
 lies free there.  A training step frees its activations, logits and gradients at the end, the
 next phase (generation, the reference forward) frees its own, and so each phase gets fresh
-pages that the kernel zeroes at their first touch: in the ``small`` GRPO run of
-``bench/e2e.py`` 12% of all CPU samples were page faults (``clear_page_erms`` 9.6%).
+pages that the kernel zeroes at their first touch (``perf`` of ``bench/e2e.py --shape small``
+shows them as ``clear_page_erms``).
 
 :func:`keep_freed_memory` starts the process where glibc's own adaptation ends
 (``M_MMAP_THRESHOLD`` = 32 MiB), never trims the heap (``M_TRIM_THRESHOLD`` at its
@@ -14,11 +14,10 @@ maximum) and serves the blocks above 32 MiB from the heap too (``M_MMAP_MAX`` = 
 threshold cannot go higher), so freed blocks are reused by the next step, at the price that
 the process keeps its peak heap until it exits (what a GPU framework's caching allocator does
 with device memory).  The blocks above 32 MiB matter at the ``small`` shape: the LM head's
-logits of a micro-batch (1,024 x 8,192 floats) and their gradient; written to fresh pages they
-took 10 ms each (the product itself 15 ms), and the training step ran 2.90 against 2.80 s
-(medians of six, interleaved in one process).  Rank entry points call it; the environment
-variable ``HYBRIDFLOW_KEEP_FREED_MEMORY=0`` leaves the allocator as it is.  On a C library
-other than glibc it does nothing.
+logits of a micro-batch (1,024 x 8,192 floats) and their gradient, whose fresh pages fault in
+at a large share of the cost of the product that fills them.  Rank entry points call it; the
+environment variable ``HYBRIDFLOW_KEEP_FREED_MEMORY=0`` leaves the allocator as it is.  On a
+C library other than glibc it does nothing.
 """
 
 from __future__ import annotations

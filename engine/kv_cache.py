@@ -12,17 +12,14 @@ Keys are stored transposed so the decode kernel (``engine._kernels``) computes a
 against all cached keys as D contiguous multiply-adds over positions (vectorised, no
 horizontal sums).  They are tiled so that the keys of positions ``[0, n)`` of one (sequence,
 KV head) are one contiguous run of memory (``ceil(n / KEY_TILE)`` tiles of ``D * KEY_TILE``
-floats), read front to back: with one ``[D, max_len]`` matrix the decode step read D partial
-rows with gaps between them, which the hardware prefetcher fetches too (at the ``small``
-bench shape, 128 of 191 positions filled, the step took 0.12-0.16 ms longer than with rows
-of exactly the filled length).  The unfilled positions of K are zeros (never NaN or
-denormal garbage: the kernel's vectors span whole tile rows and ignore the lanes past the
-filled positions).  A layer's hook (the Python layers: prefill, or every step without the
-kernels) writes the step's new keys/values at ``[length, length + S)`` and hands attention
-``[0, length + S)`` in the ``[B, S_kv, h_kv, D]`` form that
+floats), read front to back; one ``[D, max_len]`` matrix would be read as D partial rows
+with gaps between them, which the hardware prefetcher fetches too.  The unfilled positions
+of K are zeros (never NaN or denormal garbage: the kernel's vectors span whole tile rows and
+ignore the lanes past the filled positions).  A layer's hook (the Python layers: prefill, or
+every step without the kernels) writes the step's new keys/values at ``[length, length + S)``
+and hands attention ``[0, length + S)`` in the ``[B, S_kv, h_kv, D]`` form that
 :func:`engine.layers.attention` expects (values as a strided view, keys gathered out of
-their tiles).  :meth:`advance` moves
-``length`` once every layer of the step has run.  :meth:`keep_rows_` drops finished sequences
+their tiles).  :meth:`advance` moves ``length`` once every layer of the step has run.  :meth:`keep_rows_` drops finished sequences
 (early exit in :mod:`engine.generation`): the kept rows' filled positions move to new, smaller
 tensors of the same layout; with repeated rows it copies the cache of a prompt prefilled once
 to each of its sequences.

@@ -51,8 +51,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / rms(x)`` over the last dim, computed in float32 (as transformers).
 
     Float32 CPU tensors with a ``[H]`` weight run the C++ kernel (``engine._kernels``,
-    csrc/engine/rms_norm.cpp: one autograd node, a hand-written backward, 2.1x the compiled
-    formula at the ``small`` shape) where the extension is built; everything else, and any
+    csrc/engine/rms_norm.cpp: one autograd node, a hand-written backward; kept while it runs
+    >= 1.3x the compiled formula in ``bench/kernels_vs_compile.py --shape small``) where the
+    extension is built; everything else, and any
     code ``torch.compile`` traces, runs :func:`rms_norm_formula`.  The two agree within float32
     rounding (tests/test_rms_norm_kernel.py); the kernel's backward is ``once_differentiable``
     (no double backward).
@@ -351,7 +352,8 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
 
     Forward and backward are each one pass: for float32 CPU tensors the C++ kernel
     (``engine._kernels``, csrc/engine/swiglu.cpp, which splits the interleaved pairs with
-    vector shuffles: 0.32 / 0.47 ms against 3.3 / 3.5 ms compiled at 1,536 x 1,024), otherwise
+    vector shuffles, where inductor's vectoriser does not: ``bench/kernels_vs_compile.py``
+    compares them), otherwise
     one fused loop compiled by :mod:`engine.inductor` above its size threshold (the formulas
     eagerly below it, and inside any code ``torch.compile`` traces).  All agree with autograd
     of :func:`swiglu_formula` within float32 rounding.

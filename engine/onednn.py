@@ -1,12 +1,9 @@
 """Float32 CPU products ``x @ weight.T`` on oneDNN instead of PyTorch's default BLAS.
 
-PyTorch's CPU build runs ``torch.matmul`` on MKL, which takes its AVX2 kernels on AMD
+PyTorch's CPU build runs ``torch.matmul`` on MKL, which may take its AVX2 kernels on AMD
 processors; oneDNN (shipped inside the same torch) JIT-compiles for the features the CPU
-reports, AVX-512 included.  On this machine (AMD EPYC, Zen 5, one core): a 2048^3 product
-runs at 217 against 95 GFLOP/s, and the three products of a training linear at the ``small``
-shape (6,144 tokens, 384 -> 2,048) take 185 against 308 ms (forward 63 / 114, input gradient
-44 / 96, weight gradient 78 / 97).  Float32 throughout (no reduced-precision mode): the
-median relative error against float64 is 2.9e-7 (MKL 2.2e-7).
+reports, AVX-512 included.  ``python bench/roofline.py`` reports the GEMM rate of both
+libraries on the machine at hand.  Float32 throughout (no reduced-precision mode).
 
 :func:`linear` is one autograd node whose forward and both gradients run oneDNN's
 ``mkldnn::_linear_pointwise`` (``a @ b.T`` of two dense matrices), for float32 CPU tensors and
@@ -18,10 +15,8 @@ rounding, not bit for bit.
 With the C++ extension built, every product goes through ``engine._kernels.onednn_mm``
 (ATen's oneDNN matmul, which reads a transposed operand in place); without it, through
 ``_linear_pointwise``, which takes row-major operands only, so the weight gradient
-``dy.T @ x`` first copies both activations transposed.  At the ``small`` training shape (1,536
-tokens, 384 -> 2,048, two cores) the weight gradient runs at 386 against 253 GFLOP/s, and at
-6,144 tokens 415 against 164 (the transposed copies of 6,144 x 2,048 floats cost more than the
-product).
+``dy.T @ x`` first copies both activations transposed (at long sequences those copies cost
+more than the product).
 """
 
 from __future__ import annotations
@@ -38,10 +33,9 @@ except ImportError:  # pragma: no cover - a source tree never built
 
 ONEDNN_ENV = "HYBRIDFLOW_ONEDNN"
 MIN_MACS = 1 << 22
-"""Smallest product (``n * k * m`` multiply-adds) run on oneDNN.  Below it MKL is faster
-(11 against 26 us at 32 x 64 x 64; the two cross between 1M and 8M), and every new shape costs
-oneDNN a primitive (about 0.45 ms), which small, varied shapes (tests, the tiny model) would
-pay over and over."""
+"""Smallest product (``n * k * m`` multiply-adds) run on oneDNN.  Below it MKL is faster, and
+every new shape costs oneDNN a primitive to build, which small, varied shapes (tests, the tiny
+model) would pay over and over."""
 
 
 def _available() -> bool:

@@ -61,8 +61,8 @@ class TorchBackend:
     caller's memory: ``dist.all_gather`` / ``all_gather_into_tensor`` on gloo stage every call
     (the input flattened, the output received into a fresh ``[n, S]`` tensor and copied out),
     and that fresh tensor, ``mmap`` ed above glibc's 32 MiB threshold, is faulted in page by
-    page on every call.  At 1 GiB those faults were most of a transition's time and its
-    system time (bench/transition.py, ``--layouts``).  gloo's ``send``/``recv`` use the
+    page on every call, which at large buckets dominates a transition's time (``sys_s`` of
+    ``bench/transition.py --size-mb 1024`` shows it).  gloo's ``send``/``recv`` use the
     tensor's own memory, so each contiguous piece is one message, all posted at once.  CUDA
     tensors (NCCL) keep the collectives.
     """

@@ -13,8 +13,8 @@ the generation layout ``p_g-t_g-d_g-d`` of a :class:`HybridGroups`.
    view; the C++ planner cuts the kinds into such buckets and the all-gather takes the views
    directly.  On the torch backend each row of a view (one slot of one region, contiguous) is
    one point-to-point message from and into the flat storage, so no byte is staged, neither
-   by us nor by gloo (whose ``all_gather`` copies through a fresh ``[n, bucket]`` tensor;
-   faulting those pages in was most of a 1 GiB transition's time)::
+   by us nor by gloo (whose ``all_gather`` copies through a fresh ``[n, bucket]`` tensor,
+   whose pages are faulted in on every call; :class:`~hybridflow_comm.comm.TorchBackend`)::
 
        region l0.o | slot 0 | slot 1 |pad| region l1.o | slot 0 | slot 1 |pad| ...
        member 0's view: [count, slot] stride R  ->  slot 0 of every region in the bucket

@@ -1,5 +1,5 @@
-// See greedy_head.h.  One OpenMP region instead of three calls (norm, head product, choice),
-// each with its own fork/join, and the Python between them (about 0.05 ms a step at batch 1).
+// See greedy_head.h.  One OpenMP region for the norm, the head product and the choice: no
+// fork/join between them and no Python, which matter most at batch 1.
 #include "greedy_head.h"
 
 #include <ATen/Parallel.h>

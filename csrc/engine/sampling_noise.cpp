@@ -1,9 +1,9 @@
 // See sampling_noise.h.  torch.rand with a seeded CPU generator runs Mersenne Twister one value
-// at a time: 0.55 ms for the 32 x 8,192 uniforms of one decode step, about half the sampler's
-// time.  SplitMix64 (Steele, Lea, Flood: the output function of Java's SplittableRandom, which
-// passes BigCrush) of a counter needs no state, so rows are filled in parallel and in any
-// order.  engine/sampling.py computes the same numbers with tensor ops where the extension is
-// not built, and the tests compare the two.
+// at a time, serially, over the batch x vocabulary uniforms of every decode step.  SplitMix64
+// (Steele, Lea, Flood: the output function of Java's SplittableRandom, which passes BigCrush)
+// of a counter needs no state, so rows are filled in parallel and in any order.
+// engine/sampling.py computes the same numbers with tensor ops where the extension is not
+// built, and the tests compare the two.
 #include "sampling_noise.h"
 
 #include <ATen/Parallel.h>

@@ -31,7 +31,7 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 constexpr int64_t kPanel = kSmallGemmPanel;  // weight rows per register block
 // Accumulators of a register block of the row-lane form: 8 weight rows x 2 vectors of rows of
-// x, or 16 weight rows x 1 (24 accumulators, 12 weight rows, were no faster).
+// x, or 16 weight rows x 1.
 constexpr int kRowLaneAccumulators = 16;
 // Locality hint of the weight prefetches: non-temporal (prefetchnta).  The weights are read
 // once per decode step; on a Zen 5 lines fetched this way from memory are not kept in L2/L3
@@ -114,8 +114,7 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, co
     for (int j = 0; j < NB; ++j) {
       wv[j] = load<V>(w + j * ldw + kk);
       // the next panel's rows (a hint: never faults past the end): the weights stream from
-      // L3/memory once per call, and 4 strided rows defeat the hardware prefetcher (1.3-1.7x
-      // at 16-32 rows on a Zen 5)
+      // L3/memory once per call, and 4 strided rows defeat the hardware prefetcher
       __builtin_prefetch(w + (j + NB) * ldw + kk, 0, kWeightLocality);
     }
     for (int i = 0; i < MB; ++i) xv[i] = load<V>(x + i * ldx + kk);

@@ -23,11 +23,11 @@ constexpr int64_t kSmallGemmMaxRows = 32;
 // row_lanes (where row_lanes_supported(), else the form above; meant for a decode step's rows):
 // the vector lanes hold 16 rows of x (transposed into a per-thread buffer) and each weight
 // element is broadcast, so every output is one chain of fused multiply-adds over k = 0, 1, ...
-// in order, with no lane sums (x read half as often, no transpose-reduce): a decode step of 32
-// rows in 0.88-0.92x the time of the form above, 28 rows 0.96x, 24 rows 1.04x; 1-16 rows cost
-// what 16 do (one vector of rows: a broadcast per multiply-add).  Its outputs too do not depend
-// on the rows or threads around them, but they are other roundings than the form above: a
-// caller picks one form for a whole generation (engine/generation.py, by the full batch).
+// in order, with no lane sums (x read half as often, no transpose-reduce).  It pays from about
+// 28 rows up: 1-16 rows cost what 16 do (one vector of rows: a broadcast per multiply-add).
+// Its outputs too do not depend on the rows or threads around them, but they are other
+// roundings than the form above: a caller picks one form for a whole generation
+// (engine/forward_paths.py plan_call, by the full batch).
 void small_linear_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& y, bool accumulate,
                       bool row_lanes = false);
 

@@ -1,7 +1,7 @@
 // See swiglu.h.  The interleaved layout [..., F, 2] lets any tensor-parallel split of the
 // gate/up projection keep each rank's gate and up columns together, but the stride-2 reads
-// defeat the vectoriser of torch.compile (3.3 ms against 0.24 ms for two contiguous halves at
-// 1,536 x 1,024).  Here 16 pairs are loaded as two vectors and split by one shuffle each way;
+// defeat the vectoriser of torch.compile (bench/kernels_vs_compile.py, row train_swiglu,
+// compares the two).  Here 16 pairs are loaded as two vectors and split by one shuffle each way;
 // exp is a polynomial on vectors (libm's expf does not vectorise without -ffast-math).
 #include "swiglu.h"
 

@@ -1,7 +1,7 @@
-// See vocab_rows.h.  In ATen a greedy step was max() (which also finds the index, 7x the cost
-// of amax) and logsumexp (max, subtract, exp, sum: four passes); here the row maximum on
-// vectors, the first column holding it, and one pass of exp(z - max) on vectors (the
-// polynomial exp of vec_math.h, 2 ulp), summed in 32 lanes.  Rows go to the intra-op threads.
+// See vocab_rows.h.  In ATen a greedy step is max() (which also finds the index, at several
+// times the cost of amax) and logsumexp (max, subtract, exp, sum: four passes); here the row
+// maximum on vectors, the first column holding it, and one pass of exp(z - max) on vectors
+// (the polynomial exp of vec_math.h, 2 ulp), summed in 32 lanes.  Rows go to the intra-op threads.
 #include "vocab_rows.h"
 
 #include <ATen/Parallel.h>

@@ -15,7 +15,7 @@ under :data:`KEY` in the store that ``init_process_group`` set up (torchrun's TC
     {"error": "<why rank 0 could not listen>"}      (the other ranks fail at once, naming it)
 
 and deletes it once every rank has connected, so the secret lives in the store only during the
-start-up.  The store itself is not authenticated: see the README's "Trust model".
+start-up.  The store itself is not authenticated: see docs/trust_model.md.
 """
 
 from __future__ import annotations
