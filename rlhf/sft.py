@@ -1,17 +1,17 @@
-"""Supervised fine-tuning: the built-in addition task, or a user's own model and data.
+"""Supervised fine-tuning: a user's own model and data, or the built-in addition task.
 
-    python -m rlhf.sft --out runs/cache/sft [--steps 400] [--noise 0.3] [--carry-errors 0.6]
-                       [key=value ...]      (actor.model.init_from=DIR: continue from DIR)
+The SFT of a user's model is here; the command also runs the built-in task's warm start
+(:mod:`rlhf.sft_builtin`)::
+
     python -m rlhf.sft --model DIR --data FILE.jsonl --out OUT [--steps N] [--batch B]
                        [--lr LR] [--max-len L]
     torchrun --nproc_per_node=2 -m rlhf.sft --model DIR --data FILE.jsonl --out OUT
+    python -m rlhf.sft --out runs/cache/sft [--steps 400] [--noise 0.3] [--carry-errors 0.6]
+                       [key=value ...]      (the built-in task; actor.model.init_from=DIR:
+                                             continue from DIR)
 
-Built-in task: the architecture and task come from the run config (same recipe and overrides
-as ``rlhf.train``), so the saved folder matches ``actor.model``.  One process, one rank: the
-model is tiny.  An existing folder with the same settings (``sft_meta.json``) is reused.
-
-A user's model: ``DIR`` is a transformers checkpoint folder (config.json, safetensors and the
-tokenizer files); ``FILE`` (jsonl, or parquet) holds one demonstration a row, in either form::
+``DIR`` is a transformers checkpoint folder (config.json, safetensors and the tokenizer
+files); ``FILE`` (jsonl, or parquet) holds one demonstration a row, in either form::
 
     {"prompt": str | [{role, content}, ...], "response": str}
         tokens = encode_prompt(prompt) + tokens(response) + [eos]   (as rlhf.train renders
@@ -37,131 +37,23 @@ import random
 import re
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from engine.hf_interop import read_hf_config, read_hf_head, save_hf_checkpoint
+from engine.hf_interop import read_hf_config, read_hf_head
 from engine.llama_spec import LlamaConfig
-from engine.train import OptimConfig, TrainEngine
-from hybridflow_comm.groups import build_hybrid_groups
-from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from rlhf.builders import task_of
-from rlhf.config import load_config
-from rlhf.task import (CharTokenizer, HFTokenizer, carry_free_sum, corrupt_answer,
-                       load_tokenizer)
+from hybridflow_comm.groups import Group
+from rlhf.sft_builtin import main_builtin
+from rlhf.sft_loop import META, train_steps
+from rlhf.task import HFTokenizer, load_tokenizer
 from rlhf.task.tokenizer import pad_sequences
-from rlhf.workers.common import build_model
 from rlhf.workers.specs import ModelSpec
 
-META = "sft_meta.json"
 DATA_SEED = 0  # the user path's row order (one shuffle per epoch)
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-# Built-in task ---------------------------------------------------------------------------------
-def sft_batch(records: list[dict], tok: CharTokenizer, width: int) -> dict[str, torch.Tensor]:
-    """``<bos> prompt answer <eos>`` right-padded to ``width``; loss mask on answer + eos."""
-    seqs, masks = [], []
-    for r in records:
-        p = tok.encode(r["prompt"], add_bos=True)
-        a = tok.encode(r["answer"], add_eos=True)
-        seqs.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
-    ids, attn = tok.pad_batch(seqs, "right", width)
-    loss_mask = torch.zeros(len(seqs), width)
-    for i, m in enumerate(masks):
-        loss_mask[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
-    return {"input_ids": ids, "attention_mask": attn.long(), "loss_mask": loss_mask[:, 1:]}
-
-
-def noisy_records(task, count: int, start: int, noise: float,
-                  carry_errors: float = 0.0) -> list[dict]:
-    """SFT records with imperfect demonstrations (deterministic per index), which RL on the
-    verifiable reward then corrects: a fraction ``noise`` of random wrong answers, and on the
-    problems that carry, a fraction ``carry_errors`` answered without carrying
-    (:func:`rlhf.task.carry_free_sum`, a systematic mistake: above 0.5 the warm start's greedy
-    answer to such problems is the wrong one, while sampling still finds the right one)."""
-    out = task.sft_records(count, start)
-    for i, r in enumerate(out):
-        rng = random.Random(f"sft-noise:{start + i}")
-        wrong = carry_free_sum(r["prompt"])
-        if wrong != r["answer"] and rng.random() < carry_errors:
-            r["answer"] = wrong
-        elif rng.random() < noise:
-            r["answer"] = corrupt_answer(r["answer"], rng)
-    return out
-
-
-def sft_loss(outputs: dict, mb: dict) -> torch.Tensor:
-    m = mb["loss_mask"]
-    return -(outputs["log_probs"] * m).sum() / m.sum()
-
-
-def decayed_lr(lr: float, step: int, steps: int) -> float:
-    """Linear decay from ``lr`` to 10% of it over the run."""
-    return lr * (1 - 0.9 * step / steps)
-
-
-def train_sft(args: ModelSpec, task, tok: CharTokenizer, *, out: str, steps: int, batch: int,
-              lr: float, width: int, noise: float, carry_errors: float) -> dict:
-    """Train from ``args`` and save to ``out``; returns ``{"loss", "time_s"}``."""
-    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    model = build_model(args, groups)
-    engine = TrainEngine(model, OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0))
-    t0, loss = time.perf_counter(), float("nan")
-    for step in range(steps):
-        mb = sft_batch(noisy_records(task, batch, step * batch, noise, carry_errors), tok,
-                       width)
-        for g in engine.optimizer.param_groups:
-            g["lr"] = decayed_lr(lr, step, steps)
-        loss = engine.train_step([mb], sft_loss, temperature=1.0)["loss"]  # the model's NLL
-        if step % 100 == 0 or step == steps - 1:
-            print(f"[sft] step {step} loss {loss:.4f}", flush=True)
-    save_hf_checkpoint(model, out)
-    tok.save(os.path.join(out, "tokenizer.json"))
-    return {"loss": loss, "time_s": time.perf_counter() - t0}
-
-
-def _settings_of(folder: str) -> dict | None:
-    """The settings an earlier ``rlhf.sft`` run saved with ``folder`` (None: not one)."""
-    path = os.path.join(folder, META)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f).get("settings")
-
-
-def main_builtin(a: argparse.Namespace) -> int:
-    """The built-in addition task (what ``rlhf.main_job`` runs)."""
-    cfg = load_config(a.overrides)
-    torch.manual_seed(cfg.seed)
-    task = task_of(cfg)
-    start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
-    settings = {"model": cfg.actor.model.llama().to_dict(), "task": vars(task),
-                "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
-                "noise": a.noise, "carry_errors": a.carry_errors,
-                "init_from": None if start is None else {"path": start,
-                                                         "settings": _settings_of(start)}}
-    for name in ("noise", "carry_errors"):
-        if not 0 <= getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)} must be in [0, 1)")
-    if _settings_of(a.out) == settings:
-        print(f"[sft] reusing {a.out}", flush=True)
-        return 0
-    tok = CharTokenizer.build()
-    width = cfg.data.max_prompt_len + cfg.data.max_response_len
-    args = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=start, seed=cfg.seed,
-                     fresh_head=False)
-    result = train_sft(args, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
-                       width=width, noise=a.noise, carry_errors=a.carry_errors)
-    with open(os.path.join(a.out, META), "w") as f:
-        json.dump({"settings": settings, **result}, f)
-    print(f"[sft] saved {a.out} (loss {result['loss']:.4f}, {result['time_s']:.1f} s)")
-    return 0
 
 
 # A user's rows ---------------------------------------------------------------------------------
@@ -416,25 +308,16 @@ def train_user(job: UserSFT) -> dict:
         ``first_loss`` (step 0, before any update), ``loss`` (last step), ``time_s``.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, world), 1, 1))
-    model = build_model(ModelSpec(config=job.config, head="lm", init_from=job.model_dir,
-                                  seed=0, fresh_head=False), groups)
-    engine = TrainEngine(model, OptimConfig(lr=job.lr, weight_decay=0.0, max_grad_norm=1.0))
-    dp, main_rank = groups.train_dp, groups.rank == 0
-    t0, first = time.perf_counter(), float("nan")
-    for step in range(job.steps):
+
+    def batch_at(step: int, dp: Group) -> dict[str, torch.Tensor]:
         rows = [job.demos[i] for i in batch_rows(len(job.demos), job.batch, step)]
-        mb = dp_share(sft_user_batch(rows, job.tok.pad_id), dp.size, dp.rank)
-        for g in engine.optimizer.param_groups:
-            g["lr"] = decayed_lr(job.lr, step, job.steps)
-        loss = engine.train_step([mb], weighted_nll, temperature=1.0)["loss"]  # the model's NLL
-        if step == 0:
-            first = loss
-        if main_rank and (step % 100 == 0 or step == job.steps - 1):
-            print(f"[sft] step {step} loss {loss:.4f}", flush=True)
-    save_hf_checkpoint(model, job.out)  # collective; rank 0 writes
-    result = {"first_loss": first, "loss": loss, "time_s": time.perf_counter() - t0}
-    if main_rank:
+        return dp_share(sft_user_batch(rows, job.tok.pad_id), dp.size, dp.rank)
+
+    spec = ModelSpec(config=job.config, head="lm", init_from=job.model_dir, seed=0,
+                     fresh_head=False)
+    result = train_steps(spec, world=world, steps=job.steps, lr=job.lr, batch_at=batch_at,
+                         loss_fn=weighted_nll, out=job.out)
+    if not dist.is_initialized() or dist.get_rank() == 0:
         _write_extras(job, result, world)
     if world > 1:
         dist.barrier()  # OUT is complete on every rank's return

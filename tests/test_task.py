@@ -181,7 +181,6 @@ def test_heldout_problems_never_reach_training_or_sft_data():
 def test_carry_free_sum_and_carry_errors():
     import random
 
-    from rlhf.sft import noisy_records
     from rlhf.task import carry_free_sum
 
     def by_hand(a: int, b: int) -> int:
@@ -197,11 +196,11 @@ def test_carry_free_sum_and_carry_errors():
         assert carry_free_sum(f"{a}+{b}=") == str(by_hand(a, b))
     assert carry_free_sum("17+25=") == "32" and carry_free_sum("12+34=") == "46"
     task = AdditionTask(1, 2)
-    recs = noisy_records(task, 4000, 0, noise=0.0, carry_errors=0.6)
+    recs = task.noisy_sft_records(4000, 0, noise=0.0, carry_errors=0.6)
     clean = task.sft_records(4000, 0)
     carry = [i for i, r in enumerate(clean) if carry_free_sum(r["prompt"]) != r["answer"]]
     wrong = [i for i, (r, c) in enumerate(zip(recs, clean)) if r["answer"] != c["answer"]]
     assert set(wrong) <= set(carry)                        # only carrying problems change
     assert all(recs[i]["answer"] == carry_free_sum(clean[i]["prompt"]) for i in wrong)
     assert abs(len(wrong) / len(carry) - 0.6) < 0.03
-    assert noisy_records(task, 100, 7, 0.0, 0.6) == noisy_records(task, 100, 7, 0.0, 0.6)
+    assert task.noisy_sft_records(100, 7, 0.0, 0.6) == task.noisy_sft_records(100, 7, 0.0, 0.6)

@@ -118,6 +118,23 @@ class AdditionTask:
         return [{"prompt": e.prompt, "answer": e.answer}
                 for e in self.examples(start, count, "sft")]
 
+    def noisy_sft_records(self, count: int, start: int = 0, noise: float = 0.0,
+                          carry_errors: float = 0.0) -> list[dict]:
+        """:meth:`sft_records` with imperfect demonstrations (deterministic per index), which RL
+        on the verifiable reward then corrects: a fraction ``noise`` of random wrong answers,
+        and on the problems that carry, a fraction ``carry_errors`` answered without carrying
+        (:func:`carry_free_sum`, a systematic mistake: above 0.5 the warm start's greedy answer
+        to such problems is the wrong one, while sampling still finds the right one)."""
+        out = self.sft_records(count, start)
+        for i, r in enumerate(out):
+            rng = random.Random(f"sft-noise:{start + i}")
+            wrong = carry_free_sum(r["prompt"])
+            if wrong != r["answer"] and rng.random() < carry_errors:
+                r["answer"] = wrong
+            elif rng.random() < noise:
+                r["answer"] = corrupt_answer(r["answer"], rng)
+        return out
+
     def preference_pairs(self, count: int, start: int = 0) -> list[dict]:
         """``{"prompt", "chosen", "rejected"}``: the correct answer vs a corrupted one."""
         out = []
