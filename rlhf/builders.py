@@ -2,7 +2,7 @@
 workers: each worker gets its own typed section (:mod:`rlhf.workers.specs`) built here from
 the config's fields by name; no default is restated.
 
-Roles and where they run (pools from :func:`rlhf.config.validate_for_world`)::
+Roles and where they run (pools from :func:`rlhf.world_plan.validate_for_world`)::
 
     actor        ActorWorker     (HybridEngine)        trained
     reference    ReferenceWorker (frozen policy)       kl_mode != none
@@ -26,7 +26,7 @@ from engine.sampling import SamplingParams, derive_seed
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.algos import KLLossTerm
 from rlhf.checkpoint import resolve_resume
-from rlhf.config import MAX_MODEL_PARAMS, Config, WorldPlan
+from rlhf.config import MAX_MODEL_PARAMS, Config
 from rlhf.controller import Controller, WorkerGroup
 from rlhf.planner.models import ModelShape
 from rlhf.programs import Roles, algorithm
@@ -39,6 +39,7 @@ from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, Critic
                           ModelSpec, OverlongShaping, ReferenceSpec, ReferenceWorker,
                           RewardWorker, ScoreSpec, UpdateSpec)
 from rlhf.workers.rollout import PushingActorWorker, RolloutSpec, RolloutWorker, SyncSpec
+from rlhf.world_plan import WorldPlan
 
 
 def tokenizer_path(cfg: Config) -> str | None:

@@ -28,11 +28,12 @@ from rlhf.evaluation import Evaluator, evaluation_examples
 from rlhf.prompts import encode_prompts, fitting_prompts
 from rlhf.checkpoint import (PendingCheckpoint, begin_checkpoint, capture_rng_state,
                              commit_checkpoint, read_state, resolve_resume, restore_rng_state)
-from rlhf.config import Config, WorldPlan, save_config
+from rlhf.config import Config, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.task import PromptStream, read_dataset
+from rlhf.world_plan import WorldPlan
 
 
 class RunState:

@@ -20,11 +20,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from engine.host_memory import keep_freed_memory
 from rlhf.builders import check_run, tokenizer_of, tokenizer_path
-from rlhf.config import Config, WorldPlan, load_config, validate_for_world
+from rlhf.config import Config, load_config
 from rlhf.controller import run
 from rlhf.controller.launch import message_limit, stall_timeout
 from rlhf.planner.config_bridge import resolve_config
 from rlhf.runtime import train
+from rlhf.world_plan import WorldPlan, validate_for_world
 
 # What a bad input can raise on its way through the checks (ValueError: every message of our
 # own; the rest from the parsers and readers underneath).  Anything else is a bug: traceback.

@@ -19,12 +19,13 @@ import os
 import sys
 import traceback
 
-from rlhf.config import load_config, validate_for_world
+from rlhf.config import load_config
 from rlhf.controller import Controller, ControllerError, run
 from rlhf.planner.config_bridge import resolve_config
 from rlhf.builders import build_roles, check_run, tokenizer_of
 from rlhf.runtime import RunState, restore, save, train
 from rlhf.train import single_process_env
+from rlhf.world_plan import validate_for_world
 
 QUIET = ["log.progress=false", "log.tensorboard=false", "log.plot=false"]
 TINY = ["actor.model.hidden_size=32", "actor.model.intermediate_size=64",

@@ -38,7 +38,7 @@ from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.shard_spec import slot_specs
 from rlhf.algos import actor_loss, get_policy_loss, make_kl_controller
 from rlhf.builders import sampling_of, tokenizer_of
-from rlhf.config import AlgoConfig, PolicyLossConfig, load_config, validate_for_world
+from rlhf.config import AlgoConfig, PolicyLossConfig, load_config
 from rlhf.controller import Batch
 from rlhf.evaluation import Evaluator, evaluation_examples
 from rlhf.metrics import PhaseTimer, read_metrics
@@ -48,6 +48,7 @@ from rlhf.programs.async_rl import RolloutPool
 from rlhf.programs.common import advantages
 from rlhf.workers.actor import ActorWorker, PolicyWorker
 from rlhf.workers.rollout import PushingActorWorker
+from rlhf.world_plan import validate_for_world
 from tests.rlhf_jobs import base_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

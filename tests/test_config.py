@@ -6,8 +6,10 @@ import inspect
 import pytest
 
 from rlhf import config as C
-from rlhf.config import load_config, validate_for_world
+from rlhf import config_roles, config_run, world_plan
+from rlhf.config import load_config
 from rlhf.programs import algorithm_names
+from rlhf.world_plan import validate_for_world
 
 
 @pytest.mark.parametrize("name", C.recipe_names())
@@ -153,8 +155,9 @@ def test_placements():
 
 
 def test_every_config_field_has_a_docstring():
-    tree = ast.parse(inspect.getsource(C))
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)
+    classes = [n for module in (C, config_roles, config_run, world_plan)
+               for n in ast.parse(inspect.getsource(module)).body
+               if isinstance(n, ast.ClassDef)
                and any(getattr(d, "func", d).__dict__.get("id") == "dataclass"
                        for d in n.decorator_list)]
     assert len(classes) >= 10

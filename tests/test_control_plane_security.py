@@ -159,7 +159,8 @@ def test_plain_values_tensors_and_numpy_roundtrip():
 def _runtime_objects() -> list:
     """Worker specs, configs and sampling parameters as the builders make them for a run."""
     from rlhf import builders
-    from rlhf.config import load_config, validate_for_world
+    from rlhf.config import load_config
+    from rlhf.world_plan import validate_for_world
     from rlhf.task import CostRule
     from rlhf.workers import OverlongShaping, ScoreSpec
 

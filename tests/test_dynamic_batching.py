@@ -477,7 +477,8 @@ def test_budget_errors_come_before_the_collective(monkeypatch):
 # Config -------------------------------------------------------------------------------------
 def test_config_keys():
     from rlhf.builders import reference_spec, update_spec
-    from rlhf.config import load_config, validate_for_world
+    from rlhf.config import load_config
+    from rlhf.world_plan import validate_for_world
 
     with pytest.raises(ValueError, match=r"actor.max_token_len_per_micro_batch=13 .* = 14"):
         load_config(["actor.use_dynamic_bsz=true", "actor.max_token_len_per_micro_batch=13"])

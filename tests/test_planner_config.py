@@ -5,9 +5,10 @@ import json
 import pytest
 
 from rlhf import plan as plan_cli
-from rlhf.config import load_config, validate_for_world
+from rlhf.config import load_config
 from rlhf.planner.config_bridge import plan_for_config, predict_config, resolve_config
 from rlhf.planner.report import placement_kind
+from rlhf.world_plan import validate_for_world
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo", "remax", "safe_rlhf"])

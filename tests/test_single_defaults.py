@@ -34,12 +34,13 @@ def _sections(cls, seen: set) -> None:
 
 def config_defaults() -> dict[str, str]:
     """Field name -> owning class, for every field with a default in a config section that is
-    defined in rlhf.config (an embedded engine dataclass owns its own defaults)."""
+    defined in rlhf (rlhf.config and the section modules it imports; an embedded engine
+    dataclass owns its own defaults)."""
     seen: set = set()
     _sections(C.Config, seen)
     out = {}
     for cls in seen:
-        if cls.__module__ != C.__name__:
+        if not cls.__module__.startswith("rlhf."):
             continue
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from rlhf.config import load_config, validate_for_world
+from rlhf.config import load_config
+from rlhf.world_plan import validate_for_world
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

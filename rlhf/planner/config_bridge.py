@@ -106,7 +106,7 @@ def plan_for_config(cfg, world_size: int, profile: DeviceProfile | str = "cpu",
     Raises:
         ValueError if no mapping fits the memory or passes the config's checks.
     """
-    from rlhf.config import validate_for_world
+    from rlhf.world_plan import validate_for_world
 
     prof = load_profile(profile) if isinstance(profile, str) else profile
     flow, work = dataflow_from_config(cfg)
@@ -133,7 +133,7 @@ def plan_for_config(cfg, world_size: int, profile: DeviceProfile | str = "cpu",
 def predict_config(cfg, world_size: int, profile: DeviceProfile | str = "cpu",
                    concurrent: bool = False) -> Mapping:
     """Predicted stage times of the mapping ``cfg`` already describes (placement, layouts)."""
-    from rlhf.config import validate_for_world
+    from rlhf.world_plan import validate_for_world
 
     prof = load_profile(profile) if isinstance(profile, str) else profile
     plan = validate_for_world(cfg, world_size)

@@ -17,7 +17,7 @@ worker, which holds generation weights only, and the actor that pushes its weigh
 The training pool runs the algorithm's whole program but its generation: it scores, values
 (PPO's GAE with the current critic) and trains on the rollout pool's rows, and it holds
 training state only (the plan gives the actor ``gen_pp x gen_tp = pp x tp``:
-:func:`rlhf.config.validate_for_world`).  The held-out evaluation generates on the rollout
+:func:`rlhf.world_plan.validate_for_world`).  The held-out evaluation generates on the rollout
 pool too (:class:`rlhf.evaluation.Evaluator`), with the weights pushed last.
 
 Both ends of a push are one call each on their own pool, issued back to back by the

@@ -1,0 +1,259 @@
+"""The per-role sections of the config (:mod:`rlhf.config`): a model and its parallel layout,
+the actor's policy loss, a critic's value loss, and the sections of the actor, of a critic and
+of a frozen model that hold them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.train import OptimConfig
+from rlhf.config_checks import (MAX_COUNT, check_at_most, check_one_of, check_path,
+                                check_positive, check_token_budget)
+
+ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "tie_word_embeddings")
+# The built-in task's tiny Llama: the architecture when a model has no init_from checkpoint.
+BUILTIN_ARCH = dict(vocab_size=24, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, tie_word_embeddings=False, max_seq_len=64)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model: an HF checkpoint folder (``init_from``; the architecture then comes from its
+    ``config.json``), or the built-in task's tiny Llama (:data:`BUILTIN_ARCH`).  A size field
+    given together with ``init_from`` must agree with the checkpoint."""
+
+    init_from: str | None = None
+    """HF checkpoint folder (config.json + safetensors, e.g. the SFT warm start); None = random
+    init of the architecture below."""
+    vocab_size: int | None = None
+    """Token count (None: the checkpoint's, or 24, the built-in tokenizer's)."""
+    hidden_size: int | None = None
+    """Model width (None: the checkpoint's, or 64)."""
+    intermediate_size: int | None = None
+    """SwiGLU width; divisible by every tp used (None: the checkpoint's, or 128)."""
+    num_layers: int | None = None
+    """Decoder layers; divisible by every pp used (None: the checkpoint's, or 2)."""
+    num_heads: int | None = None
+    """Query heads (None: the checkpoint's, or 4)."""
+    num_kv_heads: int | None = None
+    """Key/value heads; divisible by tp (None: the checkpoint's, or 2)."""
+    tie_word_embeddings: bool | None = None
+    """Share the embedding with the LM head (None: the checkpoint's, or false)."""
+    max_seq_len: int | None = None
+    """Longest prompt + response the run uses (None: the checkpoint's max_position_embeddings,
+    or 64)."""
+
+    def __post_init__(self) -> None:
+        check_path("model.init_from", self.init_from)
+        for name in (*ARCH_FIELDS[:-1], "max_seq_len"):
+            v = getattr(self, name)
+            if v is not None:
+                check_positive(**{name: v})
+                check_at_most(MAX_COUNT, **{name: v})
+
+    def llama(self):
+        """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
+        architecture, with this section's explicit fields; ValueError naming both values of
+        any field that disagrees with the checkpoint."""
+        from engine.hf_interop import read_hf_config
+        from engine.llama_spec import LlamaConfig
+
+        explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
+        if self.init_from is None:
+            arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit
+            return LlamaConfig(**arch, max_position_embeddings=self.seq_len)
+        if not os.path.isfile(os.path.join(self.init_from, "config.json")):
+            raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
+                             f"config.json); create it with rlhf.sft / rlhf.train_rm or "
+                             f"save_pretrained")
+        try:
+            hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len)
+        except ValueError as e:  # an unsupported architecture, a bad value, not JSON
+            raise ValueError(f"model init_from={self.init_from!r}: {e}") from None
+        except (KeyError, TypeError, AttributeError, OSError) as e:
+            raise ValueError(f"model init_from={self.init_from!r}: its config.json is not a "
+                             f"usable HF config ({type(e).__name__}: {e})") from None
+        clash = {k: (v, getattr(hf, k)) for k, v in explicit.items() if getattr(hf, k) != v}
+        if clash:
+            raise ValueError(f"model init_from={self.init_from!r}: the config sets " + ", ".join(
+                f"{k}={mine} but its config.json has {k}={theirs}"
+                for k, (mine, theirs) in clash.items()) + "; drop them or make them agree")
+        return hf
+
+    @property
+    def seq_len(self) -> int:
+        """max_seq_len, resolved (the checkpoint's max_position_embeddings when None)."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        if self.init_from is None:
+            return BUILTIN_ARCH["max_seq_len"]
+        return self.llama().max_position_embeddings
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """Parallel layout of one role inside its pool (the paper's ``p-t-d``, ``p_g-t_g``)."""
+
+    pp: int = 1
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor shards."""
+    dp: int = 0
+    """Data replicas; 0 = fill the pool (pool size / (pp * tp))."""
+    gen_pp: int = 0
+    """Generation pipeline stages (actor only); 0 = pp.  Must divide pp."""
+    gen_tp: int = 0
+    """Generation tensor shards (actor only); 0 = tp.  Must divide tp."""
+
+    def __post_init__(self) -> None:
+        check_positive(pp=self.pp, tp=self.tp)
+        for name in ("dp", "gen_pp", "gen_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}={v!r} must be >= 0 (0 = derive it)")
+        check_at_most(MAX_COUNT, pp=self.pp, tp=self.tp, dp=self.dp, gen_pp=self.gen_pp,
+                 gen_tp=self.gen_tp)
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The actor's clipped policy loss (:func:`rlhf.algos.actor_loss`)."""
+
+    clip_ratio: float = 0.2
+    """PPO clip epsilon."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon (DAPO); None = clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (DAPO clip-higher); None = clip_ratio."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip bound (> 1) for negative advantages (Ye et al. 2020); None disables it."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (formulas: rlhf.algos.agg_loss); over the whole mini-batch."""
+    mode: str | None = None
+    """A registered policy loss (rlhf.algos.POLICY_LOSSES: ppo, gspo, cispo, clip_cov, kl_cov,
+    gmpo, sapo, gpg, or one a user's algo.module registers); None = the algorithm's own."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of tokens whose gradient is cut (Cui et al. 2025)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: tokens are cut only with covariance in [clip_cov_lb, clip_cov_ub]."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper covariance bound."""
+    kl_cov_ratio: float = 0.002
+    """kl_cov: fraction of tokens (highest covariance) that get the KL penalty."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: coefficient of |log pi - log pi_old| on those tokens."""
+    gmpo_clip: float = 0.4
+    """gmpo: per-token log-ratio clip range (+- this, in log space; Zhao et al. 2025)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: gate temperature for positive advantages (Gao et al. 2025)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: gate temperature for negative advantages."""
+
+    def __post_init__(self) -> None:
+        from rlhf.algos import LOSS_AGG_MODES
+
+        check_one_of("loss.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.mode is not None and not self.mode.strip():
+            raise ValueError("loss.mode='' is empty; name a registered policy loss, or null for "
+                             "the algorithm's own")
+        check_positive(**{"loss.clip_cov_ub": self.clip_cov_ub, "loss.kl_cov_coef": self.kl_cov_coef,
+                     "loss.gmpo_clip": self.gmpo_clip, "loss.sapo_tau_pos": self.sapo_tau_pos,
+                     "loss.sapo_tau_neg": self.sapo_tau_neg})
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"loss.{name}={v} must be in [0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"loss.clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub="
+                             f"{self.clip_cov_ub}")
+        for name in ("clip_ratio", "clip_ratio_low"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"loss.{name}={v} must be in (0, 1)")
+        if self.clip_ratio_high is not None and not self.clip_ratio_high > 0:
+            raise ValueError(f"loss.clip_ratio_high={self.clip_ratio_high} must be > 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"loss.clip_ratio_c={self.clip_ratio_c} must be > 1 (or null)")
+        if self.entropy_coeff < 0:
+            raise ValueError(f"loss.entropy_coeff={self.entropy_coeff} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ValueLossConfig:
+    """A critic's clipped value loss (:func:`rlhf.algos.value_loss`)."""
+
+    value_clip: float | None = 0.2
+    """Value clip range around the rollout's values; None disables it."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or
+    seq-mean-token-sum-norm (formulas: rlhf.algos.agg_loss); over the whole mini-batch."""
+
+    def __post_init__(self) -> None:
+        from rlhf.algos import LOSS_AGG_MODES
+
+        check_one_of("loss.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if self.value_clip is not None:
+            check_positive(value_clip=self.value_clip)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The policy: trained, generates with the HybridEngine."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture (also the reference's)."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """Training layout, and the generation layout (gen_pp, gen_tp)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, clipping and pipeline schedule (the engine's own dataclass)."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """Policy loss."""
+    use_dynamic_bsz: bool = False
+    """Form the micro-batches by tokens, not rows: each holds sequences of at most
+    max_token_len_per_micro_batch real tokens in total and runs as one packed row with the
+    padding removed (engine.micro_batches); the loss and gradients are the padded path's.
+    data.micro_batch_size is then unused by this role.  Also the actor's and the reference's
+    log-prob passes."""
+    max_token_len_per_micro_batch: int = 4096
+    """use_dynamic_bsz: real tokens per micro-batch on one DP rank (>= max_prompt_len +
+    max_response_len, the longest sequence)."""
+
+    def __post_init__(self) -> None:
+        check_token_budget("actor.", self.max_token_len_per_micro_batch)
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """A value model (critic, Safe-RLHF cost critic): trained."""
+
+    model: ModelConfig | None = None
+    """Architecture; None = the actor's (with a value head)."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """Training layout inside the role's pool."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, clipping and pipeline schedule (the engine's own dataclass)."""
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    """Value loss."""
+    use_dynamic_bsz: bool = False
+    """As actor.use_dynamic_bsz, for this critic's updates and value passes."""
+    max_token_len_per_micro_batch: int = 4096
+    """As actor.max_token_len_per_micro_batch."""
+
+    def __post_init__(self) -> None:
+        check_token_budget("", self.max_token_len_per_micro_batch)  # critic or cost_critic
+
+
+@dataclass(frozen=True)
+class FrozenModelConfig:
+    """A model that is never trained (reference, reward model, cost model)."""
+
+    model: ModelConfig | None = None
+    """Architecture; None = the actor's (the reference must match the actor)."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """Layout inside the role's pool."""
+
