@@ -93,6 +93,7 @@ PROJECT_CLASSES = frozenset({
     "engine.llama_spec:LlamaConfig",
     "engine.sampling:SamplingParams",
     "engine.train:OptimConfig",
+    "rlhf.algos.kl:KLLossTerm",
     "rlhf.config_roles:PolicyLossConfig",
     "rlhf.config_roles:ValueLossConfig",
     "rlhf.task.arithmetic:CostRule",
