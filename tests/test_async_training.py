@@ -608,14 +608,17 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 def test_rollout_rank_killed_stops_the_job_naming_it(tmp_path):
     """SIGKILL of rollout rank 3 with a generation call in flight: the job exits non-zero
     within a minute, naming the lost rank and the call (no hang of the training ranks in the
-    push that waits for it).  The rank is stopped (SIGSTOP) first: the rollout pool is mostly
-    idle on this tiny model, and within an iteration the controller has issued it the next
-    generation and waits for it."""
+    push that waits for it), whether rank 0 reads the closed connection first or torchrun's
+    SIGTERM reaches it first.  The rank is stopped (SIGSTOP) first and killed once the
+    controller's call trace shows a generation issued to it after the stop: a call it can
+    never have answered."""
     args = [*DISAGG, "algo.max_staleness=1", "algo.tis_cap=2.0", "iterations=1000",
             "data.val_size=0", *TASK, f"log.runs_dir={tmp_path}", "log.run_name=kill",
             "checkpoint.resume=never", "log.progress=false", "log.tensorboard=false",
             "log.plot=false"]
-    proc = subprocess.Popen(_torchrun("-m", "rlhf.train", *args), cwd=ROOT, env=_env(),
+    trace = tmp_path / "calls.txt"
+    proc = subprocess.Popen(_torchrun("-m", "rlhf.train", *args), cwd=ROOT,
+                            env=_env() | {"HYBRIDFLOW_TRACE_CALLS": str(trace)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     metrics = tmp_path / "kill" / "metrics.jsonl"
@@ -627,7 +630,14 @@ def test_rollout_rank_killed_stops_the_job_naming_it(tmp_path):
         pid = _rank_pid(proc.pid, 3)
         assert pid is not None, "rank 3 not found among the launcher's children"
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(8)
+        issued_before = len(trace.read_text().splitlines())
+        deadline = time.monotonic() + 60
+        while not any("issue rollout.generate_sequences" in line
+                      and "3" in line.split("ranks=")[1].split(",")
+                      for line in trace.read_text().splitlines()[issued_before:]):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                "no generation was issued to the stopped rank"
+            time.sleep(0.1)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=90)

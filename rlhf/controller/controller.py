@@ -93,6 +93,8 @@ class HeartbeatMonitor:
         """Stalled rank -> seconds since its last heartbeat (set once, by the thread)."""
         self.beats: dict[int, Heartbeat] = {}
         """Rank -> its latest heartbeat (pid and host)."""
+        self.seen: dict[int, float] = {}
+        """Rank -> ``time.monotonic()`` of its latest heartbeat."""
         self._socks = dict(ctl_socks)
         self._wake = wake
         self._stop = threading.Event()
@@ -147,7 +149,7 @@ class HeartbeatMonitor:
                   f"{type(msg).__name__} on its abort connection", file=sys.stderr, flush=True)
             return False
         self.beats[rank] = msg
-        last[rank] = now
+        self.seen[rank] = last[rank] = now
         return True
 
     def resume_stalled(self) -> None:
@@ -177,12 +179,14 @@ class Controller:
         max_message_bytes: largest command the controller sends and largest reply it accepts.
         stall_timeout_s: a rank whose heartbeats stop for this long is raised as stalled (0:
             no heartbeat monitor; see :class:`HeartbeatMonitor`).
+        trace_path: a file to which every issued call is appended as a line
+            ``<monotonic s> issue <what> ranks=<r,...>`` (None: no trace).
     """
 
     def __init__(self, socks: dict[int, socket.socket], ctl_socks: dict[int, socket.socket],
                  call_timeout_s: float | None = None, *,
                  max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
-                 stall_timeout_s: float = 0.0) -> None:
+                 stall_timeout_s: float = 0.0, trace_path: str | None = None) -> None:
         self.world_size = len(socks)
         self._socks = socks
         self._ctl_socks = ctl_socks
@@ -197,6 +201,7 @@ class Controller:
             self._heartbeats = HeartbeatMonitor(ctl_socks, stall_timeout_s, self._wake[1])
         self.call_timeout_s = call_timeout_s
         self.max_message_bytes = max_message_bytes
+        self._trace = open(trace_path, "a", buffering=1) if trace_path else None
         self.stats = TransferStats()
         self._ids = itertools.count(1)
         self._tags = itertools.count(0, 2)
@@ -250,6 +255,9 @@ class Controller:
         cid = next(iter(messages.values())).cid
         state = CallState(cid, what, frozenset(messages))
         self._calls[cid] = state
+        if self._trace is not None:
+            self._trace.write(f"{time.monotonic():.3f} issue {what} "
+                              f"ranks={','.join(map(str, sorted(messages)))}\n")
         for rank, frame in frames:
             self._send(rank, frame, what)
         return state
@@ -311,10 +319,7 @@ class Controller:
                 # acknowledgements may still be on their way
                 return
             self._lost.add(rank)
-            busy = [c.what for c in self._calls.values() if rank in c.ranks and rank not in
-                    c.replies]
-            raise RankLostError(rank, f"during {', '.join(busy)}" if busy else "while idle"
-                                ) from None
+            raise RankLostError(rank, self._busy(rank)) from None
         except wire.MessageError as exc:  # nothing of it was run; the stream is not trusted
             self._lost.add(rank)
             self._selector.unregister(self._socks[rank])
@@ -349,13 +354,32 @@ class Controller:
         assert self._heartbeats is not None
         parts = []
         for rank, silent_s in sorted(self._heartbeats.stalled.items()):
-            busy = [c.what for c in self._calls.values() if rank in c.ranks
-                    and rank not in c.replies]
             parts.append(f"rank {rank} stalled: no heartbeat for {silent_s:.1f} s "
-                         + (f"during {', '.join(busy)}" if busy else "while idle"))
+                         f"{self._busy(rank)}")
         return ControllerError(
             f"{'; '.join(parts)} (stall_timeout_s={self._heartbeats.stall_timeout_s:g}: its "
             f"process is stopped, frozen or swapped out)")
+
+    def stopped_error(self, signal_name: str) -> ControllerError:
+        """What the controller knows when the job is stopped from outside (torchrun's SIGTERM
+        after a rank died, which can come before the closed connection was read): a
+        :class:`RankLostError` for a rank whose command connection has closed (of several,
+        the one whose heartbeats stopped first: the first to go), else the calls in flight."""
+        closed = sorted(r for r, s in self._socks.items() if r in self._lost or _closed(s))
+        if closed:
+            seen = self._heartbeats.seen if self._heartbeats is not None else {}
+            first = min(closed, key=lambda r: (seen.get(r, float("-inf")), r))
+            others = [r for r in closed if r != first]
+            return RankLostError(first, f"{self._busy(first)} (found when the job was stopped "
+                                 f"by {signal_name}"
+                                 + (f"; ranks {others} had closed too)" if others else ")"))
+        flight = sorted({c.what for c in self._calls.values() if not c.done})
+        return ControllerError(f"the job was stopped by {signal_name} with no rank lost; "
+                               f"calls in flight: {', '.join(flight) or 'none'}")
+
+    def _busy(self, rank: int) -> str:
+        busy = [c.what for c in self._calls.values() if rank in c.ranks and rank not in c.replies]
+        return f"during {', '.join(busy)}" if busy else "while idle"
 
     def fetch(self, oid: int, ranks: Sequence[int], what: str) -> CallState:
         """Ask ``ranks`` for their stored output ``oid``; wait for the values."""
@@ -395,9 +419,20 @@ class Controller:
 
     def close(self) -> None:
         self._closed = True
+        if self._trace is not None:
+            self._trace.close()
         if self._heartbeats is not None:
             self._heartbeats.stop()  # before its sockets close under it
         self._selector.close()
         for s in [*self._socks.values(), *self._ctl_socks.values(), *(self._wake or ())]:
             s.close()
 
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` has closed it (end of stream or reset), without reading."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

@@ -28,7 +28,11 @@ own, and after ``stall_timeout_s`` (60 s; ``run(stall_timeout_s=...)`` or the en
 variable ``HYBRIDFLOW_STALL_TIMEOUT_S``, the same on every node; 0 turns it off) without one
 the program gets a ControllerError naming the rank and the job ends as above, instead of
 waiting for the collective timeout.  A stalled rank on rank 0's host is sent SIGCONT after the
-abort so that it can read it; one on another host is stopped by its own torchrun.
+abort so that it can read it; one on another host is stopped by its own torchrun.  When a
+rank dies, torchrun sends SIGTERM to the others, possibly before rank 0 has read the closed
+connection: rank 0 takes that SIGTERM as the program's failure and reports what it knows
+(:meth:`Controller.stopped_error`: the lost rank and its calls in flight) before it exits.
+``HYBRIDFLOW_TRACE_CALLS=<file>`` appends a line per call the controller issues to that file.
 
 Start-up (see :mod:`.rendezvous` and :mod:`.handshake`): rank 0 listens on loopback or on
 MASTER_ADDR's interface and publishes the address and the job's secret in the job's store; every
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import sys
 import threading
@@ -55,6 +60,7 @@ from rlhf.controller.errors import ControllerError
 from rlhf.controller.worker import WorkerRuntime, send_heartbeats, watch_controller
 
 MAX_MESSAGE_ENV = "HYBRIDFLOW_MAX_MESSAGE_BYTES"
+TRACE_CALLS_ENV = "HYBRIDFLOW_TRACE_CALLS"
 STALL_TIMEOUT_ENV = "HYBRIDFLOW_STALL_TIMEOUT_S"
 STALL_TIMEOUT_S = 60.0
 """Default silence after which a rank counts as stalled (far above any GIL or scheduling
@@ -152,11 +158,14 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
                               name="hybridflow-worker-0")
     thread.start()
     controller = Controller(dict(sorted(cmd.items())), ctl_socks, call_timeout_s,
-                            max_message_bytes=limit, stall_timeout_s=stall_s)
+                            max_message_bytes=limit, stall_timeout_s=stall_s,
+                            trace_path=os.environ.get(TRACE_CALLS_ENV) or None)
+    previous = _raise_on_sigterm(controller)
     try:
         program(controller)
         controller.shutdown()
     except BaseException as exc:  # noqa: BLE001 - report, stop every rank, exit non-zero
+        _restore_sigterm(previous, ignore=True)  # the report is not cut short
         print(f"[hybridflow] controller failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         if not hasattr(exc, "remote_traceback"):
             traceback.print_exc()
@@ -166,9 +175,30 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
         if hard_exit:
             sys.stdout.flush()
             os._exit(1)
+        _restore_sigterm(previous)
         return 1
+    _restore_sigterm(previous)
     thread.join(timeout=30)
     return 0
+
+
+def _raise_on_sigterm(controller: Controller) -> Any:
+    """Make SIGTERM raise :meth:`Controller.stopped_error` in the controller program (in the
+    main thread only, where Python runs signal handlers); returns the handler it replaced, or
+    None where it installed nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stopped(signum: int, frame: Any) -> None:
+        raise controller.stopped_error(signal.Signals(signum).name)
+    return signal.signal(signal.SIGTERM, stopped)
+
+
+def _restore_sigterm(previous: Any, ignore: bool = False) -> None:
+    """Put back the SIGTERM handler :func:`_raise_on_sigterm` replaced (``ignore``: ignore
+    SIGTERM instead, while the failure is reported before the exit)."""
+    if previous is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else previous)
 
 
 def _serve_local(runtime: WorkerRuntime) -> None:
