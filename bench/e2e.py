@@ -50,11 +50,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, ROOT)
 
+from bench import e2e_async  # noqa: E402
 from bench.peers import require_peer  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from bench.shapes import add_shape_argument, get_shape  # noqa: E402
 
 RESPONSE_LEN, PROMPT_LEN, KL_COEF, LR = 6, 8, 0.01, 1e-4
+NPROC = 2
+"""``--nproc`` against TRL: our ranks, TRL's threads."""
 REWARD_FILE = os.path.join(ROOT, "bench", "e2e_small.py")
 
 
@@ -87,14 +90,12 @@ def make_model(folder: str) -> None:
     from engine.hf_interop import save_hf_checkpoint
     from hybridflow_comm.groups import build_hybrid_groups
     from hybridflow_comm.layout import HybridLayout, ParallelLayout
-    from rlhf.config import load_config
     from rlhf.task import CharTokenizer
     from rlhf.workers.common import build_model
     from rlhf.workers.specs import ModelSpec
 
-    cfg = load_config(["algo=grpo"])
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    spec = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=None, seed=0,
+    spec = ModelSpec(config=model_config("tiny"), head="lm", init_from=None, seed=0,
                      fresh_head=False)
     save_hf_checkpoint(build_model(spec, groups), folder)
     make_trl_ready(folder, CharTokenizer.build())
@@ -116,19 +117,38 @@ def make_trl_ready(folder: str, tok) -> None:
                             padding_side="left").save_pretrained(folder)
 
 
-def prepare(shape_name: str, work: str, prompts: int, steps: int) -> Contest:
-    """Write the model, tokenizer and (``small``) the prompts of ``shape_name`` under ``work``."""
+def model_config(shape_name: str):
+    """The :class:`engine.llama_spec.LlamaConfig` of the checkpoint :func:`prepare` writes:
+    the GRPO recipe's actor at ``tiny``, the table's row otherwise."""
+    if shape_name != "tiny":
+        return get_shape(shape_name, rl=True).llama_config()
+    from rlhf.config import load_config
+
+    return load_config(["algo=grpo"]).actor.model.llama()
+
+
+def contest(shape_name: str, work: str) -> Contest:
+    """What ``shape_name`` runs on, its files named under ``work`` (:func:`prepare` writes
+    them)."""
     folder = os.path.join(work, "model")
     if shape_name == "tiny":
-        make_model(folder)
         return Contest("tiny", folder, PROMPT_LEN, RESPONSE_LEN)
+    shape = get_shape(shape_name, rl=True)
+    return Contest(shape_name, folder, shape.prompt_len, shape.response_len,
+                   os.path.join(work, "prompts.jsonl"))
+
+
+def prepare(shape_name: str, work: str, prompts: int, steps: int) -> Contest:
+    """Write the model, tokenizer and (``small``) the prompts of ``shape_name`` under ``work``."""
+    c = contest(shape_name, work)
+    if c.prompts_file is None:
+        make_model(c.folder)
+        return c
     from bench.e2e_small import make_small_model, write_prompts
 
-    shape = get_shape(shape_name, rl=True)
-    tok = make_small_model(folder, shape)
-    data = os.path.join(work, "prompts.jsonl")
-    write_prompts(data, tok, shape.prompt_len, prompts * steps)
-    return Contest(shape_name, folder, shape.prompt_len, shape.response_len, data)
+    tok = make_small_model(c.folder, get_shape(shape_name, rl=True))
+    write_prompts(c.prompts_file, tok, c.prompt_len, prompts * steps)
+    return c
 
 
 def describe(c: Contest, prompts: int, samples: int) -> dict:
@@ -136,9 +156,7 @@ def describe(c: Contest, prompts: int, samples: int) -> dict:
     row, which is the generation benches' tiny model)."""
     if c.shape != "tiny":
         return get_shape(c.shape, rl=True).describe() | {"prompts": prompts, "samples": samples}
-    from rlhf.config import load_config
-
-    m = load_config(["algo=grpo"]).actor.model.llama()
+    m = model_config("tiny")
     return {"name": "tiny", "model": "GRPO recipe actor", "hidden": m.hidden_size,
             "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
             "ffn": m.intermediate_size, "vocab": m.vocab_size, "prompt_len": c.prompt_len,
@@ -151,8 +169,9 @@ def median_phases(per_step: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(d.get(k, 0.0) for d in per_step[1:]) for k in keys}
 
 
-def ours(c: Contest, nproc: int, steps: int, work: str, tp: int, prompts: int,
-         samples: int) -> dict:
+def our_overrides(c: Contest, nproc: int, steps: int, work: str, tp: int, prompts: int,
+                  samples: int) -> list[str]:
+    """The ``rlhf.train`` overrides of our run on ``nproc`` ranks (``work`` its runs folder)."""
     args = ["algo=grpo", f"iterations={steps}", f"actor.model.init_from={c.folder}",
             f"data.prompts_per_iter={prompts}", f"data.samples_per_prompt={samples}",
             f"data.mini_batch_size={prompts * samples}",
@@ -167,6 +186,12 @@ def ours(c: Contest, nproc: int, steps: int, work: str, tp: int, prompts: int,
                  f"reward.function={REWARD_FILE}:compute_score"]
     if c.exact_lengths:
         args.append(f"data.min_new_tokens={c.response_len}")
+    return args
+
+
+def ours(c: Contest, nproc: int, steps: int, work: str, tp: int, prompts: int,
+         samples: int) -> dict:
+    args = our_overrides(c, nproc, steps, work, tp, prompts, samples)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", "-m", "rlhf.train", *args]
     subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), check=True,
@@ -295,7 +320,7 @@ def trl(c: Contest, steps: int, threads: int, work: str, prompts: int, samples: 
     return result
 
 
-def run(shape: str = "tiny", nproc: int = 2, steps: int = 8, prompts: int | None = None,
+def run(shape: str = "tiny", nproc: int = NPROC, steps: int = 8, prompts: int | None = None,
         samples: int | None = None, tp: int = 1, rounds: int = 3) -> dict:
     """Both contenders, ``rounds`` times each, alternating; the result dict of the module
     docstring (prompts / samples default to the shape's row)."""
@@ -339,7 +364,9 @@ def _median_of_runs(runs: list[dict[str, float]]) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_argument(p, default="tiny", rl=True)
-    p.add_argument("--nproc", type=int, default=2, help="our ranks = TRL's threads")
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"our ranks = TRL's threads (default {NPROC}; --placement "
+                        f"disaggregated: {e2e_async.NPROC})")
     p.add_argument("--steps", type=int, default=8, help="iterations (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=None,
                    help="prompts per iteration (default: the shape's, 16)")
@@ -364,14 +391,15 @@ def main() -> None:
                    a.prompts, a.samples)
         return
     if a.placement == "disaggregated":
-        from bench.e2e_async import run as run_async
         if a.shape != "tiny":
             raise SystemExit("--placement disaggregated runs the main job's model (--shape tiny)")
-        result = run_async(a.nproc, a.max_staleness, a.steps, a.rounds, a.budget_s)
+        nproc = e2e_async.NPROC if a.nproc is None else a.nproc
+        result = e2e_async.run(nproc, a.max_staleness, a.steps, a.rounds, a.budget_s)
         emit_json(result | {"argv": sys.argv}, a.json)
         return
     require_peer("trl", "bench/e2e.py")
-    result = run(a.shape, a.nproc, a.steps, a.prompts, a.samples, a.tp, a.rounds)
+    nproc = NPROC if a.nproc is None else a.nproc
+    result = run(a.shape, nproc, a.steps, a.prompts, a.samples, a.tp, a.rounds)
     emit_json(result | {"argv": sys.argv}, a.json)
 
 

@@ -32,6 +32,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIS_CAP = 2.0
+NPROC = 4
+"""Default ranks: two pools of 2, each holding the main job's actor (training tp 2)."""
 LAST = 3  # iterations averaged for the reward at the budget
 
 

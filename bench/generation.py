@@ -39,10 +39,11 @@ per-row ``max_new_tokens``; an EOS there would end them the same way) and half r
 log-probs.  ``--profile`` (automatic when the ratio to transformers is below 2 at a shape other
 than ``tiny``) times where one greedy call's decode steps go (:func:`decode_profile`).
 
-Multi-rank (``--nproc`` gloo ranks, training layout 1,NPROC,1): for each generation layout
-(1,1), (1,2), ..., (1,NPROC) the actor reshards and generates the same batch through
-:class:`engine.hybrid_engine.HybridEngine` (prompts split over the micro-DP group, results
-gathered back); tokens/s = batch * new tokens / slowest rank's time.
+Multi-rank (``--nproc`` gloo ranks, :func:`multirank_layouts`): training at the widest TP the
+model's heads allow on them (the rest DP: 1,4,1 for ``tiny`` on 4 ranks, 1,2,2 for ``small``);
+for each generation layout (1,1), (1,2), ..., (1,TP) the actor reshards and generates the same
+batch through :class:`engine.hybrid_engine.HybridEngine` (prompts split over the micro-DP
+group, results gathered back); tokens/s = batch * new tokens / slowest rank's time.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 from bench.ranks import launch, max_over_ranks  # noqa: E402
 from bench.report import write_json  # noqa: E402
 from bench.shapes import add_shape_argument, bench_corpus, build_bpe_tokenizer, \
-    get_shape  # noqa: E402
+    get_shape, widest_tp  # noqa: E402
 from bench.timing import interleaved_median_times  # noqa: E402
 from engine import forward_paths  # noqa: E402
 from engine import generation as generation_mod  # noqa: E402
@@ -94,6 +95,8 @@ transformers against the float64 arbiter (``hf_logit_error``, about 4e-6 with
 DEFAULTS = {"tiny": (16, 64)}
 """``--batch`` and ``--new-tokens`` per shape where they are not the table's (other shapes:
 batch 32, ``shape.response_len``)."""
+NPROC = 4
+"""``--nproc``: ranks of the multi-rank part."""
 
 
 @dataclass(frozen=True)
@@ -142,19 +145,35 @@ def corpus_prompts(tokenizer, batch: int, prompt_len: int, seed: int = 1
     return ids, mask
 
 
-def workload(shape_name: str, batch: int | None, new_tokens: int | None) -> Workload:
-    """The model and prompts of ``--shape`` (defaults: :data:`DEFAULTS`, else the table)."""
+def default_sizes(shape_name: str) -> tuple[int, int]:
+    """``(batch, new_tokens)`` of ``--shape`` when the flags are not given."""
+    if shape_name in DEFAULTS:
+        return DEFAULTS[shape_name]
+    return 32, get_shape(shape_name, rl=True).response_len
+
+
+def model_config(shape_name: str, new_tokens: int) -> LlamaConfig:
+    """The model of ``--shape``: :data:`CFG` at ``tiny``, else the table's row with positions
+    for a prompt and ``new_tokens``."""
     if shape_name == "tiny":
-        batch, new_tokens = batch or DEFAULTS["tiny"][0], new_tokens or DEFAULTS["tiny"][1]
+        return CFG
+    row = get_shape(shape_name, rl=True)
+    return row.llama_config(max_positions=row.prompt_len + new_tokens)
+
+
+def workload(shape_name: str, batch: int | None, new_tokens: int | None) -> Workload:
+    """The model and prompts of ``--shape`` (defaults: :func:`default_sizes`)."""
+    default_batch, default_new = default_sizes(shape_name)
+    batch, new_tokens = batch or default_batch, new_tokens or default_new
+    config = model_config(shape_name, new_tokens)
+    if shape_name == "tiny":
         ids, mask = make_prompts(batch)
         shape = {"name": "tiny", **CFG.to_dict(), "prompt_len": int(ids.shape[1])}
-        return Workload(shape, CFG, ids, mask, new_tokens, 0)
+        return Workload(shape, config, ids, mask, new_tokens, 0)
     row = get_shape(shape_name, rl=True)
-    batch, new_tokens = batch or 32, new_tokens or row.response_len
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = build_bpe_tokenizer(folder, row.vocab)
     ids, mask = corpus_prompts(tokenizer, batch, row.prompt_len)
-    config = row.llama_config(max_positions=row.prompt_len + new_tokens)
     return Workload(row.describe(), config, ids, mask, new_tokens, tokenizer.pad_token_id)
 
 
@@ -389,8 +408,8 @@ def _rank_main(rank: int, world: int, cfg: dict):
     sp = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=0.0,
                         pad_token_id=cfg["pad_token_id"])
     results = {}
-    for tp_g in cfg["tp_gs"]:
-        groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, world, 1), 1, tp_g))
+    for layout in cfg["layouts"]:
+        groups = build_hybrid_groups(layout)
         model = ParallelLlama(config, groups)
         load_full_state_dict(model, full)
         engine = HybridEngine(model)
@@ -403,7 +422,7 @@ def _rank_main(rank: int, world: int, cfg: dict):
                 times.append(max_over_ranks(time.perf_counter() - t0))
             reshard.append(max_over_ranks(stats.time_s))
         t = statistics.median(times[1:])
-        results[f"1,{tp_g}"] = {
+        results[f"1,{layout.tp_g}"] = {
             "tokens_per_s": ids.shape[0] * cfg["new_tokens"] / t, "time_s": t,
             "reshard_time_s": statistics.median(reshard[1:]),
             "micro_dp_size": groups.layout.micro_dp_size,
@@ -412,12 +431,23 @@ def _rank_main(rank: int, world: int, cfg: dict):
     return results
 
 
+def multirank_layouts(config: LlamaConfig, nproc: int) -> list[HybridLayout]:
+    """The multi-rank part's layouts: training on ``nproc`` ranks at the widest TP the model
+    allows (:func:`bench.shapes.widest_tp`, the rest DP), generation at every TP degree that
+    divides it."""
+    tp = widest_tp(llama_shard_specs(config, 1), nproc)
+    train = ParallelLayout(1, tp, nproc // tp)
+    return [HybridLayout(train, 1, tp_g) for tp_g in range(1, tp + 1) if tp % tp_g == 0]
+
+
 def multi_rank(nproc: int, w: Workload, repeat: int, reference: torch.Tensor) -> dict:
-    tp_gs = [d for d in range(1, nproc + 1) if nproc % d == 0]
+    """Reshard and generate at every layout of :func:`multirank_layouts` on ``nproc`` ranks."""
+    layouts = multirank_layouts(w.config, nproc)
+    t = layouts[0].train
     cfg = {"config": w.config, "ids": w.ids, "mask": w.mask, "new_tokens": w.new_tokens,
-           "pad_token_id": w.pad_token_id, "repeat": repeat, "tp_gs": tp_gs,
+           "pad_token_id": w.pad_token_id, "repeat": repeat, "layouts": layouts,
            "reference": reference}
-    return {"train": [1, nproc, 1], "gen": launch(_rank_main, nproc, cfg)}
+    return {"train": [t.pp, t.tp, t.dp], "gen": launch(_rank_main, nproc, cfg)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=None,
                    help="tokens per response (default 64 at tiny, the shape's response_len)")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=NPROC)
     p.add_argument("--no-multirank", action="store_true")
     p.add_argument("--no-early-exit", action="store_true",
                    help="skip the early-exit comparison")
@@ -476,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
               + f"; prefill {prof['prefill_ms']:.1f} ms")
     if not a.no_multirank:
         result["multirank"] = multi_rank(a.nproc, w, a.repeat, reference)
+        train = ",".join(map(str, result["multirank"]["train"]))
         for name, r in result["multirank"]["gen"].items():
-            print(f"train 1,{a.nproc},1 -> gen {name}: {r['tokens_per_s']:.0f} tok/s "
+            print(f"train {train} -> gen {name}: {r['tokens_per_s']:.0f} tok/s "
                   f"(reshard {r['reshard_time_s'] * 1e3:.1f} ms, micro-DP "
                   f"{r['micro_dp_size']}, matches single process: "
                   f"{r['matches_single_process']})")

@@ -72,6 +72,8 @@ from rlhf.planner.calibrate import best_time  # noqa: E402
 GEMM_SIZE = 2048
 STREAM_BYTES = 256 << 20
 DECODE_BATCHES = (1, 32)
+MICRO_BATCH = 8
+"""``--micro-batch``: sequences per training micro-batch."""
 
 
 # ------------------------------------------------------------------------------ formulas
@@ -185,16 +187,23 @@ def _model(shape: BenchShape):
     return cfg, groups, model
 
 
+def update_sequences(shape: BenchShape, micro_batch: int) -> int:
+    """Sequences of one RL update at ``shape`` (prompts x samples); ValueError unless
+    ``micro_batch`` divides them."""
+    seqs = shape.prompts * shape.samples
+    if micro_batch < 1 or seqs % micro_batch:
+        raise ValueError(f"micro_batch={micro_batch} must divide prompts x samples = {seqs}")
+    return seqs
+
+
 def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
     """Median time of one optimiser step over an RL iteration's sequences (all tokens real)."""
     from engine import inductor
     from engine.train import OptimConfig, TrainEngine
 
+    seqs, seq = update_sequences(shape, micro_batch), shape.prompt_len + shape.response_len
     _, _, model = _model(shape)
     engine = TrainEngine(model, OptimConfig(lr=1e-5))
-    seqs, seq = shape.prompts * shape.samples, shape.prompt_len + shape.response_len
-    if micro_batch < 1 or seqs % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} must divide prompts x samples = {seqs}")
     g = torch.Generator().manual_seed(1)
     mbs = [{"input_ids": torch.randint(0, shape.vocab, (micro_batch, seq), generator=g)}
            for _ in range(seqs // micro_batch)]
@@ -322,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_argument(p, default="small", rl=True)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                   help="sequences per micro-batch")
     p.add_argument("--no-reshard", action="store_true", help="skip the 4-rank reshard part")
     p.add_argument("--reshard-mb", type=float, default=1024.0)
     p.add_argument("--json", default=None)

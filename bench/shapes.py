@@ -19,8 +19,12 @@ import argparse
 import os
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hybridflow_comm.shard_spec import ShardSpec
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,23 @@ def add_shape_argument(parser: argparse.ArgumentParser, default: str = "tiny",
     names = sorted(n for n, s in SHAPES.items() if s.rl or not rl)
     parser.add_argument("--shape", choices=names, default=default,
                         help="sizes from bench/shapes.py (default %(default)s)")
+
+
+def widest_tp(specs: list[ShardSpec], nproc: int) -> int:
+    """The widest training TP on ``nproc`` ranks (the rest DP) over which every parameter of a
+    model's ``specs`` splits: :func:`hybridflow_comm.shard_spec.check_specs` (KV heads,
+    vocabulary, SwiGLU width) decides; 1 always fits."""
+    from hybridflow_comm.layout import ParallelLayout
+    from hybridflow_comm.shard_spec import check_specs
+
+    for tp in range(nproc, 1, -1):
+        if nproc % tp == 0:
+            try:
+                check_specs(specs, ParallelLayout(1, tp, nproc // tp))
+            except ValueError:
+                continue
+            return tp
+    return 1
 
 
 # ---------------------------------------------------------------- a tokenizer made here

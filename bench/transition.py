@@ -4,6 +4,11 @@
                                [--bucket-mb 32] [--json PATH] [--source specs|fsdp]
     python bench/transition.py --shape llama-1b --layouts 1,4,1:1,2 2,2,1:1,1 --json PATH
 
+Without ``--train``/``--gen`` the layout is :func:`default_layout`'s: training at the widest TP
+the model's heads allow on ``--nproc`` ranks (the rest DP), generation at half that TP
+(1,4,1 -> 1,2 on 4 ranks; 1,2,2 -> 1,1 for ``--shape small``, whose 2 KV heads split at most
+in two).
+
 Starts its own gloo ranks and builds the parameter set: with ``--shape`` exactly that model's
 (``bench/shapes.py``; the engine's ``llama_shard_specs``), otherwise a synthetic Llama-shaped
 set of about ``size-mb`` MiB (bf16).  Every method runs ``repeat`` times after one warm-up; a
@@ -45,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench import transition_fsdp  # noqa: E402
 from bench.ranks import launch, max_over_ranks  # noqa: E402
-from bench.shapes import BenchShape, add_shape_argument, get_shape  # noqa: E402
+from bench.shapes import BenchShape, add_shape_argument, get_shape, widest_tp  # noqa: E402
 from engine.llama_spec import llama_shard_specs  # noqa: E402
 from hybridflow_comm import comm  # noqa: E402
 from hybridflow_comm.baselines import TRANSITIONS, make_transition
@@ -54,6 +59,8 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout, parse_sizes
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec, check_specs
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 1024, 16, 8, 2816, 8192
+NPROC, SIZE_MB = 4, 128
+"""``--nproc`` (gloo ranks) and ``--size-mb`` (the synthetic set's size)."""
 
 
 def llama_like_specs(size_mb: float, pp: int, dtype=torch.bfloat16) -> list[ShardSpec]:
@@ -94,6 +101,26 @@ def shape_specs(shape: BenchShape, pp: int) -> list[ShardSpec]:
 def model_specs(shape: str | None, size_mb: float, pp: int) -> list[ShardSpec]:
     """``--shape``'s specs, or the synthetic set of about ``size_mb`` MiB when no shape."""
     return shape_specs(get_shape(shape), pp) if shape else llama_like_specs(size_mb, pp)
+
+
+def default_layout(shape: str | None, size_mb: float, nproc: int,
+                   train: tuple[int, int, int] | None = None
+                   ) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """``(train, gen)`` where ``--train``/``--gen`` are not given.
+
+    Args:
+        shape / size_mb: the model (:func:`model_specs`).
+        nproc: ranks.
+        train: ``--train``, or None for ``(1, tp, nproc / tp)`` with ``tp`` the widest the
+            model's parameters split over (:func:`bench.shapes.widest_tp`).
+    Returns:
+        ``train`` and the generation layout ``(1, max(1, tp / 2))``: each generation replica
+        gathers from a micro-DP group of 2 where the training TP allows.
+    """
+    if train is None:
+        tp = widest_tp(model_specs(shape, size_mb, 1), nproc)
+        train = (1, tp, nproc // tp)
+    return train, (1, max(1, train[1] // 2))
 
 
 def describe_model(shape: str | None, size_mb: float, specs: list[ShardSpec]) -> dict:
@@ -350,13 +377,13 @@ def _layout(text: str) -> tuple[tuple[int, int, int], tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--train", default="1,4,1", help="PP,TP,DP")
-    p.add_argument("--gen", default="1,2", help="PP_G,TP_G")
+    p.add_argument("--nproc", type=int, default=NPROC)
+    p.add_argument("--train", default=None, help="PP,TP,DP (default: default_layout)")
+    p.add_argument("--gen", default=None, help="PP_G,TP_G (default: default_layout)")
     p.add_argument("--layouts", nargs="+", default=None, metavar="PP,TP,DP:PP_G,TP_G",
                    help="several layouts in one invocation (instead of --train/--gen)")
     add_shape_argument(p, default=None)
-    p.add_argument("--size-mb", type=float, default=128,
+    p.add_argument("--size-mb", type=float, default=SIZE_MB,
                    help="size of the synthetic parameter set when no --shape is given")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=32)
@@ -368,14 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     command = [sys.argv[0]] + (list(argv) if argv is not None else sys.argv[1:])
     try:
+        train = parse_sizes(a.train, ("pp", "tp", "dp")) if a.train else None
+        train, gen = default_layout(a.shape, a.size_mb, a.nproc, train)
+        gen = parse_sizes(a.gen, ("pp_g", "tp_g")) if a.gen else gen
         if a.source == "fsdp":
-            gen = parse_sizes(a.gen, ("pp_g", "tp_g"))
             results = [transition_fsdp.run(a.nproc, gen, model_specs(a.shape, a.size_mb, gen[0]),
                                            a.size_mb, a.repeat, a.bucket_mb, a.keep_pages)]
         else:
-            layouts = ([_layout(x) for x in a.layouts] if a.layouts else
-                       [(parse_sizes(a.train, ("pp", "tp", "dp")),
-                         parse_sizes(a.gen, ("pp_g", "tp_g")))])
+            layouts = [_layout(x) for x in a.layouts] if a.layouts else [(train, gen)]
             results = [run(a.nproc, train, gen, a.size_mb, a.repeat, a.bucket_mb, a.keep_pages,
                            shape=a.shape, argv=command) for train, gen in layouts]
     except ValueError as exc:

@@ -49,7 +49,7 @@ from hybridflow_comm.layout import HybridLayout, parse_sizes  # noqa: E402
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs  # noqa: E402
 from hybridflow_comm.strided import logical_from_stacked  # noqa: E402
 from hybridflow_comm.sync import LABEL, WeightSync, build_sync_group  # noqa: E402
-from hybridflow_comm.sync_plan import SyncLayout, llama_specs  # noqa: E402
+from hybridflow_comm.sync_plan import SyncLayout, check_sync_specs, llama_specs  # noqa: E402
 
 # Default pools per shape: (train pp,tp,dp), (gen pp_g,tp_g), gen ranks.
 POOLS = {"tiny": ((1, 2, 1), (1, 2), 2), "small": ((1, 2, 1), (1, 2), 2),
@@ -257,16 +257,29 @@ def rank_main(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
+def sync_layout(shape: str, train: tuple[int, int, int] | None = None,
+                gen: tuple[int, int] | None = None, gen_ranks: int | None = None
+                ) -> SyncLayout:
+    """The pools of a run at ``shape``: the sizes given, :data:`POOLS`' for the others;
+    ValueError unless the shape's model splits over both (before any rank starts)."""
+    model = get_shape(shape).model_shape()  # ValueError naming the shapes
+    if shape not in POOLS:
+        raise ValueError(f"shape={shape!r} has no default pools in bench/weight_sync.py POOLS")
+    d_train, d_gen, d_ranks = POOLS[shape]
+    layout = SyncLayout.side_by_side(tuple(train or d_train), tuple(gen or d_gen),
+                                     gen_ranks or d_ranks)
+    check_sync_specs(llama_specs(model, layout.train.pp), layout)
+    return layout
+
+
 def run(shape: str, train: tuple[int, int, int] | None = None, gen: tuple[int, int] | None = None,
         gen_ranks: int | None = None, repeat: int = 5, bucket_mb: float = 32) -> dict:
     """Run the benchmark on fresh ranks; returns the JSON-ready result."""
-    model = get_shape(shape).model_shape()  # ValueError naming the shapes
-    d_train, d_gen, d_ranks = POOLS[shape]
-    cfg = {"shape": shape, "train": list(train or d_train), "gen": list(gen or d_gen),
-           "gen_ranks": gen_ranks or d_ranks, "repeat": repeat, "bucket_mb": bucket_mb}
-    layout = SyncLayout.side_by_side(tuple(cfg["train"]), tuple(cfg["gen"]), cfg["gen_ranks"])
-    llama_specs(model, layout.train.pp)  # fail here, not in the ranks
-    cfg["nproc"] = len(layout.ranks)
+    layout = sync_layout(shape, train, gen, gen_ranks)
+    t, g = layout.train, layout.gen
+    cfg = {"shape": shape, "train": [t.pp, t.tp, t.dp], "gen": [g.pp, g.tp],
+           "gen_ranks": len(layout.gen_ranks), "repeat": repeat, "bucket_mb": bucket_mb,
+           "nproc": len(layout.ranks)}
     return {"config": cfg, **launch(rank_main, cfg["nproc"], cfg, timeout_s=600)}
 
 

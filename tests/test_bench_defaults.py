@@ -1,0 +1,116 @@
+"""Every bench's defaults fit every shape of bench/shapes.py it accepts: the layouts, rank
+counts and batch sizes a bench runs with when given only ``--shape`` pass the checks that
+would otherwise raise inside its ranks (the engine's, the resharder's, the RL runtime's).
+
+``kernels_vs_compile.py`` and ``train_step.py --dynamic`` run one process at layout 1,1,1 at
+any shape: they have no parallel sizes to check.
+"""
+
+import inspect
+
+import pytest
+
+from bench import e2e, e2e_async, generation, roofline, transition, weight_sync
+from bench.shapes import SHAPES
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.shard_spec import check_specs
+
+RL_SHAPES = [name for name, shape in SHAPES.items() if shape.rl]
+POSITIONS = 2048
+"""Positions of a model built for the layout checks (the resharding-only rows have no
+prompt or response length)."""
+
+
+def _wider_tps(tp: int, nproc: int) -> list[int]:
+    return [t for t in range(tp + 1, nproc + 1) if nproc % t == 0]
+
+
+def _plan(overrides: list[str], world: int):
+    """What ``rlhf.train`` checks before any rank works: the config, its world plan."""
+    from rlhf.config import load_config
+    from rlhf.planner.config_bridge import resolve_config
+    from rlhf.world_plan import validate_for_world
+
+    return validate_for_world(resolve_config(load_config(overrides), world), world)
+
+
+@pytest.mark.parametrize("name", RL_SHAPES)
+def test_generation_multirank_layouts_fit(name):
+    batch, new_tokens = generation.default_sizes(name)
+    config = generation.model_config(name, new_tokens)
+    nproc = generation.NPROC
+    layouts = generation.multirank_layouts(config, nproc)
+    train = layouts[0].train
+    train.check_world_size(nproc)
+    config.check_parallel(train.pp, train.tp)  # ParallelLlama's check
+    for t in _wider_tps(train.tp, nproc):  # the widest TP the model allows
+        with pytest.raises(ValueError):
+            config.check_parallel(1, t)
+    assert [hl.tp_g for hl in layouts] == [d for d in range(1, train.tp + 1) if train.tp % d == 0]
+    for hl in layouts:
+        assert hl.train == train
+        config.check_parallel(hl.pp_g, hl.tp_g)  # GenerationEngine's check
+        # HybridEngine.generate_sequences splits the prompts over the micro-DP group
+        assert batch % hl.micro_dp_size == 0, (name, batch, hl)
+
+
+@pytest.mark.parametrize("name", [None, *SHAPES])
+def test_transition_default_layout_fits(name):
+    nproc, size_mb = transition.NPROC, transition.SIZE_MB
+    train, gen = transition.default_layout(name, size_mb, nproc)
+    hl = HybridLayout(ParallelLayout(*train), *gen)
+    hl.check_world_size(nproc)
+    check_specs(transition.model_specs(name, size_mb, hl.train.pp), hl.train)  # run()'s check
+    for t in _wider_tps(hl.train.tp, nproc):
+        with pytest.raises(ValueError):
+            check_specs(transition.model_specs(name, size_mb, 1), ParallelLayout(1, t, 1))
+    # --source fsdp: the generation layout over all the ranks
+    fsdp_gen = ParallelLayout(hl.pp_g, hl.tp_g, nproc // (hl.pp_g * hl.tp_g))
+    fsdp_gen.check_world_size(nproc)
+    check_specs(transition.model_specs(name, size_mb, hl.pp_g), fsdp_gen)
+    if name is not None:
+        config = SHAPES[name].llama_config(max_positions=POSITIONS)
+        config.check_parallel(hl.train.pp, hl.train.tp)
+        config.check_parallel(hl.pp_g, hl.tp_g)
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_weight_sync_default_pools_fit(name):
+    layout = weight_sync.sync_layout(name)  # checks the shard specs against both pools
+    config = SHAPES[name].llama_config(max_positions=POSITIONS)
+    config.check_parallel(layout.train.pp, layout.train.tp)
+    config.check_parallel(layout.gen.pp, layout.gen.tp)
+
+
+@pytest.mark.parametrize("name", RL_SHAPES)
+def test_roofline_default_micro_batch_fits(name):
+    shape = SHAPES[name]
+    sequences = roofline.update_sequences(shape, roofline.MICRO_BATCH)
+    assert sequences == shape.prompts * shape.samples
+
+
+@pytest.mark.parametrize("name", RL_SHAPES)
+def test_e2e_default_run_fits(name, tmp_path):
+    from engine.hf_interop import config_to_hf
+
+    defaults = {k: p.default for k, p in inspect.signature(e2e.run).parameters.items()}
+    row = SHAPES[name]
+    contest = e2e.contest(name, str(tmp_path))
+    config_to_hf(e2e.model_config(name)).save_pretrained(contest.folder)  # what rlhf.train reads
+    nproc = defaults["nproc"]
+    overrides = e2e.our_overrides(contest, nproc, defaults["steps"], str(tmp_path),
+                                  defaults["tp"], row.prompts, row.samples)
+    plan = _plan(overrides, nproc)
+    assert plan.roles["actor"].dp * plan.roles["actor"].tp == nproc
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_e2e_async_default_runs_fit(placement):
+    """``bench/e2e.py --placement disaggregated`` (``--shape tiny`` only) on its default ranks;
+    the main job's model, without its SFT checkpoint: the same architecture, built fresh."""
+    from rlhf.main_job import MODEL
+
+    nproc = e2e_async.NPROC
+    overrides = e2e_async.overrides(placement, nproc, 1, 8, "runs", "bench")
+    plan = _plan([*overrides, "actor.model.init_from=null", *MODEL], nproc)
+    assert sum(len(pool) for pool in plan.pools.values()) == nproc
