@@ -31,7 +31,11 @@ def _run(tmp_path, argv: list[str]) -> dict:
     assert result["argv"] == argv
     assert result["ratio"] > 0 and result["greedy_match_tie_aware"], result["first_mismatch"]
     assert result["max_logprob_diff"] < 1e-3  # the same weights (q/k/v biases included)
-    assert result["early_exit"]["identical"] and result["early_exit"]["compactions"] >= 1
+    # early exit is bit-identical where the decode kernels compute every row (fixed-tree sums,
+    # engine/early_exit.py); on the Python layers BLAS may round a row of a compacted batch
+    # otherwise (tests/test_generation_early_exit.py holds that case up to near-ties)
+    assert result["early_exit"]["identical"] or not result["decode_kernels"]
+    assert result["early_exit"]["compactions"] >= 1
     assert result["profile"]["decode_step_ms"] > 0
     return result
 

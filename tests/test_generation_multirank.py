@@ -16,6 +16,7 @@ from engine.sampling import SamplingParams
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.reshard import Resharder
+from tests.near_ties import assert_clear_picks
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
                   num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64,
@@ -96,11 +97,12 @@ def references():
     """Single-process greedy result per config (layout 1,1,1 on its own views)."""
     ids, mask = prompts()
     refs = {}
+    greedy = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
     for key, cfg in (("untied", CFG), ("tied", TIED)):
         full = init_full_state_dict(cfg, seed=5, std=0.2)
-        _, _, eng = engine_on(cfg, (1, 1, 1), (1, 1), full)
-        refs[key] = (full, eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW,
-                                                                  temperature=0.0)))
+        model, _, eng = engine_on(cfg, (1, 1, 1), (1, 1), full)
+        refs[key] = (full, eng.generate(ids, mask, greedy))
+        assert_clear_picks(model, refs[key][1], greedy)  # so every layout's tokens are these
     return refs
 
 

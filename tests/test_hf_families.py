@@ -34,6 +34,7 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.shard_spec import train_shard
 from tests import hf_family_jobs as jobs
+from tests.near_ties import assert_no_near_tie
 
 VOCAB, SEQ, N_NEW, ATOL = 64, 12, 32, 1e-4
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -82,10 +83,14 @@ def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_greedy(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """transformers' greedy tokens, with no near-tie among its logits (so they are every
+    layout's tokens: tests/near_ties.py)."""
     model.generation_config.eos_token_id = None  # 32 tokens on every row
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=N_NEW,
-                         do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:]
+                         do_sample=False, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True)
+    assert_no_near_tie(torch.stack(out.scores, 1))
+    return out.sequences[:, ids.shape[1]:]
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from engine.sampling import SamplingParams
 from engine.train import OptimConfig
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests.near_ties import assert_clear_picks
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=4,
                   num_heads=8, num_kv_heads=4, rope_theta=500.0, max_position_embeddings=64,
@@ -117,7 +118,10 @@ def full_and_reference():
     eng = GenerationEngine(CFG, groups)
     eng.set_weights(model.params)
     ids, mask = prompts(2 * B_PER_DP)
-    return full, eng.generate(ids, mask, SamplingParams(max_new_tokens=N_NEW, temperature=0.0))
+    greedy = SamplingParams(max_new_tokens=N_NEW, temperature=0.0)
+    ref = eng.generate(ids, mask, greedy)
+    assert_clear_picks(model, ref, greedy)  # so every layout's tokens are these
+    return full, ref
 
 
 @pytest.mark.parametrize("train, gen", CASES)

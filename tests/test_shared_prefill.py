@@ -12,6 +12,7 @@ import torch
 
 from engine.generation import GenerationEngine, distinct_prompts
 from engine.sampling import SamplingParams
+from tests.near_ties import assert_clear_picks, assert_no_near_tie, step_logits
 from tests.test_generation import loop_reference
 from tests.test_generation_early_exit import CFG, QWEN, batch_of, engine, resharded
 
@@ -66,6 +67,8 @@ def test_greedy_shared_prefill_matches_the_cache_free_loop(cfg, fused):
                        max_new_tokens=limits)
     assert out.stats["prefill_rows"] == 5
     toks, lps, live = loop_reference(model, ids, mask, N_NEW, limits=limits)
+    assert_no_near_tie(step_logits(model, torch.cat([ids, toks], 1), torch.cat([mask, live], 1),
+                                   N_NEW), live)
     assert torch.equal(out.response_mask, live)
     assert torch.equal(out.responses, toks)
     torch.testing.assert_close(out.log_probs, lps, atol=1e-5, rtol=0)
@@ -93,16 +96,18 @@ def test_sampled_shared_prefill_log_probs_are_the_models(fused):
         assert len({tuple(r) for r in same_prompt.tolist()}) > 1
 
 
+TWO_RANK_MODES = {"greedy": SamplingParams(max_new_tokens=N_NEW, temperature=0.0),
+                  "temp": SamplingParams(max_new_tokens=N_NEW, temperature=1.0, seed=1)}
+
+
 def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple) -> dict:
     groups, resharder = resharded(train, gen)
     eng = GenerationEngine(CFG, groups)
     eng.load_weights(resharder)
     ids, mask, _ = grouped_batch(3, 4, seed=5)
     out = {}
-    for mode, sp in (("greedy", SamplingParams(max_new_tokens=N_NEW, temperature=0.0)),
-                     ("temp", SamplingParams(max_new_tokens=N_NEW, temperature=1.0, seed=1))):
-        o = eng.generate(ids, mask, sp)
-        out[mode] = (o.input_ids, o.log_probs, o.stats["prefill_rows"])
+    for mode, sp in TWO_RANK_MODES.items():
+        out[mode] = eng.generate(ids, mask, sp)
     return out
 
 
@@ -110,13 +115,17 @@ def two_rank_case(rank: int, world_size: int, train: tuple, gen: tuple) -> dict:
                          ids=["tp2", "pp2"])
 def test_shared_prefill_on_two_ranks(pool2, train, gen):
     """TP and PP generation (the last stage samples from the copied rows; the others size
-    the broadcast of the tokens by them) give the single-process engine's sequences."""
+    the broadcast of the tokens by them) give the single-process engine's sequences: its
+    tokens (its greedy picks and random draws have no near-tie for TP's other summation
+    order to flip) and log-probs within float rounding."""
     results = pool2.run(two_rank_case, train, gen)
     single = two_rank_case(0, 1, (1, 1, 1), (1, 1))
-    for mode in ("greedy", "temp"):
-        ids, lps, prefill_rows = single[mode]
-        assert prefill_rows == 3
+    model, _ = engine(CFG, fused=False, early_exit=False)  # the weights two_rank_case reshards
+    for mode, sp in TWO_RANK_MODES.items():
+        want = single[mode]
+        assert want.stats["prefill_rows"] == 3
+        assert_clear_picks(model, want, sp)
         for r in results:
-            assert torch.equal(r[mode][0], ids), mode
-            torch.testing.assert_close(r[mode][1], lps, atol=1e-5, rtol=0)
-            assert r[mode][2] == 3
+            assert torch.equal(r[mode].input_ids, want.input_ids), mode
+            torch.testing.assert_close(r[mode].log_probs, want.log_probs, atol=1e-5, rtol=0)
+            assert r[mode].stats["prefill_rows"] == 3

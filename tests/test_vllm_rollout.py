@@ -28,6 +28,7 @@ from engine.vllm_worker_ext import (DESCRIBE, LOAD_BUCKET, WORKER_EXTENSION,
                                     HybridflowWorkerExtension)
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests.near_ties import assert_clear_picks
 from tests.test_generation_multirank import resharded_model
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -250,6 +251,7 @@ def test_adapter_loads_generation_views_in_buckets_and_matches_native_engine():
     native = GenerationEngine(CFG, groups)
     native.set_weights(model.params)
     ref = native.generate(ids, mask, sp)
+    assert_clear_picks(model, ref, sp)
     assert torch.equal(via_vllm.input_ids, ref.input_ids)
     assert torch.equal(via_vllm.attention_mask, ref.attention_mask)
     torch.testing.assert_close(via_vllm.log_probs, ref.log_probs, atol=1e-5, rtol=0)
@@ -363,4 +365,6 @@ def test_real_vllm_greedy_matches_native(tmp_path, monkeypatch):
     assert rollout.last_load.buckets > 1
     native = GenerationEngine(CFG, groups)
     native.set_weights(model.params)
-    assert torch.equal(out.responses, native.generate(ids, None, sp).responses)
+    ref = native.generate(ids, None, sp)
+    assert_clear_picks(model, ref, sp)
+    assert torch.equal(out.responses, ref.responses)
