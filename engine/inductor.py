@@ -7,6 +7,12 @@ symbolic, ``dynamic=True``), so a :class:`Compiled` function runs eagerly below
 :data:`MIN_NUMEL` elements, where the eager passes are cheap anyway and short test jobs would
 pay the compile for nothing.
 
+Compiled code is cached on disk (inductor's ``TORCHINDUCTOR_CACHE_DIR``).  Unless the user
+sets that directory, the first compile points it at a subdirectory of inductor's default keyed
+by ATen's CPU capability and the CPU model (:func:`keyed_cache_dir`): an entry written under
+one capability (``ATEN_CPU_CAPABILITY``) or on another CPU, e.g. in a copied container, was
+seen to give wrong log-probs when loaded under another.
+
 Switches: ``HYBRIDFLOW_COMPILE=0`` in the environment, or :func:`set_enabled`, runs every
 function eagerly (the A/B of ``bench/roofline.py``).  A compile that fails (no C++ compiler,
 an unsupported torch) warns once and leaves that function eager for the process.
@@ -14,6 +20,7 @@ an unsupported torch) warns once and leaves that function eager for the process.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Callable
@@ -24,6 +31,33 @@ MIN_NUMEL = 1 << 20
 """Smallest first-argument ``numel`` run compiled (4 MiB of float32)."""
 
 _enabled = os.environ.get("HYBRIDFLOW_COMPILE", "1") != "0"
+_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_user_cache = _CACHE_ENV in os.environ
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def keyed_cache_dir(base: str, capability: str, cpu_model: str) -> str:
+    """``base``'s subdirectory for code compiled under ATen's ``capability`` on ``cpu_model``
+    (pure)."""
+    digest = hashlib.blake2b(cpu_model.encode(), digest_size=4).hexdigest()
+    return os.path.join(base, f"hybridflow-{capability.lower()}-{digest}")
+
+
+def _key_the_cache() -> None:
+    """Point inductor's cache at :func:`keyed_cache_dir` unless the user chose a directory."""
+    if _user_cache:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    os.environ[_CACHE_ENV] = keyed_cache_dir(
+        default_cache_dir(), torch.backends.cpu.get_cpu_capability(), _cpu_model())
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -54,6 +88,7 @@ class Compiled:
         if not self.uses_compiled(first):
             return self.fn(first, *args)
         if self._compiled is None:
+            _key_the_cache()
             self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         try:
             return self._compiled(first, *args)

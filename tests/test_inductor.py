@@ -98,6 +98,28 @@ def test_environment_switch():
     assert out == "False"
 
 
+def test_cache_is_keyed_by_cpu_capability_unless_the_user_chose_one(tmp_path):
+    """The compile cache of each ATen capability (and CPU model) is its own directory under
+    inductor's default; a directory the user set is kept as it is."""
+    assert inductor.keyed_cache_dir("/c", "AVX512", "m") != inductor.keyed_cache_dir(
+        "/c", "AVX2", "m") != inductor.keyed_cache_dir("/c", "AVX2", "n")
+    code = ("import os, torch; from engine import inductor; inductor._key_the_cache(); "
+            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'], torch.backends.cpu.get_cpu_capability())")
+    base = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    dirs = {}
+    for capability in ("avx2", "default"):
+        env = base | {"ATEN_CPU_CAPABILITY": capability, "TMPDIR": str(tmp_path)}
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out[0].startswith(str(tmp_path)) and f"-{out[1].lower()}-" in out[0]
+        dirs[capability] = out[0]
+    assert dirs["avx2"] != dirs["default"]
+    env = base | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[0] == str(tmp_path / "mine")
+
+
 def _swiglu_reference(gu: torch.Tensor, grad: torch.Tensor):
     """Autograd of the formula in float64: the output and the gradient of ``<out, grad>``."""
     from engine.layers import swiglu_formula
