@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 STAMP := build/.installed
 TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
-.PHONY: setup run test test-py test-cpp lint bench clean
+.PHONY: setup run test test-py test-cpp test-isa lint bench clean
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
@@ -20,7 +20,7 @@ setup: $(STAMP)
 run: setup
 	$(PYTHON) -m rlhf.main_job
 
-test: lint test-cpp test-py
+test: lint test-cpp test-py test-isa
 
 # Architecture contracts (.importlinter): imports point one way, no import circles
 # (lint-imports through its module: a fresh pyenv may not have the script's shim yet).
@@ -29,6 +29,18 @@ lint: setup
 
 test-py: setup
 	$(PYTHON) -m pytest tests
+
+# The tests that assert bitwise equality (or near-tie-aware token equality) again under other
+# instruction sets of this CPU: ATen's kernels, oneDNN and MKL capped at AVX2, then ATen's
+# scalar default. A result that holds on one ISA's rounding only fails here, not on the next
+# user's CPU.
+ISA_TESTS := tests/test_generation_early_exit.py tests/test_min_new_tokens.py \
+	tests/test_decode_kernels.py tests/test_vocab_rows.py tests/test_inductor.py \
+	tests/test_onednn.py
+test-isa: setup
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+		$(PYTHON) -m pytest $(ISA_TESTS) --durations=3
+	ATEN_CPU_CAPABILITY=default $(PYTHON) -m pytest $(ISA_TESTS) --durations=3
 
 test-cpp: setup
 	@command -v cmake > /dev/null || $(PIP) install -q cmake==3.31.10

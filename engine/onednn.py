@@ -16,11 +16,14 @@ With the C++ extension built, every product goes through ``engine._kernels.onedn
 (ATen's oneDNN matmul, which reads a transposed operand in place); without it, through
 ``_linear_pointwise``, which takes row-major operands only, so the weight gradient
 ``dy.T @ x`` first copies both activations transposed (at long sequences those copies cost
-more than the product).
+more than the product).  ATen's oneDNN matmul refuses CPUs without AVX-512 (or AVX-NE-CONVERT)
+in some torch builds; a one-off product at import (:func:`_route`) finds which of the two runs
+here, and without either every product is ``torch.matmul``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,9 +41,28 @@ every new shape costs oneDNN a primitive to build, which small, varied shapes (t
 model) would pay over and over."""
 
 
+@functools.cache
+def _route() -> str | None:
+    """The oneDNN product this CPU runs: ``"kernels"`` (``engine._kernels.onednn_mm``),
+    ``"pointwise"`` (``mkldnn::_linear_pointwise``) or None, tried on a 2 x 3 x 4 product."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    a, b = torch.ones(2, 3), torch.ones(3, 4)
+    if _kernels is not None:
+        try:
+            _kernels.onednn_mm(a, b)
+            return "kernels"
+        except RuntimeError:
+            pass
+    try:
+        torch.ops.mkldnn._linear_pointwise(a, b.t().contiguous(), None, "none", [], "")
+        return "pointwise"
+    except (RuntimeError, AttributeError):
+        return None
+
+
 def _available() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return _route() is not None
 
 
 _enabled = os.environ.get(ONEDNN_ENV, "1") != "0" and _available()
@@ -59,13 +81,13 @@ def enabled() -> bool:
 
 def batched() -> bool:
     """Whether :func:`mm` takes batched (3-D) operands: oneDNN on and the extension built."""
-    return _enabled and _kernels is not None
+    return _enabled and _route() == "kernels"
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [n, k] @ b [k, m]`` -> ``[n, m]`` on oneDNN (float32; either may be a transposed
     view); batched ``[g, n, k] @ [g, k, m]`` where :func:`batched`."""
-    if _kernels is not None:
+    if _route() == "kernels":
         return _kernels.onednn_mm(a, b)
     if a.shape[1] == 0:  # oneDNN rejects an empty reduction
         return a.new_zeros(a.shape[0], b.shape[1])

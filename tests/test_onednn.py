@@ -85,10 +85,10 @@ def _layouts(a: torch.Tensor):
 def test_mm_reads_every_layout(monkeypatch, kernels):
     """The C++ product (oneDNN reading a transposed operand in place) and the fallback without
     the extension against float64, for each layout of each operand and an empty reduction."""
-    if kernels == "extension" and onednn._kernels is None:
-        pytest.skip("engine._kernels not built")
+    if kernels == "extension" and onednn._route() != "kernels":
+        pytest.skip("engine._kernels not built, or its oneDNN product refuses this CPU")
     if kernels == "linear_pointwise":
-        monkeypatch.setattr(onednn, "_kernels", None)
+        monkeypatch.setattr(onednn, "_route", lambda: "pointwise")
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(37, 53, generator=g), torch.randn(53, 29, generator=g)
     want = a.double() @ b.double()
@@ -112,8 +112,8 @@ def test_extension_checks_its_operands():
 def test_weight_gradient_needs_no_transposed_copy(onednn_on):
     """The backward hands the transposed views straight to the product: with the extension,
     no copy kernel runs while the gradients are computed."""
-    if onednn._kernels is None:
-        pytest.skip("engine._kernels not built")
+    if onednn._route() != "kernels":
+        pytest.skip("engine._kernels not built, or its oneDNN product refuses this CPU")
     x = torch.randn(64, 32, requires_grad=True)
     w = torch.randn(48, 32, requires_grad=True)
     grad = torch.randn(64, 48)
@@ -154,3 +154,28 @@ def test_environment_switch():
                              capture_output=True,
                              env=dict(os.environ, HYBRIDFLOW_ONEDNN=value, PYTHONPATH=ROOT))
         assert out.stdout.strip() == want
+
+
+def test_a_cpu_without_avx512_takes_a_product_that_runs_there():
+    """oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, as on a CPU without AVX-512): ATen's
+    oneDNN matmul may refuse it, so the import-time probe routes around it, and a product
+    above the threshold (forward and both gradients) still matches float64."""
+    code = """
+import torch
+from engine import onednn
+x = torch.randn(64, 256, dtype=torch.float64, requires_grad=True)
+w = torch.randn(300, 256, dtype=torch.float64, requires_grad=True)
+xf, wf = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+assert onednn.applies(xf, wf)
+y = onednn.linear(xf, wf)
+y.backward(torch.ones_like(y))
+(x @ w.T).backward(torch.ones(64, 300, dtype=torch.float64))
+for got, want in ((y, x @ w.T), (xf.grad, x.grad), (wf.grad, w.grad)):
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-4)
+print(onednn._route())
+"""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() in ("kernels", "pointwise")
