@@ -1,11 +1,6 @@
 // Python bindings of the engine's CPU float32 kernels: engine._kernels
 #include <torch/extension.h>
 
-#include <cstdlib>
-#include <cstring>
-#include <stdexcept>
-#include <string>
-
 #include "decode_layer.h"
 #include "greedy_decode.h"
 #include "greedy_head.h"
@@ -56,11 +51,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::call_guard<py::gil_scoped_release>());
   m.attr("small_gemm_max_rows") = hybridflow::kSmallGemmMaxRows;
   m.attr("row_lanes_supported") = hybridflow::row_lanes_supported();
-  if (const char* hint = std::getenv("HYBRIDFLOW_WEIGHT_PREFETCH");
-      hint != nullptr && std::strcmp(hint, "nta") != 0 && std::strcmp(hint, "t1") != 0)
-    throw std::invalid_argument(std::string("HYBRIDFLOW_WEIGHT_PREFETCH=") + hint +
-                                " must be nta or t1 (unset: nta on AMD CPUs, t1 elsewhere)");
-  m.attr("weight_prefetch") = hybridflow::weight_prefetch_locality() == 0 ? "nta" : "t1";
   m.def("use_small_gemm", &hybridflow::use_small_gemm, py::arg("enabled"),
         "decode-step matrix products by the in-place small-M kernel (True, default) or BLAS");
   m.def("decode_layers", &hybridflow::decode_layers, py::arg("x"), py::arg("layer_weights"),

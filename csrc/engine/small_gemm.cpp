@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -34,20 +33,16 @@ constexpr int64_t kPanel = kSmallGemmPanel;  // weight rows per register block
 // Accumulators of a register block of the row-lane form: 8 weight rows x 2 vectors of rows of
 // x, or 16 weight rows x 1.
 constexpr int kRowLaneAccumulators = 16;
-// Locality hint of the weight prefetches (__builtin_prefetch's third argument), chosen once at
-// load time (weight_prefetch_locality below).  The weights are read once per decode step.  On
-// AMD Zen cores a non-temporal prefetch (0: prefetchnta) still fills L2 from memory and leaves
-// the lines out of L3 on eviction, so the weights do not push the step's KV cache (read right
-// after them) out of L3.  On Intel server cores prefetchnta fills L1 only and bypasses L2/L3:
-// weights that would fit in L3 stream from memory every step, several times slower there, so
-// every other CPU takes prefetcht1 (2: into L2 and L3).  `bench/roofline.py --shape small`
-// measures the decode step against its limits with either (HYBRIDFLOW_WEIGHT_PREFETCH=nta|t1).
-constexpr int kNonTemporal = 0, kL2 = 2;
+// Locality hint of the weight prefetches: prefetcht1 (into L2 and L3).  The weights are read
+// once per decode step.  A non-temporal prefetch (prefetchnta) keeps them out of the KV
+// cache's way in L3 on some AMD cores, but on Intel server cores it fills L1 only and bypasses
+// L2/L3, so weights that would fit in L3 stream from memory every step, several times slower;
+// on an AMD EPYC (Zen 4) prefetcht1 was as fast at batch 32 and faster at batch 1
+// (`bench/roofline.py --shape small` times both decode steps; docs/benchmarks.md).
+constexpr int kWeightLocality = 2;
 // Fewest multiply-adds a thread takes (a few microseconds of work; at one row of x, 256 KiB of
 // weights): below it one thread runs alone.
 constexpr int64_t kMinMultiplyAdds = 1 << 16;
-
-const bool g_weight_nta = weight_prefetch_locality() == kNonTemporal;
 
 template <typename V>
 constexpr int64_t lanes() {
@@ -106,7 +101,7 @@ inline __attribute__((always_inline)) V reduce_lanes(V* a) {
   return combine<V, I, 2>(a[0], a[1]);
 }
 
-template <typename V, int MB, int NB, int Locality>
+template <typename V, int MB, int NB>
 inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, const float* w,
                                                  int64_t ldw, float* y, int64_t ldy, int64_t k,
                                                  bool accumulate, const float* bias) {
@@ -121,7 +116,7 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, co
       wv[j] = load<V>(w + j * ldw + kk);
       // the next panel's rows (a hint: never faults past the end): the weights stream from
       // L3/memory once per call, and 4 strided rows defeat the hardware prefetcher
-      __builtin_prefetch(w + (j + NB) * ldw + kk, 0, Locality);
+      __builtin_prefetch(w + (j + NB) * ldw + kk, 0, kWeightLocality);
     }
     for (int i = 0; i < MB; ++i) xv[i] = load<V>(x + i * ldx + kk);
     for (int i = 0; i < MB; ++i)
@@ -153,23 +148,23 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, co
     }
 }
 
-template <typename V, int MB, int Locality>
+template <typename V, int MB>
 inline __attribute__((always_inline)) void row_block(const float* x, int64_t ldx,
                                                      const float* w, int64_t ldw, float* y,
                                                      int64_t ldy, int64_t n, int64_t k,
                                                      bool accumulate, const float* bias) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4)
-    block<V, MB, 4, Locality>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate,
+    block<V, MB, 4>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate,
                     bias != nullptr ? bias + j : nullptr);
   for (; j < n; ++j)
-    block<V, MB, 1, Locality>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate,
+    block<V, MB, 1>(x, ldx, w + j * ldw, ldw, y + j, ldy, k, accumulate,
                     bias != nullptr ? bias + j : nullptr);
 }
 
 // Weight rows outer, x rows inner: each 4-row slice of w is read once from memory and used
 // for every row of x while it sits in L1.
-template <typename V, int Locality>
+template <typename V>
 inline __attribute__((always_inline)) void gemm_lanes(const float* x, int64_t ldx,
                                                       const float* w, int64_t ldw, float* y,
                                                       int64_t ldy, int64_t m, int64_t n,
@@ -180,10 +175,10 @@ inline __attribute__((always_inline)) void gemm_lanes(const float* x, int64_t ld
     const float* b = bias != nullptr ? bias + j0 : nullptr;
     int64_t i = 0;
     for (; i + 4 <= m; i += 4)
-      row_block<V, 4, Locality>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
+      row_block<V, 4>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
                       accumulate, b);
     for (; i < m; ++i)
-      row_block<V, 1, Locality>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
+      row_block<V, 1>(x + i * ldx, ldx, w + j0 * ldw, ldw, y + i * ldy + j0, ldy, nb, k,
                       accumulate, b);
   }
 }
@@ -192,21 +187,15 @@ inline __attribute__((always_inline)) void gemm_lanes(const float* x, int64_t ld
 __attribute__((target_clones("arch=x86-64-v3", "default"), optimize("fp-contract=fast")))
 void gemm8(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
            int64_t m, int64_t n, int64_t k, bool accumulate, const float* bias) {
-  if (g_weight_nta)
-    gemm_lanes<v8, kNonTemporal>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
-  else
-    gemm_lanes<v8, kL2>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
+  gemm_lanes<v8>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
 }
 
 // 16 lanes where the CPU has AVX-512 (x86-64-v4: 32 vector registers hold the 16
-// accumulators).
+// accumulators); 1.3-1.4x the 8-lane kernel on a Zen 5 core (4 to 32 rows).
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
 void gemm16(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
             int64_t m, int64_t n, int64_t k, bool accumulate, const float* bias) {
-  if (g_weight_nta)
-    gemm_lanes<v16, kNonTemporal>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
-  else
-    gemm_lanes<v16, kL2>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
+  gemm_lanes<v16>(x, ldx, w, ldw, y, ldy, m, n, k, accumulate, bias);
 }
 
 // ---- the row-lane form: lanes over the rows of x ------------------------------------------
@@ -258,7 +247,7 @@ inline __attribute__((always_inline)) void transpose_rows(const float* x, int64_
 
 // Outputs of NB weight rows by MV vectors of 16 rows of x, from xt: acc[j][v] holds y[16 v + i,
 // j] in lane i.  Stored as they are (vector stores) at yt + j * ldt + 16 v.
-template <int NB, int MV, int Locality>
+template <int NB, int MV>
 inline __attribute__((always_inline)) void row_lane_block(const float* xt, const float* w,
                                                           int64_t ldw, float* yt, int64_t ldt,
                                                           int64_t k) {
@@ -271,7 +260,7 @@ inline __attribute__((always_inline)) void row_lane_block(const float* xt, const
     for (int v = 0; v < MV; ++v) xv[v] = load<v16>(xt + kk * ld + 16 * v);
     if (kk % 16 == 0)  // the next block's rows, a cache line each (a hint, as in block above)
       for (int j = 0; j < NB; ++j)
-        __builtin_prefetch(w + (j + NB) * ldw + kk, 0, Locality);
+        __builtin_prefetch(w + (j + NB) * ldw + kk, 0, kWeightLocality);
     for (int j = 0; j < NB; ++j) {
       const v16 b = w[j * ldw + kk] - v16{};  // broadcast
       for (int v = 0; v < MV; ++v) acc[j][v] = xv[v] * b + acc[j][v];
@@ -320,7 +309,7 @@ inline __attribute__((always_inline)) void store_chunk(const float* yt, int64_t 
 
 // y[0:m, 0:n] (+)= x @ w[0:n].T from xt, in chunks of 16 weight rows (kRowLaneAccumulators / MV
 // rows a register block) stored by store_chunk.
-template <int MV, int Locality>
+template <int MV>
 inline __attribute__((always_inline)) void row_lane_rows(const float* xt, const float* w,
                                                          int64_t ldw, float* y, int64_t ldy,
                                                          int64_t m, int64_t n, int64_t k,
@@ -330,15 +319,15 @@ inline __attribute__((always_inline)) void row_lane_rows(const float* xt, const 
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     for (int b = 0; b < 16; b += nb)
-      row_lane_block<nb, MV, Locality>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
+      row_lane_block<nb, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
     store_chunk<MV>(yt, 16, y + j, ldy, m, accumulate, bias != nullptr ? bias + j : nullptr);
   }
   if (j < n) {
     int64_t b = 0;
     for (; j + b + 4 <= n; b += 4)
-      row_lane_block<4, MV, Locality>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
+      row_lane_block<4, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
     for (; j + b < n; ++b)
-      row_lane_block<1, MV, Locality>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
+      row_lane_block<1, MV>(xt, w + (j + b) * ldw, ldw, yt + b * 16 * MV, 16 * MV, k);
     store_chunk<MV>(yt, n - j, y + j, ldy, m, accumulate, bias != nullptr ? bias + j : nullptr);
   }
 }
@@ -354,14 +343,10 @@ inline float* thread_lanes(int64_t k) {
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
 void gemm_from_lanes(const float* xt, int64_t m, const float* w, int64_t ldw, float* y,
                      int64_t ldy, int64_t n, int64_t k, bool accumulate, const float* bias) {
-  if (m > 16 && g_weight_nta)
-    row_lane_rows<2, kNonTemporal>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
-  else if (m > 16)
-    row_lane_rows<2, kL2>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
-  else if (g_weight_nta)
-    row_lane_rows<1, kNonTemporal>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
+  if (m > 16)
+    row_lane_rows<2>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
   else
-    row_lane_rows<1, kL2>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
+    row_lane_rows<1>(xt, w, ldw, y, ldy, m, n, k, accumulate, bias);
 }
 
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
@@ -378,18 +363,16 @@ void gemm_row_lanes(const float* x, int64_t ldx, const float* w, int64_t ldw, fl
 
 // y_t [n, 32] = (x @ w[0:n].T) in the lane layout, from x [m, k] row-major (rows past m of
 // y_t hold the products of zero rows).
-template <int MV, int Locality>
+template <int MV>
 inline __attribute__((always_inline)) void row_lane_rows_t(const float* xt, const float* w,
                                                            int64_t ldw, float* yt, int64_t n,
                                                            int64_t k) {
   constexpr int nb = kRowLaneAccumulators / MV;
   constexpr int64_t ld = kSmallGemmMaxRows;
   int64_t j = 0;
-  for (; j + nb <= n; j += nb)
-    row_lane_block<nb, MV, Locality>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
-  for (; j + 4 <= n; j += 4)
-    row_lane_block<4, MV, Locality>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
-  for (; j < n; ++j) row_lane_block<1, MV, Locality>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
+  for (; j + nb <= n; j += nb) row_lane_block<nb, MV>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
+  for (; j + 4 <= n; j += 4) row_lane_block<4, MV>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
+  for (; j < n; ++j) row_lane_block<1, MV>(xt, w + j * ldw, ldw, yt + j * ld, ld, k);
 }
 
 __attribute__((target("arch=x86-64-v4"), optimize("fp-contract=fast")))
@@ -397,14 +380,10 @@ void gemm_to_lanes(const float* x, int64_t ldx, int64_t m, const float* w, int64
                    float* yt, int64_t n, int64_t k) {
   float* xt = thread_lanes(k);
   transpose_rows(x, ldx, m, k, xt);
-  if (m > 16 && g_weight_nta)
-    row_lane_rows_t<2, kNonTemporal>(xt, w, ldw, yt, n, k);
-  else if (m > 16)
-    row_lane_rows_t<2, kL2>(xt, w, ldw, yt, n, k);
-  else if (g_weight_nta)
-    row_lane_rows_t<1, kNonTemporal>(xt, w, ldw, yt, n, k);
+  if (m > 16)
+    row_lane_rows_t<2>(xt, w, ldw, yt, n, k);
   else
-    row_lane_rows_t<1, kL2>(xt, w, ldw, yt, n, k);
+    row_lane_rows_t<1>(xt, w, ldw, yt, n, k);
 }
 
 using GemmFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
@@ -434,18 +413,6 @@ std::pair<int64_t, int64_t> small_gemm_share(int64_t n, int64_t thread, int64_t 
 }
 
 bool row_lanes_supported() { return row_lanes_here; }
-
-int weight_prefetch_locality() {
-  static const int locality = [] {
-    if (const char* hint = std::getenv("HYBRIDFLOW_WEIGHT_PREFETCH")) {
-      if (std::strcmp(hint, "nta") == 0) return kNonTemporal;
-      if (std::strcmp(hint, "t1") == 0) return kL2;
-    }
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? kNonTemporal : kL2;
-  }();
-  return locality;
-}
 
 void small_gemm_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                      int64_t ldy, int64_t m, int64_t n0, int64_t n1, int64_t k, bool accumulate,

@@ -39,11 +39,6 @@ bool small_gemm_enabled();
 // Does this CPU run the row-lane form (AVX-512: x86-64-v4)?  Elsewhere row_lanes is ignored.
 bool row_lanes_supported();
 
-// The locality hint of the small products' weight prefetches (__builtin_prefetch's third
-// argument), fixed at load time: HYBRIDFLOW_WEIGHT_PREFETCH=nta (0) or t1 (2) where set, else
-// 0 on AMD CPUs and 2 elsewhere (small_gemm.cpp says why).
-int weight_prefetch_locality();
-
 // Weight rows a thread of small_linear_out takes as a unit.
 constexpr int64_t kSmallGemmPanel = 4;
 
