@@ -17,13 +17,12 @@ With the C++ extension built, every product goes through ``engine._kernels.onedn
 ``_linear_pointwise``, which takes row-major operands only, so the weight gradient
 ``dy.T @ x`` first copies both activations transposed (at long sequences those copies cost
 more than the product).  ATen's oneDNN matmul refuses CPUs without AVX-512 (or AVX-NE-CONVERT)
-in some torch builds; a one-off product at import (:func:`_route`) finds which of the two runs
+in some torch builds; a one-off product at import (:data:`_ROUTE`) finds which of the two runs
 here, and without either every product is ``torch.matmul``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -41,7 +40,6 @@ every new shape costs oneDNN a primitive to build, which small, varied shapes (t
 model) would pay over and over."""
 
 
-@functools.cache
 def _route() -> str | None:
     """The oneDNN product this CPU runs: ``"kernels"`` (``engine._kernels.onednn_mm``),
     ``"pointwise"`` (``mkldnn::_linear_pointwise``) or None, tried on a 2 x 3 x 4 product."""
@@ -61,8 +59,13 @@ def _route() -> str | None:
         return None
 
 
+_ROUTE = _route()
+"""This CPU's oneDNN product (:func:`_route`), found once: code that ``torch.compile`` traces
+reads it as a constant."""
+
+
 def _available() -> bool:
-    return _route() is not None
+    return _ROUTE is not None
 
 
 _enabled = os.environ.get(ONEDNN_ENV, "1") != "0" and _available()
@@ -81,13 +84,13 @@ def enabled() -> bool:
 
 def batched() -> bool:
     """Whether :func:`mm` takes batched (3-D) operands: oneDNN on and the extension built."""
-    return _enabled and _route() == "kernels"
+    return _enabled and _ROUTE == "kernels"
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [n, k] @ b [k, m]`` -> ``[n, m]`` on oneDNN (float32; either may be a transposed
     view); batched ``[g, n, k] @ [g, k, m]`` where :func:`batched`."""
-    if _route() == "kernels":
+    if _ROUTE == "kernels":
         return _kernels.onednn_mm(a, b)
     if a.shape[1] == 0:  # oneDNN rejects an empty reduction
         return a.new_zeros(a.shape[0], b.shape[1])

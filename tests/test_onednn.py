@@ -85,10 +85,10 @@ def _layouts(a: torch.Tensor):
 def test_mm_reads_every_layout(monkeypatch, kernels):
     """The C++ product (oneDNN reading a transposed operand in place) and the fallback without
     the extension against float64, for each layout of each operand and an empty reduction."""
-    if kernels == "extension" and onednn._route() != "kernels":
+    if kernels == "extension" and onednn._ROUTE != "kernels":
         pytest.skip("engine._kernels not built, or its oneDNN product refuses this CPU")
     if kernels == "linear_pointwise":
-        monkeypatch.setattr(onednn, "_route", lambda: "pointwise")
+        monkeypatch.setattr(onednn, "_ROUTE", "pointwise")
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(37, 53, generator=g), torch.randn(53, 29, generator=g)
     want = a.double() @ b.double()
@@ -112,7 +112,7 @@ def test_extension_checks_its_operands():
 def test_weight_gradient_needs_no_transposed_copy(onednn_on):
     """The backward hands the transposed views straight to the product: with the extension,
     no copy kernel runs while the gradients are computed."""
-    if onednn._route() != "kernels":
+    if onednn._ROUTE != "kernels":
         pytest.skip("engine._kernels not built, or its oneDNN product refuses this CPU")
     x = torch.randn(64, 32, requires_grad=True)
     w = torch.randn(48, 32, requires_grad=True)
@@ -172,10 +172,18 @@ y.backward(torch.ones_like(y))
 (x @ w.T).backward(torch.ones(64, 300, dtype=torch.float64))
 for got, want in ((y, x @ w.T), (xf.grad, x.grad), (wf.grad, w.grad)):
     torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-4)
-print(onednn._route())
+print(onednn._ROUTE)
 """
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() in ("kernels", "pointwise")
+
+
+def test_the_route_is_a_constant_to_torch_compile():
+    """Code that torch.compile traces (whole graph) may ask which product runs here."""
+    def f(x, w):
+        return onednn.linear(x, w) * onednn.batched()
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(x, w), f(x, w))
