@@ -171,7 +171,7 @@ class AlgoConfig:
     synchronous; > 0 needs tis_cap, the off-policy correction, and drops older samples)."""
     module: str | None = None
     """A user's Python file (``my_algo.py``) imported before ``name`` is looked up: it
-    registers algorithms, policy losses or estimators (README: "Your own algorithm")."""
+    registers algorithms, policy losses or estimators (README: "From a file of your own")."""
     cost_limit: float = 0.0
     """Safe-RLHF: the constraint E[cost] <= cost_limit."""
     lagrange_init: float = 1.0
