@@ -62,10 +62,14 @@ class RunningRows:
         """``[B]`` bool, the running rows (the sampler's ``rows``); None while all run."""
         self.steps = self.row_steps = self.compactions = 0
 
+    def count_steps(self, steps: int) -> None:
+        """Count ``steps`` forward steps of every running row."""
+        self.steps, self.row_steps = self.steps + steps, self.row_steps + steps * self.run.numel()
+
     def finish_step(self, step: int, tokens: torch.Tensor) -> int:
         """After decode step ``step`` produced ``tokens [R]`` of the running rows: count it
         and mark the rows it ended.  Returns the number of rows still alive."""
-        self.steps, self.row_steps = self.steps + 1, self.row_steps + self.run.numel()
+        self.count_steps(1)
         if self.eos is not None:
             self.alive[self.at] = self.alive[self.at] & (tokens != self.eos)
         self.alive &= self.limits > step + 1

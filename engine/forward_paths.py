@@ -335,8 +335,8 @@ class PipelineStage:
 ROW_LANES_MIN_ROWS = 28
 """A call of this many rows or more (and at most the kernels' ``small_gemm_max_rows``) whose
 rows all run every step runs its decode products in the row-lane form
-(csrc/engine/small_gemm.h); with fewer rows the k-lane form is as fast
-(bench/roofline.py times a decode step at batch 1 and 32)."""
+(csrc/engine/small_gemm.h); with fewer rows the k-lane form was as fast in greedy steps at the
+``small`` shape."""
 
 
 def uses_row_lanes(batch: int, block_rows: int | None, supported: bool,
@@ -358,14 +358,16 @@ class CallPlan:
     """The layer paths, the kernel stage in the call's product form."""
     row_lanes: bool
     """The kernels' small products (decode stage and head) in the row-lane form."""
-    head_kernel: bool
-    """The LM head through the kernels' small product (read in place), else BLAS."""
+    head: str
+    """How the last stage turns hidden states into tokens: ``"greedy_head"`` (norm, head and
+    argmax in one ``engine._kernels.greedy_head`` call), ``"small_linear"`` (the kernels'
+    small product reads the head in place, then the sampler) or ``"blas"``."""
     greedy_rest: bool
     """Every decode step after the first in one ``engine._kernels.greedy_decode`` call."""
 
 
 def plan_call(paths: ForwardPaths, batch: int, block_rows: int | None, rows_stay: bool,
-              one_call_greedy: bool) -> CallPlan:
+              head_in_place: bool, greedy_one_rank: bool, kernel_loop: bool) -> CallPlan:
     """The plan of a call of ``batch`` rows (pure).
 
     Args:
@@ -375,12 +377,15 @@ def plan_call(paths: ForwardPaths, batch: int, block_rows: int | None, rows_stay
             when the decode steps run the Python layers.
         rows_stay: no row can finish before the last step (no EOS before it, no shorter
             per-row limit).
-        one_call_greedy: the call is greedy and its whole decode step is the kernel stage's
-            with the head read in place on one rank (the conditions under which a step is
-            exactly ``greedy_head(decode_layers(...))``).
+        head_in_place: the head weight's rows are contiguous (the kernels read it in place).
+        greedy_one_rank: the call is greedy and the head holds the whole vocabulary.
+        kernel_loop: the one-call greedy loop is allowed and a step is one stage of the
+            kernel stage's (then a greedy step is exactly ``greedy_head(decode_layers(...))``).
     """
     small = block_rows is not None and batch <= block_rows
     row_lanes = small and uses_row_lanes(batch, block_rows, _kernels.row_lanes_supported,
                                          rows_stay)
-    return CallPlan(paths=paths.with_row_lanes(row_lanes), row_lanes=row_lanes,
-                    head_kernel=small, greedy_rest=small and rows_stay and one_call_greedy)
+    head = ("blas" if not (small and head_in_place) else
+            "greedy_head" if greedy_one_rank else "small_linear")
+    return CallPlan(paths=paths.with_row_lanes(row_lanes), row_lanes=row_lanes, head=head,
+                    greedy_rest=head == "greedy_head" and rows_stay and kernel_loop)

@@ -359,12 +359,14 @@ class GenerationEngine:
         # the same product forms)
         rows_stay = bool((limits == n_new).all()) and (
             sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
-        one_call = (self.greedy_loop and sampling.greedy
-                    and isinstance(self.boundary, SingleStage)
-                    and isinstance(self.paths.decode, KernelStage)
-                    and self.weights[self.head_name].stride(1) == 1
-                    and (self.tp_group is None or self.tp_group.pg is None))
-        return plan_call(self.paths, batch, self.block_rows, rows_stay, one_call)
+        whole_vocab = self.tp_group is None or self.tp_group.pg is None
+        kernel_loop = (self.greedy_loop and isinstance(self.boundary, SingleStage)
+                       and isinstance(self.paths.decode, KernelStage))
+        return plan_call(self.paths, batch, self.block_rows, rows_stay,
+                         head_in_place=self.is_last
+                         and self.weights[self.head_name].stride(1) == 1,
+                         greedy_one_rank=sampling.greedy and whole_vocab,
+                         kernel_loop=kernel_loop)
 
     def _greedy_rest(self, decode: KernelStage, out: Responses, step: int, cache: KVCache,
                      tables: StepTables, sampling: SamplingParams, rows: RunningRows) -> None:
@@ -382,7 +384,7 @@ class GenerationEngine:
             row_lanes=decode.row_lanes)
         out.mask[:, step + 1:] = 1
         cache.advance(steps)
-        rows.steps, rows.row_steps = rows.steps + steps, rows.row_steps + steps * out.ids.shape[0]
+        rows.count_steps(steps)
 
     @staticmethod
     def _check_limits(limits: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor:
@@ -415,22 +417,21 @@ class GenerationEngine:
         (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
         has produced, for ``sampling.min_new_tokens``)."""
         w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
-        in_place = plan.head_kernel and w.stride(1) == 1
-        row_lanes = plan.row_lanes
-        if in_place and sampling.greedy and (self.tp_group is None or self.tp_group.pg is None):
+        if plan.head == "greedy_head":
             # the whole vocabulary here and argmax only: norm, head and choice in one call
             # (the same bits as the three below, without the Python between them)
             from engine import _kernels
             banned = sampling.banned_token(step)
             return _kernels.greedy_head(x[:, -1], self.weights["norm"],
                                         self.config.rms_norm_eps, w,
-                                        -1 if banned is None else banned, row_lanes=row_lanes)
+                                        -1 if banned is None else banned,
+                                        row_lanes=plan.row_lanes)
         h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
-        if in_place:
+        if plan.head == "small_linear":
             # a few rows: the kernels' product reads the head in place on every intra-op
             # thread (BLAS packs the whole [V/t_g, H] weight first)
             from engine import _kernels
-            logits = _kernels.small_linear(h.contiguous(), w, row_lanes=row_lanes)
+            logits = _kernels.small_linear(h.contiguous(), w, row_lanes=plan.row_lanes)
         else:
             logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
         return sample_next(logits, sampling, self.tp_group, stream, rows, step)

@@ -204,25 +204,29 @@ def test_row_lanes_policy():
 
 def test_call_plan_rules():
     """plan_call against its rules written out, for every batch around the kernels' block:
-    the head and the one-call greedy finish only at batches the small product takes (the
-    finish also only where no row leaves and the step is one kernel call), the row-lane form
-    only by uses_row_lanes, and the kernel stage carries the plan's form."""
+    the head on the kernels only at batches the small product takes and with the head read
+    in place (greedy_head when greedy on the whole vocabulary), the one-call greedy finish
+    only with greedy_head where no row leaves and the step is one kernel call, the row-lane
+    form only by uses_row_lanes, and the kernel stage carries the plan's form."""
     from engine.forward_paths import plan_call
     _, eng = engine(CFG, True, early_exit=True)
     if eng.block_rows is None:
         pytest.skip("C++ kernels not built")
     from engine import _kernels
     block = eng.block_rows
-    for batch, stay, one_call in itertools.product(range(1, 2 * block + 2), (False, True),
-                                                   (False, True)):
-        plan = plan_call(eng.paths, batch, block, stay, one_call)
-        small = batch <= block
+    for batch, stay, in_place, greedy, loop in itertools.product(
+            range(1, 2 * block + 2), *[(False, True)] * 4):
+        plan = plan_call(eng.paths, batch, block, stay, in_place, greedy, loop)
+        kernel_head = batch <= block and in_place
+        want_head = ("greedy_head" if kernel_head and greedy else
+                     "small_linear" if kernel_head else "blas")
         lanes = uses_row_lanes(batch, block, _kernels.row_lanes_supported, stay)
-        assert (plan.head_kernel, plan.row_lanes) == (small, lanes)
-        assert plan.greedy_rest == (small and stay and one_call)
+        assert (plan.head, plan.row_lanes) == (want_head, lanes)
+        assert plan.greedy_rest == (want_head == "greedy_head" and stay and loop)
         assert plan.paths.decode.row_lanes == lanes
-    python = plan_call(engine(CFG, False, early_exit=True)[1].paths, 32, None, True, True)
-    assert not (python.head_kernel or python.row_lanes or python.greedy_rest)
+    python = plan_call(engine(CFG, False, early_exit=True)[1].paths, 32, None, True, True, True,
+                       True)
+    assert python.head == "blas" and not (python.row_lanes or python.greedy_rest)
 
 
 def test_running_rows_keep_the_alive_rows_in_order():
