@@ -26,6 +26,7 @@ from engine import sampling
 from engine.sampling import SamplingParams, SeedStream, _draw
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests.near_ties import MIN_GAP
 from tests.test_generation import loop_reference
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -78,10 +79,6 @@ def assert_same(a, b) -> None:
     assert torch.equal(a.log_probs, b.log_probs)
 
 
-TIE = 1e-4
-"""Logits (float64 arbiter) within which two greedy picks count as a near-tie."""
-
-
 def arbiter_logits(cfg: LlamaConfig, weights: dict, ids: torch.Tensor, mask: torch.Tensor
                    ) -> torch.Tensor:
     """The last position's logits ``[B, V]`` of the float32 ``weights`` in float64."""
@@ -95,7 +92,7 @@ def arbiter_logits(cfg: LlamaConfig, weights: dict, ids: torch.Tensor, mask: tor
 def assert_same_up_to_rounding(a, b, cfg: LlamaConfig, greedy: bool,
                                weights: dict | None = None) -> None:
     """What early exit guarantees where BLAS computes the rows: the same tokens and masks,
-    except that a greedy row may part at a near-tie (both picks within :data:`TIE` of the
+    except that a greedy row may part at a near-tie (both picks within :data:`tests.near_ties.MIN_GAP` of the
     float64 arbiter's best logit on their common prefix; ``weights``: the model's, default
     the seed-0 ones of :func:`engine`), and log-probs within float rounding on the rows that
     agree."""
@@ -107,7 +104,7 @@ def assert_same_up_to_rounding(a, b, cfg: LlamaConfig, greedy: bool,
         logits = arbiter_logits(cfg, weights, a.input_ids[r:r + 1, :col],
                                 a.attention_mask[r:r + 1, :col])[0]
         picks = (int(a.input_ids[r, col]), int(b.input_ids[r, col]))
-        assert float(logits.max() - logits[list(picks)].min()) < TIE, (r, col, picks)
+        assert float(logits.max() - logits[list(picks)].min()) < MIN_GAP, (r, col, picks)
     assert int(same.sum()) >= same.numel() - 1, "more than one row parted"
     torch.testing.assert_close(a.log_probs[same], b.log_probs[same], atol=1e-5, rtol=0)
 
