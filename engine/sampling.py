@@ -66,12 +66,20 @@ def derive_seed(*parts: int | str) -> int:
 
 
 _MASK64 = (1 << 64) - 1
+_SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+"""SplitMix64's increment (gamma) and its two mixing multipliers, unsigned."""
+
+
+def check_seed(name: str, seed: object) -> None:
+    """ValueError naming ``name`` unless ``seed`` is an int in ``[0, 2**63)``."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+        raise ValueError(f"{name}={seed!r} must be an int in [0, 2**63)")
 
 
 def splitmix64(z: int) -> int:
     """SplitMix64's output function (Steele, Lea, Flood 2014) of the 64-bit state ``z``."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * _SPLITMIX[1]) & _MASK64
+    z = ((z ^ (z >> 27)) * _SPLITMIX[2]) & _MASK64
     return z ^ (z >> 31)
 
 
@@ -86,17 +94,14 @@ class SeedStream:
         seed: an int in ``[0, 2**63)`` (:func:`derive_seed` gives one per named stream).
     """
 
-    GAMMA = 0x9E3779B97F4A7C15
-
     def __init__(self, seed: int) -> None:
-        if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        check_seed("seed", seed)
         self.seed, self.steps = seed, 0
 
     def next(self) -> int:
         """The next step's seed, in ``[0, 2**63)``."""
         self.steps += 1
-        return splitmix64((self.seed + self.steps * self.GAMMA) & _MASK64) >> 1
+        return splitmix64((self.seed + self.steps * _SPLITMIX[0]) & _MASK64) >> 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,9 +150,7 @@ class SamplingParams:
                 or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an int in "
                              f"[0, max_new_tokens={self.max_new_tokens}] (0 = off)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not 0 <= self.seed < 1 << 63:
-            raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**63)")
+        check_seed("seed", self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -210,8 +213,7 @@ def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = 
     return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
 
-_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
-                                                   0x94D049BB133111EB))  # as int64
+_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in _SPLITMIX)  # as int64
 
 
 def clock_uniforms(stream: SeedStream, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:

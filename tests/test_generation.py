@@ -338,3 +338,11 @@ def test_top_k_one_breaks_ties_like_greedy():
         torch.testing.assert_close(greedy[1], torch.log_softmax(z, -1)[:, min(tied)])
         torch.testing.assert_close(top1[1], torch.log_softmax(z / 0.7, -1)[:, min(tied)])
         assert g.steps == 0
+
+
+@pytest.mark.parametrize("seed", [-1, 1 << 63, 2.0, True])
+def test_seed_outside_63_bits_is_refused_naming_it(seed):
+    with pytest.raises(ValueError, match=rf"seed={seed!r} must be an int in \[0, 2\*\*63\)"):
+        SamplingParams(temperature=1.0, seed=seed)
+    with pytest.raises(ValueError, match=r"must be an int in \[0, 2\*\*63\)"):
+        SeedStream(seed)
