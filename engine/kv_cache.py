@@ -19,10 +19,10 @@ ignore the lanes past the filled positions).  A layer's hook (the Python layers:
 every step without the kernels) writes the step's new keys/values at ``[length, length + S)``
 and hands attention ``[0, length + S)`` in the ``[B, S_kv, h_kv, D]`` form that
 :func:`engine.layers.attention` expects (values as a strided view, keys gathered out of
-their tiles).  :meth:`advance` moves ``length`` once every layer of the step has run.  :meth:`keep_rows_` drops finished sequences
-(early exit in :mod:`engine.generation`): the kept rows' filled positions move to new, smaller
-tensors of the same layout; with repeated rows it copies the cache of a prompt prefilled once
-to each of its sequences.
+their tiles).  :meth:`advance` moves ``length`` once every layer of the step has run.
+:meth:`keep_rows_` drops finished sequences (early exit, :mod:`engine.early_exit`): the kept
+rows' filled positions move to new, smaller tensors of the same layout; with repeated rows it
+copies the cache of a prompt prefilled once to each of its sequences.
 """
 
 from __future__ import annotations

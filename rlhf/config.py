@@ -120,7 +120,7 @@ class Config:
         if self.eval_pass_k < 0:
             raise ValueError(f"eval_pass_k={self.eval_pass_k} must be >= 0 (0 = off)")
         check_at_most(MAX_COUNT, iterations=self.iterations, eval_every=self.eval_every,
-                 eval_pass_k=self.eval_pass_k)
+                      eval_pass_k=self.eval_pass_k)
         check_seed("seed", self.seed)
         check_path("tokenizer", self.tokenizer)
         spec = algorithm(self.algo.name)

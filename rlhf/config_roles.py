@@ -114,7 +114,7 @@ class LayoutConfig:
             if isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}={v!r} must be >= 0 (0 = derive it)")
         check_at_most(MAX_COUNT, pp=self.pp, tp=self.tp, dp=self.dp, gen_pp=self.gen_pp,
-                 gen_tp=self.gen_tp)
+                      gen_tp=self.gen_tp)
 
 
 @dataclass(frozen=True)
@@ -161,9 +161,10 @@ class PolicyLossConfig:
         if self.mode is not None and not self.mode.strip():
             raise ValueError("loss.mode='' is empty; name a registered policy loss, or null for "
                              "the algorithm's own")
-        check_positive(**{"loss.clip_cov_ub": self.clip_cov_ub, "loss.kl_cov_coef": self.kl_cov_coef,
-                     "loss.gmpo_clip": self.gmpo_clip, "loss.sapo_tau_pos": self.sapo_tau_pos,
-                     "loss.sapo_tau_neg": self.sapo_tau_neg})
+        check_positive(**{"loss.clip_cov_ub": self.clip_cov_ub,
+                          "loss.kl_cov_coef": self.kl_cov_coef, "loss.gmpo_clip": self.gmpo_clip,
+                          "loss.sapo_tau_pos": self.sapo_tau_pos,
+                          "loss.sapo_tau_neg": self.sapo_tau_neg})
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             v = getattr(self, name)
             if not 0 <= v <= 1:

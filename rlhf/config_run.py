@@ -67,8 +67,8 @@ class DataConfig:
         check_positive(**sizes, **{"data.temperature": self.temperature})
         # bounds first: the checks below compute with these sizes
         check_at_most(MAX_COUNT, **sizes, **{"data.min_digits": self.min_digits,
-                                        "data.max_digits": self.max_digits,
-                                        "data.num_operands": self.num_operands})
+                                             "data.max_digits": self.max_digits,
+                                             "data.num_operands": self.num_operands})
         check_seed("data.seed", self.seed)
         if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) \
                 or not 0 <= self.min_new_tokens <= self.max_response_len:
@@ -192,10 +192,10 @@ class AlgoConfig:
         check_one_of("algo.kl_ctrl", self.kl_ctrl, ("fixed", "adaptive"))
         check_positive(**{"algo.pass_k": self.pass_k, "algo.max_gen_rounds": self.max_gen_rounds})
         check_at_most(MAX_COUNT, **{"algo.pass_k": self.pass_k,
-                               "algo.max_gen_rounds": self.max_gen_rounds})
+                                    "algo.max_gen_rounds": self.max_gen_rounds})
         check_positive(epochs=self.epochs, kl_target=self.kl_target, kl_horizon=self.kl_horizon,
-                  lagrange_lr=self.lagrange_lr, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
-                  kl_k3_clamp=self.kl_k3_clamp)
+                       lagrange_lr=self.lagrange_lr, kl_log_ratio_clamp=self.kl_log_ratio_clamp,
+                       kl_k3_clamp=self.kl_k3_clamp)
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"algo.{name}={getattr(self, name)} must be in [0, 1]")
@@ -347,7 +347,7 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.save_every={self.save_every} and keep_last="
                              f"{self.keep_last} must be >= 0")
         check_at_most(MAX_COUNT, **{"checkpoint.save_every": self.save_every,
-                               "checkpoint.keep_last": self.keep_last})
+                                    "checkpoint.keep_last": self.keep_last})
         check_path("checkpoint.dir", self.dir)
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'auto', 'never' or a checkpoint path")

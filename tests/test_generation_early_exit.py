@@ -4,9 +4,10 @@ every row to the end): on the C++ decode kernels (fixed-tree sums: bit-equal out
 CPU) and on the Python layers (BLAS: the same tokens up to near-ties judged by a float64
 arbiter, log-probs within float rounding, and each run bitwise repeatable), on a Qwen2-style
 model (q/k/v biases) too, greedy and three sampling modes, rows of very different lengths (EOS
-at different steps, per-row limits), and on 2 gloo ranks (TP and PP generation).  The greedy tokens are also checked against a cache-free loop, and the
-pure pieces (the compaction policy, the row choice, the cache's row copy, the random draw)
-against direct computations."""
+at different steps, per-row limits), and on 2 gloo ranks (TP and PP generation).  The greedy
+tokens are also checked against a cache-free loop, and the pure pieces (the compaction
+policy, the row choice, the call plan, the cache's row copy, the random draw) against direct
+computations."""
 
 from __future__ import annotations
 
@@ -92,10 +93,10 @@ def arbiter_logits(cfg: LlamaConfig, weights: dict, ids: torch.Tensor, mask: tor
 def assert_same_up_to_rounding(a, b, cfg: LlamaConfig, greedy: bool,
                                weights: dict | None = None) -> None:
     """What early exit guarantees where BLAS computes the rows: the same tokens and masks,
-    except that a greedy row may part at a near-tie (both picks within :data:`tests.near_ties.MIN_GAP` of the
-    float64 arbiter's best logit on their common prefix; ``weights``: the model's, default
-    the seed-0 ones of :func:`engine`), and log-probs within float rounding on the rows that
-    agree."""
+    except that a greedy row may part at a near-tie (both picks within
+    :data:`tests.near_ties.MIN_GAP` of the float64 arbiter's best logit on their common
+    prefix; ``weights``: the model's, default the seed-0 ones of :func:`engine`), and
+    log-probs within float rounding on the rows that agree."""
     same = (a.input_ids == b.input_ids).all(1) & (a.attention_mask == b.attention_mask).all(1)
     for r in (~same).nonzero().flatten().tolist():
         assert greedy, f"row {r} of a sampled call differs"
