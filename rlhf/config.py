@@ -46,9 +46,13 @@ Placement of the roles on the ranks ``0..W-1`` (pools are consecutive rank range
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
+import torch
+
+from hybridflow_comm.devices import DEVICES, PRECISIONS, resolve_device, resolve_precision
 from rlhf.config_checks import (MAX_COUNT, MAX_MODEL_PARAMS, MAX_ROLLOUT_TOKENS, SEED_LIMIT,
                                 check_at_most, check_path, check_positive, check_seed)
 from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
@@ -65,7 +69,7 @@ __all__ = [
     "PLACEMENTS", "RECIPES_DIR", "SEED_LIMIT", "ActorConfig", "AlgoConfig", "CheckpointConfig",
     "Config", "CriticConfig", "DataConfig", "FrozenModelConfig", "LayoutConfig", "LogConfig",
     "ModelConfig", "PlacementConfig", "PolicyLossConfig", "RewardConfig", "ValueLossConfig",
-    "config_from_dict", "load_config", "recipe_names", "save_config",
+    "config_from_dict", "load_config", "recipe_names", "resolve_devices", "save_config",
 ]
 
 RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
@@ -112,9 +116,19 @@ class Config:
     files, else the built-in character tokenizer."""
     seed: int = 0
     """Seed of model init and sampling (the data has its own, data.seed)."""
+    device: str = "auto"
+    """Where every role computes: ``cuda`` (rank r on GPU ``LOCAL_RANK``, NCCL for device
+    tensors), ``cpu`` (gloo), or ``auto`` (cuda when available)."""
+    precision: str = "auto"
+    """``fp32``, ``bf16`` (bf16 parameters and compute; trained roles keep fp32 master
+    weights, gradients and Adam state), or ``auto`` (bf16 on cuda, fp32 on cpu)."""
 
     def __post_init__(self) -> None:
         check_positive(iterations=self.iterations)
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} must be one of {DEVICES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} must be one of {PRECISIONS}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every} must be >= 0 (0 = at the end only)")
         if self.eval_pass_k < 0:
@@ -174,6 +188,18 @@ class Config:
     def to_dict(self) -> dict:
         """Plain nested dict (loads back with :func:`config_from_dict`)."""
         return to_dict(self)
+
+
+def resolve_devices(cfg: Config) -> tuple[Config, torch.device]:
+    """This rank's device and the config with ``device`` and ``precision`` resolved (no
+    ``auto`` left: the builders read the precision, the saved config says what ran).
+
+    Raises:
+        ValueError in one line when the machine cannot do what the config asks.
+    """
+    device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)
+    return dataclasses.replace(cfg, device=device.type, precision=precision), device
 
 
 def _check_async(cfg: Config) -> None:
