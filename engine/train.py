@@ -11,6 +11,25 @@ Gradients live in one flat buffer per dtype holding this rank's training paramet
 After the last backward of a step every bucket is all-reduced over the DP group (async, one
 collective per bucket, never one per tensor), then divided by ``dp``.
 
+Mixed precision.  When the model's parameters are not float32 (bf16), the optimizer trains
+float32 master weights and the parameters are their low-precision copies::
+
+    model.params  (bf16 views of the FlatParamBuffer: forward, backward, the resharder)
+    | embed_tokens | layers.0.input_norm | ... | lm_head |      p.grad: None between hooks
+          |  per micro-batch: post-accumulate hook adds p.grad (bf16) into the fp32 view,
+          v  then sets p.grad = None (Megatron's main_grad)
+    GradBuffer[float32]   master.grad views, same order and offsets as the masters
+    | embed_tokens | layers.0.input_norm | ... | lm_head |      DP all-reduce, clip
+          |  AdamW (fused; exp_avg, exp_avg_sq float32, keyed by the masters)
+          v
+    MasterWeights[float32]  one flat tensor per parameter dtype, a view per parameter
+    | embed_tokens | layers.0.input_norm | ... | lm_head |
+          |  after every step: copied into the bf16 params in place (never re-allocated)
+          v
+    model.params
+
+In float32 there are no masters: the parameters themselves are trained, exactly as above.
+
 Loss convention: ``loss_fn`` returns the mean loss of one micro-batch; the step minimises the
 mean over all micro-batches of all DP ranks, so with the same micro-batches a layout
 ``(pp, tp, dp)`` computes the same gradients as one process that runs them all.  Micro-batches
@@ -68,18 +87,34 @@ class OptimConfig:
             raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
 
 
+def _flat_offsets(params: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, int], dict[torch.dtype, int]]:
+    """Each parameter's offset in the flat tensor of its dtype, and each flat tensor's size
+    (parameters back to back in the given order, no padding)."""
+    offsets: dict[str, int] = {}
+    sizes: dict[torch.dtype, int] = {}
+    for name, p in params.items():
+        offsets[name] = sizes.get(p.dtype, 0)
+        sizes[p.dtype] = offsets[name] + p.numel()
+    return offsets, sizes
+
+
+def params_device(params: dict[str, torch.Tensor]) -> torch.device:
+    """The one device every tensor of ``params`` lives on."""
+    devices = {p.device for p in params.values()}
+    if len(devices) != 1:
+        raise ValueError(f"the parameters must live on one device, got {devices}")
+    return devices.pop()
+
+
 class GradBuffer:
     """One flat gradient storage per dtype; ``param.grad`` of every parameter is a view of it."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
-        self.flat: dict[torch.dtype, torch.Tensor] = {}
-        self.offsets: dict[str, int] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for name, p in params.items():
-            self.offsets[name] = sizes.get(p.dtype, 0)
-            sizes[p.dtype] = self.offsets[name] + p.numel()
-        for dtype, n in sizes.items():
-            self.flat[dtype] = torch.zeros(n, dtype=dtype)
+        device = params_device(params)
+        self.offsets, sizes = _flat_offsets(params)
+        self.flat: dict[torch.dtype, torch.Tensor] = {
+            dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         for name, p in params.items():
             off = self.offsets[name]
             p.grad = self.flat[p.dtype][off:off + p.numel()].view_as(p)
@@ -92,6 +127,52 @@ class GradBuffer:
         """Contiguous slices of at most ``bucket_numel`` elements covering every buffer."""
         return [t[i:i + bucket_numel] for t in self.flat.values()
                 for i in range(0, t.numel(), bucket_numel)]
+
+
+class MasterWeights:
+    """Float32 master copies of low-precision parameters (module docstring's diagram).
+
+    Args:
+        params: the model's parameters by name (any dtype); the masters start as their values.
+
+    Attributes:
+        flat: one float32 tensor per parameter dtype, the masters of that dtype back to back.
+        params: by name, a float32 ``nn.Parameter`` viewing its slice of ``flat`` (what the
+            optimizer steps; never part of an autograd graph).
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        device = params_device(params)
+        offsets, sizes = _flat_offsets(params)
+        self.flat: dict[torch.dtype, torch.Tensor] = {
+            dtype: torch.empty(n, dtype=torch.float32, device=device)
+            for dtype, n in sizes.items()}
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for name, p in params.items():
+            view = self.flat[p.dtype][offsets[name]:offsets[name] + p.numel()].view_as(p)
+            self.params[name] = torch.nn.Parameter(view)  # shares the flat tensor's storage
+        self.copy_from_(params)
+
+    @torch.no_grad()
+    def copy_from_(self, params: dict[str, torch.Tensor]) -> None:
+        """Masters <- ``params`` (upcast), e.g. after weights were loaded into the model."""
+        torch._foreach_copy_([self.params[n] for n in params], list(params.values()))
+
+    @torch.no_grad()
+    def copy_to_(self, params: dict[str, torch.Tensor]) -> None:
+        """``params`` <- masters, rounded to each parameter's dtype, in place."""
+        torch._foreach_copy_(list(params.values()), [self.params[n] for n in params])
+
+
+def _add_grad_into(main_grad: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """Post-accumulate hook of a low-precision parameter: its micro-batch gradient is added
+    into ``main_grad`` (float32) and dropped, so no low-precision sum ever builds up."""
+
+    def hook(p: torch.Tensor) -> None:
+        main_grad.add_(p.grad)
+        p.grad = None
+
+    return hook
 
 
 def _check_micro_batches(micro_batches: list[dict]) -> None:
@@ -116,15 +197,28 @@ class TrainEngine:
 
     Every rank of the layout calls the same methods with its own DP share of the
     micro-batches (all ranks of one TP x PP replica pass the same micro-batches).
+
+    Attributes:
+        masters: float32 master weights when the parameters are not float32, else None.
+        train_params: what the optimizer steps, by name: the masters' parameters, or the
+            model's own in float32; their ``.grad`` are the :class:`GradBuffer` views.
     """
 
     def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None) -> None:
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.groups = model.groups
-        self.grads = GradBuffer(model.params)
-        decay = [p for p in model.params.values() if p.dim() > 1]
-        no_decay = [p for p in model.params.values() if p.dim() <= 1]
+        self.device = params_device(model.params)
+        low = any(p.dtype != torch.float32 for p in model.params.values())
+        self.masters = MasterWeights(model.params) if low else None
+        self.train_params = model.params if self.masters is None else self.masters.params
+        self.grads = GradBuffer(self.train_params)
+        if self.masters is not None:
+            for name, p in model.params.items():
+                p.register_post_accumulate_grad_hook(
+                    _add_grad_into(self.train_params[name].grad))
+        decay = [p for p in self.train_params.values() if p.dim() > 1]
+        no_decay = [p for p in self.train_params.values() if p.dim() <= 1]
         c = self.optim_cfg
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": c.weight_decay},
@@ -218,7 +312,8 @@ class TrainEngine:
         self._executor(micro_batches, packings).run(actions, forward, loss_of)
         self._sync_tied_embedding()
         # this rank's mean, so that DP ranks with different micro-batch counts average right
-        loss_sum = (torch.stack(losses).sum() / n if losses else torch.zeros(())).float()
+        loss_sum = (torch.stack(losses).sum() / n if losses
+                    else torch.zeros((), device=self.device)).float()
         dp = self.groups.train_dp
         loss_work = None
         if self.groups.train_pp.pg is None and dp.pg is not None:
@@ -227,6 +322,8 @@ class TrainEngine:
         self._reduce_dp()
         grad_norm = self._clip()
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.copy_to_(model.params)
         self.step_count += 1
         if loss_work is not None:
             loss_work.wait()
@@ -268,10 +365,11 @@ class TrainEngine:
             return
         name = "embed_tokens" if m.is_first else "lm_head" if m.is_last else None
         if name is not None:
-            g = m.params[name].grad
+            g = self.train_params[name].grad
         else:  # inner stages take part in the PP all-reduce with zeros
             g = torch.zeros(m.config.vocab_size // m.layout.tp, m.config.hidden_size,
-                            dtype=m.config.dtype)
+                            dtype=torch.float32 if self.masters is not None else m.config.dtype,
+                            device=self.device)
         dist.all_reduce(g, group=self.groups.train_pp.pg)
 
     def _reduce_dp(self) -> None:
@@ -288,16 +386,16 @@ class TrainEngine:
     def global_grad_norm(self) -> float:
         """L2 norm of all gradients of the model, each global element counted once."""
         m = self.model
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for spec in m.local_specs:
             replicated = spec.partition_dim is None and m.coords.tp != 0
             tied_copy = spec.name == "lm_head" and m.config.tie_word_embeddings
             if not (replicated or tied_copy):
-                sq += m.params[spec.name].grad.double().pow(2).sum()
+                sq += self.train_params[spec.name].grad.double().pow(2).sum()
         for group in (self.groups.train_tp, self.groups.train_pp):
             if group.pg is not None:
                 dist.all_reduce(sq, group=group.pg)
-        return math.sqrt(sq.item())
+        return math.sqrt(sq.item())  # the norm is a host number (clip coefficient, metrics)
 
     def _clip(self) -> float:
         norm = self.global_grad_norm()
