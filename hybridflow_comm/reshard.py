@@ -7,18 +7,18 @@ the generation layout ``p_g-t_g-d_g-d`` of a :class:`HybridGroups`.
 ``to_generation()`` runs in two phases that never copy the training shard (it is already slot
 ``micro_tp_rank`` of its generation region):
 
-1. micro-TP all-gather: for the parameters of this rank's training stage, one all-gather per
-   bucket inside the micro-TP group.  The buffer lays regions of one kind (say every layer's
-   ``o_proj``) out equally spaced, so slot ``k`` of a whole bucket of them is a single strided
-   view; the C++ planner cuts the kinds into such buckets and the all-gather takes the views
-   directly.  On the torch backend each row of a view (one slot of one region, contiguous) is
-   one point-to-point message from and into the flat storage, so no byte is staged, neither
-   by us nor by gloo (whose ``all_gather`` copies through a fresh ``[n, bucket]`` tensor,
-   whose pages are faulted in on every call; :class:`~hybridflow_comm.comm.TorchBackend`)::
+1. micro-TP all-gather: for the parameters of this rank's training stage, one coalesced call
+   per bucket inside the micro-TP group.  Each region is one contiguous ``[m, slot]`` block
+   with this rank's slot already in place, so it is gathered in place
+   (``all_gather_single(region, own slot)``, what NCCL and gloo both take); the C++ planner
+   cuts the regions into buckets of equally spaced regions of one kind (say every layer's
+   ``o_proj``) and a bucket's gathers go out as one coalesced launch.  On host tensors over
+   gloo each slot is instead one point-to-point message from and into the flat storage
+   (:class:`~hybridflow_comm.comm.TorchBackend`: gloo's all-gather stages through a fresh
+   tensor), so no byte is staged either way::
 
        region l0.o | slot 0 | slot 1 |pad| region l1.o | slot 0 | slot 1 |pad| ...
-       member 0's view: [count, slot] stride R  ->  slot 0 of every region in the bucket
-       member 1's view: the same, offset by one slot
+       rank 1:       ^ gathered ^ own            ^ gathered ^ own         one bucket, one call
 2. micro-PP broadcast (only when ``pp_g < pp``): the finished regions of each training stage
    are broadcast in place, straight from and into the flat storage, inside the micro-PP group.
 
@@ -169,13 +169,14 @@ class Resharder:
         return out
 
     def _micro_tp_gather(self) -> None:
-        """Phase 1: one all-gather of strided views per bucket, in place (no staging)."""
+        """Phase 1: per bucket, each ``[m, slot]`` region gathered in place, one call."""
         group = self.weights.groups.micro_tp
+        m = group.size
         for dtype, base, count, numel, stride in self._tp_plan:
             storage = self.weights.buffer.storage(dtype)
-            views = [storage.as_strided((count, numel), (stride, 1), base + k * numel)
-                     for k in range(group.size)]  # [count, slot] each
-            comm.all_gather_views(views, group, self.weights.ledger, LABEL, self.backend)
+            regions = [storage[base + j * stride:base + j * stride + m * numel]
+                       for j in range(count)]  # [m * slot] each, own slot in place
+            comm.all_gather_regions(regions, group, self.weights.ledger, LABEL, self.backend)
 
     def _plan_micro_pp(self) -> list[tuple[torch.dtype, int, int, int]]:
         """Phase 2 chunks as ``(dtype, root, lo, hi)`` byte ranges: each training stage's

@@ -93,6 +93,17 @@ class _Round:
     unpacks: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (target box, staging)
 
 
+def _pick_device(device, train_shards, gen_buffer) -> torch.device:
+    """The sync's device on this rank: the one asked for, else its inputs'."""
+    if device is not None:
+        return torch.device(device)
+    if gen_buffer is not None:
+        return gen_buffer.device
+    if train_shards:
+        return next(iter(train_shards.values())).device
+    return torch.device("cpu")
+
+
 def build_sync_group(layout: SyncLayout, timeout_s: float | None = None) -> Group | None:
     """The group of both pools (job ranks ``layout.ranks``); None on a rank outside them.
 
@@ -123,11 +134,14 @@ class WeightSync:
         train_shards: on a training rank, name -> its training shard (contiguous, shape
             ``spec.shard_shape(tp)``) for every parameter of its stage; read at each sync.
         gen_buffer: on a generation rank, a buffer built from ``gen_slot_specs`` (default:
-            a new CPU one).
+            a new one on ``device``).
         bucket_bytes: most bytes a generation rank receives per bucket.
         pack_bytes: boxes under this size travel in one message per pair and bucket.
         ledger: where bytes are recorded (a new one by default).
         verify_every: run :meth:`verify` after every sync (debug setting).
+        device: where this rank's tensors of the sync live (default: ``gen_buffer``'s or the
+            training shards' device, else cpu); every rank of a job uses its own device of
+            one kind, so each collective and message stays on one backend.
 
     Layouts that do not map raise ValueError before anything is sent; a rank whose own inputs
     are wrong (or whose specs differ) makes every rank raise ValueError at construction.
@@ -137,7 +151,7 @@ class WeightSync:
                  train_shards: Mapping[str, torch.Tensor] | None = None,
                  gen_buffer: FlatParamBuffer | None = None, bucket_bytes: int = BUCKET_BYTES,
                  pack_bytes: int = PACK_BYTES, ledger: CommLedger | None = None,
-                 verify_every: bool = False) -> None:
+                 verify_every: bool = False, device: torch.device | str | None = None) -> None:
         self.plan: SyncPlan = plan_sync(specs, layout, bucket_bytes, pack_bytes)  # raises first
         if tuple(group.ranks) != layout.ranks:
             raise ValueError(f"group ranks {list(group.ranks)} are not the pools' ranks "
@@ -151,6 +165,7 @@ class WeightSync:
         self.verify_every = verify_every
         self.version = 0
         self._spec = {s.name: s for s in self.specs}
+        self.device = _pick_device(device, train_shards, gen_buffer)
         problem = ""
         self.buffer: FlatParamBuffer | None = None
         self._train: dict[str, torch.Tensor] = {}
@@ -163,7 +178,7 @@ class WeightSync:
             problem = str(exc)
         self._agree(problem)
         mine, arena = self._compile()
-        self._staging = torch.empty(arena, dtype=torch.uint8, device=self._device())
+        self._staging = torch.empty(arena, dtype=torch.uint8, device=self.device)
         self._rounds = [self._bind(blocks) for blocks in mine]
         self._last: SyncStats | None = None
 
@@ -184,10 +199,12 @@ class WeightSync:
             if t is None:
                 raise ValueError(f"train_shards of rank {self.rank} (stage {c.pp}) lacks "
                                  f"{s.name!r}")
-            if tuple(t.shape) != want or t.dtype != s.dtype or not t.is_contiguous():
+            if tuple(t.shape) != want or t.dtype != s.dtype or not t.is_contiguous() \
+                    or t.device != self.device:
                 raise ValueError(f"{s.name}: training shard of rank {self.rank} is "
-                                 f"{tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}), "
-                                 f"expected contiguous {want} {s.dtype}")
+                                 f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous="
+                                 f"{t.is_contiguous()}), expected contiguous {want} {s.dtype} "
+                                 f"on {self.device}")
             out[s.name] = t.detach().view(-1)
         return out
 
@@ -196,16 +213,13 @@ class WeightSync:
             raise ValueError(f"rank {self.rank} is a generation rank: it takes no train_shards")
         mine = gen_slot_specs(self.specs, self.layout, self.layout.gen_ranks.index(self.rank))
         if gen_buffer is None:
-            return FlatParamBuffer(mine)
+            return FlatParamBuffer(mine, device=self.device)
         if gen_buffer.specs != mine:
             raise ValueError("gen_buffer was not built from gen_slot_specs(specs, layout, "
                              f"{self.layout.gen_ranks.index(self.rank)})")
+        if gen_buffer.device != self.device:
+            raise ValueError(f"gen_buffer is on {gen_buffer.device}, the sync on {self.device}")
         return gen_buffer
-
-    def _device(self) -> torch.device:
-        if self.buffer is not None:
-            return self.buffer.device
-        return next(iter(self._train.values())).device if self._train else torch.device("cpu")
 
     def _agree(self, problem: str) -> None:
         """One collective before any transfer: every rank has the same specs, layout and
@@ -215,7 +229,8 @@ class WeightSync:
             (s.name, s.shape, str(s.dtype), s.partition_dim, s.stage, repr(s.fusion))
             for s in self.specs]
         digest = int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:7], "little")
-        mine = torch.tensor([digest, int(bool(problem))], dtype=torch.int64)
+        mine = torch.tensor([digest, int(bool(problem))], dtype=torch.int64,
+                            device=self.device)
         table = comm.all_gather_tensor(mine, self.group, self.ledger, "meta")  # [n, 2]
         if bool((table[:, 0] == digest).all()) and not bool(table[:, 1].any()):
             return
@@ -338,7 +353,7 @@ class WeightSync:
         sends, recvs, expect = [], [], []
         for peer, blocks in sorted(by_peer.items()):
             sums = torch.tensor([checksum(self._box(b)) for b in blocks] + [self.version],
-                                dtype=torch.int64)
+                                dtype=torch.int64, device=self.device)
             if self.role == "train":
                 sends.append((sums, peer_index[peer]))
             else:
@@ -356,7 +371,8 @@ class WeightSync:
                     errors.append(f"parameter {b.name!r} box from rank {b.src} (rows {b.rows} "
                                   f"x cols {b.cols} at dst element {b.dst_offset}) differs "
                                   f"from the sender's training shard at version {self.version}")
-        bad = comm.all_reduce_max(int(bool(errors)), self.group, self.ledger, "verify")
+        bad = comm.all_reduce_max(int(bool(errors)), self.group, self.ledger, "verify",
+                                  self.device)
         if bad:
             reports = comm.all_gather_object(errors[:3], self.group, self.ledger, "verify")
             lines = [f"rank {r}: {e}" for r, errs in zip(self.group.ranks, reports) for e in errs]

@@ -133,7 +133,8 @@ class HybridWeights:
     def _exchange_specs(self) -> None:
         desc = self._describe()
         digest = hashlib.sha256(repr(desc).encode()).digest()[:8]
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                            device=self.buffer.device)
         world = self.groups.world
         everyone = comm.all_gather_tensor(mine, world, self.ledger, "meta")
         if bool((everyone == mine).all()):
@@ -191,14 +192,12 @@ class HybridWeights:
         Collective over the micro-DP group plus one tiny max-reduce over the layout, so that a
         mismatch on any rank raises RuntimeError on every rank, naming the parameter.
         """
-        names = [s.name for s in self.buffer.specs]
-        mine = torch.zeros(len(names) + 1, dtype=torch.int64)
-        mine[-1] = self.version
-        for i, s in enumerate(self.buffer.specs):
-            if s.own_slot is not None:
-                mine[i] = checksum(self.buffer.train_view(s.name))
+        # Checksums are computed on the host (a debug check); only the exchange is on the device.
+        sums = [checksum(self.buffer.train_view(s.name)) if s.own_slot is not None else 0
+                for s in self.buffer.specs]
+        mine = torch.tensor(sums + [self.version], dtype=torch.int64, device=self.buffer.device)
         group = self.groups.micro_dp
-        table = comm.all_gather_tensor(mine, group, self.ledger, "verify")  # [m, n + 1]
+        table = comm.all_gather_tensor(mine, group, self.ledger, "verify").cpu()  # [m, n + 1]
         errors = []
         if not bool((table[:, -1] == self.version).all()):
             errors.append(f"weight versions differ in the micro-DP group: {table[:, -1].tolist()}")
@@ -212,7 +211,8 @@ class HybridWeights:
                     errors.append(f"parameter {s.name!r} slot {k} (owner rank "
                                   f"{group.ranks[stage_slot + k]}) differs from the owner's "
                                   f"training shard at version {self.version}")
-        bad = comm.all_reduce_max(int(bool(errors)), self.groups.world, self.ledger, "verify")
+        bad = comm.all_reduce_max(int(bool(errors)), self.groups.world, self.ledger, "verify",
+                                  self.buffer.device)
         if bad:
             reports = comm.all_gather_object(errors[:3], self.groups.world, self.ledger, "verify")
             lines = [f"rank {r}: {e}" for r, errs in zip(self.groups.world.ranks, reports)
