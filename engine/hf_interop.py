@@ -45,13 +45,16 @@ INDEX_FILE = "model.safetensors.index.json"
 ROPE_TYPES = ("default", "llama3")
 
 
-def config_from_hf(hf: dict, max_position_embeddings: int | None = None) -> LlamaConfig:
+def config_from_hf(hf: dict, max_position_embeddings: int | None = None,
+                   dtype: torch.dtype = torch.float32) -> LlamaConfig:
     """Our config from a transformers ``config.json`` dict (ValueError if unsupported).
 
     Args:
         hf: the dict; its ``architectures`` (or ``model_type``) picks the family.
         max_position_embeddings: the longest sequence the run feeds the model (default: the
             checkpoint's); a sliding window must not be shorter.
+        dtype: the model's parameter dtype (the run's precision; the checkpoint's own
+            ``torch_dtype`` is only how it is stored, and loading casts from it).
     """
     fam, _ = family_of_hf(hf)
     bad = {k: hf[k] for k in ("mlp_bias",) if hf.get(k)}
@@ -83,7 +86,8 @@ def config_from_hf(hf: dict, max_position_embeddings: int | None = None) -> Llam
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=(max_position_embeddings
                                  or hf.get("max_position_embeddings", 2048)),
-        rope_scaling=scaling, model_type=fam.model_type, **fam.switches_from_hf(hf))
+        rope_scaling=scaling, model_type=fam.model_type, dtype=dtype,
+        **fam.switches_from_hf(hf))
 
 
 def config_to_hf(config: LlamaConfig, head: str = "lm"):
@@ -115,9 +119,10 @@ def _read_json(folder: str) -> dict:
         return json.load(f)
 
 
-def read_hf_config(folder: str, max_position_embeddings: int | None = None) -> LlamaConfig:
+def read_hf_config(folder: str, max_position_embeddings: int | None = None,
+                   dtype: torch.dtype = torch.float32) -> LlamaConfig:
     """:func:`config_from_hf` of ``folder/config.json``."""
-    return config_from_hf(_read_json(folder), max_position_embeddings)
+    return config_from_hf(_read_json(folder), max_position_embeddings, dtype)
 
 
 def read_hf_head(folder: str) -> str:
@@ -159,6 +164,8 @@ def _check_checkpoint(model: ParallelLlama, folder: str) -> None:
 def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True) -> None:
     """Load a ``save_pretrained`` folder into ``model`` (this rank's shards only).
 
+    Blocks are read in the dtype the file stores and cast only where the model's dtype differs
+    (a bf16 checkpoint fills a bf16 model with no float32 copy).
     A value-head model takes ``score.weight`` of a sequence-classification checkpoint (one
     label; unless ``load_head`` is False) and keeps its initialised head with a causal-LM
     checkpoint.  Raises ValueError if
@@ -194,7 +201,7 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
         with torch.no_grad():
             for spec, reads in plan:
                 parts = shard_parts(spec, model.params[spec.name])  # views of the flat buffer
-                for r in reads:
+                for r in reads:  # the block in its stored dtype; copy_ casts if they differ
                     dst = parts[r.part]
                     dst.copy_(block_slice(r.hf_name)[r.index].view(dst.shape))
 
@@ -220,7 +227,7 @@ def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] 
             continue
         if spec.stage != c.pp:
             if c.pp == 0 and c.tp == 0:  # receive another stage's tensor on rank 0
-                t = torch.empty(spec.shape, dtype=spec.dtype)
+                t = torch.empty(spec.shape, dtype=spec.dtype, device=model.buffer.device)
                 dist.recv(t, src=g.train_pp.ranks[spec.stage], group=g.train_pp.pg)
                 out[spec.name] = t
             continue
@@ -300,7 +307,7 @@ def _global_on_rank0(model: ParallelLlama, spec: ShardSpec) -> torch.Tensor | No
     g, c = model.groups, model.coords
     if spec.stage != c.pp:
         if c.pp == 0 and c.tp == 0:
-            t = torch.empty(spec.shape, dtype=spec.dtype)
+            t = torch.empty(spec.shape, dtype=spec.dtype, device=model.buffer.device)
             dist.recv(t, src=g.train_pp.ranks[spec.stage], group=g.train_pp.pg)
             return t
         return None
@@ -343,4 +350,4 @@ def stream_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
             if full is None:
                 continue
             for part in spec.fusion.split(full) if spec.fusion is not None else (full,):
-                out.write(part.contiguous().view(-1).view(torch.uint8).numpy())
+                out.write(part.contiguous().view(-1).view(torch.uint8).cpu().numpy())  # to file

@@ -249,8 +249,8 @@ def init_full_state_dict(config: LlamaConfig, seed: int = 0, head: str = "lm",
     out = {}
     for spec in llama_shard_specs(config, 1, head):
         if spec.name.endswith("norm"):
-            t = 1.0 + 0.1 * torch.randn(spec.shape, generator=g)
+            t = 1.0 + 0.1 * torch.randn(spec.shape, generator=g, device="cpu")
         else:
-            t = std * torch.randn(spec.shape, generator=g)
+            t = std * torch.randn(spec.shape, generator=g, device="cpu")
         out[spec.name] = t.to(config.dtype)
     return out

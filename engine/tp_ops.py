@@ -178,8 +178,8 @@ class _VocabLogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, pg, start):
-        # logits [..., V/t] float, targets [...] global ids
-        z = logits.float().contiguous()
+        # logits [..., V/t] any float dtype, targets [...] global ids
+        z = logits.float().contiguous()  # every sum, exp and log below in float32
         zmax = z.amax(dim=-1)  # values only: max() also finds the indices
         if pg is not None:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=pg)
@@ -208,8 +208,12 @@ def vocab_log_prob_entropy(logits: torch.Tensor, targets: torch.Tensor,
                            group: Group | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of ``targets`` and entropy, from vocab-parallel logits.
 
+    The maths runs in float32 whatever the logits' dtype (bf16 logits are upcast once, here;
+    their gradient goes back in their own dtype).
+
     Args:
-        logits: ``[..., V/t]`` this rank's vocabulary slice (rows ``vocab_range``).
+        logits: ``[..., V/t]`` this rank's vocabulary slice (rows ``vocab_range``), any float
+            dtype.
         targets: ``[...]`` global token ids.
         group: TP group over which the vocabulary is split.
 

@@ -21,8 +21,11 @@ import functools
 import inspect
 import os
 
+import torch
+
 from engine.hf_interop import INDEX_FILE, SINGLE_FILE, read_hf_head
 from engine.sampling import SamplingParams, derive_seed
+from hybridflow_comm.devices import resolve_precision
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.algos import KLLossTerm
 from rlhf.checkpoint import resolve_resume
@@ -163,12 +166,19 @@ def _check_dataset(cfg: Config, key: str, tokenizer) -> None:
                          f"{shortest}); raise it")
 
 
+def run_precision(cfg: Config) -> str:
+    """The run's parameter precision, ``fp32`` or ``bf16`` (a config that
+    :func:`rlhf.config.resolve_devices` has not resolved reads ``auto`` as fp32)."""
+    return resolve_precision(cfg.precision, torch.device("cpu"))
+
+
 def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0) -> ModelSpec:
     own = cfg.role(role).model
     init = (own or cfg.actor.model).init_from
     if own is None and role in ("reward_model", "cost_model"):
         init = None  # a reward model never starts from the policy checkpoint by accident
-    return ModelSpec(config=cfg.model_of(role).llama(), head=head, init_from=init,
+    return ModelSpec(config=cfg.model_of(role).llama(run_precision(cfg)), head=head,
+                     init_from=init,
                      seed=cfg.seed + seed_offset, fresh_head=role in VALUE_ROLES)
 
 
@@ -280,7 +290,8 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
     sync = SyncSpec(train=(a.pp, a.tp, a.dp), gen=(g.pp, g.tp, g.dp), train_ranks=a.pool,
                     gen_ranks=g.pool)
     group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
-                      args=(RolloutSpec(config=cfg.actor.model.llama(), sync=sync),),
+                      args=(RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)),
+                                        sync=sync),),
                       values_in_replies=True)
     for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective
         call.wait()

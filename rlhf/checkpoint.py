@@ -408,8 +408,8 @@ class Block:
         return torch.Size(self.shape)
 
     def snapshot(self) -> Block:
-        """A copy in fresh memory, shaped like the box (what a save writes)."""
-        copy = torch.empty(self.local.shape, dtype=self.local.dtype)
+        """A copy in fresh host memory, shaped like the box (what the writer thread writes)."""
+        copy = torch.empty(self.local.shape, dtype=self.local.dtype, device="cpu")
         copy.copy_(self.local)
         return Block(copy.view(self.sizes), self.shape, self.offsets, self.sizes)
 
@@ -483,7 +483,7 @@ class BlockLoadPlanner(DefaultLoadPlanner):
         if not isinstance(obj, Block):
             return super().resolve_tensor(read_item)
         if obj.grouped:  # staged, then copied by commit_tensor
-            return torch.empty(tuple(read_item.lengths), dtype=obj.local.dtype)
+            return torch.empty(tuple(read_item.lengths), dtype=obj.local.dtype, device="cpu")
         view = obj.local
         for dim, (start, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, start, n)
@@ -590,7 +590,7 @@ def load_blocks(folder: str, state: dict[str, Block | torch.Tensor],
 def read_sharded(folder: str) -> dict[str, torch.Tensor]:
     """Every global tensor of a role's DCP folder, whole, in this process (no collective)."""
     md = FileSystemReader(folder).read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype)
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype, device="cpu")
              for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     planner = BlockLoadPlanner()
     with warnings.catch_warnings():

@@ -53,23 +53,31 @@ class ModelConfig:
                 check_positive(**{name: v})
                 check_at_most(MAX_COUNT, **{name: v})
 
-    def llama(self):
+    def llama(self, precision: str = "fp32"):
         """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
         architecture, with this section's explicit fields; ValueError naming both values of
-        any field that disagrees with the checkpoint."""
+        any field that disagrees with the checkpoint.
+
+        Args:
+            precision: the run's resolved precision (``fp32`` or ``bf16``, the run config's
+                ``precision``): the parameter dtype, whatever dtype the checkpoint stores.
+        """
         from engine.hf_interop import read_hf_config
         from engine.llama_spec import LlamaConfig
+        from hybridflow_comm.devices import precision_dtype
 
+        dtype = precision_dtype(precision)
         explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
         if self.init_from is None:
             arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit
-            return LlamaConfig(**arch, max_position_embeddings=self.seq_len)
+            return LlamaConfig(**arch, max_position_embeddings=self.seq_len, dtype=dtype)
         if not os.path.isfile(os.path.join(self.init_from, "config.json")):
             raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
                              f"config.json); create it with rlhf.sft / rlhf.train_rm or "
                              f"save_pretrained")
         try:
-            hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len)
+            hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len,
+                                dtype=dtype)
         except ValueError as e:  # an unsupported architecture, a bad value, not JSON
             raise ValueError(f"model init_from={self.init_from!r}: {e}") from None
         except (KeyError, TypeError, AttributeError, OSError) as e:

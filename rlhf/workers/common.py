@@ -208,12 +208,19 @@ class ShardCheckpoint:
 
     def _state(self, moments: dict[str, dict[str, torch.Tensor]] | None, step: int
                ) -> dict[str, Block | torch.Tensor]:
-        state: dict[str, Block | torch.Tensor] = dict(model_blocks(self.model, self.model.params))
+        state: dict[str, Block | torch.Tensor] = dict(model_blocks(self.model, self._weights()))
         if moments is not None:
             for m in MOMENTS:
                 state |= model_blocks(self.model, moments[m], moment_key(m, ""))
-            state[OPTIM_STEP] = torch.tensor(step, dtype=torch.int64)
+            state[OPTIM_STEP] = torch.tensor(step, dtype=torch.int64, device="cpu")  # a counter
         return state
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint holds, by spec name: a trained role's float32 master
+        weights when it has them (bf16 parameters), else the parameters."""
+        if self.engine is None:
+            return self.model.params
+        return self.engine.train_params
 
     def _moments(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """The optimizer's Adam moments by moment and spec name (None for a frozen role);
@@ -222,7 +229,7 @@ class ShardCheckpoint:
             return None
         state = self.engine.optimizer.state
         return {m: {n: state[p][m] if m in state.get(p, {}) else torch.zeros_like(p)
-                    for n, p in self.model.params.items()} for m in MOMENTS}
+                    for n, p in self.engine.train_params.items()} for m in MOMENTS}
 
     def start_save(self, folder: str) -> None:
         """Copy this rank's blocks and start writing them into ``folder`` (collective over the
@@ -248,6 +255,8 @@ class ShardCheckpoint:
     def load(self, folder: str) -> int:
         """Fill the weights (and Adam state) from the role's DCP folder of any layout, reading
         only the saved chunks that overlap this rank's shards (collective over the role).
+        Saved tensors of another dtype are cast on load (a float32 checkpoint into a bf16 run
+        and back); with master weights the parameters are then re-derived from them.
 
         Returns:
             Bytes of saved chunks this rank read.
@@ -258,13 +267,16 @@ class ShardCheckpoint:
         state = self._state(moments, 0)
         read = load_blocks(folder, state, self.model.groups.world.pg)
         if self.engine is not None:
-            n = int(state[OPTIM_STEP])
-            self.engine.step_count = n
-            self.engine.optimizer.state.clear()
+            engine = self.engine
+            if engine.masters is not None:
+                engine.masters.copy_to_(self.model.params)
+            n = int(state[OPTIM_STEP])  # a host number: the step counter
+            engine.step_count = n
+            engine.optimizer.state.clear()
             if n:
-                for name, p in self.model.params.items():
-                    self.engine.optimizer.state[p] = {
-                        "step": torch.tensor(float(n)),
+                for name, p in engine.train_params.items():
+                    engine.optimizer.state[p] = {
+                        "step": torch.tensor(float(n), device=p.device),  # as fused AdamW
                         **{m: moments[m][name] for m in MOMENTS}}
         return read
 
