@@ -9,6 +9,10 @@ makes ``run`` raise :class:`RankError` naming the rank, the exception and the re
 A rank that dies, or a call that does not finish within ``timeout_s``, raises too instead of
 hanging; the pool is then restarted on the next call, since its ranks may be stuck in a
 collective.
+
+``RankPool(4, nccl_rules=True)`` (or ``HYBRIDFLOW_TEST_NCCL_RULES=1`` in the environment of
+pytest, for every pool) installs :mod:`tests.nccl_rules` in every rank: each call then runs
+under NCCL's rules, on gloo.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class RankError(RuntimeError):
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, conn, threads: int,
-                 pg_timeout_s: float) -> None:
+                 pg_timeout_s: float, nccl_rules: bool) -> None:
     import torch
     import torch.distributed as dist
 
@@ -41,6 +45,10 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, threads: int
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
+    if nccl_rules:
+        from tests.nccl_rules import install
+
+        install("cpu")
     while True:
         task = conn.recv()
         if task is None:
@@ -61,15 +69,19 @@ class RankPool:
         world_size: number of ranks.
         timeout_s: default time limit of one :meth:`run`.
         pg_timeout_s: collective timeout inside the ranks.
+        nccl_rules: install :mod:`tests.nccl_rules` in every rank (default: when
+            ``HYBRIDFLOW_TEST_NCCL_RULES=1``).
     """
 
     def __init__(self, world_size: int, timeout_s: float = 180.0,
-                 pg_timeout_s: float = 60.0) -> None:
+                 pg_timeout_s: float = 60.0, nccl_rules: bool | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.pg_timeout_s = pg_timeout_s
+        self.nccl_rules = (os.environ.get("HYBRIDFLOW_TEST_NCCL_RULES") == "1"
+                           if nccl_rules is None else nccl_rules)
         self._procs: list = []
         self._conns: list = []
         self._tmpdir: tempfile.TemporaryDirectory | None = None
@@ -82,7 +94,7 @@ class RankPool:
             parent, child = _CTX.Pipe()
             proc = _CTX.Process(target=_worker_main, daemon=True,
                                 args=(rank, self.world_size, store_path, child, threads,
-                                      self.pg_timeout_s))
+                                      self.pg_timeout_s, self.nccl_rules))
             proc.start()
             child.close()
             self._procs.append(proc)
