@@ -22,10 +22,26 @@ Rules:
 * A parameter that this rank does not hold in training (``own_slot=None``: it lives on another
   pipeline stage) still has a region; all of its slots arrive by the transition.
 * During training the slots of other ranks are dead weight.  :meth:`release_generation_slots`
-  returns their physical pages to the OS (``madvise(MADV_DONTNEED)``): the virtual addresses stay
-  reserved, so every view keeps its address, and the next write (the all-gather of the next
-  transition) faults fresh zeroed pages back in.  Only whole pages that lie entirely outside
-  every training slot are released, so a training shard is never touched and stays in place.
+  gives their memory back; :meth:`restore_generation_slots` takes it again before the next
+  transition writes them.  Memory is handled in chunks (a page on CPU, the allocation
+  granularity of CUDA virtual memory on GPUs); a chunk is released only when no byte of it
+  belongs to a training slot, so a training shard is never touched and stays in place::
+
+      storage  |  w: slot 0 | slot 1 (own) | slot 2 | slot 3  |pad| norm (own) | other stage |
+      chunks   |   c0   |   c1   |   c2   |   c3   |   c4   |   c5   |   c6   |   c7   |
+      segments |releasable|<-------- kept -------->|released|<-- kept ->|<- releasable ->|
+
+  :func:`plan_segments` cuts each storage into such segments (pure arithmetic).  On CPU the
+  storage is an anonymous mapping and released pages go back to the OS
+  (``madvise(MADV_DONTNEED)``); on CUDA it is one reserved virtual range
+  (:mod:`hybridflow_comm.cuda_vmm`) with one physical allocation per segment, unmapped on
+  release and mapped again on restore.  Either way every view keeps its address.
+* Release and restore mean the same on both devices: after a release, the slots outside this
+  rank's training shards hold nothing (on CUDA their released chunks must not be touched;
+  CPU pages read as zeros); after a restore they read as zeros.  Any access to them through the
+  buffer (:meth:`gen_view`, :meth:`slot_view` of another rank's slot, :meth:`storage`,
+  :meth:`byte_storage`) restores first, so a transition's writes always land in backed memory;
+  views of other ranks' slots taken *before* a release must not be used after it.
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow_comm import _C
+from hybridflow_comm import _C, cuda_vmm
 
 
 @dataclass(frozen=True)
@@ -85,6 +101,87 @@ class _Region:
     byte_offset: int  # start of slot 0 inside the dtype's storage
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[lo, hi)`` of a storage, cut at chunk boundaries; ``releasable`` when no byte of
+    it belongs to a training slot."""
+
+    lo: int
+    hi: int
+    releasable: bool
+
+
+def plan_segments(nbytes: int, keep: list[tuple[int, int]], chunk: int) -> list[Segment]:
+    """Cut a storage of ``nbytes`` (rounded up to whole chunks, at least one) into maximal runs
+    of chunks, alternately kept and releasable.
+
+    Args:
+        nbytes: bytes of the storage.
+        keep: ``[start, end)`` byte ranges that must stay backed (the training slots).
+        chunk: the unit of release (a page, or the CUDA allocation granularity).
+
+    Returns:
+        Segments covering ``[0, total)`` in order; a chunk is releasable iff it meets no
+        non-empty keep range.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be positive")
+    total = max(1, -(-nbytes // chunk)) * chunk
+    pinned: list[list[int]] = []  # merged [first chunk, end chunk) runs that hold kept bytes
+    for start, end in sorted(k for k in keep if k[1] > k[0]):
+        if not 0 <= start < end <= total:
+            raise ValueError(f"keep range [{start}, {end}) is outside [0, {total})")
+        lo, hi = start // chunk, -(-end // chunk)
+        if pinned and lo <= pinned[-1][1]:
+            pinned[-1][1] = max(pinned[-1][1], hi)
+        else:
+            pinned.append([lo, hi])
+    segments, cursor = [], 0
+    for lo, hi in pinned + [[total // chunk, total // chunk]]:
+        if lo > cursor:
+            segments.append(Segment(cursor * chunk, lo * chunk, True))
+        if hi > lo:
+            segments.append(Segment(lo * chunk, hi * chunk, False))
+        cursor = hi
+    return segments
+
+
+def _gaps(nbytes: int, keep: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The byte ranges of ``[0, nbytes)`` outside every keep range."""
+    out, cursor = [], 0
+    for start, end in sorted(keep) + [(nbytes, nbytes)]:
+        if start > cursor:
+            out.append((cursor, start))
+        cursor = max(cursor, end)
+    return out
+
+
+def _subtract(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` minus ``cut``; both sorted lists of disjoint ``[lo, hi)`` ranges."""
+    out, j = [], 0
+    for lo, hi in ranges:
+        while j < len(cut) and cut[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k][0] < hi:
+            if cut[k][0] > lo:
+                out.append((lo, cut[k][0]))
+            lo = max(lo, cut[k][1])
+            k += 1
+        if hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def _storage_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device} must be cpu or cuda")
+    return device
+
+
 class FlatParamBuffer:
     """A rank's generation shards of many parameters, one storage per dtype.
 
@@ -92,9 +189,9 @@ class FlatParamBuffer:
         specs: the parameters, in the order their regions are laid out.
         align_bytes: alignment of every region start (power of two, at least the largest
             element size).
-        device: ``"cpu"`` (page-aligned mappings whose pages can be released) or a CUDA
-            device (one ``torch.empty`` per dtype; page release there would need CUDA virtual
-            memory management and is not done: :meth:`release_generation_slots` returns 0).
+        device: ``"cpu"`` (page-aligned anonymous mappings) or a CUDA device (reserved
+            virtual ranges, :mod:`hybridflow_comm.cuda_vmm`).  Both release and restore the
+            generation-only slots (module docstring).
     """
 
     def __init__(self, specs: list[SlotSpec], align_bytes: int = 64,
@@ -106,20 +203,38 @@ class FlatParamBuffer:
         if align_bytes < 16 or align_bytes & (align_bytes - 1):
             raise ValueError(f"align_bytes={align_bytes} must be a power of two >= 16")
         self.align_bytes = align_bytes
-        self.device = torch.device(device)
+        self.device = _storage_device(device)
         self.specs = list(specs)
         self._regions: dict[str, _Region] = {}
         self._bytes: dict[torch.dtype, torch.Tensor] = {}  # uint8 view of each storage
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._segments: dict[torch.dtype, list[Segment]] = {}
+        self._vmm: dict[torch.dtype, cuda_vmm.Reservation] = {}
+        self._zeroed_by_os: dict[torch.dtype, list[tuple[int, int]]] = {}
+        self._released = False
         for dtype in dict.fromkeys(s.dtype for s in specs):
             group = [s for s in specs if s.dtype == dtype]
             offsets = _C.plan_offsets([s.num_slots * s.slot_nbytes for s in group], align_bytes)
-            raw = (_C.alloc_paged(offsets[-1]) if self.device.type == "cpu" else
-                   torch.zeros(offsets[-1], dtype=torch.uint8, device=self.device))
-            self._bytes[dtype] = raw
-            self._typed[dtype] = raw.view(dtype)
             for spec, off in zip(group, offsets):
                 self._regions[spec.name] = _Region(spec, off)
+            raw = self._allocate(dtype, offsets[-1])
+            self._bytes[dtype] = raw
+            self._typed[dtype] = raw.view(dtype)
+
+    def _allocate(self, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """A zeroed 1-D uint8 storage of ``nbytes`` for ``dtype``, and its segment plan."""
+        if self.device.type == "cpu":
+            self._segments[dtype] = plan_segments(nbytes, self._keep_ranges(dtype),
+                                                  _C.page_size())
+            return _C.alloc_paged(nbytes)
+        segments = plan_segments(nbytes, self._keep_ranges(dtype),
+                                 cuda_vmm.granularity(self.device.index))
+        reservation = cuda_vmm.Reservation(segments[-1].hi, self.device.index)
+        for seg in segments:
+            reservation.map(seg.lo, seg.hi)
+        self._segments[dtype], self._vmm[dtype] = segments, reservation
+        # torch holds the reservation for as long as a tensor on it lives
+        return torch.as_tensor(reservation, device=self.device)[:nbytes].zero_()
 
     # Views --------------------------------------------------------------------------------
     def spec(self, name: str) -> SlotSpec:
@@ -136,6 +251,8 @@ class FlatParamBuffer:
         r = self._region(name)
         if not 0 <= slot < r.spec.num_slots:
             raise ValueError(f"{name}: slot={slot} is outside [0, {r.spec.num_slots})")
+        if slot != r.spec.own_slot:
+            self._ensure_restored()
         start = r.byte_offset // r.spec.dtype.itemsize + slot * r.spec.slot_numel
         flat = self._typed[r.spec.dtype][start:start + r.spec.slot_numel]
         return flat.view(r.spec.slot_shape)
@@ -150,6 +267,7 @@ class FlatParamBuffer:
     def gen_view(self, name: str) -> torch.Tensor:
         """The whole region of ``name``: shape ``[num_slots, *slot_shape]``."""
         r = self._region(name)
+        self._ensure_restored()
         start = r.byte_offset // r.spec.dtype.itemsize
         n = r.spec.num_slots * r.spec.slot_numel
         return self._typed[r.spec.dtype][start:start + n].view(r.spec.num_slots,
@@ -162,10 +280,12 @@ class FlatParamBuffer:
 
     def storage(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole typed storage of ``dtype`` (1-D)."""
+        self._ensure_restored()
         return self._typed[dtype]
 
     def byte_storage(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole storage of ``dtype`` as 1-D uint8."""
+        self._ensure_restored()
         return self._bytes[dtype]
 
     @property
@@ -200,25 +320,71 @@ class FlatParamBuffer:
                 keep.append((start, start + s.slot_nbytes))
         return sorted(keep)
 
-    def release_generation_slots(self) -> int:
-        """Return the pages of every slot that is not this rank's training shard to the OS.
+    @property
+    def released(self) -> bool:
+        """Whether the generation-only slots are released (until the next restore)."""
+        return self._released
 
-        Views stay valid and keep their addresses; released slots read as zeros until the next
-        transition writes them.  Returns the bytes released.
+    def release_generation_slots(self) -> int:
+        """Give back the memory of every chunk that holds no training slot.
+
+        Training views keep their contents and addresses; the other slots hold nothing until
+        :meth:`restore_generation_slots` (module docstring).  On CUDA the device is synchronised
+        first, so no queued kernel still reads a released chunk.
+
+        Returns:
+            The bytes given back by this call.
         """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         released = 0
-        if self.device.type != "cpu":
-            return 0
         for dtype, raw in self._bytes.items():
-            cursor = 0
-            for start, end in self._keep_ranges(dtype) + [(raw.numel(), raw.numel())]:
-                if start > cursor:
-                    released += _C.release_pages(raw, cursor, start - cursor)
-                cursor = max(cursor, end)
+            freed = []
+            for seg in (g for g in self._segments[dtype] if g.releasable):
+                if self.device.type == "cuda":
+                    released += self._vmm[dtype].mapped_nbytes
+                    self._vmm[dtype].unmap(seg.lo, seg.hi)
+                    released -= self._vmm[dtype].mapped_nbytes
+                elif seg.lo < raw.numel():
+                    # the storage's last page may be partial: whole pages only
+                    n = _C.release_pages(raw, seg.lo, min(seg.hi, raw.numel()) - seg.lo)
+                    freed.append((seg.lo, seg.lo + n))
+                    released += n
+            self._zeroed_by_os[dtype] = freed
+        self._released = True
         return released
 
+    def restore_generation_slots(self) -> int:
+        """Back the released chunks with memory again; every byte outside the training slots
+        then reads as zero (a no-op when nothing is released).
+
+        Returns:
+            The bytes mapped again (CUDA); 0 on CPU, where the OS backs a page on its first
+            write.
+        """
+        if not self._released:
+            return 0
+        self._released = False
+        restored = 0
+        for dtype, raw in self._bytes.items():
+            if self.device.type == "cuda":
+                before = self._vmm[dtype].mapped_nbytes
+                for seg in (g for g in self._segments[dtype] if g.releasable):
+                    self._vmm[dtype].map(seg.lo, seg.hi)
+                restored += self._vmm[dtype].mapped_nbytes - before
+            stale = _subtract(_gaps(raw.numel(), self._keep_ranges(dtype)),
+                              self._zeroed_by_os.pop(dtype, []))
+            for lo, hi in stale:
+                raw[lo:hi].zero_()
+        return restored
+
+    def _ensure_restored(self) -> None:
+        if self._released:
+            self.restore_generation_slots()
+
     def resident_nbytes(self) -> int:
-        """Bytes of all storages whose pages are resident in RAM (whole pages)."""
-        if self.device.type != "cpu":
-            return self.nbytes
+        """Bytes of all storages backed by memory: resident whole pages on CPU, mapped chunks
+        on CUDA."""
+        if self.device.type == "cuda":
+            return sum(r.mapped_nbytes for r in self._vmm.values())
         return sum(_C.resident_bytes(raw, 0, raw.numel()) for raw in self._bytes.values())

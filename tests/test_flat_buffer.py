@@ -1,12 +1,13 @@
 """Flat parameter buffers and pack/unpack (single process)."""
 
+import itertools
 import random
 
 import pytest
 import torch
 
 from hybridflow_comm import _C
-from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec
+from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec, _gaps, _subtract, plan_segments
 from hybridflow_comm.pack import pack_tensors, plan_pack, unpack_tensors
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64, torch.uint8]
@@ -95,6 +96,99 @@ def test_release_keeps_training_shards_and_frees_pages():
     buf.gen_view("w")[3].fill_(5.0)
     assert torch.all(buf.slot_view("w", 3) == 5.0)
     assert torch.equal(buf.train_view("w"), before["w"])
+
+
+def _byte_mask(buf, dtype):
+    """True at every byte of ``dtype``'s storage that lies in a training slot (by slot views)."""
+    raw = buf._bytes[dtype]  # the raw storage, without the restoring accessor
+    base = raw.data_ptr()
+    mask = torch.zeros(raw.numel(), dtype=torch.bool)
+    for s in buf.specs:
+        if s.dtype == dtype and s.own_slot is not None:
+            start = buf.train_view(s.name).data_ptr() - base
+            mask[start:start + s.slot_nbytes] = True
+    return raw, mask
+
+
+def test_restore_zeroes_every_generation_only_byte_and_keeps_training_shards():
+    specs = _specs(seed=2)
+    buf = FlatParamBuffer(specs)
+    for rnd in range(2):  # two transitions: release and restore twice
+        for s in specs:
+            buf.gen_view(s.name).fill_(rnd + 7)
+        before = {n: t.clone() for n, t in buf.train_views().items()}
+        assert buf.release_generation_slots() > 0 and buf.released
+        resident_released = buf.resident_nbytes()
+        assert buf.restore_generation_slots() == 0  # CPU: pages come back on first write
+        assert not buf.released and buf.restore_generation_slots() == 0
+        assert buf.resident_nbytes() <= resident_released + 2 * _C.page_size() * len(specs)
+        for dtype in buf.dtypes:
+            raw, mask = _byte_mask(buf, dtype)
+            assert torch.all(raw[~mask] == 0), dtype
+        for n, t in buf.train_views().items():
+            assert torch.equal(t, before[n]), n
+
+
+def test_access_after_release_restores_first():
+    specs = [SlotSpec("w", torch.float32, (512, 256), 4, 1)]
+    buf = FlatParamBuffer(specs)
+    buf.gen_view("w").fill_(3.0)
+    buf.release_generation_slots()
+    buf.train_view("w")  # its own slot: no restore needed
+    assert buf.released
+    assert torch.all(buf.slot_view("w", 0) == 0) and not buf.released
+    buf.release_generation_slots()
+    buf.byte_storage(torch.float32)
+    assert not buf.released
+    assert torch.all(buf.gen_view("w")[1] == 3.0) and torch.all(buf.gen_view("w")[2:] == 0)
+
+
+def _chunk_flags(nbytes, keep, chunk):
+    """Reference: per chunk, True when no non-empty keep range meets it."""
+    n = max(1, -(-nbytes // chunk))
+    return [not any(a < (i + 1) * chunk and b > i * chunk for a, b in keep if b > a)
+            for i in range(n)]
+
+
+def _range_sets(nbytes):
+    spans = [(a, b) for a in range(nbytes + 1) for b in range(a, nbytes + 1)]
+    yield []
+    for k in (1, 2):
+        for combo in itertools.combinations(spans, k):
+            if k == 1 or combo[0][1] <= combo[1][0]:
+                yield list(combo)
+
+
+def test_plan_segments_exhaustive_small():
+    for chunk in (1, 2, 3, 4):
+        for nbytes in range(0, 10):
+            for keep in _range_sets(nbytes):
+                segs = plan_segments(nbytes, keep, chunk)
+                flags = _chunk_flags(nbytes, keep, chunk)
+                assert segs[0].lo == 0 and segs[-1].hi == len(flags) * chunk
+                for a, b in zip(segs, segs[1:]):
+                    assert a.hi == b.lo and a.releasable != b.releasable  # maximal runs
+                for g in segs:
+                    assert g.lo % chunk == 0 and g.hi % chunk == 0 and g.hi > g.lo
+                    assert all(f == g.releasable for f in flags[g.lo // chunk:g.hi // chunk])
+    with pytest.raises(ValueError, match="chunk=0"):
+        plan_segments(8, [], 0)
+    with pytest.raises(ValueError, match=r"\[6, 12\)"):
+        plan_segments(8, [(6, 12)], 4)
+
+
+def test_gaps_and_subtract_exhaustive_small():
+    for nbytes in range(0, 9):
+        for keep in _range_sets(nbytes):
+            kept = {i for a, b in keep for i in range(a, b)}
+            gaps = _gaps(nbytes, keep)
+            assert {i for a, b in gaps for i in range(a, b)} == set(range(nbytes)) - kept
+            for cut in _range_sets(nbytes):
+                removed = {i for a, b in cut for i in range(a, b)}
+                got = _subtract(gaps, cut)
+                assert all(b > a for a, b in got)
+                assert {i for a, b in got for i in range(a, b)} == \
+                    set(range(nbytes)) - kept - removed
 
 
 def test_spec_validation():
