@@ -5,6 +5,14 @@ One line of metrics.jsonl per iteration::
 
     {"step": 3, "reward/mean": 0.41, "timing_s/gen": 1.2, ..., "memory/peak_rss_gb": 0.9}
 
+Memory per phase (:func:`memory_metrics`): every call of a phase (generation, the forward-only
+log-prob/value/score passes, the update) reports its rank's device memory when it ends, the
+largest over ranks and calls of the iteration is logged::
+
+    CUDA  memory/<phase>/allocated_gb        torch.cuda.memory_allocated after the call
+          memory/<phase>/peak_allocated_gb   torch.cuda.max_memory_allocated, reset before it
+    CPU   memory/<phase>/rss_gb              the process's resident memory after the call
+
 Resume: a logger opened with ``start_step=k`` keeps only the lines with ``step < k`` (lines of
 iterations that ran after the checkpoint are dropped), and TensorBoard purges events from
 step ``k`` on, so a resumed run's files equal those of an uninterrupted run.
@@ -21,6 +29,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import torch
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
 
@@ -30,6 +40,60 @@ def peak_rss_gb() -> float:
     macOS)."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
+
+
+def resident_bytes() -> int:
+    """Resident memory of this process now (Linux ``/proc/self/statm``; elsewhere the peak,
+    ``ru_maxrss``)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return int(peak_rss_gb() * 2**30)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of ``device``'s allocator (CUDA; nothing to reset on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_sample(device: torch.device) -> dict[str, int]:
+    """Memory readings of ``device`` in bytes: on CUDA what the allocator holds for tensors
+    now and its peak since :func:`reset_peak_memory`; on CPU the process's resident memory."""
+    if device.type == "cuda":
+        return {"allocated": torch.cuda.memory_allocated(device),
+                "peak_allocated": torch.cuda.max_memory_allocated(device)}
+    return {"rss": resident_bytes()}
+
+
+def memory_metrics(per_phase: dict[str, dict[str, int]]) -> dict[str, float]:
+    """``memory/<phase>/<reading>_gb`` of phase -> reading -> bytes
+    (:meth:`rlhf.controller.Controller.take_memory`)."""
+    return {f"memory/{phase}/{key}_gb": value / 2**30
+            for phase, readings in sorted(per_phase.items())
+            for key, value in sorted(readings.items())}
+
+
+def detached(metrics: dict[str, Any]) -> dict[str, Any]:
+    """One micro-batch's metrics with their tensors cut from the autograd graph (so that
+    keeping them until :func:`host_records` keeps no activations alive)."""
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+
+
+def host_records(records: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per-micro-batch metric records as floats, their tensor values read to the host in one
+    transfer: the one host synchronisation of a worker's metrics per call, after its last
+    step is queued (plain numbers pass through)."""
+    keys = [(i, k) for i, r in enumerate(records) for k, v in r.items()
+            if isinstance(v, torch.Tensor)]
+    out = [{k: float(v) for k, v in r.items() if not isinstance(v, torch.Tensor)}
+           for r in records]
+    if keys:
+        values = torch.stack([records[i][k].detach().reshape(()).float() for i, k in keys])
+        for (i, k), v in zip(keys, values.tolist()):
+            out[i][k] = v
+    return out
 
 
 class PhaseTimer:

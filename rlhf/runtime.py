@@ -30,7 +30,7 @@ from rlhf.checkpoint import (PendingCheckpoint, begin_checkpoint, capture_rng_st
                              commit_checkpoint, read_state, resolve_resume, restore_rng_state)
 from rlhf.config import Config, save_config
 from rlhf.controller import Batch, Controller
-from rlhf.metrics import MetricsLogger, PhaseTimer
+from rlhf.metrics import MetricsLogger, PhaseTimer, memory_metrics
 from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.task import PromptStream, read_dataset
 from rlhf.world_plan import WorldPlan
@@ -192,6 +192,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         metrics |= start
         if val is not None and val.due(state.step):
             metrics |= val.run(roles, state.step)
+        metrics |= memory_metrics(ctl.take_memory())  # this iteration's phases, evaluation too
         start = {}
         records.append(logger.log(state.step, metrics))
         state.step += 1

@@ -4,9 +4,11 @@
     python -m rlhf.train algo=grpo iterations=2        # one process (CPU development)
 
 Every rank loads and validates the config, its files (recipe, checkpoints, tokenizer, data,
-reward function) and the launch settings against the world size before any process group
-exists, so a bad value stops the job with one line naming it (exit code 2); then rank 0 runs
-the controller program (:func:`rlhf.runtime.train`) and every rank serves its workers.
+reward function), its device and precision (``device=auto|cpu|cuda``,
+``precision=auto|fp32|bf16``: :func:`rlhf.config.resolve_devices`) and the launch settings
+against the world size before any process group exists, so a bad value stops the job with one
+line naming it (exit code 2); then rank 0 runs the controller program
+(:func:`rlhf.runtime.train`) and every rank serves its workers on its device.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import yaml
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.host_memory import keep_freed_memory
+from hybridflow_comm.devices import resolve_device
 from rlhf.builders import check_run, tokenizer_of, tokenizer_path
-from rlhf.config import Config, load_config
+from rlhf.config import Config, load_config, resolve_devices
 from rlhf.controller import run
 from rlhf.controller.launch import message_limit, stall_timeout
 from rlhf.planner.config_bridge import resolve_config
@@ -45,9 +48,9 @@ def single_process_env() -> None:
 
 
 def validated(argv: list[str]) -> tuple[Config, WorldPlan]:
-    """The run's config and its plan for ``WORLD_SIZE`` ranks; raises one of :data:`INVALID`
-    (normally a ValueError naming the key and the fix) for any bad input.  Cheap: reads files
-    and does arithmetic, builds nothing."""
+    """The run's config, its device and precision resolved for this rank, and its plan for
+    ``WORLD_SIZE`` ranks; raises one of :data:`INVALID` (normally a ValueError naming the key
+    and the fix) for any bad input.  Cheap: reads files and does arithmetic, builds nothing."""
     text = os.environ.get("WORLD_SIZE", "1")
     if not text.strip().isdigit():
         raise ValueError(f"WORLD_SIZE={text!r} is not a number of ranks")
@@ -55,7 +58,8 @@ def validated(argv: list[str]) -> tuple[Config, WorldPlan]:
     message_limit(None, os.environ)
     stall_timeout(None, os.environ)
     # placement.mode=auto: the planner picks placement and layouts (same on every rank)
-    cfg = resolve_config(load_config(argv), world)
+    cfg, _ = resolve_devices(load_config(argv))
+    cfg = resolve_config(cfg, world)
     plan = validate_for_world(cfg, world)
     path = tokenizer_path(cfg)
     try:
@@ -82,7 +86,8 @@ def main(argv: list[str]) -> int:
             print(f"[rlhf] invalid configuration: {_one_line(e)}", file=sys.stderr, flush=True)
         return 2
     single_process_env()
-    code = run(lambda ctl: train(ctl, cfg, plan))
+    device = resolve_device(cfg.device)  # resolved: cpu, or cuda:<LOCAL_RANK>
+    code = run(lambda ctl: train(ctl, cfg, plan), device=device)
     # Exit without interpreter teardown: destroying live gloo groups at exit can abort
     # ("terminate called without an active exception") after a successful run: 3 of 8
     # 4-rank PPO runs did without this line, and all 8 with an explicit

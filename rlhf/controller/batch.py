@@ -112,15 +112,28 @@ class Batch:
         return Batch(tensors, non_tensors, self.meta | other.meta)
 
     # Row operations ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Device of the tensors (of the first one; cpu for a batch without tensors)."""
+        for v in self.tensors.values():
+            return v.device
+        return torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The same rows with every tensor on ``device`` (no copy for those already there)."""
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors,
+                     dict(self.meta))
+
     def rows(self, index: slice | Sequence[int] | torch.Tensor) -> Batch:
         """Rows by slice (views) or by integer index (copies)."""
         if isinstance(index, slice):
             return Batch({k: v[index] for k, v in self.tensors.items()},
                          {k: v[index] for k, v in self.non_tensors.items()}, dict(self.meta))
-        idx = torch.as_tensor(index, dtype=torch.long)
+        idx = torch.as_tensor(index, dtype=torch.long, device=self.device)
         if idx.dim() != 1:
             raise ValueError(f"row index must be 1-D, got shape {tuple(idx.shape)}")
         n = len(self)
+        # host synchronisation: the bounds check and the per-row lists read the index
         if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
             raise IndexError(f"row index out of range for a batch of {n} rows")
         pos = idx.tolist()
@@ -130,7 +143,7 @@ class Batch:
 
     def reorder(self, order: Sequence[int] | torch.Tensor) -> Batch:
         """Rows in the given order; ``order`` must be a permutation of ``range(len(self))``."""
-        idx = torch.as_tensor(order, dtype=torch.long)
+        idx = torch.as_tensor(order, dtype=torch.long, device=self.device)
         if sorted(idx.tolist()) != list(range(len(self))):
             raise ValueError(f"reorder needs a permutation of range({len(self)}), got {idx.tolist()}")
         return self.rows(idx)
@@ -165,9 +178,9 @@ class Batch:
             raise ValueError(f"repeat times must be a positive int, got {times!r}")
         n = len(self)
         if interleave:
-            idx = torch.arange(n).repeat_interleave(times)
+            idx = torch.arange(n, device=self.device).repeat_interleave(times)
         else:
-            idx = torch.arange(n).repeat(times)
+            idx = torch.arange(n, device=self.device).repeat(times)
         return self.rows(idx)
 
     def pad_to_multiple(self, k: int) -> Batch:
@@ -178,7 +191,8 @@ class Batch:
         pad = (-n) % k
         if pad and n == 0:
             raise ValueError("cannot pad an empty batch")
-        out = self.rows(torch.arange(n + pad) % max(n, 1)) if pad else self.rows(slice(None))
+        out = self.rows(torch.arange(n + pad, device=self.device) % max(n, 1)) if pad \
+            else self.rows(slice(None))
         out.meta[PAD_KEY] = self.meta.get(PAD_KEY, 0) + pad
         return out
 

@@ -209,6 +209,7 @@ class Controller:
         self._pending_frees: dict[int, list[int]] = {r: [] for r in socks}
         self._lost: set[int] = set()
         self._closed = False
+        self._memory: dict[str, dict[str, int]] = {}
 
     # Worker groups ------------------------------------------------------------------------
     def group(self, worker_cls: type, layout: HybridLayout, pool: list[int] | None = None,
@@ -219,6 +220,19 @@ class Controller:
         return WorkerGroup(self, worker_cls, layout, pool=pool, name=name, args=args,
                            kwargs=kwargs or {}, collective_timeout_s=collective_timeout_s,
                            values_in_replies=values_in_replies)
+
+    # Memory -------------------------------------------------------------------------------
+    def take_memory(self) -> dict[str, dict[str, int]]:
+        """Memory per phase since the last call: phase -> reading -> bytes, the largest over
+        every rank and call of that phase (:attr:`Done.memory`); then starts over."""
+        memory, self._memory = self._memory, {}
+        return memory
+
+    def _note_memory(self, sample: dict) -> None:
+        readings = self._memory.setdefault(sample["phase"], {})
+        for key, value in sample.items():
+            if key != "phase":
+                readings[key] = max(readings.get(key, 0), int(value))
 
     # Issuing ------------------------------------------------------------------------------
     def next_id(self) -> int:
@@ -332,6 +346,8 @@ class Controller:
         self.stats.payload_in += payload
         match msg:
             case Done() | Value():
+                if isinstance(msg, Done) and msg.memory is not None:
+                    self._note_memory(msg.memory)
                 state = self._calls.get(msg.cid)
                 if state is None:
                     return  # a late reply to a call that already failed on another rank

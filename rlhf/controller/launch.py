@@ -34,6 +34,22 @@ connection: rank 0 takes that SIGTERM as the program's failure and reports what 
 (:meth:`Controller.stopped_error`: the lost rank and its calls in flight) before it exits.
 ``HYBRIDFLOW_TRACE_CALLS=<file>`` appends a line per call the controller issues to that file.
 
+Devices.  ``run(device=...)`` names the device of this rank (None: cpu).  The job's default
+group is created by :func:`hybridflow_comm.devices.init_process_group`: gloo on CPU;
+``cpu:gloo,cuda:nccl`` on CUDA, its NCCL communicator created eagerly on the device, with
+:data:`NCCL_ENV_DEFAULTS` set first so that a collective that times out fails the rank with an
+error instead of hanging it.  The runtime's data plane carries host bytes only and is a gloo
+group by name (:func:`_data_group`); the roles' groups inherit the default backend.  Every
+thread that issues device work makes the device current first (CUDA keeps one per thread): the
+worker loop does, rank 0's worker thread included.
+
+Test modes, read here only (:func:`test_hooks`), for tests and never for a run:
+``HYBRIDFLOW_TEST_META_DEFAULT=1`` makes ``meta`` the default device of every worker thread
+(``torch.set_default_device``, which is per thread), so a tensor created without an explicit
+device fails the call that made it; ``HYBRIDFLOW_TEST_NCCL_RULES=1`` calls
+``tests.nccl_rules.install()`` at rank start, before any process group, so every collective
+is checked against NCCL's rules on gloo.
+
 Start-up (see :mod:`.rendezvous` and :mod:`.handshake`): rank 0 listens on loopback or on
 MASTER_ADDR's interface and publishes the address and the job's secret in the job's store; every
 other rank opens its two connections and proves, by an HMAC of a fresh challenge, that it knows
@@ -44,6 +60,7 @@ The listening socket closes as soon as every rank is in, so nothing can connect 
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import signal
 import socket
@@ -52,8 +69,10 @@ import threading
 import traceback
 from typing import Any, Callable, Mapping
 
+import torch
 import torch.distributed as dist
 
+from hybridflow_comm import devices
 from rlhf.controller import handshake, rendezvous, wire
 from rlhf.controller.controller import Controller, heartbeat_interval
 from rlhf.controller.errors import ControllerError
@@ -65,15 +84,78 @@ STALL_TIMEOUT_ENV = "HYBRIDFLOW_STALL_TIMEOUT_S"
 STALL_TIMEOUT_S = 60.0
 """Default silence after which a rank counts as stalled (far above any GIL or scheduling
 hiccup of a heartbeat thread, far below the 300 s collective timeout)."""
+TEST_META_DEFAULT_ENV = "HYBRIDFLOW_TEST_META_DEFAULT"
+TEST_NCCL_RULES_ENV = "HYBRIDFLOW_TEST_NCCL_RULES"
+NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+"""Environment defaults of a CUDA job's NCCL, set before its first group unless the user set
+them (or their deprecated ``NCCL_*`` names).  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: when a
+collective fails or outlives the group's timeout, the rank's NCCL watchdog aborts the
+communicator (its peers' collectives fail instead of hanging) and ends the process after
+printing the cause (``[PG ... Rank r] Watchdog caught collective operation timeout: ...``);
+the controller reports the rank as lost during its call (:class:`RankLostError`).  Users who
+want the cause as the call's own error (:class:`WorkerError`) set
+``TORCH_NCCL_BLOCKING_WAIT=1``: collectives then block the calling thread until they finish
+or time out, which costs the overlap of host and device, so it is not a default."""
 
 
-def _init_dist(timeout_s: float) -> None:
+def nccl_env_defaults(env: Mapping[str, str]) -> dict[str, str]:
+    """The :data:`NCCL_ENV_DEFAULTS` that ``env`` lacks (under their names or the deprecated
+    names without ``TORCH_``)."""
+    return {k: v for k, v in NCCL_ENV_DEFAULTS.items()
+            if k not in env and k.removeprefix("TORCH_") not in env}
+
+
+def check_device(device: torch.device, env: Mapping[str, str], device_count: int) -> None:
+    """Refuse a rank that would share a GPU or drive another rank's (before any group).
+
+    One rank drives one GPU, the rank ``LOCAL_RANK`` of its node on ``cuda:<LOCAL_RANK>``; two
+    ranks of a node on one GPU would be found by NCCL only at its first collective.
+
+    Raises:
+        ValueError naming the rank, its device and the node's GPUs.
+    """
+    if device.type != "cuda":
+        return
+    rank = env.get("RANK", "0")
+    local = devices.local_rank(env)
+    if device.index is None:
+        raise ValueError(f"rank {rank}: device={device} names no GPU index; pass "
+                         f"cuda:{local} (LOCAL_RANK) or resolve_device()")
+    if device.index >= device_count:
+        raise ValueError(f"rank {rank}: {device} does not exist: this node has {device_count} "
+                         f"GPUs")
+    if device.index != local:
+        raise ValueError(f"rank {rank} (LOCAL_RANK={local}) is on {device}, the GPU of local "
+                         f"rank {device.index}: every rank drives cuda:<LOCAL_RANK>, one GPU "
+                         f"each")
+    ranks_here = int(env.get("LOCAL_WORLD_SIZE", local + 1))
+    if ranks_here > device_count:
+        raise ValueError(f"rank {rank}: {ranks_here} ranks on this node share {device_count} "
+                         f"GPUs (start at most {device_count}: torchrun "
+                         f"--nproc_per_node={device_count})")
+
+
+def test_hooks(env: Mapping[str, str]) -> Callable[[], None] | None:
+    """The worker-thread start hook of the test modes set in ``env`` (None: no test mode);
+    the NCCL-rule mode is installed here, at once (it must precede every process group)."""
+    if env.get(TEST_NCCL_RULES_ENV) == "1":
+        importlib.import_module("tests.nccl_rules").install()
+    if env.get(TEST_META_DEFAULT_ENV) == "1":
+        return lambda: torch.set_default_device("meta")
+    return None
+
+
+def _init_dist(device: torch.device, timeout_s: float) -> None:
+    if device.type == "cuda":
+        check_device(device, os.environ, torch.cuda.device_count())
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         raise ValueError("run() needs torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are "
                          "not set) or an initialized process group")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        os.environ.update(nccl_env_defaults(os.environ))
+    devices.init_process_group(device, timeout_s)
 
 
 def message_limit(max_message_bytes: int | None, env: Mapping[str, str]) -> int:
@@ -111,7 +193,7 @@ def stall_timeout(stall_timeout_s: float | None, env: Mapping[str, str]) -> floa
 def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 300.0,
         call_timeout_s: float | None = None, hard_exit: bool = True,
         handshake_timeout_s: float = 10.0, max_message_bytes: int | None = None,
-        stall_timeout_s: float | None = None) -> int:
+        stall_timeout_s: float | None = None, device: torch.device | None = None) -> int:
     """Run ``program`` as the single controller on rank 0 and the worker loop on every rank.
 
     Args:
@@ -126,6 +208,8 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
             ``HYBRIDFLOW_MAX_MESSAGE_BYTES``, else 1 GiB); the same on every rank.
         stall_timeout_s: a rank without a heartbeat for this long fails the job naming it
             (None: ``HYBRIDFLOW_STALL_TIMEOUT_S``, else 60 s; 0: off); the same on every rank.
+        device: this rank's device (None: cpu), from
+            :func:`hybridflow_comm.devices.resolve_device`; the workers compute on it.
 
     Returns:
         The exit code: 0 on success, 1 on failure.
@@ -136,12 +220,15 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
         raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s}")
     limit = message_limit(max_message_bytes, os.environ)
     stall_s = stall_timeout(stall_timeout_s, os.environ)
-    _init_dist(collective_timeout_s)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    on_start = test_hooks(os.environ)
+    _init_dist(device, collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = rendezvous.default_store()
+    options = dict(max_message_bytes=limit, device=device, on_start=on_start)
     if rank != 0:
         return _serve_worker(rank, rendezvous.lookup(store, os.environ, rank),
-                             collective_timeout_s, handshake_timeout_s, limit, stall_s)
+                             collective_timeout_s, handshake_timeout_s, stall_s, options)
     server, endpoint = rendezvous.open_controller(store, os.environ, world_size)
     try:
         cmd, ctl_socks = handshake.accept_ranks(server, world_size, endpoint.secret,
@@ -152,8 +239,7 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
     data_pg = _data_group(world_size, collective_timeout_s)
     local_ctl, local_worker = socket.socketpair()
     cmd[0] = local_ctl
-    runtime = WorkerRuntime(0, local_worker, data_pg, collective_timeout_s,
-                            max_message_bytes=limit)
+    runtime = WorkerRuntime(0, local_worker, data_pg, collective_timeout_s, **options)
     thread = threading.Thread(target=_serve_local, args=(runtime,), daemon=True,
                               name="hybridflow-worker-0")
     thread.start()
@@ -213,13 +299,15 @@ def _serve_local(runtime: WorkerRuntime) -> None:
 
 
 def _data_group(world_size: int, timeout_s: float) -> Any:
-    """Process group of every rank for the data plane (collective: after the start-up)."""
-    return dist.new_group(list(range(world_size)),
+    """Process group of every rank for the data plane (collective: after the start-up): gloo
+    on every device, since it carries serialized host bytes only."""
+    return dist.new_group(list(range(world_size)), backend="gloo",
                           timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _serve_worker(rank: int, endpoint: rendezvous.Endpoint, timeout_s: float,
-                  handshake_timeout_s: float, max_message_bytes: int, stall_s: float) -> int:
+                  handshake_timeout_s: float, stall_s: float, options: dict) -> int:
+    """Rank ``rank``'s worker loop; ``options``: the WorkerRuntime's keyword arguments."""
     wait_s = max(timeout_s, handshake_timeout_s)  # rank 0 may still be busy with other ranks
     try:
         cmd = handshake.connect(endpoint.host, endpoint.port, rank, "cmd", endpoint.secret,
@@ -233,7 +321,7 @@ def _serve_worker(rank: int, endpoint: rendezvous.Endpoint, timeout_s: float,
         threading.Thread(target=send_heartbeats, args=(ctl, rank, heartbeat_interval(stall_s)),
                          daemon=True, name="hybridflow-heartbeat").start()
     data_pg = _data_group(dist.get_world_size(), timeout_s)
-    runtime = WorkerRuntime(rank, cmd, data_pg, timeout_s, max_message_bytes=max_message_bytes)
+    runtime = WorkerRuntime(rank, cmd, data_pg, timeout_s, **options)
     threading.Thread(target=watch_controller, args=(ctl, rank, runtime), daemon=True,
                      name="hybridflow-watchdog").start()
     try:

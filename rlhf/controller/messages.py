@@ -240,6 +240,9 @@ class Done:
     """``value`` carries the output (a call with ``inline`` on a collect rank)."""
     value: Any
     """The output when ``has_value`` (it may itself be None), else None."""
+    memory: dict[str, Any] | None = None
+    """A phase's call: ``{"phase": name, <reading>: bytes, ...}`` of this rank's device
+    (:func:`rlhf.metrics.memory_sample`); else None."""
 
 
 @message

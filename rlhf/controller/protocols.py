@@ -172,19 +172,38 @@ DP_COMPUTE_METRIC = get_protocol("DP_COMPUTE_METRIC")
 RANK_ZERO = get_protocol("RANK_ZERO")
 
 PROTOCOL_ATTR = "__hybridflow_protocol__"
+PHASE_ATTR = "__hybridflow_phase__"
+PHASES = ("generation", "log_probs", "update")
+"""Phases of an iteration whose memory the workers report: generation, the forward-only
+passes over the rollouts (log-probs, values, scores) and the training update."""
 
 
-def protocol(proto: Protocol | str) -> Callable[[F], F]:
-    """Decorator: attach a transfer protocol to a worker method (the method is unchanged)."""
+def protocol(proto: Protocol | str, phase: str | None = None) -> Callable[[F], F]:
+    """Decorator: attach a transfer protocol to a worker method (the method is unchanged).
+
+    Args:
+        proto: the protocol or its registered name.
+        phase: one of :data:`PHASES` when the method is that phase of an iteration: each call
+            then reports its rank's device memory (``memory/<phase>/*`` metrics).
+    """
     proto = get_protocol(proto) if isinstance(proto, str) else proto
     if not isinstance(proto, Protocol):
         raise TypeError(f"protocol() needs a Protocol or a name, got {proto!r}")
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"phase={phase!r} must be one of {PHASES} or None")
 
     def attach(fn: F) -> F:
         setattr(fn, PROTOCOL_ATTR, proto)
+        if phase is not None:
+            setattr(fn, PHASE_ATTR, phase)
         return fn
 
     return attach
+
+
+def phase_of(method: Callable) -> str | None:
+    """The phase a worker method was declared with (:func:`protocol`), or None."""
+    return getattr(method, PHASE_ATTR, None)
 
 
 def protocol_of(method: Callable) -> Protocol | None:

@@ -17,7 +17,9 @@ Tensors are not pickled through torch.save: each tensor becomes (dtype name, sha
 pickle plus its bytes as one out-of-band buffer that is written straight from the tensor's
 memory and read straight into the receiving tensor's memory (``torch.frombuffer`` over the
 receive buffer, no extra copy).  :func:`dumps`/:func:`loads` give the same format as one bytes
-object.
+object.  Every tensor travels from host memory and arrives in host memory: a device tensor is
+copied to the host where it is encoded (the only host synchronisation of the control and data
+planes), and the worker moves its arguments to its device (:mod:`rlhf.controller.worker`).
 
 Decoding runs no code chosen by the sender.  The unpickler resolves a global only from the
 registry of this module (exact module and qualified name, never a prefix, never a subclass):
@@ -213,7 +215,7 @@ def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tenso
                                  f"{sorted(_TORCH_DTYPES)}")
     view = _buffer(buf, "tensor")
     if not _check_shape(shape, view.nbytes, dt.itemsize, "tensor"):
-        return torch.empty(shape, dtype=dt)
+        return torch.empty(shape, dtype=dt, device="cpu")
     if view.readonly:
         buf = bytearray(view)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
@@ -237,6 +239,8 @@ def _reduce_tensor(obj: torch.Tensor) -> tuple:
         raise UnsafeMessageError(f"cannot send a {obj.layout} tensor of {obj.dtype} on the "
                                  f"control plane: only dense tensors travel (use .to_dense() or "
                                  f".dequantize())")
+    # Host synchronisation: the one place where a worker's device tensors move to the host
+    # (replies to the controller and rows for another rank's data plane, both host bytes).
     t = obj.detach().cpu().contiguous()
     name = str(t.dtype).split(".")[-1]
     if name not in _TORCH_DTYPES:

@@ -15,6 +15,17 @@ controller.  Per (producer, consumer) pair one message carries all rows the cons
 that producer; sends are posted before receives, so ranks that are both never wait on each
 other.  Since every rank runs its commands in the controller's issue order, a receive in
 command k only waits for sends posted in commands <= k on other ranks: no cycle, no deadlock.
+
+Devices.  Each rank computes on one device (:attr:`Worker.device`).  Everything on the wire
+is host bytes, so a call's arguments are moved to the device once, here, before the method
+runs (the tensors of a :class:`Batch` or a bare tensor argument); outputs kept in the store
+for later calls stay where the method left them (on the device), and what leaves the rank (a
+reply's value, rows for another rank) is copied to the host where :mod:`.wire` encodes it.
+The data-plane group is gloo: it moves those encoded host bytes.
+
+Memory.  A call to a method with a phase (``@protocol(..., phase=...)``) reports the memory of
+its device in :attr:`Done.memory` (:func:`rlhf.metrics.memory_sample`, the peak reset before
+the call), which the controller keeps per phase (:meth:`Controller.take_memory`).
 """
 
 from __future__ import annotations
@@ -26,17 +37,20 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from hybridflow_comm.devices import use_device
 from hybridflow_comm.groups import HybridGroups, build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.controller import wire
 from rlhf.controller.batch import Batch
 from rlhf.controller.messages import (Abort, Bye, Call, Create, Done, Failed, Fetch, GetOutput,
                                       Heartbeat, Reply, Send, SendOnly, Shutdown, Value)
+from rlhf.controller.protocols import phase_of
+from rlhf.metrics import memory_sample, reset_peak_memory
 
 
 class Worker:
@@ -50,6 +64,8 @@ class Worker:
         pool: global ranks of the role's resource pool (layout rank i = ``pool[i]``).
         rank: this worker's layout rank.
         groups: this worker's process groups for ``layout`` (training and generation side).
+        device: the device this rank computes on (``run(device=...)``): build models and
+            create tensors on it; the call arguments arrive on it.
     """
 
     role: str
@@ -57,6 +73,7 @@ class Worker:
     pool: tuple[int, ...]
     rank: int
     groups: HybridGroups
+    device: torch.device
 
     @property
     def global_rank(self) -> int:
@@ -107,12 +124,18 @@ class WorkerRuntime:
         data_pg: process group of all ranks used for point-to-point data transfers.
         collective_timeout_s: timeout of the process groups that roles create.
         max_message_bytes: largest command this rank accepts and largest reply it sends.
+        device: the device of this rank's workers (None: cpu).
+        on_start: called first in the thread that serves (a test mode's hook), or None.
     """
 
     def __init__(self, rank: int, sock: socket.socket, data_pg: dist.ProcessGroup | None,
                  collective_timeout_s: float, *,
-                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+                 device: torch.device | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.rank = rank
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.on_start = on_start
         self.sock = sock
         self.data_pg = data_pg
         self.collective_timeout_s = collective_timeout_s
@@ -129,6 +152,9 @@ class WorkerRuntime:
             wire.MessageError: the controller sent a frame this rank refuses (too large, or
                 naming a class outside the allow-list); the caller drops the connection.
         """
+        use_device(self.device)  # CUDA's current device is per thread: this one runs the calls
+        if self.on_start is not None:
+            self.on_start()
         while True:
             msg, _, _ = wire.recv_msg(self.sock, self.max_message_bytes)
             if isinstance(msg, Shutdown):
@@ -171,7 +197,7 @@ class WorkerRuntime:
             cls = import_worker(msg.worker)
             worker = cls.__new__(cls)
             worker.role, worker.layout, worker.pool = msg.role, layout, tuple(msg.pool)
-            worker.rank, worker.groups = groups.rank, groups
+            worker.rank, worker.groups, worker.device = groups.rank, groups, self.device
             worker.__init__(*msg.args, **msg.kwargs)
             self.workers[msg.gid] = worker
         return Done(msg.cid, self.rank, None, False, None)
@@ -179,15 +205,27 @@ class WorkerRuntime:
     def _call(self, msg: Call) -> Done:
         self._free(msg.frees)
         works = self._post_sends(msg.sends)
-        args = tuple(self._resolve(a) for a in msg.args)
-        kwargs = {k: self._resolve(v) for k, v in msg.kwargs.items()}
+        args = tuple(self._on_device(self._resolve(a)) for a in msg.args)
+        kwargs = {k: self._on_device(self._resolve(v)) for k, v in msg.kwargs.items()}
         for w in works:
             w.wait()
-        out = getattr(self.workers[msg.gid], msg.method)(*args, **kwargs)
+        method = getattr(self.workers[msg.gid], msg.method)
+        phase = phase_of(method)
+        if phase is not None:
+            reset_peak_memory(self.device)
+        out = method(*args, **kwargs)
+        memory = None if phase is None else {"phase": phase, **memory_sample(self.device)}
         if msg.keep:
             self.store[msg.cid] = out
         inline = msg.inline and msg.keep
-        return Done(msg.cid, self.rank, describe(out), inline, out if inline else None)
+        return Done(msg.cid, self.rank, describe(out), inline, out if inline else None, memory)
+
+    def _on_device(self, arg: Any) -> Any:
+        """A call argument on this rank's device (Batch tensors, a bare tensor; the rest as
+        is): the one host-to-device move of the data a call receives."""
+        if isinstance(arg, (Batch, torch.Tensor)):
+            return arg.to(self.device)
+        return arg
 
     def _send_only(self, msg: SendOnly) -> Done:
         self._free(msg.frees)
@@ -213,15 +251,15 @@ class WorkerRuntime:
             out = self.store[s.oid]
             payload = wire.dumps([out.rows(slice(a, b)) for a, b in s.ranges])
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device="cpu")
             works.append(dist.isend(size, s.dst, group=self.data_pg, tag=s.tag))
             works.append(dist.isend(data, s.dst, group=self.data_pg, tag=s.tag + 1))
         return works
 
     def _recv_pieces(self, src: int, tag: int) -> list[Batch]:
-        size = torch.zeros(1, dtype=torch.int64)
+        size = torch.zeros(1, dtype=torch.int64, device="cpu")  # host bytes: a gloo group
         dist.recv(size, src, group=self.data_pg, tag=tag)
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size), dtype=torch.uint8, device="cpu")
         dist.recv(data, src, group=self.data_pg, tag=tag + 1)
         return wire.loads(data.numpy())
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import time
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridflow_comm import devices
 from rlhf.planner.profile import DeviceProfile
 
 
@@ -64,9 +64,10 @@ def layer_overhead(repeat: int = 20) -> float:
 
 def _allreduce_rank(rank: int, world: int, port: int, out) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
-    small, big = torch.zeros(1), torch.zeros(1 << 20)            # 4 B, 4 MiB
+    cpu = torch.device("cpu")  # the host interconnect's figures (gloo)
+    devices.init_process_group(cpu, 120, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                               world_size=world)
+    small, big = torch.zeros(1, device=cpu), torch.zeros(1 << 20, device=cpu)  # 4 B, 4 MiB
     lat = best_time(lambda: dist.all_reduce(small), 20)
     t = best_time(lambda: dist.all_reduce(big), 5)
     if rank == 0:

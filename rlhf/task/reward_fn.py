@@ -67,8 +67,8 @@ class FunctionReward:
             fields.append({k: float(v) for k, v in out.items() if k != "score"}
                           if isinstance(out, dict) else {})
         names = sorted({k for f in fields for k in f})
-        return (torch.tensor(scores, dtype=torch.float32),
-                {k: torch.tensor([f.get(k, 0.0) for f in fields]) for k in names})
+        return (torch.tensor(scores, dtype=torch.float32, device="cpu"),  # scores of text
+                {k: torch.tensor([f.get(k, 0.0) for f in fields], device="cpu") for k in names})
 
     def _score(self, out, sample) -> float:
         value = out.get("score") if isinstance(out, dict) else out

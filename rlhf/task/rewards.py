@@ -86,10 +86,11 @@ class CompositeReward:
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> RewardOutput:
         if len(responses) != len(answers):
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
+        # scores of text, computed on the host
         comps = {name: torch.tensor([fn(r, a) for r, a in zip(responses, answers)],
-                                    dtype=torch.float32)
+                                    dtype=torch.float32, device="cpu")
                  for name, fn, _ in self.components}
-        total = torch.zeros(len(responses), dtype=torch.float32)
+        total = torch.zeros(len(responses), dtype=torch.float32, device="cpu")
         for name, _, w in self.components:
             total += w * comps[name]
         return RewardOutput(total, comps)

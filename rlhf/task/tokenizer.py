@@ -117,5 +117,5 @@ def pad_sequences(seqs: list[list[int]], pad_id: int, side: str = "left",
     marks = [[False] * len(p) + [True] * len(s) if side == "left"
              else [True] * len(s) + [False] * len(p) for s, p in zip(seqs, pads)]
     shape = (len(seqs), length)
-    return (torch.tensor(rows, dtype=torch.long).reshape(shape),
-            torch.tensor(marks, dtype=torch.bool).reshape(shape))
+    return (torch.tensor(rows, dtype=torch.long, device="cpu").reshape(shape),
+            torch.tensor(marks, dtype=torch.bool, device="cpu").reshape(shape))

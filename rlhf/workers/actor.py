@@ -23,6 +23,7 @@ from engine.sampling import SamplingParams
 from engine.train import TrainEngine
 from rlhf.algos import actor_loss, get_policy_loss
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, protocol
+from rlhf.metrics import detached, host_records
 from rlhf.programs import algorithm
 from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model,
                                  forward_outputs, loss_denominator, mean_row, response_head_from,
@@ -50,7 +51,7 @@ class PolicyWorker(CheckpointedWorker):
         actor that generates, the other slots of its generation shard."""
         return self.model.buffer.gen_nbytes
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_log_prob(self, batch: Batch) -> Batch | None:
         """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy
         at the sampling temperature (what the rollout's own log-probs are)."""
@@ -61,7 +62,7 @@ class PolicyWorker(CheckpointedWorker):
         return Batch({"old_log_probs": response_outputs(out["log_probs"], batch),
                       "entropy": response_outputs(out["entropy"], batch)})
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="update")
     def update_actor(self, batch: Batch) -> Batch | None:
         """``epochs`` passes of mini-batch steps; returns one row of mean metrics."""
         s, loss = self.spec, self.spec.loss
@@ -69,7 +70,7 @@ class PolicyWorker(CheckpointedWorker):
         if s.kl_loss is not None:
             fields.append("ref_log_probs")
         data = batch.select(fields)
-        records: list[dict[str, float]] = []
+        records: list[dict[str, torch.Tensor | float]] = []
 
         def loss_fn(outputs: dict, mb: dict, denominator: float) -> torch.Tensor:
             lp = response_outputs(outputs["log_probs"], batch)
@@ -78,7 +79,7 @@ class PolicyWorker(CheckpointedWorker):
                 lp, mb["old_log_probs"], mb["advantages"], mb["response_mask"],
                 pg_loss=self.pg_loss, cfg=loss, ref_log_prob=mb.get("ref_log_probs"),
                 kl=s.kl_loss, entropy=ent, denominator=denominator)
-            records.append({k: float(v) for k, v in m.items()})
+            records.append(detached(m))
             return total
 
         grad_norms = []
@@ -94,7 +95,7 @@ class PolicyWorker(CheckpointedWorker):
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
-        return mean_row(records)
+        return mean_row(host_records(records))
 
     @protocol(ONE_TO_ALL)
     def save_hf(self, folder: str) -> None:
@@ -111,7 +112,7 @@ class ActorWorker(PolicyWorker):
         super().__init__(spec)
         self.engine = HybridEngine(self.model, train=self.train)
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="generation")
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Rollouts of this replica's prompts (input_ids/attention_mask ``[B, P]``)."""
         t0 = time.perf_counter()
@@ -136,7 +137,7 @@ class ReferenceWorker(CheckpointedWorker):
         self.engine = TrainEngine(self.model)  # forward only; the optimizer is never stepped
         self.checkpoint = ShardCheckpoint(self.model)
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         out = forward_outputs(self.engine, batch, self.spec.max_tokens,
                               temperature=self.spec.temperature)

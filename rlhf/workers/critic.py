@@ -12,6 +12,7 @@ import torch
 
 from engine.train import TrainEngine
 from rlhf.controller import THREE_D_PROTO, Batch, protocol
+from rlhf.metrics import detached, host_records
 from rlhf.programs import algorithm
 from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model,
                                  forward_outputs, loss_denominator, mean_row, response_head_from,
@@ -29,7 +30,7 @@ class CriticWorker(CheckpointedWorker):
         self.value_loss = algorithm(spec.algo).value_loss
         self.checkpoint = ShardCheckpoint(self.model, self.engine)
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_values(self, batch: Batch) -> Batch | None:
         """Value of the state before each response token, ``[B, N]``."""
         out = forward_outputs(self.engine, batch, self.spec.update.max_tokens,
@@ -38,19 +39,19 @@ class CriticWorker(CheckpointedWorker):
             return None
         return Batch({self.spec.value_key: response_outputs(out["values"], batch)})
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="update")
     def update_critic(self, batch: Batch) -> Batch | None:
         s = self.spec
         data = batch.select(["input_ids", "attention_mask", "response_mask", s.value_key,
                              s.return_key])
-        records: list[dict[str, float]] = []
+        records: list[dict[str, torch.Tensor | float]] = []
 
         def loss_fn(outputs: dict, mb: dict, denominator: float) -> torch.Tensor:
             values = response_outputs(outputs["values"], batch)
             loss, m = self.value_loss(values, mb[s.value_key], mb[s.return_key],
                                       mb["response_mask"], s.loss.value_clip,
                                       s.loss.loss_agg_mode, denominator)
-            records.append({k: float(v) for k, v in m.items()})
+            records.append(detached(m))
             return loss
 
         norms = []
@@ -65,4 +66,4 @@ class CriticWorker(CheckpointedWorker):
         if not self.model.is_last:
             return None
         records.append({"grad_norm": sum(norms) / len(norms)})
-        return mean_row(records)
+        return mean_row(host_records(records))

@@ -5,7 +5,9 @@ functions and/or a user's reward function of the decoded response, summed.
             + compute_score(data_source, text, ground_truth, extra_info)
 
 Rule components are returned per row (``reward/<name>``) so the controller logs each one.
-Without a model the worker is CPU arithmetic on its DP share of the rows.
+Without a model the worker is CPU arithmetic on its DP share of the rows.  Rules and reward
+functions read text: the responses are copied to the host once per call to be decoded (a host
+synchronisation), and their scores join the model's on the worker's device.
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ class _ScoreWorker(CheckpointedWorker):
 
     def _texts(self, batch: Batch) -> list[str]:
         plen = prompt_width(batch)
-        return [self.tokenizer.decode_response(r) for r in batch["input_ids"][:, plen:]]
+        responses = batch["input_ids"][:, plen:].cpu()  # host synchronisation: decoded to text
+        return [self.tokenizer.decode_response(r) for r in responses]
 
     def _score(self, batch: Batch) -> Batch | None:
-        total = torch.zeros(len(batch))
+        device = batch.device
+        total = torch.zeros(len(batch), device=device)
         out: dict[str, torch.Tensor] = {}
         if self.engine is not None:
             s = model_scores(self.engine, batch)
@@ -63,15 +67,15 @@ class _ScoreWorker(CheckpointedWorker):
             r = self.rules(texts, batch["answer"])
             for name, v in r.components.items():
                 out[f"reward/{name}"] = v
-            total += r.total
+            total += r.total.to(device)
         if self.function is not None:
             scores, fields = self.function(texts, batch["answer"], batch["data_source"],
                                            batch["extra_info"], batch["uid"])
             for name, v in fields.items():
                 out[f"reward/{name}"] = v
-            total += scores
+            total += scores.to(device)
         if self.args.cost_rule is not None:
-            total += torch.tensor([self.args.cost_rule.cost(t) for t in texts])
+            total += torch.tensor([self.args.cost_rule.cost(t) for t in texts], device=device)
         if self.args.overlong is not None:
             o = self.args.overlong
             lengths = batch["response_mask"].bool().sum(-1)
@@ -88,7 +92,7 @@ class RewardWorker(_ScoreWorker):
 
     key = "scores"
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_reward(self, batch: Batch) -> Batch | None:
         return self._score(batch)
 
@@ -98,6 +102,6 @@ class CostWorker(_ScoreWorker):
 
     key = "costs"
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_cost(self, batch: Batch) -> Batch | None:
         return self._score(batch)

@@ -124,7 +124,7 @@ class RolloutWorker(Worker):
         self.engine.set_weights(self.sync.generation_params(), version)
         return time.perf_counter() - t0
 
-    @protocol(THREE_D_PROTO)
+    @protocol(THREE_D_PROTO, phase="generation")
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Rollouts of this replica's prompts, as :meth:`ActorWorker.generate_sequences`
         returns them, plus ``weights_version [B]``: the version that sampled each row."""
@@ -134,7 +134,8 @@ class RolloutWorker(Worker):
                                    replace(sampling, seed=derive_seed(sampling.seed, "replica",
                                                                       dp_g)))
         rows = out.input_ids.shape[0]
-        version = torch.full((rows,), out.stats["weights_version"], dtype=torch.int64)
+        version = torch.full((rows,), out.stats["weights_version"], dtype=torch.int64,
+                             device=out.input_ids.device)
         return Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                       "response_mask": out.response_mask, "rollout_log_probs": out.log_probs,
                       "weights_version": version},
