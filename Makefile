@@ -8,7 +8,7 @@ TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_
 
 .PHONY: setup run test test-py test-cpp test-isa lint bench clean
 
-$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/engine/*.cpp csrc/engine/*.h)
+$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-build-isolation -e .
 	@mkdir -p build && touch $(STAMP)

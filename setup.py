@@ -1,8 +1,7 @@
-"""Builds the packages and the C++ extensions ``hybridflow_comm._C`` and ``engine._kernels``.
-
-CUDA sources (``csrc/cuda/*.cu``) are compiled only when the installed torch was built with
-CUDA and a CUDA toolkit is present; on CPU machines the extension is C++ only.
-Install with ``pip install --no-build-isolation -e .`` (torch must already be installed).
+"""Builds the packages and the C++ extensions ``hybridflow_comm._C`` and ``engine._kernels``
+(C++ only, also on GPU machines: the CUDA paths are torch's own kernels and the driver API
+through ctypes).  Install with ``pip install --no-build-isolation -e .`` (torch must already
+be installed).
 """
 
 import glob
@@ -17,26 +16,10 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 OPENMP = ["-fopenmp"]
 
 
-def _with_cuda() -> bool:
-    import torch
-
-    if os.environ.get("HYBRIDFLOW_NO_CUDA") == "1":
-        return False
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-
-
 def _extension():
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-    cxx_flags = ["-O3", "-std=c++17", *OPENMP]
-    if _with_cuda():
-        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        return cpp_extension.CUDAExtension(
-            "hybridflow_comm._C", sources,
-            define_macros=[("HYBRIDFLOW_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
-            extra_link_args=OPENMP)
-    return cpp_extension.CppExtension("hybridflow_comm._C", sources,
-                                      extra_compile_args=cxx_flags, extra_link_args=OPENMP)
+    return cpp_extension.CppExtension(
+        "hybridflow_comm._C", sorted(glob.glob(os.path.join("csrc", "*.cpp"))),
+        extra_compile_args=["-O3", "-std=c++17", *OPENMP], extra_link_args=OPENMP)
 
 
 def _requirements(name: str) -> list[str]:

@@ -6,12 +6,6 @@
 
 namespace py = pybind11;
 
-#ifdef HYBRIDFLOW_WITH_CUDA
-namespace hybridflow {
-void swap_leading_dims_cuda(const at::Tensor& src, at::Tensor& dst);
-}
-#endif
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hybridflow C++ core: flat parameter buffers, pack/unpack, rank plans";
   m.def("page_size", &hybridflow::page_size);
@@ -45,12 +39,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("stack_from_logical", &hybridflow::stack_from_logical, py::arg("logical"),
         py::arg("stacked"), py::call_guard<py::gil_scoped_release>());
-#ifdef HYBRIDFLOW_WITH_CUDA
-  m.def("has_cuda", []() { return true; });
-  m.def("swap_leading_dims_cuda", &hybridflow::swap_leading_dims_cuda, py::arg("src"),
-        py::arg("dst"));
-#else
-  m.def("has_cuda", []() { return false; });
-#endif
   register_protocol_plans(m);
 }

@@ -8,7 +8,7 @@ receives ``(n - 1) * S``; a broadcast of ``S`` bytes receives ``S`` on every non
 
 The data movement itself goes through a backend: ``TorchBackend`` (torch.distributed on the
 group's ProcessGroup: gloo here, NCCL on GPUs) by default, or any object with the same three
-methods, such as :class:`hybridflow_comm.gpu.nccl_cupy.CupyNcclBackend`.
+methods.
 
 Every call keeps to NCCL's rules, so one code path serves both backends: tensors contiguous,
 of one device and dtype per call, on the device the group computes on (never host tensors in

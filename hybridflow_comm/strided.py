@@ -8,8 +8,8 @@ swap of the two leading dims of ``[m, A, L]``::
     stacked [m, A, L]   slot 0: a0 a1 a2 | slot 1: a0 a1 a2        logical [A, m, L]
     logical             a0: slot0 slot1 | a1: slot0 slot1 | a2: ...
 
-CPU tensors go through the C++ core (parallel row copies), CUDA tensors through the Triton
-kernel (or the CUDA source when compiled).  Dim 0 needs no copy at all: it is a view.
+CPU tensors go through the C++ core (parallel row copies), tensors on other devices through
+torch's strided copy.  Dim 0 needs no copy at all: it is a view.
 """
 
 from __future__ import annotations
@@ -25,14 +25,7 @@ def _swap(src: torch.Tensor, dst: torch.Tensor, to_logical: bool) -> None:
     if src.device.type == "cpu":
         (_C.unstack_to_logical if to_logical else _C.stack_from_logical)(src, dst)
         return
-    from hybridflow_comm.gpu import triton_pack
-
-    if _C.has_cuda() and src.is_cuda:
-        _C.swap_leading_dims_cuda(src, dst)
-    elif triton_pack.AVAILABLE:
-        triton_pack.swap_leading_dims(src, dst)
-    else:  # no triton: torch's own strided copy
-        dst.copy_(src.transpose(0, 1))
+    dst.copy_(src.transpose(0, 1))
 
 
 def logical_from_stacked(stacked: torch.Tensor, dim: int,
