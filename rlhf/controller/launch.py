@@ -43,7 +43,7 @@ group by name (:func:`_data_group`); the roles' groups inherit the default backe
 thread that issues device work makes the device current first (CUDA keeps one per thread): the
 worker loop does, rank 0's worker thread included.
 
-Test modes, read here only (:func:`test_hooks`), for tests and never for a run:
+Test modes, read here only (:func:`hooks_of_test_modes`), for tests and never for a run:
 ``HYBRIDFLOW_TEST_META_DEFAULT=1`` makes ``meta`` the default device of every worker thread
 (``torch.set_default_device``, which is per thread), so a tensor created without an explicit
 device fails the call that made it; ``HYBRIDFLOW_TEST_NCCL_RULES=1`` calls
@@ -135,11 +135,13 @@ def check_device(device: torch.device, env: Mapping[str, str], device_count: int
                          f"--nproc_per_node={device_count})")
 
 
-def test_hooks(env: Mapping[str, str]) -> Callable[[], None] | None:
+def hooks_of_test_modes(env: Mapping[str, str], device: torch.device
+                        ) -> Callable[[], None] | None:
     """The worker-thread start hook of the test modes set in ``env`` (None: no test mode);
-    the NCCL-rule mode is installed here, at once (it must precede every process group)."""
+    the NCCL-rule mode is installed here, at once, for ``device`` (it must precede every
+    process group)."""
     if env.get(TEST_NCCL_RULES_ENV) == "1":
-        importlib.import_module("tests.nccl_rules").install()
+        importlib.import_module("tests.nccl_rules").install(device)
     if env.get(TEST_META_DEFAULT_ENV) == "1":
         return lambda: torch.set_default_device("meta")
     return None
@@ -221,7 +223,7 @@ def run(program: Callable[[Controller], Any], *, collective_timeout_s: float = 3
     limit = message_limit(max_message_bytes, os.environ)
     stall_s = stall_timeout(stall_timeout_s, os.environ)
     device = torch.device("cpu") if device is None else torch.device(device)
-    on_start = test_hooks(os.environ)
+    on_start = hooks_of_test_modes(os.environ, device)
     _init_dist(device, collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = rendezvous.default_store()
