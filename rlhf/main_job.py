@@ -16,6 +16,7 @@ held-out problems.
    ``eval_pass_k`` answers each: ``val/accuracy``, ``val/pass@k``.  Output in
    ``runs/main_grpo/`` (metrics.jsonl, TensorBoard, metrics.png, checkpoints, the HF export);
    the folder is replaced by each run unless a ``checkpoint.resume=...`` override is given.
+   ``device=`` and ``precision=`` among the overrides apply to the SFT phases too.
 3. Prints the held-out greedy accuracy of the SFT policy and of the final one, and the times.
 """
 
@@ -50,10 +51,16 @@ RL_OVERRIDES = [
 """``rlhf.train`` overrides of the RL run (on top of the grpo recipe)."""
 
 
-def warm_start() -> str:
-    """Both SFT phases (each reused when cached with the same settings); the folder of the
-    warm-start policy, :data:`SFT_DIR`."""
+DEVICE_KEYS = ("device=", "precision=")
+"""Overrides that the SFT phases take too (the run config's top-level keys)."""
+
+
+def warm_start(overrides: list[str] = ()) -> str:
+    """Both SFT phases (each reused when cached with the same settings), with the device and
+    precision of ``overrides``; the folder of the warm-start policy, :data:`SFT_DIR`."""
+    device = [o for o in overrides if o.startswith(DEVICE_KEYS)]
     for args in (SFT_BASE_ARGS, SFT_ARGS):
+        args = [*args, *device]
         if sft.main(args) != 0:
             raise RuntimeError(f"rlhf.sft {' '.join(args)} failed")
     return SFT_DIR
@@ -74,7 +81,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for rlhf.train")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    warm_start()
+    warm_start(a.overrides)
     t_sft = time.perf_counter() - t0
     if not any(o.startswith("checkpoint.resume=") for o in a.overrides):
         shutil.rmtree(RUN_DIR, ignore_errors=True)  # a fresh run: no stale event files

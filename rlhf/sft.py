@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from engine.hf_interop import read_hf_config, read_hf_head
 from engine.llama_spec import LlamaConfig
+from hybridflow_comm.devices import init_process_group
 from hybridflow_comm.groups import Group
 from rlhf.sft_builtin import main_builtin
 from rlhf.sft_loop import META, train_steps
@@ -52,6 +53,7 @@ from rlhf.task.tokenizer import pad_sequences
 from rlhf.workers.specs import ModelSpec
 
 DATA_SEED = 0  # the user path's row order (one shuffle per epoch)
+GROUP_TIMEOUT_S = 1800.0  # torch.distributed's own default for a job's collectives
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -364,7 +366,7 @@ def main_user(a: argparse.Namespace) -> int:
         print(f"[sft] {len(job.demos)} rows, {job.steps} steps of {job.batch} on {world} "
               f"rank(s), lr {job.lr}", flush=True)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        init_process_group(torch.device("cpu"), GROUP_TIMEOUT_S)
     result = train_user(job)
     if main_rank:
         print(f"[sft] saved {job.out} (loss {result['first_loss']:.4f} -> "

@@ -19,7 +19,7 @@ import torch
 
 from hybridflow_comm.groups import Group
 from rlhf.builders import task_of
-from rlhf.config import load_config
+from rlhf.config import load_config, resolve_devices
 from rlhf.sft_loop import META, train_steps
 from rlhf.task import AdditionTask, CharTokenizer
 from rlhf.workers.specs import ModelSpec
@@ -71,11 +71,12 @@ def _settings_of(folder: str) -> dict | None:
 def main_builtin(a: argparse.Namespace) -> int:
     """The built-in addition task with :func:`rlhf.sft.main`'s arguments (``out``, ``steps``,
     ``batch``, ``lr``, ``noise``, ``carry_errors``, ``overrides``)."""
-    cfg = load_config(a.overrides)
+    cfg, _ = resolve_devices(load_config(a.overrides))  # device=, precision= as rlhf.train
     torch.manual_seed(cfg.seed)
     task = task_of(cfg)
     start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
-    settings = {"model": cfg.actor.model.llama().to_dict(), "task": vars(task),
+    config = cfg.actor.model.llama(cfg.precision)
+    settings = {"model": config.to_dict(), "task": vars(task),  # the dtype included
                 "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
                 "noise": a.noise, "carry_errors": a.carry_errors,
                 "init_from": None if start is None else {"path": start,
@@ -88,7 +89,7 @@ def main_builtin(a: argparse.Namespace) -> int:
         return 0
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
-    spec = ModelSpec(config=cfg.actor.model.llama(), head="lm", init_from=start, seed=cfg.seed,
+    spec = ModelSpec(config=config, head="lm", init_from=start, seed=cfg.seed,
                      fresh_head=False)
     result = train_sft(spec, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
                        width=width, noise=a.noise, carry_errors=a.carry_errors)

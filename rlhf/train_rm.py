@@ -25,7 +25,7 @@ from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.builders import task_of
-from rlhf.config import load_config
+from rlhf.config import load_config, resolve_devices
 from rlhf.task import CharTokenizer, CostRule
 from rlhf.workers.common import build_model, last_token_index
 from rlhf.workers.specs import ModelSpec
@@ -91,9 +91,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("overrides", nargs="*", help="key=value run-config overrides")
     a = p.parse_args(argv)
-    cfg = load_config(a.overrides)
+    try:
+        cfg, _ = resolve_devices(load_config(a.overrides))  # device=, precision= as rlhf.train
+    except ValueError as e:
+        print(f"[train_rm] invalid configuration: {e}", file=sys.stderr, flush=True)
+        return 2
     role = "reward_model" if a.kind == "reward" else "cost_model"
-    args = ModelSpec(config=cfg.model_of(role).llama(), head="value", init_from=a.init,
+    args = ModelSpec(config=cfg.model_of(role).llama(cfg.precision), head="value",
+                     init_from=a.init,
                      seed=cfg.seed + 3, fresh_head=False)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
