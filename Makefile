@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 STAMP := build/.installed
 TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
-.PHONY: setup run test test-py test-cpp test-isa lint bench clean
+.PHONY: setup run test test-py test-cpp test-isa lint bench gpu-check gpu-wheels clean
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
@@ -55,6 +55,25 @@ BENCH_MARKS ?= slow or not slow
 bench: setup
 	$(PIP) install -q -r requirements-dev.txt
 	$(PYTHON) -m pytest bench -q -m "$(BENCH_MARKS)" --benchmark-columns=median,ops
+
+# The prepared GPU check (bench/gpu_check.py): carried wheels, the build, pytest -m gpu, the
+# main job at world size 1 in bf16 and the GPU benches, one JSON per step under $OUT (else
+# bench/results/gpu/<date>-<device>/), <= 8 minutes. No `setup` first: a GPU machine has no
+# network, so the wheels it lacks travel in wheels/ (`make gpu-wheels`, run where pip works).
+# GPU_CHECK_ARGS="--device cpu --quick" is the dry run that tests/test_gpu_check.py keeps alive.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# The wheels the GPU image lacks (its torch, transformers, pytest, pyyaml, tqdm, rich and
+# numpy are there): omegaconf (which vendors antlr4), pinned as in requirements.txt, for
+# CPython 3.12 on x86-64.
+GPU_WHEELS := $(shell grep -E '^omegaconf==' requirements.txt)
+gpu-wheels:
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d wheels $(GPU_WHEELS)
+	@du -sh wheels
 
 clean:
 	rm -rf build *.egg-info hybridflow_comm/_C*.so engine/_decode*.so engine/_kernels*.so

@@ -1,0 +1,257 @@
+"""The prepared GPU check (``make gpu-check``): every step a GPU must pass, in one run, one JSON
+each, each step under its own timeout so that one failure does not lose the rest.
+
+    python -m bench.gpu_check [--device cuda|cpu] [--quick] [--out DIR] [--budget-s S]
+
+Steps, in order (``--device cpu`` runs the same steps on CPU: the dry run CI keeps alive):
+
+====================  ==============================================================
+``env``               ``nvidia-smi``, ``torch.__version__``, CUDA and the device's name
+``install_wheels``    the carried wheels of ``wheels/`` (``make gpu-wheels``) into a
+                      scratch site put on ``PYTHONPATH`` of every later step
+``build``             the C++ extensions (``setup.py build_ext --inplace``; ``--quick``:
+                      import the built ones)
+``pytest_gpu``        ``pytest -m gpu`` over the test files that carry the marker
+``main_job``          ``rlhf.main_job`` at world size 1 (bf16 on CUDA); ``--quick``: one
+                      tiny RL iteration of ``rlhf.train`` without the SFT warm start
+``bench_generation``  ``bench/generation.py --device D``
+``bench_roofline``    ``bench/roofline.py --device D``
+``bench_e2e``         ``bench/e2e.py --device D``
+====================  ==============================================================
+
+Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds``,
+``timed_out``, ``skipped`` (the reason, or null), ``tail`` (the end of its output) and
+``figures`` (what was parsed: test counts, held-out accuracy, a bench's own JSON).  A bench
+that does not take ``--device`` yet is recorded as skipped with that reason.  The folder is
+``$OUT`` when set, else ``bench/results/gpu/<date>-<device>/``; a whole run stays inside
+``--budget-s`` (a step that would start past it is recorded as skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHEELS = os.path.join(ROOT, "wheels")
+TAIL_CHARS = 4000
+KEYS = ("name", "command", "rc", "seconds", "timed_out", "skipped", "tail", "figures")
+"""The keys of every step's JSON."""
+
+ENV_PROBE = r"""
+import json, subprocess, torch
+info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+        "cuda": torch.version.cuda}
+if torch.cuda.is_available():
+    info["device_name"] = torch.cuda.get_device_name(0)
+    info["capability"] = list(torch.cuda.get_device_capability(0))
+    info["bf16"] = torch.cuda.is_bf16_supported()
+try:
+    info["nvidia_smi"] = subprocess.run(["nvidia-smi"], capture_output=True, text=True,
+                                        timeout=20).stdout
+except (OSError, subprocess.SubprocessError) as e:
+    info["nvidia_smi"] = f"unavailable: {e}"
+print(json.dumps(info))
+"""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of the check.
+
+    Attributes:
+        name: the step's name (its JSON is ``NN_name.json``).
+        argv: the command.
+        timeout_s: the step's own limit.
+        parse: ``(output, rc) -> figures``.
+        skip: the reason it cannot run here (recorded, nothing run), or None.
+        env: extra environment variables.
+    """
+
+    name: str
+    argv: list[str]
+    timeout_s: float
+    parse: Callable[[str, int], dict] = lambda out, rc: {}
+    skip: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _run(argv: list[str], timeout_s: float, env: dict[str, str]) -> tuple[int, bool, str]:
+    """``(rc, timed_out, output)``; on timeout the whole process group is killed (torchrun's
+    ranks included) and rc is 124."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        try:
+            rc, timed_out = proc.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc, timed_out = 124, True
+        log.seek(0)
+        return rc, timed_out, log.read()
+
+
+def run_step(step: Step, index: int, out_dir: str, remaining_s: float,
+             env: dict[str, str]) -> dict:
+    """Run one step within ``min(step.timeout_s, remaining_s)`` and write its JSON."""
+    record = {"name": step.name, "command": shlex.join(step.argv), "rc": None, "seconds": 0.0,
+              "timed_out": False, "skipped": step.skip, "tail": "", "figures": {}}
+    if step.skip is None and remaining_s < 1:
+        record["skipped"] = "the check's time budget was spent"
+    if record["skipped"] is None:
+        t0 = time.perf_counter()
+        rc, timed_out, out = _run(step.argv, min(step.timeout_s, remaining_s),
+                                  {**env, **step.env})
+        record.update(rc=rc, timed_out=timed_out, tail=out[-TAIL_CHARS:],
+                      seconds=round(time.perf_counter() - t0, 2))
+        try:
+            record["figures"] = step.parse(out, rc)
+        except (ValueError, OSError, KeyError) as e:
+            record["figures"] = {"parse_error": repr(e)}
+        if rc != 0 and "unrecognized arguments: --device" in out:
+            record["skipped"] = "the bench does not take --device yet"
+    with open(os.path.join(out_dir, f"{index:02d}_{step.name}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"[gpu_check] {step.name}: rc={record['rc']} {record['seconds']} s"
+          f"{' (skipped: ' + record['skipped'] + ')' if record['skipped'] else ''}", flush=True)
+    return record
+
+
+def run_steps(steps: list[Step], out_dir: str, budget_s: float,
+              env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``steps`` in order, each recorded whatever the others did."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ if env is None else env)
+    deadline = time.perf_counter() + budget_s
+    return [run_step(s, i, out_dir, deadline - time.perf_counter(), env)
+            for i, s in enumerate(steps)]
+
+
+# Parsers -------------------------------------------------------------------------------------
+def _last_json_line(out: str, rc: int) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _pytest_counts(out: str, rc: int) -> dict:
+    return {k: int(n) for n, k in re.findall(
+        r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", out)}
+
+
+def _held_out(out: str, rc: int) -> dict:
+    m = re.search(r"held-out greedy accuracy: SFT ([\d.]+) -> final ([\d.]+)", out)
+    return {"sft_accuracy": float(m[1]), "final_accuracy": float(m[2])} if m else {}
+
+
+def _bench_json(path: str) -> Callable[[str, int], dict]:
+    def parse(out: str, rc: int) -> dict:
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+    return parse
+
+
+# The plan ------------------------------------------------------------------------------------
+def gpu_test_files() -> list[str]:
+    """The test files that carry the ``gpu`` marker."""
+    files = sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
+    return [os.path.relpath(p, ROOT) for p in files if "mark.gpu" in open(p).read()]
+
+
+def _main_job(device: str, quick: bool, py: str) -> list[str]:
+    precision = "bf16" if device == "cuda" else "fp32"
+    if not quick:
+        return [py, "-m", "rlhf.main_job", "--nproc", "1", f"device={device}",
+                f"precision={precision}", "actor.layout.tp=1"]
+    return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            "-m", "rlhf.train", "algo=grpo", "iterations=1", "actor.layout.tp=1",
+            f"device={device}", f"precision={precision}", "data.prompts_per_iter=2",
+            "data.samples_per_prompt=2", "data.mini_batch_size=4", "data.micro_batch_size=2",
+            "log.run_name=gpu_check", "checkpoint.resume=never"]
+
+
+def plan(device: str, quick: bool, scratch: str) -> list[Step]:
+    """The check's steps for ``device``; ``quick`` shrinks each to seconds."""
+    py = sys.executable
+    wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
+    site = os.path.join(scratch, "site")
+    limit = (lambda s: min(s, 45)) if quick else (lambda s: s)
+    build = ([py, "-c", "import torch, hybridflow_comm._C, engine._kernels"] if quick else
+             [py, "setup.py", "build_ext", "--inplace"])
+    benches = {"generation": ["--no-multirank"] + (["--batch", "2", "--new-tokens", "4",
+                                                    "--repeat", "1"] if quick else []),
+               "roofline": ["--no-reshard"] + (["--repeat", "1"] if quick else []),
+               "e2e": ["--nproc", "1"] + (["--steps", "2", "--rounds", "1"] if quick else [])}
+    steps = [
+        Step("env", [py, "-c", ENV_PROBE], limit(30), _last_json_line),
+        Step("install_wheels",
+             [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+              "--no-cache-dir", "--upgrade", "--target", site, *wheels], limit(90),
+             skip=None if wheels else "no wheels in wheels/ (make gpu-wheels)"),
+        Step("build", build, limit(300), env={"MAX_JOBS": str(os.cpu_count() or 1)}),
+        Step("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
+                            "--continue-on-collection-errors", *gpu_test_files()],
+             limit(150), _pytest_counts),
+        Step("main_job", _main_job(device, quick, py), 60 if quick else 240,
+             _held_out, env={"OMP_NUM_THREADS": "1"}),
+    ]
+    for name, extra in benches.items():
+        out = os.path.join(scratch, f"{name}.json")
+        steps.append(Step(f"bench_{name}", [py, "-m", f"bench.{name}", "--device", device,
+                                            "--json", out, *extra], limit(120),
+                          _bench_json(out)))
+    return steps
+
+
+def default_out_dir(device: str) -> str:
+    """``$OUT`` when set, else ``bench/results/gpu/<date>-<device name>/``."""
+    if os.environ.get("OUT"):
+        return os.environ["OUT"]
+    name = "cpu"
+    if device == "cuda":
+        try:
+            name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=20).stdout
+            name = name.splitlines()[0] if name.strip() else "cuda"
+        except (OSError, subprocess.SubprocessError):
+            name = "cuda"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return os.path.join(ROOT, "bench", "results", "gpu", f"{datetime.date.today()}-{slug}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--quick", action="store_true", help="each step shrunk to seconds")
+    p.add_argument("--out", default=None, help="output folder (default: $OUT, else "
+                                               "bench/results/gpu/<date>-<device>/)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="the whole check's limit (default 470 s, 120 s with --quick)")
+    a = p.parse_args(argv)
+    out_dir = a.out or default_out_dir(a.device)
+    budget = a.budget_s if a.budget_s is not None else (120.0 if a.quick else 470.0)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.join(scratch, "site"), ROOT, os.environ.get("PYTHONPATH", "")]))
+        records = run_steps(plan(a.device, a.quick, scratch), out_dir, budget, env)
+    failed = [r["name"] for r in records if r["rc"] not in (None, 0) and not r["skipped"]]
+    print(f"[gpu_check] {len(records)} steps in {out_dir}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

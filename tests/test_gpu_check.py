@@ -1,0 +1,71 @@
+"""The prepared GPU check: its runner keeps every step's record whatever the others do, and its
+CPU dry run (the same steps as on a GPU, shrunk) writes one JSON per step."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from bench import gpu_check
+from bench.gpu_check import KEYS, Step, run_steps
+
+PY = sys.executable
+
+
+def _records(out_dir):
+    names = sorted(os.listdir(out_dir))
+    return names, [json.load(open(os.path.join(out_dir, n))) for n in names]
+
+
+def test_a_failing_step_is_recorded_and_the_rest_still_run(tmp_path):
+    steps = [Step("fails", [PY, "-c", "import sys; print('boom'); sys.exit(3)"], 30),
+             Step("hangs", [PY, "-c", "import time; print('started', flush=True); "
+                                      "time.sleep(60)"], 1),
+             Step("skipped", [PY, "-c", "raise SystemExit(9)"], 30, skip="not here"),
+             Step("figures", [PY, "-c", "print('{\"x\": 2}')"], 30,
+                  gpu_check._last_json_line)]
+    run_steps(steps, str(tmp_path), budget_s=60)
+    names, recs = _records(tmp_path)
+    assert names == ["00_fails.json", "01_hangs.json", "02_skipped.json", "03_figures.json"]
+    assert all(set(r) == set(KEYS) for r in recs)
+    fails, hangs, skipped, figures = recs
+    assert fails["rc"] == 3 and "boom" in fails["tail"] and not fails["timed_out"]
+    assert hangs["timed_out"] and hangs["rc"] == 124 and "started" in hangs["tail"]
+    assert hangs["seconds"] < 30  # killed at its own limit, not the budget's
+    assert skipped["rc"] is None and skipped["skipped"] == "not here"
+    assert figures["rc"] == 0 and figures["figures"] == {"x": 2}
+
+
+def test_steps_past_the_budget_are_recorded_as_skipped(tmp_path):
+    run_steps([Step("late", [PY, "-c", "pass"], 30)], str(tmp_path), budget_s=0)
+    _, (late,) = _records(tmp_path)
+    assert late["rc"] is None and "budget" in late["skipped"]
+
+
+def test_pytest_counts_and_held_out_parsers():
+    out = "== 3 passed, 2 skipped, 1 failed, 9 deselected in 4.1s =="
+    assert gpu_check._pytest_counts(out, 1) == {"passed": 3, "skipped": 2, "failed": 1,
+                                                "deselected": 9}
+    line = "[main_job] held-out greedy accuracy: SFT 0.605 -> final 0.980 (+0.375); ..."
+    assert gpu_check._held_out(line, 0) == {"sft_accuracy": 0.605, "final_accuracy": 0.98}
+
+
+def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
+    proc = subprocess.run([PY, "-m", "bench.gpu_check", "--device", "cpu", "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=400, cwd=gpu_check.ROOT)
+    names, recs = _records(tmp_path)
+    want = [s.name for s in gpu_check.plan("cpu", True, str(tmp_path))]
+    assert names == [f"{i:02d}_{n}.json" for i, n in enumerate(want)], proc.stdout[-2000:]
+    assert all(set(r) == set(KEYS) for r in recs)
+    env = recs[0]
+    assert env["rc"] == 0 and env["figures"]["torch"] == torch.__version__
+    assert env["figures"]["cuda_available"] == torch.cuda.is_available()
+    by_name = {r["name"]: r for r in recs}
+    assert by_name["build"]["rc"] == 0, by_name["build"]["tail"]
+    assert by_name["pytest_gpu"]["rc"] == 0, by_name["pytest_gpu"]["tail"]
+    assert by_name["main_job"]["rc"] == 0, by_name["main_job"]["tail"]
+    counts = by_name["pytest_gpu"]["figures"]
+    assert counts.get("skipped", 0) + counts.get("passed", 0) >= 1
