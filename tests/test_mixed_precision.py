@@ -31,6 +31,7 @@ from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.checkpoint import MOMENTS, read_sharded
 from rlhf.workers.common import ShardCheckpoint
+from tests.test_engine_model import _hf_model
 
 CFG32 = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=4, num_kv_heads=2, rope_theta=500.0, tie_word_embeddings=False)
@@ -249,15 +250,9 @@ class _Float32Watch(TorchDispatchMode):
 
 
 def _hf_bf16(folder: str):
-    import transformers
-
-    torch.manual_seed(3)
-    hf = transformers.LlamaForCausalLM(config_to_hf(CFG32)).eval()
-    with torch.no_grad():  # HF inits norms to 1: perturb them so the test sees their use
-        for n, p in hf.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    hf.to(torch.bfloat16).save_pretrained(folder)
+    """A tiny transformers Llama written by transformers in bf16."""
+    hf = _hf_model(CFG32, seed=3).to(torch.bfloat16)
+    hf.save_pretrained(folder)
     return hf
 
 
