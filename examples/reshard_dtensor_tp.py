@@ -1,7 +1,8 @@
 """Reshard a model parallelized with torch's DTensor TP plan: train tp=4 -> generate tp=2.
 
-    torchrun --nproc_per_node=4 examples/reshard_dtensor_tp.py
+    torchrun --nproc_per_node=4 examples/reshard_dtensor_tp.py [--device auto|cpu|cuda]
 """
+import argparse
 import os
 import sys
 from functools import partial
@@ -15,8 +16,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 import hybridflow_comm as hc
+from hybridflow_comm.devices import init_process_group, resolve_device
 
-dist.init_process_group("gloo")
+cli = argparse.ArgumentParser()
+cli.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+device = resolve_device(cli.parse_args().device)  # cuda:<LOCAL_RANK> or cpu
+init_process_group(device, timeout_s=300)  # gloo on cpu, NCCL (and gloo) on cuda
 rank = dist.get_rank()
 layout = hc.HybridLayout(hc.ParallelLayout(pp=1, tp=4, dp=1), pp_g=1, tp_g=2)
 
@@ -29,9 +34,10 @@ model = nn.ModuleDict({"tok_embeddings": nn.Embedding(V, H), "layers": nn.Module
                    "wv": linear(H, H), "wo": linear(H, H), "ffn_norm": nn.RMSNorm(H),
                    "w1": linear(H, FF), "w2": linear(FF, H), "w3": linear(H, FF)})
     for _ in range(LAYERS)), "norm": nn.RMSNorm(H), "output": linear(H, V)})
+model.to(device)  # initialised on the host from the seed, the same on every device
 full = {n: t.detach().clone() for n, t in model.state_dict().items()}
 
-mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+mesh = init_device_mesh(device.type, (4,), mesh_dim_names=("tp",))
 plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()), "output": ColwiseParallel()}
 plan |= {f"layers.*.{w}": ColwiseParallel() for w in ("wq", "wk", "wv", "w1", "w3")}
 plan |= {f"layers.*.{w}": RowwiseParallel() for w in ("wo", "w2")}
@@ -52,7 +58,7 @@ bad = [n for n in gen.keys() | want.keys()
        if n not in gen or n not in want or not torch.equal(gen[n], want[n])]
 if bad:
     print(f"rank {rank}: generation tensors differ: {sorted(bad)}", file=sys.stderr)
-failures = torch.tensor([len(bad)])
+failures = torch.tensor([len(bad)], device=device)
 dist.all_reduce(failures)
 minimum = transition.minimum_received_bytes()
 if rank == 0:

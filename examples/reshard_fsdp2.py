@@ -1,7 +1,8 @@
 """Reshard a model sharded with FSDP2 (fully_shard) over 4 ranks to generation tp=2.
 
-    torchrun --nproc_per_node=4 examples/reshard_fsdp2.py
+    torchrun --nproc_per_node=4 examples/reshard_fsdp2.py [--device auto|cpu|cuda]
 """
+import argparse
 import os
 import sys
 from collections import OrderedDict
@@ -14,8 +15,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import hybridflow_comm as hc
+from hybridflow_comm.devices import init_process_group, resolve_device
 
-dist.init_process_group("gloo")
+cli = argparse.ArgumentParser()
+cli.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+device = resolve_device(cli.parse_args().device)  # cuda:<LOCAL_RANK> or cpu
+init_process_group(device, timeout_s=300)  # gloo on cpu, NCCL (and gloo) on cuda
 rank = dist.get_rank()
 
 # A torchtitan-style Llama's weights and names (forward left out), from one seed on every rank.
@@ -35,9 +40,10 @@ torch.manual_seed(0)
 model = nn.Sequential(OrderedDict(
     tok_embeddings=nn.Embedding(V, H), layers=nn.Sequential(*(Block() for _ in range(LAYERS))),
     norm=nn.RMSNorm(H), output=linear(H, V)))
+model.to(device)  # initialised on the host from the seed, the same on every device
 full = {n: t.detach().clone() for n, t in model.state_dict().items()}
 
-mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+mesh = init_device_mesh(device.type, (4,), mesh_dim_names=("dp",))
 for block in model.layers:
     fully_shard(block, mesh=mesh)
 fully_shard(model, mesh=mesh)  # every parameter: a DTensor, Shard(0) over "dp"
@@ -57,7 +63,7 @@ bad = [n for n in gen.keys() | want.keys()
        if n not in gen or n not in want or not torch.equal(gen[n], want[n])]
 if bad:
     print(f"rank {rank}: generation tensors differ: {sorted(bad)}", file=sys.stderr)
-failures = torch.tensor([len(bad)])
+failures = torch.tensor([len(bad)], device=device)
 dist.all_reduce(failures)
 minimum = transition.minimum_received_bytes()
 if rank == 0:

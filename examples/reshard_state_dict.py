@@ -1,7 +1,8 @@
 """Reshard a plain tensor-parallel state dict: train tp=4 -> generate tp=2, bit-exact.
 
-    torchrun --nproc_per_node=4 examples/reshard_state_dict.py
+    torchrun --nproc_per_node=4 examples/reshard_state_dict.py [--device auto|cpu|cuda]
 """
+import argparse
 import os
 import sys
 
@@ -9,8 +10,12 @@ import torch
 import torch.distributed as dist
 
 import hybridflow_comm as hc
+from hybridflow_comm.devices import init_process_group, resolve_device
 
-dist.init_process_group("gloo")
+cli = argparse.ArgumentParser()
+cli.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+device = resolve_device(cli.parse_args().device)  # cuda:<LOCAL_RANK> or cpu
+init_process_group(device, timeout_s=300)  # gloo on cpu, NCCL (and gloo) on cuda
 rank = dist.get_rank()
 layout = hc.HybridLayout(hc.ParallelLayout(pp=1, tp=4, dp=1), pp_g=1, tp_g=2)
 
@@ -21,7 +26,7 @@ full, dims = {}, {}
 for i in range(LAYERS):
     for name, shape, dim in [("q", (H, H), 0), ("o", (H, H), 1), ("norm", (H,), None),
                              ("up", (FF, H), 0), ("down", (H, FF), 1)]:
-        full[f"layers.{i}.{name}"] = torch.randn(shape, generator=g)
+        full[f"layers.{i}.{name}"] = torch.randn(shape, generator=g).to(device)
         dims[f"layers.{i}.{name}"] = dim
 
 # This rank's training shards, cut the Megatron way, and one spec per tensor.
@@ -41,7 +46,7 @@ bad = [n for n in gen.keys() | want.keys()
        if n not in gen or n not in want or not torch.equal(gen[n], want[n])]
 if bad:
     print(f"rank {rank}: generation tensors differ: {sorted(bad)}", file=sys.stderr)
-failures = torch.tensor([len(bad)])
+failures = torch.tensor([len(bad)], device=device)
 dist.all_reduce(failures)
 minimum = transition.minimum_received_bytes()
 if rank == 0:

@@ -147,7 +147,7 @@ def from_megatron(model: nn.Module, layout: HybridLayout, *,
     specs = merge_stage_specs(specs, groups.train_pp)
     if not bind:
         return _loaded(specs, groups, {n: p.detach() for n, p in params.items()}, bucket_bytes)
-    rs = Resharder(specs, groups, bucket_bytes=bucket_bytes)
+    rs = Resharder(specs, groups, bucket_bytes=bucket_bytes, device=_device_of(params))
     _megatron.bind_megatron_params(params, rs.buffer)
     return rs
 
@@ -168,6 +168,11 @@ def _layout_rank(layout: HybridLayout, groups: HybridGroups | None, bucket_bytes
 
 def _loaded(specs: list[ShardSpec], groups: HybridGroups, local: Mapping[str, torch.Tensor],
             bucket_bytes: int) -> Resharder:
-    rs = Resharder(specs, groups, bucket_bytes=bucket_bytes)
+    rs = Resharder(specs, groups, bucket_bytes=bucket_bytes, device=_device_of(local))
     load_local_tensors(rs.buffer, local)
     return rs
+
+
+def _device_of(local: Mapping[str, torch.Tensor]) -> torch.device:
+    """The buffer's device: the training tensors' (cpu for a rank that holds none)."""
+    return next(iter(local.values())).device if local else torch.device("cpu")

@@ -67,6 +67,7 @@ class Resharder:
         ledger: where bytes are recorded (a new one by default).
         buffer: an existing flat buffer built from ``slot_specs(specs, layout, rank)``.
         backend: how bytes move (torch.distributed by default; see :mod:`hybridflow_comm.comm`).
+        device: where a new buffer lives (default cpu).
 
     Construction is collective over the layout's ranks: they exchange a digest of their specs
     and raise ValueError on every rank when any rank differs.
@@ -77,10 +78,11 @@ class Resharder:
     def __init__(self, specs: list[ShardSpec], groups: HybridGroups, *,
                  bucket_bytes: int = BUCKET_BYTES, verify_every: bool = False,
                  ledger: CommLedger | None = None, buffer: FlatParamBuffer | None = None,
-                 backend: comm.Backend = comm.TORCH) -> None:
+                 backend: comm.Backend = comm.TORCH,
+                 device: torch.device | str | None = None) -> None:
         check_bucket_bytes(bucket_bytes)
         self.weights = HybridWeights(specs, groups, self.method, verify_every=verify_every,
-                                     ledger=ledger, buffer=buffer)
+                                     ledger=ledger, buffer=buffer, device=device)
         self.bucket_bytes = bucket_bytes
         self.backend = backend
         self._last: TransitionStats | None = None

@@ -93,6 +93,8 @@ class HybridWeights:
         verify_every: run :meth:`verify` after every transition (debug setting).
         ledger: where bytes are recorded (a new one by default).
         buffer: an existing flat buffer built from ``slot_specs(specs, layout, rank)``.
+        device: where a new buffer lives (default cpu); every tensor of the transition's
+            collectives is on the buffer's device.
 
     Construction is collective over the layout's ranks: they exchange a digest of their specs
     and method, and raise ValueError on every rank when any rank differs.
@@ -100,7 +102,8 @@ class HybridWeights:
 
     def __init__(self, specs: list[ShardSpec], groups: HybridGroups, method: str, *,
                  verify_every: bool = False, ledger: CommLedger | None = None,
-                 buffer: FlatParamBuffer | None = None) -> None:
+                 buffer: FlatParamBuffer | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.layout = groups.layout
         check_specs(specs, self.layout.train)
         self.specs = list(specs)
@@ -110,7 +113,7 @@ class HybridWeights:
         self.ledger = ledger if ledger is not None else CommLedger()
         mine = slot_specs(self.specs, self.layout, groups.rank)
         if buffer is None:
-            buffer = FlatParamBuffer(mine)
+            buffer = FlatParamBuffer(mine, device=device or "cpu")
         elif buffer.specs != mine:
             raise ValueError("the flat buffer was not built from slot_specs(specs, layout, rank)")
         self.buffer = buffer

@@ -18,20 +18,24 @@ RESULT = re.compile(r"^(\w+): (\d+) tensors bit-exact, received ([\d.]+) MiB/ran
                     r"\(minimum ([\d.]+) MiB\)$", re.MULTILINE)
 
 
-def torchrun_example(name: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun_example(name: str, timeout: float = 300,
+                     nccl_rules: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=4 EXAMPLE --device cpu``; with ``nccl_rules``, through
+    ``-m tests.nccl_rules`` (NCCL's rules enforced in every rank)."""
     # The scripts import hybridflow_comm like an installed package; the repository root on
     # PYTHONPATH makes that true for a checkout that was not pip-installed too.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    rules = ["-m", "tests.nccl_rules"] if nccl_rules else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "4", os.path.join(ROOT, "examples", f"{name}.py")]
+           "4", *rules, os.path.join(ROOT, "examples", f"{name}.py"), "--device", "cpu"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_example_reshards_bit_exact_with_minimum_bytes(name):
-    proc = torchrun_example(name)
+def test_example_reshards_bit_exact_with_minimum_bytes(name, nccl_rules=False):
+    proc = torchrun_example(name, nccl_rules=nccl_rules)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = RESULT.findall(proc.stdout)
     assert len(results) == 1, proc.stdout

@@ -109,7 +109,7 @@ class GatherThenSlice:
 
     def __call__(self) -> int:
         buf = self.weights.buffer
-        scratch = torch.zeros(self.group.size * self.part, dtype=torch.uint8)
+        scratch = torch.zeros(self.group.size * self.part, dtype=torch.uint8, device=buf.device)
         for dtype, (src, dst, n) in self._pack.items():
             _C.copy_bytes(buf.byte_storage(dtype), scratch, src, dst, n)
         mine = scratch[self.section_start:self.section_start + self.part]
