@@ -25,6 +25,12 @@ Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds`
 that does not take ``--device`` yet is recorded as skipped with that reason.  The folder is
 ``$OUT`` when set, else ``bench/results/gpu/<date>-<device>/``; a whole run stays inside
 ``--budget-s`` (a step that would start past it is recorded as skipped).
+
+On a lent GPU machine (no network), from the repository root where pip works: ``make
+gpu-wheels`` once, then run ``make gpu-check`` there with ``wheels`` carried (and
+``runs/cache``, the main job's cached SFT warm start, which it reuses when its settings
+match).  One GPU runs one NCCL rank: multi-GPU correctness rests on the CPU tests of the NCCL
+rules.
 """
 
 from __future__ import annotations
@@ -175,8 +181,9 @@ def gpu_test_files() -> list[str]:
 def _main_job(device: str, quick: bool, py: str) -> list[str]:
     precision = "bf16" if device == "cuda" else "fp32"
     if not quick:
+        # 30 RL iterations (the main job's 60 need not fit the check's budget)
         return [py, "-m", "rlhf.main_job", "--nproc", "1", f"device={device}",
-                f"precision={precision}", "actor.layout.tp=1"]
+                f"precision={precision}", "actor.layout.tp=1", "iterations=30"]
     return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             "-m", "rlhf.train", "algo=grpo", "iterations=1", "actor.layout.tp=1",
             f"device={device}", f"precision={precision}", "data.prompts_per_iter=2",
@@ -206,8 +213,9 @@ def plan(device: str, quick: bool, scratch: str) -> list[Step]:
         Step("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
                             "--continue-on-collection-errors", *gpu_test_files()],
              limit(150), _pytest_counts),
-        Step("main_job", _main_job(device, quick, py), 60 if quick else 240,
-             _held_out, env={"OMP_NUM_THREADS": "1"}),
+        # the RL ranks run with one thread each, as the main job starts them
+        Step("main_job", _main_job(device, quick, py), 90 if quick else 240, _held_out,
+             env={"OMP_NUM_THREADS": "1"} if quick else {}),
     ]
     for name, extra in benches.items():
         out = os.path.join(scratch, f"{name}.json")
@@ -240,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else "
                                                "bench/results/gpu/<date>-<device>/)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="the whole check's limit (default 470 s, 120 s with --quick)")
+                   help="the whole check's limit (default 470 s, 180 s with --quick)")
     a = p.parse_args(argv)
     out_dir = a.out or default_out_dir(a.device)
-    budget = a.budget_s if a.budget_s is not None else (120.0 if a.quick else 470.0)
+    budget = a.budget_s if a.budget_s is not None else (180.0 if a.quick else 470.0)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.join(scratch, "site"), ROOT, os.environ.get("PYTHONPATH", "")]))

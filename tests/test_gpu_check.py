@@ -22,7 +22,7 @@ def _records(out_dir):
 def test_a_failing_step_is_recorded_and_the_rest_still_run(tmp_path):
     steps = [Step("fails", [PY, "-c", "import sys; print('boom'); sys.exit(3)"], 30),
              Step("hangs", [PY, "-c", "import time; print('started', flush=True); "
-                                      "time.sleep(60)"], 1),
+                                      "time.sleep(60)"], 5),
              Step("skipped", [PY, "-c", "raise SystemExit(9)"], 30, skip="not here"),
              Step("figures", [PY, "-c", "print('{\"x\": 2}')"], 30,
                   gpu_check._last_json_line)]
