@@ -7,7 +7,7 @@ receives ``(n - 1) * S``; a broadcast of ``S`` bytes receives ``S`` on every non
 ``(n - 1) * S`` from the root.  Groups of one rank skip the collective and record nothing.
 
 The data movement itself goes through a backend: ``TorchBackend`` (torch.distributed on the
-group's ProcessGroup: gloo here, NCCL on GPUs) by default, or any object with the same three
+group's ProcessGroup: gloo here, NCCL on GPUs) by default, or any object with the same four
 methods.
 
 Every call keeps to NCCL's rules, so one code path serves both backends: tensors contiguous,
@@ -58,6 +58,8 @@ class Backend(Protocol):
     """How bytes move for a group (the ledger counts them either way)."""
 
     def all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> None: ...
+
+    def all_gather_regions(self, regions: list[torch.Tensor], group: Group) -> None: ...
 
     def all_gather_views(self, outputs: list[torch.Tensor], group: Group) -> None: ...
 
@@ -210,7 +212,7 @@ def all_gather_regions(regions: list[torch.Tensor], group: Group, ledger: CommLe
     Each region is a contiguous 1-D ``[n * part]`` tensor holding this member's part in place
     at ``[rank * part, (rank + 1) * part)`` (a resharder's ``[m, slot]`` generation region);
     afterwards part ``k`` is member ``k``'s.  One call is recorded, with the bytes of every
-    region.  Backends without ``all_gather_regions`` gather region by region.
+    region.
     """
     n = group.size
     bad = [(i, r.numel(), r.is_contiguous(), r.dtype, str(r.device))
@@ -222,12 +224,7 @@ def all_gather_regions(regions: list[torch.Tensor], group: Group, ledger: CommLe
                          f"device")
     if n == 1 or not regions:
         return
-    gather = getattr(backend, "all_gather_regions", None)
-    if gather is not None:
-        gather(regions, group)
-    else:
-        for region in regions:
-            backend.all_gather_into(region, region.chunk(n)[group.rank], group)
+    backend.all_gather_regions(regions, group)
     nbytes = sum(r.nbytes for r in regions) // n
     ledger.record(label, (n - 1) * nbytes, (n - 1) * nbytes)
 
