@@ -152,11 +152,12 @@ class _QKVHeads(torch.autograd.Function):
 
 
 def _mask_bias(mask: torch.Tensor | None, b: int, s: int, kv_len: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The additive ``[B, 1, S, S_kv]`` form (0 / -inf) of a boolean mask (None: causal)."""
+               like: torch.Tensor) -> torch.Tensor:
+    """The additive ``[B, 1, S, S_kv]`` form (0 / -inf) of a boolean mask (None: causal), of
+    ``like``'s dtype and device."""
     if mask is None:
-        mask = torch.ones(s, kv_len, dtype=torch.bool).tril_()
-    bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        mask = torch.ones(s, kv_len, dtype=torch.bool, device=like.device).tril_()
+    bias = like.new_zeros(mask.shape).masked_fill_(~mask, float("-inf"))
     return bias.expand(b, 1, s, kv_len)
 
 
@@ -185,7 +186,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return torch.cat([attention(q[i:j], k[i:j], v[i:j], _rows(mask, i, j, b))
                           for i, j in chunks])
     qpg = h_q // h_kv
-    bias = _mask_bias(mask, b, s, kv_len, q.dtype)
+    bias = _mask_bias(mask, b, s, kv_len, q)
     qg = q.view(b, s, h_kv, qpg, d).permute(0, 2, 3, 1, 4).reshape(b * h_kv, qpg * s, d)
     kg, vg = (t.permute(0, 2, 1, 3).reshape(b * h_kv, kv_len, d) for t in (k, v))
     out = _GroupedAttention.apply(qg * (1.0 / math.sqrt(d)), kg, vg, bias)
@@ -216,5 +217,5 @@ def attention_from_qkv(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.
                                              _rows(mask, i, j, b), q_per_group, head_dim)
                           for i, j in chunks])
     qg, kg, vg = _QKVHeads.apply(qkv, bias, cos, sin, q_per_group, 1.0 / math.sqrt(head_dim))
-    out = _GroupedAttention.apply(qg, kg, vg, _mask_bias(mask, b, s, s, qkv.dtype))
+    out = _GroupedAttention.apply(qg, kg, vg, _mask_bias(mask, b, s, s, qkv))
     return _merge_heads(out, b, s, h_kv, q_per_group, head_dim)

@@ -32,6 +32,15 @@ import torch
 
 COMPACT_DIVISOR = 8
 """Compact once the finished rows are at least 1/COMPACT_DIVISOR of the running rows."""
+DEVICE_CHECK_EVERY = 4
+"""On an accelerator, the finished rows are counted (a device-to-host sync) after every
+DEVICE_CHECK_EVERY-th decode step only; on the CPU after every step, where counting costs no
+sync.  Between counts the finished rows keep running and are recorded as padding."""
+
+
+def check_every(device: torch.device) -> int:
+    """Decode steps between two counts of the finished rows on ``device`` (pure)."""
+    return 1 if device.type == "cpu" else DEVICE_CHECK_EVERY
 
 
 def decode_rows(running: int, alive: int) -> int:
@@ -45,15 +54,15 @@ class RunningRows:
     """The alive and running rows of one call, and the step counts of its stats.
 
     Args:
-        limits: ``[B]`` each row's ``max_new_tokens``.
+        limits: ``[B]`` each row's ``max_new_tokens`` (the rows' tensors live on its device).
         eos_token_id: the token that ends a row (None: none does).
     """
 
     def __init__(self, limits: torch.Tensor, eos_token_id: int | None) -> None:
         batch = limits.numel()
         self.limits, self.eos = limits, eos_token_id
-        self.alive = torch.ones(batch, dtype=torch.bool)
-        self.run = torch.arange(batch)
+        self.alive = torch.ones(batch, dtype=torch.bool, device=limits.device)
+        self.run = torch.arange(batch, device=limits.device)
         """``[R]`` the full-batch row of each running row."""
         self.at: slice | torch.Tensor = slice(None)
         """``run`` as an index of the full batch: a slice (every row) until the first
@@ -66,14 +75,22 @@ class RunningRows:
         """Count ``steps`` forward steps of every running row."""
         self.steps, self.row_steps = self.steps + steps, self.row_steps + steps * self.run.numel()
 
-    def finish_step(self, step: int, tokens: torch.Tensor) -> int:
+    def end_step(self, step: int, tokens: torch.Tensor) -> None:
         """After decode step ``step`` produced ``tokens [R]`` of the running rows: count it
-        and mark the rows it ended.  Returns the number of rows still alive."""
+        and mark the rows it ended (on the device, no sync)."""
         self.count_steps(1)
         if self.eos is not None:
             self.alive[self.at] = self.alive[self.at] & (tokens != self.eos)
         self.alive &= self.limits > step + 1
+
+    def alive_count(self) -> int:
+        """The rows still alive: a device-to-host sync off the CPU."""
         return int(self.alive.sum())
+
+    def finish_step(self, step: int, tokens: torch.Tensor) -> int:
+        """:meth:`end_step`, then the rows still alive (:meth:`alive_count`)."""
+        self.end_step(step, tokens)
+        return self.alive_count()
 
     def compact(self, alive: int) -> torch.Tensor | None:
         """Drop the finished rows when :func:`decode_rows` says so.  Returns the indices

@@ -77,6 +77,8 @@ class StageLayers:
     tp_group: Group | None
     """The generation TP group (None or a group of one: no collectives)."""
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
+    """Where the weights live (the kernel paths read CPU weights only)."""
 
     @property
     def tensor_parallel(self) -> bool:
@@ -94,12 +96,13 @@ class LayerPath(Protocol):
     def build(cls, stage: StageLayers) -> LayerPath | None:
         """The path over ``stage``, or None where it cannot read these weights."""
 
-    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor | None
                 ) -> torch.Tensor:
         """``x [B, S, H]`` through the stage's layers, writing the cache; ``[B, S, H]``.
 
         ``rope`` is the step's ``(cos, sin)`` ``[B, S, D]``; ``attn`` the boolean
-        ``[B, 1, S, length + S]`` mask over the cached and new keys (True = attend).
+        ``[B, 1, S, length + S]`` mask over the cached and new keys (True = attend), or None
+        where no key is padding (causal; :func:`engine.layers.attention`).
         """
 
 
@@ -124,23 +127,26 @@ def _unread_keys(layer_keys: Iterable[str]) -> list[str]:
     return [k for k in layer_keys if k not in LAYER_KEYS and k not in DECODE_EXTRA_KEYS]
 
 
-def kernels_available(dtype: torch.dtype, layer_keys: Iterable[str]) -> bool:
-    """Whether the decode kernels can run layers of ``dtype`` with the weights ``layer_keys``:
-    extension built, float32, only :data:`engine.llama_spec.LAYER_KEYS` and
-    :data:`DECODE_EXTRA_KEYS`."""
-    return _kernels is not None and dtype == torch.float32 and not _unread_keys(layer_keys)
+def kernels_available(dtype: torch.dtype, layer_keys: Iterable[str],
+                      device: torch.device | str = "cpu") -> bool:
+    """Whether the decode kernels can run layers of ``dtype`` with the weights ``layer_keys``
+    on ``device``: extension built, CPU, float32, only :data:`engine.llama_spec.LAYER_KEYS`
+    and :data:`DECODE_EXTRA_KEYS`."""
+    return (_kernels is not None and torch.device(device).type == "cpu"
+            and dtype == torch.float32 and not _unread_keys(layer_keys))
 
 
 def resolve_kernels(fused_decode: bool | None, dtype: torch.dtype,
-                    layer_keys: Iterable[str]) -> bool:
-    """Whether to decode layers of ``dtype`` with the weights ``layer_keys`` on the kernels
-    for the user's ``fused_decode`` (None: where :func:`kernels_available`); ValueError for
-    True where they cannot."""
+                    layer_keys: Iterable[str], device: torch.device | str = "cpu") -> bool:
+    """Whether to decode layers of ``dtype`` with the weights ``layer_keys`` on ``device`` on
+    the kernels for the user's ``fused_decode`` (None: where :func:`kernels_available`);
+    ValueError for True where they cannot."""
     layer_keys = tuple(layer_keys)
-    ok = kernels_available(dtype, layer_keys)
+    ok = kernels_available(dtype, layer_keys, device)
     if fused_decode and not ok:
-        raise ValueError(f"fused_decode=True needs the engine._kernels extension, float32 and "
-                         f"plain Llama layers (dtype={dtype}, extension "
+        raise ValueError(f"fused_decode=True needs the engine._kernels extension, a CPU, "
+                         f"float32 and plain Llama layers (device={device}, dtype={dtype}, "
+                         f"extension "
                          f"{'present' if _kernels is not None else 'missing'}, weights the "
                          f"kernels lack: {_unread_keys(layer_keys)}); use fused_decode=None or "
                          f"False")
@@ -149,7 +155,7 @@ def resolve_kernels(fused_decode: bool | None, dtype: torch.dtype,
 
 def _kernels_for(stage: StageLayers) -> bool:
     """Whether the decode kernels read the stage's layers (:func:`kernels_available`)."""
-    return kernels_available(stage.dtype, {k for w in stage.weights for k in w})
+    return kernels_available(stage.dtype, {k for w in stage.weights for k in w}, stage.device)
 
 
 def _qkv_biases(stage: StageLayers) -> tuple[torch.Tensor | None, ...]:
@@ -158,9 +164,15 @@ def _qkv_biases(stage: StageLayers) -> tuple[torch.Tensor | None, ...]:
     return () if all(b is None for b in biases) else biases
 
 
-def _decode_tables(rope: Rope, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The one new position's ``cos, sin [B, D]`` and key mask ``[B, length + 1]``."""
-    return rope[0][:, 0], rope[1][:, 0], attn[:, 0, 0]
+def _decode_tables(rope: Rope, attn: torch.Tensor | None, cache: KVCache
+                   ) -> tuple[torch.Tensor, ...]:
+    """The one new position's ``cos, sin [B, D]`` and key mask ``[B, length + 1]`` (every key
+    where ``attn`` is None: no padding)."""
+    cos, sin = rope[0][:, 0], rope[1][:, 0]
+    if attn is None:
+        return cos, sin, torch.ones(cos.shape[0], cache.length + 1, dtype=torch.bool,
+                                    device=cos.device)
+    return cos, sin, attn[:, 0, 0]
 
 
 @register_layer_path
@@ -176,7 +188,7 @@ class PythonLayers:
     def build(cls, stage: StageLayers) -> PythonLayers:
         return cls(stage)
 
-    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor | None
                 ) -> torch.Tensor:
         s = self.stage
         for j, w in enumerate(s.weights):
@@ -212,10 +224,10 @@ class KernelStage:
         return cls(stage, tuple(w[k] for w in stage.weights for k in LAYER_KEYS),
                    _qkv_biases(stage))
 
-    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor | None
                 ) -> torch.Tensor:
         s = self.stage
-        cos, sin, key_mask = _decode_tables(rope, attn)
+        cos, sin, key_mask = _decode_tables(rope, attn, cache)
         return _kernels.decode_layers(x[:, 0], self.flat_weights, s.eps, cos, sin, cache.k,
                                       cache.v, cache.length, key_mask, s.q_per_group,
                                       self.qkv_biases, row_lanes=self.row_lanes).unsqueeze(1)
@@ -235,10 +247,10 @@ class KernelLayers:
     def build(cls, stage: StageLayers) -> KernelLayers | None:
         return cls(stage) if _kernels_for(stage) else None
 
-    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor
+    def forward(self, x: torch.Tensor, cache: KVCache, rope: Rope, attn: torch.Tensor | None
                 ) -> torch.Tensor:
         s, pos = self.stage, cache.length
-        cos, sin, key_mask = _decode_tables(rope, attn)
+        cos, sin, key_mask = _decode_tables(rope, attn, cache)
         x = x[:, 0]  # [B, H]
         for j, w in enumerate(s.weights):
             x = x + reduce_from_tp(_kernels.decode_attention(
@@ -310,11 +322,12 @@ class PipelineStage:
     stage: int
     hidden_size: int
     dtype: torch.dtype
+    device: torch.device
 
     def enter(self, ids: torch.Tensor, embed: Embed) -> torch.Tensor:
         if self.stage == 0:
             return embed(ids)
-        x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype)
+        x = torch.empty(*ids.shape, self.hidden_size, dtype=self.dtype, device=self.device)
         dist.recv(x, src=self.group.ranks[self.stage - 1], group=self.group.pg)
         return x
 
@@ -326,7 +339,7 @@ class PipelineStage:
         else:
             dist.send(x.contiguous(), dst=self.group.ranks[self.stage + 1], group=self.group.pg)
             packed = torch.empty(2, x.shape[0] if rows is None else rows.numel(),
-                                 dtype=torch.float64)
+                                 dtype=torch.float64, device=x.device)
         dist.broadcast(packed, src=self.group.ranks[-1], group=self.group.pg)
         return packed[0].long(), packed[1].float()
 

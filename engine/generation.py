@@ -46,13 +46,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.early_exit import RunningRows
+from engine.early_exit import RunningRows, check_every
 from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
     plan_call, resolve_kernels
 from engine.kv_cache import KVCache, kv_cache_nbytes
 from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
+from engine.model import same_device
 from engine.sampling import SamplingParams, SeedStream, sample_next
 from engine.tp_ops import column_linear, vocab_embedding
 from hybridflow_comm.groups import HybridGroups
@@ -94,24 +95,34 @@ class StepTables:
     sin: torch.Tensor
     keys_ok: torch.Tensor
     """``[R, 1, 1, P + N]`` bool: the key positions a query may attend (not left padding)."""
+    padded: bool
+    """Some prompt has left padding: the steps need masks; without, attention is causal and
+    mask-free (SDPA's ``is_causal``, :func:`engine.layers.attention`)."""
 
     @classmethod
     def build(cls, mask: torch.Tensor, n_new: int, config: LlamaConfig) -> StepTables:
-        full = torch.cat([mask, torch.ones(mask.shape[0], n_new, dtype=torch.long)], dim=1)
+        full = torch.cat([mask, torch.ones(mask.shape[0], n_new, dtype=torch.long,
+                                           device=mask.device)], dim=1)
         cos, sin = rope_tables(position_ids_from_mask(full), config.head_dim, config.rope_theta,
                                config.dtype, config.rope_scaling)
-        return cls(cos, sin, full.bool()[:, None, None, :])
+        # one device-to-host sync a call (the prompts are validated on the host already)
+        return cls(cos, sin, full.bool()[:, None, None, :], padded=not bool(mask.all()))
 
-    def prompt(self, rows: torch.Tensor, length: int) -> Rope:
-        """RoPE of the prefill of ``rows``' prompts of ``length`` tokens."""
-        return self.cos[rows, :length], self.sin[rows, :length]
+    def prompt(self, rows: torch.Tensor, length: int, mask: torch.Tensor
+               ) -> tuple[Rope, torch.Tensor | None]:
+        """RoPE and attention mask (None: no padding) of the prefill of ``rows``' prompts of
+        ``length`` tokens, whose attention mask is ``mask [B, P]``."""
+        attn = causal_mask(mask[rows], rows.numel(), length) if self.padded else None
+        return (self.cos[rows, :length], self.sin[rows, :length]), attn
 
-    def decode(self, end: int) -> tuple[Rope, torch.Tensor]:
-        """RoPE of position ``end - 1`` and the key mask over ``[0, end)``."""
-        return (self.cos[:, end - 1:end], self.sin[:, end - 1:end]), self.keys_ok[..., :end]
+    def decode(self, end: int) -> tuple[Rope, torch.Tensor | None]:
+        """RoPE of position ``end - 1`` and the key mask over ``[0, end)`` (None: no
+        padding)."""
+        return ((self.cos[:, end - 1:end], self.sin[:, end - 1:end]),
+                self.keys_ok[..., :end] if self.padded else None)
 
     def keep_rows(self, keep: torch.Tensor) -> StepTables:
-        return StepTables(self.cos[keep], self.sin[keep], self.keys_ok[keep])
+        return StepTables(self.cos[keep], self.sin[keep], self.keys_ok[keep], self.padded)
 
 
 @dataclass
@@ -127,10 +138,10 @@ class Responses:
     pad: int
 
     @classmethod
-    def empty(cls, batch: int, n_new: int, pad: int) -> Responses:
-        return cls(torch.full((batch, n_new), pad, dtype=torch.long),
-                   torch.zeros(batch, n_new, dtype=torch.long),
-                   torch.zeros(batch, n_new, dtype=torch.float32), pad)
+    def empty(cls, batch: int, n_new: int, pad: int, device: torch.device) -> Responses:
+        return cls(torch.full((batch, n_new), pad, dtype=torch.long, device=device),
+                   torch.zeros(batch, n_new, dtype=torch.long, device=device),
+                   torch.zeros(batch, n_new, dtype=torch.float32, device=device), pad)
 
     def record(self, step: int, rows: RunningRows, tokens: torch.Tensor,
                log_probs: torch.Tensor) -> None:
@@ -144,7 +155,10 @@ class Responses:
 
 def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                   config: LlamaConfig, sampling: SamplingParams) -> torch.Tensor:
-    """Validate a prompt batch (ValueError naming the value); returns the mask (int64)."""
+    """Validate a prompt batch (ValueError naming the value); returns the mask (int64).
+
+    The checks read the values on the host: a few device-to-host syncs per call.
+    """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 \
             or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an int tensor [B, P], got "
@@ -196,6 +210,8 @@ class GenerationEngine:
             end in one C++ call (``engine._kernels.greedy_decode``: the same kernels on the same
             operands, no Python between steps) where the whole step is the kernels' (one
             stage, no TP); False keeps the Python loop (same results).
+        device: where the weights (:meth:`set_weights`) live; every tensor of a call is made
+            there and the prompts are moved there.  The C++ kernels run on the CPU only.
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -206,7 +222,7 @@ class GenerationEngine:
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
                  fused_decode: bool | None = None, early_exit: bool = True,
-                 greedy_loop: bool = True) -> None:
+                 greedy_loop: bool = True, device: torch.device | str = "cpu") -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -219,11 +235,14 @@ class GenerationEngine:
         self.head_name = head_weight_name(config, layout.train.pp)
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
-        self.fused_decode = resolve_kernels(fused_decode, config.dtype, config.layer_keys)
+        self.device = torch.device(device)
+        self.fused_decode = resolve_kernels(fused_decode, config.dtype, config.layer_keys,
+                                            self.device)
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
-                                       hidden_size=config.hidden_size, dtype=config.dtype))
+                                       hidden_size=config.hidden_size, dtype=config.dtype,
+                                       device=self.device))
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
         self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
@@ -245,12 +264,18 @@ class GenerationEngine:
         missing = [n for n in self.required_weights() if n not in weights]
         if missing:
             raise ValueError(f"generation weights lack {missing[:4]} (stage {self.stage})")
+        elsewhere = sorted(n for n in self.required_weights()
+                           if not same_device(weights[n].device, self.device))
+        if elsewhere:
+            raise ValueError(f"generation weights {elsewhere[:4]} live on "
+                             f"{weights[elsewhere[0]].device}, the engine on {self.device} "
+                             f"(GenerationEngine(device=...))")
         c = self.config
         stage = StageLayers(
             weights=tuple({k: weights[f"layers.{i}.{k}"] for k in c.layer_keys}
                           for i in self.layer_ids),
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
-            tp_group=self.tp_group, dtype=c.dtype)
+            tp_group=self.tp_group, dtype=c.dtype, device=self.device)
         self.weights, self.weights_version = weights, version
         self.paths = choose_paths(stage, self.fused_decode)
         self.block_rows = None
@@ -298,9 +323,10 @@ class GenerationEngine:
         """
         sampling = sampling or SamplingParams(temperature=0.0)
         mask = check_prompts(input_ids, attention_mask, self.config, sampling)
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)  # once per call
         batch, plen = input_ids.shape
         n_new = sampling.max_new_tokens
-        limits = self._check_limits(max_new_tokens, batch, n_new)
+        limits = self._check_limits(max_new_tokens, batch, n_new, self.device)
         if self.weights is None:
             raise RuntimeError("no generation weights: call load_weights/set_weights first")
         t0 = time.perf_counter()
@@ -309,38 +335,44 @@ class GenerationEngine:
         prompt = _padded_prompt(input_ids, mask, sampling)
         distinct, copies = distinct_prompts(prompt, mask)
         plan = self._plan(batch, limits, sampling)
-        cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new))
+        cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new),
+                        device=self.device)
         rows = RunningRows(limits, sampling.eos_token_id)
-        out = Responses.empty(batch, n_new, sampling.pad_token_id)
+        out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
         sample = functools.partial(self._sample, sampling=sampling,
                                    stream=SeedStream(sampling.seed), plan=plan)
         # 2. prefill: each distinct prompt once, its cache then copied to its sequences
         tok, lp = self._step(plan.paths.for_prompt(plen), prompt[distinct], cache,
-                             tables.prompt(distinct, plen),
-                             causal_mask(mask[distinct], distinct.numel(), plen),
+                             *tables.prompt(distinct, plen, mask),
                              functools.partial(sample, step=0), copies)
         if copies is not None:
             cache.keep_rows_(copies)
-        # 3. decode: record the step, stop, compact, next step
+        # 3. decode: record the step, stop, compact, next step; the finished rows are counted
+        # (the loop's one device-to-host sync) every `every` steps (every step on the CPU)
+        every = check_every(self.device)
         for i in range(n_new):
             out.record(i, rows, tok, lp)
-            alive = rows.finish_step(i, tok)
-            if alive == 0 or i == n_new - 1:
+            rows.end_step(i, tok)
+            if i == n_new - 1:
                 break
-            if plan.greedy_rest:  # no row leaves: the remaining steps in one kernel call
-                self._greedy_rest(plan.paths.decode, out, i, cache, tables, sampling, rows)
-                break
-            keep = rows.compact(alive) if self.early_exit else None
-            if keep is not None:
-                tables = tables.keep_rows(keep)
-                cache.keep_rows_(keep)
+            if (i + 1) % every == 0:
+                alive = rows.alive_count()
+                if alive == 0:
+                    break
+                if plan.greedy_rest:  # no row leaves: the remaining steps in one kernel call
+                    self._greedy_rest(plan.paths.decode, out, i, cache, tables, sampling, rows)
+                    break
+                keep = rows.compact(alive) if self.early_exit else None
+                if keep is not None:
+                    tables = tables.keep_rows(keep)
+                    cache.keep_rows_(keep)
             rope, attn = tables.decode(plen + i + 1)
             tok, lp = self._step(plan.paths.decode, out.ids[rows.at, i:i + 1], cache, rope,
                                  attn, functools.partial(sample, rows=rows.mask, step=i + 1))
         del cache  # the KV cache lives only for the call
         # 4. output
+        new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
         elapsed = time.perf_counter() - t0
-        new_tokens = int(out.mask.sum())
         return GenerationOutput(
             input_ids=torch.cat([prompt, out.ids], dim=1),
             attention_mask=torch.cat([mask, out.mask], dim=1), log_probs=out.log_probs,
@@ -357,7 +389,7 @@ class GenerationEngine:
         n_new = sampling.max_new_tokens
         # whether rows can finish early, not whether they leave (early exit on and off give
         # the same product forms)
-        rows_stay = bool((limits == n_new).all()) and (
+        rows_stay = bool((limits == n_new).all()) and (  # a host sync, once per call
             sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
         whole_vocab = self.tp_group is None or self.tp_group.pg is None
         kernel_loop = (self.greedy_loop and isinstance(self.boundary, SingleStage)
@@ -387,17 +419,18 @@ class GenerationEngine:
         rows.count_steps(steps)
 
     @staticmethod
-    def _check_limits(limits: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor:
+    def _check_limits(limits: torch.Tensor | None, batch: int, n_new: int,
+                      device: torch.device) -> torch.Tensor:
         if limits is None:
-            return torch.full((batch,), n_new, dtype=torch.long)
-        limits = torch.as_tensor(limits, dtype=torch.long)
+            return torch.full((batch,), n_new, dtype=torch.long, device=device)
+        limits = torch.as_tensor(limits, dtype=torch.long, device=device)
         if tuple(limits.shape) != (batch,) or bool(((limits < 1) | (limits > n_new)).any()):
             raise ValueError(f"max_new_tokens per sequence must be [B={batch}] ints in "
                              f"[1, {n_new}], got {limits.tolist()}")
         return limits
 
     def _step(self, path: LayerPath, ids: torch.Tensor, cache: KVCache, rope: Rope,
-              attn: torch.Tensor, sample: Sample, copies: torch.Tensor | None = None
+              attn: torch.Tensor | None, sample: Sample, copies: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ``ids [B, S]`` through every stage; returns ``(tokens, log_probs)``
         of each row, or of each row of ``copies`` (a row index per sequence) when given."""
@@ -447,15 +480,16 @@ def distinct_prompts(prompt: torch.Tensor, mask: torch.Tensor
     ``distinct`` of every row's prompt, or None when all ``B`` prompts differ (then
     ``distinct`` is every row and nothing is copied).
     """
-    batch = prompt.shape[0]
+    batch, device = prompt.shape[0], prompt.device
+    # the number of distinct prompts sizes the prefill: one device-to-host sync a call
     _, group = torch.unique(torch.cat([prompt, mask], dim=1), dim=0, return_inverse=True)
-    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long)
-    first.scatter_reduce_(0, group, torch.arange(batch), reduce="amin")
+    first = torch.full((int(group.max()) + 1,), batch, dtype=torch.long, device=device)
+    first.scatter_reduce_(0, group, torch.arange(batch, device=device), reduce="amin")
     if first.numel() == batch:
-        return torch.arange(batch), None
+        return torch.arange(batch, device=device), None
     distinct, order = first.sort()  # batch order
     slot = torch.empty_like(order)
-    slot[order] = torch.arange(order.numel())
+    slot[order] = torch.arange(order.numel(), device=device)
     return distinct, slot[group]
 
 

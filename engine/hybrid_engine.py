@@ -76,8 +76,8 @@ class HybridEngine:
         self.train = train if train is not None else TrainEngine(model, optim)
         self.resharder = Resharder(model.specs, model.groups, verify_every=verify,
                                    buffer=model.buffer)
-        self.rollout = rollout if rollout is not None else GenerationEngine(model.config,
-                                                                            model.groups)
+        self.rollout = rollout if rollout is not None else GenerationEngine(
+            model.config, model.groups, device=model.device)
         self.last_transition: TransitionStats | None = None
         self._generating = False
 

@@ -43,7 +43,7 @@ def key_tiles(max_len: int) -> int:
 def kv_cache_nbytes(num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
     """Bytes of a :class:`KVCache` with these sizes (K, padded to whole tiles, and V)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     positions = key_tiles(max_len) * KEY_TILE + max_len
     return num_layers * batch * kv_heads * positions * head_dim * item
 
@@ -62,7 +62,7 @@ def untile_keys(tiles: torch.Tensor, start: int, end: int) -> torch.Tensor:
     ``[..., D, end - start]`` (a copy)."""
     t0, t1 = start // KEY_TILE, key_tiles(end)
     out = torch.empty(*tiles.shape[:-3], tiles.shape[-2], (t1 - t0) * KEY_TILE,
-                      dtype=tiles.dtype)
+                      dtype=tiles.dtype, device=tiles.device)
     out.view(*out.shape[:-1], t1 - t0, KEY_TILE).copy_(tiles[..., t0:t1, :, :].transpose(-3, -2))
     return out[..., start - t0 * KEY_TILE:end - t0 * KEY_TILE]
 
@@ -77,13 +77,15 @@ class KVCache:
         kv_heads: this rank's KV heads.
         head_dim: D.
         dtype: element type of the activations.
+        device: where the cache lives (the weights' device; default CPU).
     """
 
     def __init__(self, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.k = torch.zeros(num_layers, batch, kv_heads, key_tiles(max_len), head_dim,
-                             KEY_TILE, dtype=dtype)
-        self.v = torch.empty(num_layers, batch, kv_heads, max_len, head_dim, dtype=dtype)
+                             KEY_TILE, dtype=dtype, device=device)
+        self.v = torch.empty(num_layers, batch, kv_heads, max_len, head_dim, dtype=dtype,
+                             device=device)
         self.max_len = max_len
         self.length = 0
 
@@ -131,8 +133,8 @@ class KVCache:
         in place: new ``[layers, n, ...]`` tensors, of which the filled positions
         ``[0, length)`` are copied (the tiles of K that hold them whole; the rest of K is
         zeros, the rest of V unwritten, as before)."""
-        k = torch.empty(self.k.shape[0], rows.numel(), *self.k.shape[2:], dtype=self.k.dtype)
-        v = torch.empty(self.v.shape[0], rows.numel(), *self.v.shape[2:], dtype=self.v.dtype)
+        k = self.k.new_empty(self.k.shape[0], rows.numel(), *self.k.shape[2:])
+        v = self.v.new_empty(self.v.shape[0], rows.numel(), *self.v.shape[2:])
         t = key_tiles(self.length)
         torch.index_select(self.k[:, :, :, :t], 1, rows, out=k[:, :, :, :t])
         k[:, :, :, t:].zero_()

@@ -137,8 +137,8 @@ def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary ``(cos, sin)``, each ``[B, S, D]``, for integer ``position_ids [B, S]``
     (optionally with Llama-3 frequency ``scaling``)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=position_ids.device).float() / head_dim))
     if scaling is not None:
         inv_freq = scaling.scale(inv_freq)
     freqs = position_ids.float().unsqueeze(-1) * inv_freq  # [B, S, D/2]
@@ -158,17 +158,23 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def causal_mask(attention_mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor:
+def causal_mask(attention_mask: torch.Tensor | None, batch: int, seq: int,
+                device: torch.device | str | None = None) -> torch.Tensor:
     """Boolean ``[B, 1, S, S]`` (True = may attend): causal, keys restricted to real tokens.
 
     Every query may always see itself, so a padding row is never fully masked (no NaN); its
-    output is meaningless and must be masked out of the loss by the caller.
+    output is meaningless and must be masked out of the loss by the caller.  The mask lives on
+    ``attention_mask``'s device, or on ``device`` when there is no ``attention_mask``.
     """
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if attention_mask is not None:
+        device = attention_mask.device
+    elif device is None:
+        raise ValueError("causal_mask without an attention_mask needs a device")
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
     if attention_mask is None:
         return causal.expand(batch, 1, seq, seq)
     keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
-    return (causal & keys) | torch.eye(seq, dtype=torch.bool)
+    return (causal & keys) | torch.eye(seq, dtype=torch.bool, device=device)
 
 
 @dataclass(frozen=True)
@@ -197,13 +203,14 @@ class PackedSeqs:
     def total(self) -> int:
         return self.cu_seqlens[-1]
 
-    def position_ids(self) -> torch.Tensor:
-        """``[1, T]``: ``0..L_i-1`` inside every sequence (what the padded row's
-        :func:`position_ids_from_mask` gives its real tokens)."""
-        c = torch.tensor(self.cu_seqlens)
+    def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[1, T]`` on ``device``: ``0..L_i-1`` inside every sequence (what the padded row's
+        :func:`position_ids_from_mask` gives its real tokens).  The boundaries are host data:
+        one host-to-device copy of ``cu_seqlens``."""
+        c = torch.tensor(self.cu_seqlens, device=device)
         lengths = c[1:] - c[:-1]
-        starts = torch.repeat_interleave(c[:-1], lengths)
-        return (torch.arange(self.total) - starts).unsqueeze(0)
+        starts = torch.repeat_interleave(c[:-1], lengths, output_size=self.total)
+        return (torch.arange(self.total, device=device) - starts).unsqueeze(0)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -231,8 +238,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: ``[B, S, h_q, D]`` (RoPE applied).
         k, v: ``[B, S, h_kv, D]``; ``h_q`` is a multiple of ``h_kv``.
-        mask: boolean ``[B, 1, S, S_kv]`` (True = attend), None for plain causal, or
-            :class:`PackedSeqs` for sequences packed on one row (``B = 1``, no KV hook).
+        mask: boolean ``[B, 1, S, S_kv]`` (True = attend); None where no key is padding:
+            causal (``S = S_kv``), or after a KV hook one new query seeing every key
+            (``S = 1``); or :class:`PackedSeqs` for sequences packed on one row (``B = 1``, no
+            KV hook).  Without a mask SDPA runs ``is_causal`` (CUDA: its flash or efficient
+            kernels); a boolean mask is only for padding.
         kv_hook: optional KV-cache hook, see :data:`KVHook`.
 
     Returns:
@@ -249,11 +259,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _causal_attention(q, k, v)
     elif batched_attention.applies(q, k, mask):  # short sequences, no cache
         return batched_attention.attention(q, k, v, mask)
+    queries, keys = q.shape[1], k.shape[1]
+    if mask is None and queries not in (1, keys):
+        raise ValueError(f"{queries} queries after {keys - queries} cached keys need a mask "
+                         f"(without one: a prefill, S = S_kv, or one new token, S = 1)")
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-    if mask is None:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-    else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    # no mask where none is needed (SDPA's flash and efficient kernels on CUDA): causal for a
+    # prefill; one new token after the cache sees every key (is_causal would align its one
+    # query with the first key)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
+                                         is_causal=mask is None and queries > 1,
+                                         enable_gqa=True)
     return out.transpose(1, 2).flatten(2)
 
 

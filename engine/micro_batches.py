@@ -209,7 +209,8 @@ def pack_rows(attention_mask: torch.Tensor) -> PackedRows:
     index = real.flatten().nonzero().squeeze(1)
     if index.numel() == 0:
         raise ValueError(f"a micro-batch of {batch} rows has no real token to pack")
-    after = torch.cat([real[:, 1:], torch.zeros(batch, 1, dtype=torch.bool)], 1)  # [B, S]
-    cu = [0] + real.sum(1).cumsum(0).tolist()
+    after = torch.cat([real[:, 1:], torch.zeros(batch, 1, dtype=torch.bool, device=real.device)],
+                      1)  # [B, S]
+    cu = [0] + real.sum(1).cumsum(0).tolist()  # host boundaries: one sync per micro-batch
     return PackedRows(batch=batch, seq=seq, index=index, has_next=after.flatten()[index],
                       seqs=PackedSeqs(tuple(cu)))

@@ -38,11 +38,14 @@ class ParallelLlama(nn.Module):
         groups: the rank's groups (``groups.layout.train`` is the training layout).
         head: ``"lm"`` (per-token log-probs and entropy) or ``"value"`` (per-token scalar).
         buffer: flat buffer to live in (must hold every spec of this rank); by default one is
-            built from ``slot_specs(specs, groups.layout, groups.rank)``.
+            built from ``slot_specs(specs, groups.layout, groups.rank)`` on ``device``.
+        device: where a new buffer lives (default CPU); the model's device is its buffer's
+            (:attr:`device`), so ``device`` must match a given ``buffer``.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
-                 buffer: FlatParamBuffer | None = None) -> None:
+                 buffer: FlatParamBuffer | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
@@ -52,7 +55,10 @@ class ParallelLlama(nn.Module):
         self.coords = train.coords(groups.rank)
         self.specs: list[ShardSpec] = llama_shard_specs(config, train.pp, head)
         if buffer is None:
-            buffer = FlatParamBuffer(slot_specs(self.specs, groups.layout, groups.rank))
+            buffer = FlatParamBuffer(slot_specs(self.specs, groups.layout, groups.rank),
+                                     device="cpu" if device is None else device)
+        elif device is not None and not same_device(buffer.device, torch.device(device)):
+            raise ValueError(f"device={device} but the given buffer lives on {buffer.device}")
         self.buffer = buffer
         self.stage = self.coords.pp
         self.is_first = self.stage == 0
@@ -70,6 +76,11 @@ class ParallelLlama(nn.Module):
     def local_specs(self) -> list[ShardSpec]:
         """Specs of the parameters this rank trains (its stage)."""
         return [s for s in self.specs if s.stage == self.stage]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (the flat buffer's device); inputs must be there."""
+        return self.buffer.device
 
     @property
     def tp_group(self):
@@ -108,13 +119,13 @@ class ParallelLlama(nn.Module):
                 raise ValueError(f"packed inputs are one row of {packed.total} tokens without "
                                  f"an attention_mask, got {tuple(inputs.shape)}")
             if position_ids is None:
-                position_ids = packed.position_ids()
+                position_ids = packed.position_ids(inputs.device)
             mask: torch.Tensor | PackedSeqs | None = packed
         else:
             if position_ids is None:
                 position_ids = (position_ids_from_mask(attention_mask)
                                 if attention_mask is not None
-                                else torch.arange(seq).expand(batch, seq))
+                                else torch.arange(seq, device=inputs.device).expand(batch, seq))
             mask = None if attention_mask is None else causal_mask(attention_mask, batch, seq)
         rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
@@ -213,6 +224,11 @@ class ParallelLlama(nn.Module):
         width = seq - 1 - start
         return {"log_probs": packing.scatter(log_probs[0], scored, start, width),
                 "entropy": packing.scatter(entropy[0], scored, start, width), **extra}
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device (``cuda`` without an index matches any GPU)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def check_temperature(temperature: float) -> None:

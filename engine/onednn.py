@@ -45,7 +45,7 @@ def _route() -> str | None:
     ``"pointwise"`` (``mkldnn::_linear_pointwise``) or None, tried on a 2 x 3 x 4 product."""
     if not torch.backends.mkldnn.is_available():
         return None
-    a, b = torch.ones(2, 3), torch.ones(3, 4)
+    a, b = torch.ones(2, 3, device="cpu"), torch.ones(3, 4, device="cpu")
     if _kernels is not None:
         try:
             _kernels.onednn_mm(a, b)

@@ -60,13 +60,16 @@ class PipelineExecutor:
         pp_group: the stage's PP group (``rank`` = stage index).
         act_shape: ``fn(i) -> shape`` of the activation exchanged for micro-batch ``i``.
         dtype: activation element type.
+        device: where the activations and gradients are received (the stage's weights'
+            device; default CPU).
     """
 
     def __init__(self, pp_group: Group, act_shape: Callable[[int], tuple[int, ...]],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.group = pp_group
         self.act_shape = act_shape
         self.dtype = dtype
+        self.device = torch.device(device)
         self.stage = pp_group.rank
         self.is_first = self.stage == 0
         self.is_last = self.stage == pp_group.size - 1
@@ -78,7 +81,7 @@ class PipelineExecutor:
         self._sends.append((work, t))  # keep the tensor alive until the send completes
 
     def _recv(self, i: int, from_stage: int) -> torch.Tensor:
-        t = torch.empty(self.act_shape(i), dtype=self.dtype)
+        t = torch.empty(self.act_shape(i), dtype=self.dtype, device=self.device)
         dist.recv(t, src=self.group.ranks[from_stage], group=self.group.pg)
         return t
 

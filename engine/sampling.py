@@ -174,7 +174,7 @@ def _without(z: torch.Tensor, token: int | None, start: int) -> torch.Tensor:
     global id ``token`` at -inf: a copy when this slice holds it, else ``z`` itself."""
     if token is None or not start <= token < start + z.shape[-1]:
         return z
-    col = torch.tensor([token - start])
+    col = torch.tensor([token - start], device=z.device)
     return z.index_fill(-1, col, float("-inf"))  # out of place: z may be the caller's logits
 
 
@@ -207,8 +207,9 @@ def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = 
     on which other rows are still running (early exit compacts finished rows away).
     """
     probs = torch.softmax(scaled, dim=-1)
-    row_ids = (torch.arange(probs.shape[0]) if rows is None
-               else rows.nonzero().squeeze(1))
+    # the True rows' ids, as many as probs has rows (known on the host: no device sync)
+    row_ids = (torch.arange(probs.shape[0], device=probs.device) if rows is None
+               else torch.nonzero_static(rows, size=probs.shape[0]).squeeze(1))
     noise = clock_uniforms(stream, row_ids, probs.shape[-1]).log_().neg_()
     return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
@@ -221,11 +222,11 @@ def clock_uniforms(stream: SeedStream, row_ids: torch.Tensor, vocab: int) -> tor
 
     One 63-bit seed is taken from ``stream`` (so it advances by one step whatever the rows),
     and ``u[i, j]`` is SplitMix64 of ``(seed, row_ids[i], j)`` (:func:`counter_uniforms_formula`;
-    ``engine._kernels.counter_uniforms`` where built).  A row's uniforms depend on its id in
-    the full batch only.
+    ``engine._kernels.counter_uniforms`` where built and ``row_ids`` is on the CPU).  A row's
+    uniforms depend on its id in the full batch only; they live on ``row_ids``' device.
     """
     seed = stream.next()
-    if _kernels is not None:
+    if _kernels is not None and row_ids.device.type == "cpu":
         return _kernels.counter_uniforms(seed, row_ids, vocab)
     return counter_uniforms_formula(seed, row_ids, vocab)
 
@@ -237,7 +238,7 @@ def counter_uniforms_formula(seed: int, row_ids: torch.Tensor, vocab: int) -> to
     def shr(z: torch.Tensor, bits: int) -> torch.Tensor:
         return (z >> bits) & ((1 << (64 - bits)) - 1)
 
-    counter = (row_ids.long()[:, None] << 32) + torch.arange(vocab) + 1
+    counter = (row_ids.long()[:, None] << 32) + torch.arange(vocab, device=row_ids.device) + 1
     z = counter * _GAMMA + seed
     z = (z ^ shr(z, 30)) * _MIX1
     z = (z ^ shr(z, 27)) * _MIX2
@@ -361,7 +362,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
         return chosen, (chosen_z - lse).float()
     full = _all_gather(z, group).permute(1, 0, 2).flatten(1)  # [B, V]: documented full gather
     lse = _logsumexp(full)
-    ids = torch.arange(full.shape[-1]).expand_as(full)
+    ids = torch.arange(full.shape[-1], device=full.device).expand_as(full)
     chosen, chosen_z = _filter_and_sample(_without(full, params.banned_token(step), 0), ids,
                                           params, stream, rows)
     return chosen, (chosen_z.double() - lse).float()

@@ -236,16 +236,20 @@ class VLLMRollout:
         outs = self.llm.generate(prompts, sampling_params=vp, use_tqdm=False)
         n = sampling.max_new_tokens
         batch = input_ids.shape[0]
-        resp = torch.full((batch, n), sampling.pad_token_id, dtype=torch.long)
-        resp_mask = torch.zeros(batch, n, dtype=torch.long)
-        lps = torch.zeros(batch, n)
+        # vLLM returns host lists: the tables are filled on the host, then moved to the
+        # prompts' device once
+        host = torch.device("cpu")
+        resp = torch.full((batch, n), sampling.pad_token_id, dtype=torch.long, device=host)
+        resp_mask = torch.zeros(batch, n, dtype=torch.long, device=host)
+        lps = torch.zeros(batch, n, device=host)
         for b, o in enumerate(outs):
             comp = o.outputs[0]
             toks = list(comp.token_ids)[:n]
-            resp[b, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            resp[b, :len(toks)] = torch.tensor(toks, dtype=torch.long, device=host)
             resp_mask[b, :len(toks)] = 1
             for i, (tok, entry) in enumerate(zip(toks, comp.logprobs or [])):
                 lps[b, i] = entry[tok].logprob
+        resp, resp_mask, lps = (t.to(input_ids.device) for t in (resp, resp_mask, lps))
         prompt = input_ids.long().masked_fill(mask == 0, sampling.pad_token_id)
         elapsed = time.perf_counter() - t0
         return GenerationOutput(
