@@ -212,8 +212,8 @@ def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] 
 
     Args:
         model: the rank's model.
-        local: tensors shaped like this rank's training shards, by spec name (e.g. Adam
-            moments); default the model's parameters.
+        local: tensors shaped like this rank's training shards, by spec name, all of one
+            dtype (e.g. Adam moments, master weights); default the model's parameters.
 
     Collective over the DP-rank-0 replica (other DP ranks return at once).  The tied
     ``lm_head`` copy of a pp > 1 model is left out (it equals ``embed_tokens``).
@@ -221,17 +221,19 @@ def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] 
     g, c = model.groups, model.coords
     if c.dp != 0:
         return None
+    tensors = model.params if local is None else local
+    dtype = next(iter(tensors.values())).dtype  # fp32 masters or moments of a bf16 model
     out: dict[str, torch.Tensor] = {}
     for spec in model.specs:
         if spec.name == "lm_head" and model.config.tie_word_embeddings:
             continue
         if spec.stage != c.pp:
             if c.pp == 0 and c.tp == 0:  # receive another stage's tensor on rank 0
-                t = torch.empty(spec.shape, dtype=spec.dtype, device=model.buffer.device)
+                t = torch.empty(spec.shape, dtype=dtype, device=model.buffer.device)
                 dist.recv(t, src=g.train_pp.ranks[spec.stage], group=g.train_pp.pg)
                 out[spec.name] = t
             continue
-        local_t = (model.params if local is None else local)[spec.name].detach()
+        local_t = tensors[spec.name].detach()
         full = local_t
         if spec.partition_dim is not None and g.train_tp.pg is not None:
             pieces = [torch.empty_like(local_t) for _ in range(g.train_tp.size)]

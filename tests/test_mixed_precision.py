@@ -89,7 +89,7 @@ def _check_mixed_state(model: ParallelLlama, eng: TrainEngine) -> None:
     assert [t.dtype for t in eng.grads.flat.values()] == [torch.float32]
 
 
-# (a) bf16 steps against the fp32 run ------------------------------------------------------------
+# (a) bf16 steps against the fp32 run -------------------------------------------------------------
 def test_bf16_steps_follow_the_fp32_run():
     full = _start()
     m32, m16 = _model(CFG32, full), _model(CFG16, full)
@@ -138,8 +138,8 @@ def test_micro_batch_gradients_accumulate_in_fp32():
     assert rel16 > 100 * rel32, (rel16, rel32)
 
 
-# (c) a multi-rank layout gives what one process gives --------------------------------------------
-LAYOUTS = [(1, 2, 1), (1, 1, 2)]
+# (c) tp=2, dp=2 and pp=2 give what one process gives ---------------------------------------------
+LAYOUTS = [(1, 2, 1), (1, 1, 2), (2, 1, 1)]
 STEPS = 3
 
 
@@ -233,7 +233,7 @@ def test_checkpoint_loads_across_precisions(tmp_path, saved_cfg, loaded_cfg):
         _check_mixed_state(other, other_eng)
 
 
-# HF checkpoints in bf16 ---------------------------------------------------------------------------
+# HF checkpoints in bf16 --------------------------------------------------------------------------
 class _Float32Watch(TorchDispatchMode):
     """Records every op that reads or makes a float32 tensor."""
 
@@ -307,7 +307,7 @@ def test_hf_export_writes_the_model_dtype(tmp_path):
         assert p.dtype == torch.float32 and torch.equal(p.to(torch.bfloat16), model.params[name])
 
 
-# (e) every registered algorithm runs one iteration in bf16 -----------------------------------------
+# (e) every registered algorithm runs one iteration in bf16 ---------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # one optimizer step per iteration: the step-0 ratio compares the actor with itself
 ONE_STEP = ["precision=bf16", "iterations=1", "algo.epochs=1", "data.prompts_per_iter=4",
