@@ -194,6 +194,8 @@ class TrainEngine:
     Args:
         model: the rank's model (its parameters are the flat-buffer views).
         optim: optimiser, clipping, bucketing and schedule settings.
+        frozen: forward only (a reference or reward model): no gradient buffer, no master
+            weights, no optimizer state; :meth:`train_step` refuses.
 
     Every rank of the layout calls the same methods with its own DP share of the
     micro-batches (all ranks of one TP x PP replica pass the same micro-batches).
@@ -204,11 +206,18 @@ class TrainEngine:
             model's own in float32; their ``.grad`` are the :class:`GradBuffer` views.
     """
 
-    def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None) -> None:
+    def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None, *,
+                 frozen: bool = False) -> None:
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.groups = model.groups
         self.device = params_device(model.params)
+        self.frozen = frozen
+        self.step_count = 0
+        if frozen:
+            self.masters = self.grads = self.optimizer = None
+            self.train_params = {}
+            return
         low = any(p.dtype != torch.float32 for p in model.params.values())
         self.masters = MasterWeights(model.params) if low else None
         self.train_params = model.params if self.masters is None else self.masters.params
@@ -224,7 +233,6 @@ class TrainEngine:
             [{"params": decay, "weight_decay": c.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=c.lr, betas=c.betas, eps=c.eps, fused=True)  # one kernel for all tensors
-        self.step_count = 0
 
     # Pipeline --------------------------------------------------------------------------------
     def _executor(self, micro_batches: list[dict],
@@ -293,6 +301,9 @@ class TrainEngine:
             ``loss`` (each rank's mean over its micro-batches, averaged over DP ranks),
             ``grad_norm`` (before clipping), ``lr``; identical on every rank.
         """
+        if self.frozen:
+            raise ValueError("train_step on a frozen TrainEngine (built with frozen=True for "
+                             "forward passes only)")
         _check_micro_batches(micro_batches)
         check_temperature(temperature)
         packings = self._packings(micro_batches, remove_padding)  # before any collective

@@ -111,6 +111,21 @@ def test_bf16_steps_follow_the_fp32_run():
         assert apart < 0.2 * moved, (name, apart, moved)
 
 
+def test_frozen_engine_holds_no_training_state():
+    """A reference or reward model's engine: the same forward, and no gradient buffer, master
+    weights or optimizer (in bf16 these would be 3x the model's own bytes)."""
+    full = _start()
+    frozen, trained = (TrainEngine(_model(CFG16, full), OPTIM, frozen=f) for f in (True, False))
+    assert frozen.grads is None and frozen.masters is None and frozen.optimizer is None
+    assert trained.grads is not None and trained.masters is not None
+    mbs = _micro_batches(2)
+    outs = [e.forward(mbs, temperature=1.0) for e in (frozen, trained)]
+    for a, b in zip(*outs):
+        assert torch.equal(a["log_probs"], b["log_probs"])
+    with pytest.raises(ValueError, match="train_step on a frozen TrainEngine"):
+        frozen.train_step(mbs, _nll, temperature=1.0)
+
+
 # (b) gradient accumulation in fp32 ---------------------------------------------------------------
 def test_micro_batch_gradients_accumulate_in_fp32():
     """Many micro-batches: the engine's fp32 sum of the bf16 micro-batch gradients (caught as

@@ -134,7 +134,7 @@ class ReferenceWorker(CheckpointedWorker):
     def __init__(self, spec: ReferenceSpec) -> None:
         self.spec = spec
         self.model = build_model(spec.model, self.groups)
-        self.engine = TrainEngine(self.model)  # forward only; the optimizer is never stepped
+        self.engine = TrainEngine(self.model, frozen=True)
         self.checkpoint = ShardCheckpoint(self.model)
 
     @protocol(THREE_D_PROTO, phase="log_probs")
