@@ -1,0 +1,162 @@
+"""The engines on a CUDA device (skipped without one): bf16 generation against transformers'
+greedy generate of the same bf16 model, the training model's bf16 forward and backward against
+the float32 CPU model, and the sampler's uniforms on the GPU against the CPU's.
+
+bf16 paths round differently from each other (our layers vs transformers', SDPA kernels vs
+the CPU), so greedy tokens are compared up to each row's first near-tie: a row may part from
+the reference only at a step whose two largest reference logits are within
+:data:`BF16_GAP`; before it every token must be equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.generation import GenerationEngine
+from engine.hf_interop import config_to_hf, full_to_hf_state_dict
+from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
+from engine.model import ParallelLlama, load_full_state_dict
+from engine.sampling import SamplingParams, SeedStream, clock_uniforms, \
+    counter_uniforms_formula
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False, dtype=torch.bfloat16)
+STD = 0.1
+BF16_GAP = 0.25
+"""Two bf16 implementations' logits (magnitudes of a few units here) differ by a few bf16
+ulps; a step whose two largest logits are further apart picks the same token on both."""
+CUDA = torch.device("cuda")
+
+
+def groups():
+    return build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+
+
+def model_on(cfg: LlamaConfig, full: dict, device: torch.device) -> ParallelLlama:
+    model = ParallelLlama(cfg, groups(), device=device)
+    load_full_state_dict(model, full)
+    return model
+
+
+def prompts(batch: int, plen: int, padded: bool):
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, CFG.vocab_size, (batch, plen), generator=g)
+    mask = torch.ones(batch, plen, dtype=torch.long)
+    if padded:
+        for b in range(batch):
+            mask[b, :b % 4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def hf_bf16(full: dict):
+    import transformers
+
+    hf = transformers.LlamaForCausalLM(config_to_hf(CFG)).eval()
+    sd = full_to_hf_state_dict(full, llama_shard_specs(CFG, 1))
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.generation_config.eos_token_id = None  # every row runs all steps, as ours do
+    return hf.to(device=CUDA, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_bf16_generation_matches_transformers_greedy(padded):
+    full = init_full_state_dict(CFG, seed=2, std=STD)
+    model = model_on(CFG, full, CUDA)
+    eng = GenerationEngine(CFG, model.groups, device=CUDA)
+    assert not eng.fused_decode  # the C++ kernels are CPU only
+    eng.set_weights(model.params)
+    ids, mask = prompts(8, 9, padded)
+    n = 16
+    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=n, temperature=0.0))
+    assert out.input_ids.device.type == "cuda" and out.log_probs.dtype == torch.float32
+    hf = hf_bf16(full)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids.to(CUDA), attention_mask=mask.to(CUDA),
+                          max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+    ref_tokens = ref.sequences[:, ids.shape[1]:]
+    logits = torch.stack(ref.logits, dim=1).float()  # [B, n, V]
+    top = logits.topk(2, dim=-1).values
+    gaps = top[..., 0] - top[..., 1]
+    ours = out.responses
+    compared = 0
+    for row in range(ids.shape[0]):
+        differ = (ours[row] != ref_tokens[row]).nonzero()
+        first = int(differ[0]) if differ.numel() else n
+        compared += first
+        if first < n:
+            assert float(gaps[row, first]) <= BF16_GAP, (
+                f"row {row} parts from transformers at step {first} where its logits are "
+                f"{float(gaps[row, first]):.3f} apart: not a near-tie")
+    assert compared >= ids.shape[0] * n // 2  # most tokens were compared, not skipped
+    # our log-probs of the shared tokens are transformers' log-softmax within bf16 rounding
+    ref_lp = torch.log_softmax(logits, -1).gather(-1, ref_tokens[..., None])[..., 0]
+    same = (ours == ref_tokens).cumprod(dim=1).bool()
+    assert float((out.log_probs - ref_lp).abs()[same].max()) < 0.1
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_bf16_training_forward_and_backward_match_float32_cpu(padded):
+    full = init_full_state_dict(CFG, seed=3, std=STD)
+    # the float32 reference reads the bf16-rounded weights: only the compute differs
+    full32 = {k: v.float() for k, v in full.items()}
+    ref = model_on(replace(CFG, dtype=torch.float32), full32, torch.device("cpu"))
+    gpu = model_on(CFG, full, CUDA)
+    ids, mask = prompts(4, 24, padded)
+    outs = {}
+    for name, model in (("cpu", ref), ("cuda", gpu)):
+        x, m = ids.to(model.device), mask.to(model.device)
+        hidden = model.stage_forward(x, m if padded else None)
+        head = model.head_outputs(hidden, x, temperature=1.0)
+        keep = m[:, 1:].float()
+        loss = -(head["log_probs"] * keep).sum() / keep.sum()
+        loss.backward()
+        outs[name] = (head["log_probs"].detach().cpu(), head["entropy"].detach().cpu(),
+                      {n: p.grad.float().cpu() for n, p in model.params.items()})
+    (lp32, ent32, g32), (lp16, ent16, g16) = outs["cpu"], outs["cuda"]
+    keep = mask[:, 1:].bool()
+    assert float((lp16 - lp32).abs()[keep].max()) < 0.1
+    assert float((ent16 - ent32).abs()[keep].max()) < 0.1
+    for n in g32:  # gradients point the same way
+        cos = torch.nn.functional.cosine_similarity(g16[n].flatten(), g32[n].flatten(), dim=0)
+        assert float(cos) > 0.98, (n, float(cos))
+
+
+def test_sampler_uniforms_on_the_gpu_equal_the_cpu_ones():
+    rows = torch.tensor([0, 3, 5, 40])
+    cpu = clock_uniforms(SeedStream(9), rows, 1000)
+    gpu = clock_uniforms(SeedStream(9), rows.to(CUDA), 1000)
+    assert gpu.device.type == "cuda"
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(counter_uniforms_formula(5, rows.to(CUDA), 77).cpu(),
+                       counter_uniforms_formula(5, rows, 77))
+
+
+def test_sampled_generation_runs_on_the_gpu_like_the_cpu_in_float32():
+    """The same float32 model on both devices draws the same tokens (one sampler, the same
+    uniforms) wherever no near-tie could flip them."""
+    cfg = replace(CFG, dtype=torch.float32)
+    full = init_full_state_dict(cfg, seed=4, std=STD)
+    ids, mask = prompts(6, 7, padded=True)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    outs = {}
+    for device in (torch.device("cpu"), CUDA):
+        model = model_on(cfg, full, device)
+        eng = GenerationEngine(cfg, model.groups, fused_decode=False, device=device)
+        eng.set_weights(model.params)
+        outs[device.type] = eng.generate(ids, mask, params)
+    cpu, gpu = outs["cpu"], outs["cuda"]
+    equal_steps = (cpu.responses == gpu.responses.cpu()).cumprod(dim=1)
+    assert float(equal_steps.float().mean()) > 0.8
+    same = equal_steps.bool()
+    assert float((cpu.log_probs - gpu.log_probs.cpu()).abs()[same].max()) < 1e-3
