@@ -176,7 +176,7 @@ class ParallelLlama(nn.Module):
         else:
             logits, extra = self.local_logits(hidden[:, :-1]), {}  # [B, S-1-start, V/t]
         if temperature != 1.0:  # a new tensor: the returned logits stay unscaled
-            logits = logits / temperature
+            logits = logits.float() / temperature  # scaled in float32, as the log-softmax
         log_probs, entropy = vocab_log_prob_entropy(logits, targets, self.tp_group)
         return {"log_probs": log_probs, "entropy": entropy, **extra}
 
@@ -219,7 +219,7 @@ class ParallelLlama(nn.Module):
         else:
             logits = self.local_logits(hidden[:, scored])  # [1, n, V/t]
         if temperature != 1.0:
-            logits = logits / temperature
+            logits = logits.float() / temperature  # scaled in float32, as the log-softmax
         log_probs, entropy = vocab_log_prob_entropy(logits, targets[None], self.tp_group)
         width = seq - 1 - start
         return {"log_probs": packing.scatter(log_probs[0], scored, start, width),

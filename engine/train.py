@@ -11,7 +11,7 @@ Gradients live in one flat buffer per dtype holding this rank's training paramet
 After the last backward of a step every bucket is all-reduced over the DP group (async, one
 collective per bucket, never one per tensor), then divided by ``dp``.
 
-Mixed precision.  When the model's parameters are not float32 (bf16), the optimizer trains
+Mixed precision.  When the model's parameters are 16-bit (bf16), the optimizer trains
 float32 master weights and the parameters are their low-precision copies::
 
     model.params  (bf16 views of the FlatParamBuffer: forward, backward, the resharder)
@@ -201,7 +201,7 @@ class TrainEngine:
     micro-batches (all ranks of one TP x PP replica pass the same micro-batches).
 
     Attributes:
-        masters: float32 master weights when the parameters are not float32, else None.
+        masters: float32 master weights when the parameters are 16-bit (bf16), else None.
         train_params: what the optimizer steps, by name: the masters' parameters, or the
             model's own in float32; their ``.grad`` are the :class:`GradBuffer` views.
     """
@@ -218,7 +218,7 @@ class TrainEngine:
             self.masters = self.grads = self.optimizer = None
             self.train_params = {}
             return
-        low = any(p.dtype != torch.float32 for p in model.params.values())
+        low = any(p.dtype.itemsize < 4 for p in model.params.values())  # bf16/fp16 params
         self.masters = MasterWeights(model.params) if low else None
         self.train_params = model.params if self.masters is None else self.masters.params
         self.grads = GradBuffer(self.train_params)
@@ -241,7 +241,7 @@ class TrainEngine:
         shapes = ([(1, p.total) for p in packings] if packings is not None
                   else [tuple(mb["input_ids"].shape) for mb in micro_batches])
         return PipelineExecutor(self.groups.train_pp, lambda i: (*shapes[i], cfg.hidden_size),
-                                cfg.dtype)
+                                cfg.dtype, self.device)
 
     @staticmethod
     def _packings(micro_batches: list[dict], remove_padding: bool) -> list[PackedRows] | None:

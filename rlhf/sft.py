@@ -4,7 +4,7 @@ The SFT of a user's model is here; the command also runs the built-in task's war
 (:mod:`rlhf.sft_builtin`)::
 
     python -m rlhf.sft --model DIR --data FILE.jsonl --out OUT [--steps N] [--batch B]
-                       [--lr LR] [--max-len L]
+                       [--lr LR] [--max-len L] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
     torchrun --nproc_per_node=2 -m rlhf.sft --model DIR --data FILE.jsonl --out OUT
     python -m rlhf.sft --out runs/cache/sft [--steps 400] [--noise 0.3] [--carry-errors 0.6]
                        [key=value ...]      (the built-in task; actor.model.init_from=DIR:
@@ -29,6 +29,7 @@ assistant turn) and its eos only; prompt tokens are masked.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import json
@@ -44,7 +45,8 @@ import torch.distributed as dist
 
 from engine.hf_interop import read_hf_config, read_hf_head
 from engine.llama_spec import LlamaConfig
-from hybridflow_comm.devices import init_process_group
+from hybridflow_comm.devices import (init_process_group, precision_dtype, resolve_device,
+                                     resolve_precision)
 from hybridflow_comm.groups import Group
 from rlhf.sft_builtin import main_builtin
 from rlhf.sft_loop import META, train_steps
@@ -302,9 +304,9 @@ def prepare_user(a: argparse.Namespace, world: int) -> UserSFT:
                    batch=a.batch, lr=a.lr, max_len=max_len)
 
 
-def train_user(job: UserSFT) -> dict:
-    """Train on this process's world (one rank, or every rank of an initialized gloo group,
-    data parallel) and save ``job.out`` from rank 0.
+def train_user(job: UserSFT, device: torch.device = torch.device("cpu")) -> dict:
+    """Train on this process's world (one rank, or every rank of an initialized process group,
+    data parallel) on ``device`` and save ``job.out`` from rank 0.
 
     Returns:
         ``first_loss`` (step 0, before any update), ``loss`` (last step), ``time_s``.
@@ -318,7 +320,7 @@ def train_user(job: UserSFT) -> dict:
     spec = ModelSpec(config=job.config, head="lm", init_from=job.model_dir, seed=0,
                      fresh_head=False)
     result = train_steps(spec, world=world, steps=job.steps, lr=job.lr, batch_at=batch_at,
-                         loss_fn=weighted_nll, out=job.out)
+                         loss_fn=weighted_nll, out=job.out, device=device)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _write_extras(job, result, world)
     if world > 1:
@@ -349,12 +351,26 @@ def _write_extras(job: UserSFT, result: dict, world: int) -> None:
                    **result}, f)
 
 
+USER_OVERRIDES = ("device", "precision")
+"""The run-config keys a ``--model`` run takes (as ``rlhf.train``: auto|cpu|cuda, auto|fp32|bf16)."""
+
+
+def device_overrides(overrides: list[str]) -> tuple[torch.device, str]:
+    """This rank's device and the resolved precision from ``device=`` / ``precision=``."""
+    given = dict(o.partition("=")[::2] for o in overrides)
+    device = resolve_device(given.get("device", "auto"))
+    return device, resolve_precision(given.get("precision", "auto"), device)
+
+
 def main_user(a: argparse.Namespace) -> int:
     """SFT of ``--model`` on ``--data``; exit code 2 (and the reason) for a bad input."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     main_rank = os.environ.get("RANK", "0") == "0"
     try:
+        device, precision = device_overrides(a.overrides)
         job = prepare_user(a, world)
+        job = dataclasses.replace(job, config=dataclasses.replace(
+            job.config, dtype=precision_dtype(precision)))
     except ValueError as e:
         if main_rank:
             print(f"[sft] error: {e}", file=sys.stderr, flush=True)
@@ -366,8 +382,8 @@ def main_user(a: argparse.Namespace) -> int:
         print(f"[sft] {len(job.demos)} rows, {job.steps} steps of {job.batch} on {world} "
               f"rank(s), lr {job.lr}", flush=True)
     if world > 1 and not dist.is_initialized():
-        init_process_group(torch.device("cpu"), GROUP_TIMEOUT_S)
-    result = train_user(job)
+        init_process_group(device, GROUP_TIMEOUT_S)
+    result = train_user(job, device)
     if main_rank:
         print(f"[sft] saved {job.out} (loss {result['first_loss']:.4f} -> "
               f"{result['loss']:.4f}, {result['time_s']:.1f} s)", flush=True)
@@ -389,7 +405,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--carry-errors", type=float, default=0.0,
                    help="built-in task: fraction of SFT answers to carrying problems given "
                         "without the carry")
-    p.add_argument("overrides", nargs="*", help="built-in task: key=value run-config overrides")
+    p.add_argument("overrides", nargs="*", help="key=value run-config overrides (--model: "
+                   "device= and precision= only)")
     a = p.parse_args(argv)
     if (a.model is None) != (a.data is None):
         p.error("--model and --data go together (a user's model and its SFT rows)")
@@ -397,8 +414,12 @@ def main(argv: list[str]) -> int:
         if a.max_len is not None:
             p.error("--max-len applies to --model/--data runs")
         return main_builtin(a)
-    if a.noise or a.carry_errors or a.overrides:
-        p.error("--noise, --carry-errors and key=value overrides apply to the built-in task only")
+    if a.noise or a.carry_errors:
+        p.error("--noise and --carry-errors apply to the built-in task only")
+    other = [o for o in a.overrides if o.partition("=")[0] not in USER_OVERRIDES]
+    if other:
+        p.error(f"{other}: with --model only {'=, '.join(USER_OVERRIDES)}= are taken (the "
+                f"rest of the run config applies to the built-in task)")
     return main_user(a)
 
 

@@ -46,7 +46,8 @@ def sft_loss(outputs: dict, mb: dict) -> torch.Tensor:
 
 
 def train_sft(spec: ModelSpec, task: AdditionTask, tok: CharTokenizer, *, out: str, steps: int,
-              batch: int, lr: float, width: int, noise: float, carry_errors: float) -> dict:
+              batch: int, lr: float, width: int, noise: float, carry_errors: float,
+              device: torch.device = torch.device("cpu")) -> dict:
     """Train from ``spec`` on the task's demonstrations and save to ``out`` (with the
     tokenizer); returns :func:`rlhf.sft_loop.train_steps`'s losses and time."""
     def batch_at(step: int, _dp: Group) -> dict[str, torch.Tensor]:  # one rank: all rows
@@ -54,7 +55,7 @@ def train_sft(spec: ModelSpec, task: AdditionTask, tok: CharTokenizer, *, out: s
         return sft_batch(records, tok, width)
 
     result = train_steps(spec, world=1, steps=steps, lr=lr, batch_at=batch_at,
-                         loss_fn=sft_loss, out=out)
+                         loss_fn=sft_loss, out=out, device=device)
     tok.save(os.path.join(out, "tokenizer.json"))
     return result
 
@@ -71,7 +72,7 @@ def _settings_of(folder: str) -> dict | None:
 def main_builtin(a: argparse.Namespace) -> int:
     """The built-in addition task with :func:`rlhf.sft.main`'s arguments (``out``, ``steps``,
     ``batch``, ``lr``, ``noise``, ``carry_errors``, ``overrides``)."""
-    cfg, _ = resolve_devices(load_config(a.overrides))  # device=, precision= as rlhf.train
+    cfg, device = resolve_devices(load_config(a.overrides))  # device=, precision= as rlhf.train
     torch.manual_seed(cfg.seed)
     task = task_of(cfg)
     start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
@@ -92,7 +93,7 @@ def main_builtin(a: argparse.Namespace) -> int:
     spec = ModelSpec(config=config, head="lm", init_from=start, seed=cfg.seed,
                      fresh_head=False)
     result = train_sft(spec, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
-                       width=width, noise=a.noise, carry_errors=a.carry_errors)
+                       width=width, noise=a.noise, carry_errors=a.carry_errors, device=device)
     with open(os.path.join(a.out, META), "w") as f:
         json.dump({"settings": settings, **result}, f)
     print(f"[sft] saved {a.out} (loss {result['loss']:.4f}, {result['time_s']:.1f} s)")

@@ -34,7 +34,7 @@ def decayed_lr(lr: float, step: int, steps: int) -> float:
 
 def train_steps(spec: ModelSpec, *, world: int, steps: int, lr: float,
                 batch_at: Callable[[int, Group], dict[str, torch.Tensor]], loss_fn: Loss,
-                out: str) -> dict:
+                out: str, device: torch.device = torch.device("cpu")) -> dict:
     """Train ``spec``'s model for ``steps`` steps and save it to ``out``.
 
     Every rank of the world (one process, or every rank of an initialized process group) is a
@@ -48,15 +48,16 @@ def train_steps(spec: ModelSpec, *, world: int, steps: int, lr: float,
         batch_at: ``(step, dp group) -> this rank's micro-batch`` of that step.
         loss_fn: the loss of a micro-batch (the model's mean NLL on its loss tokens).
         out: folder of the HF checkpoint.
+        device: where the model lives; each micro-batch is moved there once.
     Returns:
         ``first_loss`` (step 0, before any update), ``loss`` (last step), ``time_s``.
     """
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, world), 1, 1))
-    model = build_model(spec, groups)
+    model = build_model(spec, groups, device)
     engine = TrainEngine(model, OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0))
     t0, first, loss = time.perf_counter(), float("nan"), float("nan")
     for step in range(steps):
-        mb = batch_at(step, groups.train_dp)
+        mb = {k: v.to(device) for k, v in batch_at(step, groups.train_dp).items()}
         for g in engine.optimizer.param_groups:
             g["lr"] = decayed_lr(lr, step, steps)
         loss = engine.train_step([mb], loss_fn, temperature=1.0)["loss"]  # the model's NLL

@@ -65,15 +65,19 @@ def accuracy(engine: TrainEngine, batch: dict) -> float:
 
 
 def train_rm(args: ModelSpec, kind: str, task, rule: CostRule, tok: CharTokenizer, *, out: str,
-             steps: int, batch: int, lr: float, width: int) -> dict:
+             steps: int, batch: int, lr: float, width: int,
+             device: torch.device = torch.device("cpu")) -> dict:
     """Train and save; returns held-out pair accuracy before and after."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    model = build_model(args, groups)
+    model = build_model(args, groups, device)
     engine = TrainEngine(model, OptimConfig(lr=lr, max_grad_norm=1.0))
-    held_out = pair_batch(pairs_of(kind, task, 256, 10**6, rule), tok, width)
+    def on_device(b: dict) -> dict:
+        return {k: v.to(device) for k, v in b.items()}
+
+    held_out = on_device(pair_batch(pairs_of(kind, task, 256, 10**6, rule), tok, width))
     before = accuracy(engine, held_out)
     for step in range(steps):
-        mb = pair_batch(pairs_of(kind, task, batch, step * batch, rule), tok, width)
+        mb = on_device(pair_batch(pairs_of(kind, task, batch, step * batch, rule), tok, width))
         loss = engine.train_step([mb], bt_loss, temperature=1.0)["loss"]
         if step % 100 == 0 or step == steps - 1:
             print(f"[train_rm] {kind} step {step} loss {loss:.4f}", flush=True)
@@ -92,7 +96,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="key=value run-config overrides")
     a = p.parse_args(argv)
     try:
-        cfg, _ = resolve_devices(load_config(a.overrides))  # device=, precision= as rlhf.train
+        cfg, device = resolve_devices(load_config(a.overrides))  # device=, precision= as rlhf.train
     except ValueError as e:
         print(f"[train_rm] invalid configuration: {e}", file=sys.stderr, flush=True)
         return 2
@@ -103,7 +107,7 @@ def main(argv: list[str]) -> int:
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), out=a.out,
-                   steps=a.steps, batch=a.batch, lr=a.lr, width=width)
+                   steps=a.steps, batch=a.batch, lr=a.lr, width=width, device=device)
     print(f"[train_rm] saved {a.out}: held-out pair accuracy {res['accuracy_before']:.3f} -> "
           f"{res['accuracy_after']:.3f}", flush=True)
     return 0

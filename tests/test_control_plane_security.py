@@ -267,6 +267,10 @@ class Replies(Worker):
     def echo(self, value):
         return value
 
+    @protocol(ONE_TO_ALL)
+    def data_less(self) -> torch.Tensor:
+        return torch.zeros(4, device="meta")  # its copy to the host raises while encoding
+
 
 @pytest.fixture
 def one_rank_group():
@@ -287,6 +291,8 @@ def test_replies_and_commands_that_cannot_travel_fail_the_call_not_the_rank(one_
         one_rank_group.unregistered().get()
     with pytest.raises(WorkerError, match="MessageTooLargeError"):
         one_rank_group.big().get()
+    with pytest.raises(WorkerError, match="NotImplementedError: Cannot copy out of meta"):
+        one_rank_group.data_less().get()
     with pytest.raises(wire.UnsafeMessageError, match="Unregistered"):
         one_rank_group.echo(Unregistered())  # refused before any rank got it
     with pytest.raises(wire.MessageTooLargeError):

@@ -189,8 +189,6 @@ def _train(tmp_path, env: dict, nproc: int = 1) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.xfail(strict=False, reason="rlhf/workers/common.py loss_denominator makes its "
-                   "count tensor without a device (the first such line the run meets)")
 def test_rl_iteration_with_meta_as_the_default_device(tmp_path):
     (record,) = _train(tmp_path, {TEST_META_DEFAULT_ENV: "1"})
     weights = record["memory/actor_weights_gb"]

@@ -240,6 +240,9 @@ def test_bad_inputs_exit_2_with_the_reason(example, tmp_path, capsys):
         (["--model", str(tmp_path / "empty_model"), "--data", data], "no config.json"),
         (["--model", model, "--data", data, "--batch", "0"], "--batch=0 must be >= 1"),
         (["--model", model, "--data", data, "--max-len", "100000"], "--max-len=100000"),
+        (["--model", model, "--data", data, "device=cuda"] if not torch.cuda.is_available()
+         else ["--model", model, "--data", data, "device=tpu"], "device="),
+        (["--model", model, "--data", data, "precision=fp16"], "precision='fp16' must be one of"),
     ]
     for argv, message in cases:
         assert sft.main(argv + ["--out", out]) == 2, argv
@@ -250,3 +253,17 @@ def test_bad_inputs_exit_2_with_the_reason(example, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # --model without --data
         sft.main(["--model", model, "--out", out])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:  # run-config keys other than device and precision
+        sft.main(["--model", model, "--data", data, "--out", out, "algo=grpo"])
+    assert e.value.code == 2 and "only device=, precision= are taken" in capsys.readouterr().err
+
+
+def test_bf16_run_trains_and_saves_bf16(example, tmp_path):
+    out = tmp_path / "bf16"
+    argv = ["--model", str(example / "llama"), "--data", str(example / "sft.jsonl"),
+            "--out", str(out), "--steps", "20", "--batch", "8", "--lr", "3e-3",
+            "device=cpu", "precision=bf16"]
+    assert sft.main(argv) == 0
+    meta = json.loads((out / sft.META).read_text())
+    assert meta["loss"] < 0.8 * meta["first_loss"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

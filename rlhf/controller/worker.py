@@ -65,7 +65,8 @@ class Worker:
         rank: this worker's layout rank.
         groups: this worker's process groups for ``layout`` (training and generation side).
         device: the device this rank computes on (``run(device=...)``): build models and
-            create tensors on it; the call arguments arrive on it.
+            create tensors on it; the call arguments arrive on it.  A worker built outside
+            the runtime (a test, a script) computes on the CPU.
     """
 
     role: str
@@ -73,7 +74,7 @@ class Worker:
     pool: tuple[int, ...]
     rank: int
     groups: HybridGroups
-    device: torch.device
+    device: torch.device = torch.device("cpu")
 
     @property
     def global_rank(self) -> int:
@@ -180,10 +181,11 @@ class WorkerRuntime:
             wire.send_frame(self.sock, self._frame(reply))
 
     def _frame(self, reply: Reply) -> wire.Frame:
-        """The reply's frame; a Failed naming the reason if the output cannot travel."""
+        """The reply's frame; a Failed naming the reason if the output cannot travel (too
+        large, a type the wire refuses, a tensor whose copy to the host fails)."""
         try:
             return wire.frame(reply, self.max_message_bytes)
-        except wire.MessageError as exc:
+        except Exception as exc:  # noqa: BLE001 - the controller must hear of it, not wait
             return wire.frame(Failed(reply.cid, self.rank, f"{type(exc).__name__}: {exc}",
                                      traceback.format_exc()), self.max_message_bytes)
 

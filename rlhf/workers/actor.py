@@ -39,7 +39,7 @@ class PolicyWorker(CheckpointedWorker):
 
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
-        self.model = build_model(spec.model, self.groups)
+        self.model = build_model(spec.model, self.groups, self.device)
         self.train = TrainEngine(self.model, spec.optim)
         # actor.loss.mode, else the algorithm's own registered policy loss
         self.pg_loss = get_policy_loss(spec.loss.mode or algorithm(spec.algo).policy_loss)
@@ -133,7 +133,7 @@ class ReferenceWorker(CheckpointedWorker):
 
     def __init__(self, spec: ReferenceSpec) -> None:
         self.spec = spec
-        self.model = build_model(spec.model, self.groups)
+        self.model = build_model(spec.model, self.groups, self.device)
         self.engine = TrainEngine(self.model, frozen=True)
         self.checkpoint = ShardCheckpoint(self.model)
 

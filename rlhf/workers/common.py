@@ -33,9 +33,11 @@ from rlhf.controller import ONE_TO_ALL, Batch, Worker, protocol
 from rlhf.workers.specs import ModelSpec, UpdateSpec
 
 
-def build_model(args: ModelSpec, groups: HybridGroups) -> ParallelLlama:
-    """This rank's :class:`ParallelLlama`, initialised from ``args`` (deterministic)."""
-    model = ParallelLlama(args.config, groups, head=args.head)
+def build_model(args: ModelSpec, groups: HybridGroups,
+                device: torch.device | None = None) -> ParallelLlama:
+    """This rank's :class:`ParallelLlama` on ``device`` (default cpu), initialised from
+    ``args`` (deterministic: the initial weights are drawn on the host, then copied)."""
+    model = ParallelLlama(args.config, groups, head=args.head, device=device)
     load_full_state_dict(model, init_full_state_dict(args.config, args.seed, args.head))
     if args.init_from:
         load_hf_checkpoint(model, args.init_from, load_head=not args.fresh_head)
@@ -76,13 +78,15 @@ def token_minibatches(batch: Batch, rows: int, max_tokens: int, dp: Group) -> li
     """
     minis = [batch.rows(slice(i, i + rows)) for i in range(0, len(batch), rows)]
     lengths = [m["attention_mask"].sum(1).tolist() for m in minis]
-    counts = torch.tensor([count_micro_batches(n, max_tokens) for n in lengths])
+    # host counts (gloo side of the group): the split below is planned on the host
+    counts = torch.tensor([count_micro_batches(n, max_tokens) for n in lengths], device="cpu")
     if dp.pg is not None:
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp.pg)
     out = []
     for m, n, k in zip(minis, lengths, counts.tolist()):
         parts = partition_by_tokens(n, max_tokens, parts=k)
-        out.append([{key: v[torch.tensor(p)] for key, v in m.tensors.items()} for p in parts])
+        out.append([{key: v[torch.tensor(p, device=v.device)] for key, v in m.tensors.items()}
+                    for p in parts])
     return out
 
 
@@ -105,13 +109,14 @@ def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *
         outs = engine.forward([inputs], head_from=head_from, temperature=temperature)
         return None if outs is None else outs[0]
     parts = partition_by_tokens(batch["attention_mask"].sum(1).tolist(), max_tokens)
-    mbs = [{k: v[torch.tensor(p)] for k, v in inputs.items()} for p in parts]
+    mbs = [{k: v[torch.tensor(p, device=v.device)] for k, v in inputs.items()} for p in parts]
     outs = engine.forward(mbs, head_from=head_from, temperature=temperature,
                           remove_padding=True)
     if outs is None:
         return None
-    inverse = torch.argsort(torch.tensor([i for p in parts for i in p]))
-    return {k: torch.cat([o[k] for o in outs])[inverse] for k in outs[0]}
+    order = [i for p in parts for i in p]
+    return {k: torch.cat([o[k] for o in outs])[
+        torch.argsort(torch.tensor(order, device=outs[0][k].device))] for k in outs[0]}
 
 
 def micro_batch_denominator(count: float, mode: str, micro_batches: int, dp: int) -> float:
@@ -139,7 +144,8 @@ def loss_denominator(micro_batches: list[dict], mode: str, dp: Group) -> float:
         dp: the role's training DP group (``groups.train_dp``).
     """
     local = sum(agg_count(mb["response_mask"], mode) for mb in micro_batches)
-    count = torch.tensor(float(local), dtype=torch.float64)
+    # a host scalar (gloo side of the group): the denominator is a Python float
+    count = torch.tensor(float(local), dtype=torch.float64, device="cpu")
     if dp.pg is not None:
         dist.all_reduce(count, group=dp.pg)
     return micro_batch_denominator(float(count), mode, len(micro_batches), dp.size)
@@ -149,7 +155,8 @@ def mean_row(records: list[dict[str, float]]) -> Batch:
     """One row of per-key means (what the controller averages over DP replicas)."""
     keys = sorted({k for r in records for k in r})
     return Batch({k: torch.tensor([sum(r[k] for r in records if k in r)
-                                   / max(1, sum(k in r for r in records))]) for k in keys})
+                                   / max(1, sum(k in r for r in records))], device="cpu")
+                  for k in keys})
 
 
 def prompt_width(batch: Batch) -> int:

@@ -106,7 +106,7 @@ class RolloutWorker(Worker):
 
     def __init__(self, spec: RolloutSpec) -> None:
         self.spec = spec
-        self.engine = GenerationEngine(spec.config, self.groups)
+        self.engine = GenerationEngine(spec.config, self.groups, device=self.device)
         self.sync: WeightSync | None = None
 
     @protocol(ONE_TO_ALL)
