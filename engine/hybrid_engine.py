@@ -60,13 +60,18 @@ class HybridEngine:
         verify: checksum-verify the generation weights after every transition.
         train: the training engine of ``model`` when the caller built it (then ``optim`` is
             not given); default: a new one with ``optim``.
+        offload_during_generation: park the training state (masters, optimizer state,
+            gradient buffer) in host memory for the whole of :meth:`generation_mode`, so that
+            generation's peak device memory excludes it (:meth:`TrainEngine.
+            offload_train_state`).
 
     Construction is collective over the layout's ranks (the resharder exchanges specs).
     """
 
     def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None,
                  rollout: Rollout | None = None, verify: bool = False,
-                 train: TrainEngine | None = None) -> None:
+                 train: TrainEngine | None = None,
+                 offload_during_generation: bool = False) -> None:
         if train is not None and (optim is not None or train.model is not model):
             raise ValueError("HybridEngine(train=...) takes the training engine of this model "
                              "and no optim (the engine has its own)")
@@ -78,7 +83,9 @@ class HybridEngine:
                                    buffer=model.buffer)
         self.rollout = rollout if rollout is not None else GenerationEngine(
             model.config, model.groups, device=model.device)
+        self.offload_during_generation = offload_during_generation
         self.last_transition: TransitionStats | None = None
+        self.last_offloaded_nbytes = 0
         self._generating = False
 
     @property
@@ -90,23 +97,39 @@ class HybridEngine:
         """Reshard to the generation layout for the block; back to training on exit.
 
         Yields the :class:`TransitionStats` of the transition (``time_s``, ``version``...).
+        With ``offload_during_generation`` the training state leaves the device before the
+        transition and comes back after the return to training.
         """
         if self._generating:
             raise RuntimeError("generation_mode() is already active")
-        before = self.resharder.version
-        stats = self.resharder.to_generation()
-        if stats.version != before + 1:
-            raise RuntimeError(f"weight version went from {before} to {stats.version}, "
-                               f"expected {before + 1}")
-        self.last_transition = stats
-        self._generating = True
+        with self._training_state_offloaded():
+            before = self.resharder.version
+            stats = self.resharder.to_generation()
+            if stats.version != before + 1:
+                raise RuntimeError(f"weight version went from {before} to {stats.version}, "
+                                   f"expected {before + 1}")
+            self.last_transition = stats
+            self._generating = True
+            try:
+                self.rollout.load_weights(self.resharder)
+                yield stats
+            finally:
+                self.rollout.release()
+                self._generating = False
+                self.resharder.to_training()
+
+    @contextmanager
+    def _training_state_offloaded(self):
+        """With ``offload_during_generation``: the training state in host memory for the block
+        (``last_offloaded_nbytes`` of device memory given back)."""
+        if not self.offload_during_generation:
+            yield
+            return
+        self.last_offloaded_nbytes = self.train.offload_train_state()
         try:
-            self.rollout.load_weights(self.resharder)
-            yield stats
+            yield
         finally:
-            self.rollout.release()
-            self._generating = False
-            self.resharder.to_training()
+            self.train.reload_train_state()
 
     def generate_sequences(self, input_ids: torch.Tensor,
                            attention_mask: torch.Tensor | None = None,

@@ -164,6 +164,58 @@ class MasterWeights:
         torch._foreach_copy_(list(params.values()), [self.params[n] for n in params])
 
 
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as one uint8 tensor (the bytes every view of it shares)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class OffloadedState:
+    """Device storages given back while their tensors and views stay valid (FSDP's trick).
+
+    A storage is resized to 0 bytes and later to its size again; every tensor viewing it
+    (``param.grad``, a master's ``nn.Parameter``, an Adam moment) holds the storage object,
+    not the address, so it reads the new allocation after :meth:`restore`::
+
+        offload:  device storage --copy--> host bytes (pinned on CUDA);  storage.resize_(0)
+        restore:  storage.resize_(nbytes);  host bytes --copy--> device storage
+
+    Args:
+        kept: tensors whose storages' contents are copied to the host and back.
+        dropped: tensors whose storages are freed and re-allocated uninitialised (the
+            gradient buffer, zeroed at the start of every step).
+        pin: host copies in pinned memory (CUDA: asynchronous copies on the current stream,
+            ordered before any later use of the freed device blocks).
+
+    Attributes:
+        device_nbytes: device bytes given back.
+    """
+
+    def __init__(self, kept: list[torch.Tensor], dropped: list[torch.Tensor],
+                 pin: bool) -> None:
+        self.pin = pin
+        self.kept = [(t, self._to_host(t, pin)) for t in kept]
+        self.dropped = [(t, t.untyped_storage().nbytes()) for t in dropped]
+        self.device_nbytes = (sum(host.numel() for _, host in self.kept)
+                              + sum(n for _, n in self.dropped))
+        for t in kept + dropped:
+            t.untyped_storage().resize_(0)
+
+    @staticmethod
+    def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+        raw = _storage_bytes(t)
+        host = torch.empty(raw.numel(), dtype=torch.uint8, device="cpu", pin_memory=pin)
+        return host.copy_(raw, non_blocking=pin)
+
+    def restore(self) -> None:
+        """Re-allocate every storage; the kept ones get their bytes back."""
+        for t, n in self.dropped:
+            t.untyped_storage().resize_(n)
+        for t, host in self.kept:
+            t.untyped_storage().resize_(host.numel())
+            _storage_bytes(t).copy_(host, non_blocking=self.pin)
+        self.kept, self.dropped = [], []
+
+
 def _add_grad_into(main_grad: torch.Tensor) -> Callable[[torch.Tensor], None]:
     """Post-accumulate hook of a low-precision parameter: its micro-batch gradient is added
     into ``main_grad`` (float32) and dropped, so no low-precision sum ever builds up."""
@@ -214,6 +266,7 @@ class TrainEngine:
         self.device = params_device(model.params)
         self.frozen = frozen
         self.step_count = 0
+        self.offloaded: OffloadedState | None = None
         if frozen:
             self.masters = self.grads = self.optimizer = None
             self.train_params = {}
@@ -233,6 +286,37 @@ class TrainEngine:
             [{"params": decay, "weight_decay": c.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
             lr=c.lr, betas=c.betas, eps=c.eps, fused=True)  # one kernel for all tensors
+
+    # Offload ---------------------------------------------------------------------------------
+    def offload_train_state(self) -> int:
+        """Move the masters and the optimizer state to host memory and free the gradient
+        buffer, giving their device storage back (:class:`OffloadedState`); the parameters
+        stay.  Forward passes still run; :meth:`train_step` refuses until
+        :meth:`reload_train_state`.
+
+        Returns:
+            The device bytes given back (0 for a frozen engine, which has no such state).
+        """
+        if self.offloaded is not None:
+            raise RuntimeError("offload_train_state: the training state is already offloaded")
+        if self.frozen:
+            return 0
+        kept = list(self.masters.flat.values()) if self.masters is not None else []
+        kept += [v for state in self.optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor)]  # exp_avg, exp_avg_sq, step (fused: tensors)
+        self.offloaded = OffloadedState(kept, list(self.grads.flat.values()),
+                                        pin=self.device.type == "cuda")
+        return self.offloaded.device_nbytes
+
+    def reload_train_state(self) -> None:
+        """Bring back what :meth:`offload_train_state` moved, bit for bit (the gradient
+        buffer uninitialised: every step zeroes it first)."""
+        if self.frozen:
+            return
+        if self.offloaded is None:
+            raise RuntimeError("reload_train_state: the training state is not offloaded")
+        self.offloaded.restore()
+        self.offloaded = None
 
     # Pipeline --------------------------------------------------------------------------------
     def _executor(self, micro_batches: list[dict],
@@ -304,6 +388,9 @@ class TrainEngine:
         if self.frozen:
             raise ValueError("train_step on a frozen TrainEngine (built with frozen=True for "
                              "forward passes only)")
+        if self.offloaded is not None:
+            raise RuntimeError("train_step while the training state is offloaded "
+                               "(reload_train_state first)")
         _check_micro_batches(micro_batches)
         check_temperature(temperature)
         packings = self._packings(micro_batches, remove_padding)  # before any collective

@@ -199,7 +199,8 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
     a = cfg.algo
     return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
                      loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
-                     kl_loss=KLLossTerm.of(a), temperature=cfg.data.temperature)
+                     kl_loss=KLLossTerm.of(a), temperature=cfg.data.temperature,
+                     offload_during_generation=cfg.actor.offload_during_generation)
 
 
 def reference_spec(cfg: Config) -> ReferenceSpec:

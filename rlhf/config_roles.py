@@ -231,6 +231,11 @@ class ActorConfig:
     max_token_len_per_micro_batch: int = 4096
     """use_dynamic_bsz: real tokens per micro-batch on one DP rank (>= max_prompt_len +
     max_response_len, the longest sequence)."""
+    offload_during_generation: bool = False
+    """Park the training state (fp32 masters, Adam moments, the gradient buffer) in host
+    memory while the actor generates, so that generation's KV cache can use that device
+    memory; it comes back bit for bit before the next log-prob pass.  Costs two host copies
+    of that state per iteration.  Unused by a disaggregated actor (it does not generate)."""
 
     def __post_init__(self) -> None:
         check_token_budget("actor.", self.max_token_len_per_micro_batch)

@@ -110,7 +110,8 @@ class ActorWorker(PolicyWorker):
 
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
-        self.engine = HybridEngine(self.model, train=self.train)
+        self.engine = HybridEngine(self.model, train=self.train,
+                                   offload_during_generation=spec.offload_during_generation)
 
     @protocol(THREE_D_PROTO, phase="generation")
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
