@@ -30,6 +30,10 @@ float32 master weights and the parameters are their low-precision copies::
 
 In float32 there are no masters: the parameters themselves are trained, exactly as above.
 
+Between steps (while the actor generates) the masters and the Adam state can leave the device
+for host memory and the gradient buffer be freed (:meth:`TrainEngine.offload_train_state`,
+:class:`OffloadedState`); the parameters always stay.
+
 Loss convention: ``loss_fn`` returns the mean loss of one micro-batch; the step minimises the
 mean over all micro-batches of all DP ranks, so with the same micro-batches a layout
 ``(pp, tp, dp)`` computes the same gradients as one process that runs them all.  Micro-batches
@@ -256,6 +260,8 @@ class TrainEngine:
         masters: float32 master weights when the parameters are 16-bit (bf16), else None.
         train_params: what the optimizer steps, by name: the masters' parameters, or the
             model's own in float32; their ``.grad`` are the :class:`GradBuffer` views.
+        offloaded: the training state parked in host memory, or None while it is on the
+            device (:meth:`offload_train_state`).
     """
 
     def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None, *,
