@@ -64,10 +64,9 @@ class ActorSpec:
     temperature: float
     """Rollout sampling temperature (data.temperature): log-probs and entropy are of
     ``softmax(logits / temperature)``, the distribution the rollouts were drawn from."""
-    offload_during_generation: bool = False
+    offload_during_generation: bool
     """actor.offload_during_generation: the training state in host memory while generating
-    (:class:`engine.hybrid_engine.HybridEngine`).  The one field with a default here: specs
-    built by hand for the training side only leave it out."""
+    (:class:`engine.hybrid_engine.HybridEngine`)."""
 
 
 @dataclass(frozen=True)
