@@ -131,6 +131,10 @@ class SamplingParams:
     seed: int = 0
     """Seed of the sampling call's :class:`SeedStream` (all 63 bits count); the same seed
     gives the same tokens."""
+    first_row: int = 0
+    """Row id of the call's first row in the draw's counters (:func:`clock_uniforms`): row
+    ``i`` draws as row ``first_row + i`` of a larger batch, so a batch generated as calls of
+    consecutive rows (waves) samples the tokens of one call over all of it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -151,6 +155,9 @@ class SamplingParams:
             raise ValueError(f"min_new_tokens={self.min_new_tokens!r} must be an int in "
                              f"[0, max_new_tokens={self.max_new_tokens}] (0 = off)")
         check_seed("seed", self.seed)
+        if isinstance(self.first_row, bool) or not isinstance(self.first_row, int) \
+                or not 0 <= self.first_row < 1 << 31:
+            raise ValueError(f"first_row={self.first_row!r} must be an int in [0, 2**31)")
 
     @property
     def greedy(self) -> bool:
@@ -191,8 +198,8 @@ def _log_normaliser(lmax: torch.Tensor, lsum: torch.Tensor) -> torch.Tensor:
     return m + torch.log((lsum * torch.exp(lmax - m)).sum(dim=0))
 
 
-def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = None
-          ) -> torch.Tensor:
+def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = None,
+          first_row: int = 0) -> torch.Tensor:
     """One index ``[B, 1]`` per row from ``softmax(scaled)`` (every sampling path's draw).
 
     The exponential race: with ``E_j = -log(U_j) ~ Exp(1)`` drawn per candidate,
@@ -204,12 +211,13 @@ def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = 
     Twister); ``bench/generation.py --profile`` times the sampling stage.  ``rows``
     (``[B_full]`` bool, the True rows are ``scaled``'s rows, in order) gives each row its id
     in the full batch: a row's draw, and the stream's state after the step, do not depend
-    on which other rows are still running (early exit compacts finished rows away).
+    on which other rows are still running (early exit compacts finished rows away);
+    ``first_row`` (:attr:`SamplingParams.first_row`) is added to every id.
     """
     probs = torch.softmax(scaled, dim=-1)
     # the True rows' ids, as many as probs has rows (known on the host: no device sync)
     row_ids = (torch.arange(probs.shape[0], device=probs.device) if rows is None
-               else torch.nonzero_static(rows, size=probs.shape[0]).squeeze(1))
+               else torch.nonzero_static(rows, size=probs.shape[0]).squeeze(1)) + first_row
     noise = clock_uniforms(stream, row_ids, probs.shape[-1]).log_().neg_()
     return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
@@ -274,7 +282,7 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
     """
     if params.top_p == 1 and not 0 < params.top_k < values.shape[-1]:
         # nothing is filtered: sample from the candidates as they come (no sort)
-        pick = _draw(values, stream, rows)
+        pick = _draw(values, stream, rows, params.first_row)
         return (torch.gather(ids, -1, pick).squeeze(-1),
                 torch.gather(values, -1, pick).squeeze(-1))
     sorted_z, order = torch.sort(values, dim=-1, descending=True, stable=True)
@@ -288,7 +296,7 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
         drop = mass_before >= params.top_p
         drop[:, 0] = False  # the most likely token always stays
         kept = kept.masked_fill(drop, float("-inf"))
-    pick = _draw(kept, stream, rows)
+    pick = _draw(kept, stream, rows, params.first_row)
     return torch.gather(sorted_ids, -1, pick).squeeze(-1), torch.gather(sorted_z, -1,
                                                                         pick).squeeze(-1)
 
@@ -330,7 +338,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     zs = _without(z, banned, start)
     if whole_vocab and not params.greedy and params.top_p == 1 and params.top_k == 0:
         # nothing to gather or filter: the general path's draw and log-prob in fewer ops
-        pick = _draw(zs, stream, rows)
+        pick = _draw(zs, stream, rows, params.first_row)
         lse = _logsumexp(z)
         return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double() - lse).float()
     smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
