@@ -312,7 +312,7 @@ class Started(Exception):
 
 @pytest.fixture
 def tripwire(monkeypatch):
-    def run(program):
+    def run(program, **kwargs):
         raise Started
 
     monkeypatch.setattr(train, "run", run)

@@ -76,11 +76,13 @@ def code_defaults(path: pathlib.Path) -> list[tuple[str, int, str]]:
 
 # ``seed`` is the run's seed in the config; the engine's seeds are per-call RNG seeds that the
 # runtime derives from it (SamplingParams.seed = derive_seed(seed, "rollout", step)), another
-# quantity.
-NOT_THE_SAME_QUANTITY = {"seed"}
+# quantity.  ``device`` is the run's request (auto, cpu, cuda); the engines' ``device`` is the
+# torch.device a rank resolved from it (rlhf.config.resolve_devices).
+NOT_THE_SAME_QUANTITY = {"seed", "device"}
 # Engine switches whose default is "off" (HF's and vLLM's too), so that direct engine users
-# need not name them; the runtime always passes the config's value (builders.sampling_of).
-ENGINE_OFF_SWITCHES = {"min_new_tokens"}
+# need not name them; the runtime always passes the config's value (builders.sampling_of,
+# builders.actor_spec).
+ENGINE_OFF_SWITCHES = {"min_new_tokens", "offload_during_generation"}
 
 
 def test_no_config_default_is_restated_in_code():
