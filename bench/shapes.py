@@ -7,6 +7,13 @@
               parameters with a byte-level BPE vocabulary of 8,192 trained here
               (:func:`build_bpe_tokenizer`), prompts of 64 tokens, responses of 128, 16 prompts
               x 4 samples per iteration
+    qwen2.5-0.5b
+              Qwen2.5-0.5B's sizes (hidden 896, 24 layers, GQA 14/2 of head_dim 64, SwiGLU 4864,
+              vocabulary 151,936, tied, q/k/v biases) in bfloat16 with random weights, for the
+              GPU benches: prompts of 64 tokens, responses of 512, 16 prompts x 8 samples (128
+              sequences); its BPE (:func:`build_bpe_tokenizer`) has 8,192 tokens, the rest of the
+              model's vocabulary rows are ids the text never uses (as Qwen2.5's own 151,936 rows
+              exceed its tokenizer's 151,665)
     llama-1b  Llama-3.2-1B's weight shapes (hidden 2048, 16 layers, 32/8 heads, SwiGLU 8192,
               vocabulary 128,256, tied) in bfloat16: resharding and weight-sync benches only
 
@@ -42,6 +49,8 @@ class BenchShape:
         prompts / samples: prompts per iteration and samples per prompt (RL benches).
         rl: the shape is meant for the RL/generation benches (``llama-1b`` is not: its
             weights alone are 2.5 GB, resharding benches only).
+        tokenizer_vocab: tokens of the BPE built for it (None: ``vocab``); below ``vocab``
+            where training the corpus into that many tokens would only add unused ones.
     """
 
     name: str
@@ -60,6 +69,7 @@ class BenchShape:
     prompts: int
     samples: int
     rl: bool
+    tokenizer_vocab: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +87,11 @@ class BenchShape:
         """Parameters that take part in a matrix product per token: every layer's and the LM
         head's.  The input embedding is a row lookup (no FLOPs) unless it is the head."""
         return self.param_count() - (0 if self.tied else self.vocab * self.hidden)
+
+    @property
+    def bpe_vocab(self) -> int:
+        """Tokens of the BPE the benches build for this shape."""
+        return self.vocab if self.tokenizer_vocab is None else self.tokenizer_vocab
 
     def weight_bytes(self) -> int:
         return self.param_count() * torch.empty((), dtype=self.dtype).element_size()
@@ -107,7 +122,9 @@ class BenchShape:
                 "tied": self.tied, "qkv_bias": self.qkv_bias, "model_type": self.model_type,
                 "params": self.param_count(), "prompt_len": self.prompt_len,
                 "response_len": self.response_len, "prompts": self.prompts,
-                "samples": self.samples}
+                "samples": self.samples} | (
+                    {} if self.tokenizer_vocab is None else
+                    {"tokenizer_vocab": self.tokenizer_vocab})
 
 
 SHAPES = {
@@ -118,6 +135,11 @@ SHAPES = {
                         vocab=8192, dtype=torch.float32, tied=True, qkv_bias=True,
                         model_type="qwen2", prompt_len=64, response_len=128, prompts=16,
                         samples=4, rl=True),
+    "qwen2.5-0.5b": BenchShape("qwen2.5-0.5b", hidden=896, layers=24, heads=14, kv_heads=2,
+                               ffn=4864, vocab=151936, dtype=torch.bfloat16, tied=True,
+                               qkv_bias=True, model_type="qwen2", prompt_len=64,
+                               response_len=512, prompts=16, samples=8, rl=True,
+                               tokenizer_vocab=8192),
     "llama-1b": BenchShape("llama-1b", hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192,
                            vocab=128256, dtype=torch.bfloat16, tied=True, qkv_bias=False,
                            model_type="llama", prompt_len=0, response_len=0, prompts=0,

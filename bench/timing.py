@@ -1,27 +1,97 @@
-"""Median wall time of repeated calls, the one timing loop the benchmarks share."""
+"""Median wall time of repeated calls, the one timing loop the benchmarks share, and the
+``--device`` / ``--precision`` options of the benches that run on a GPU."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+from dataclasses import dataclass
+
+import torch
 
 
-def median_time(fn, repeat: int, warmup: int = 1) -> tuple[float, object]:
+@dataclass(frozen=True)
+class BenchDevice:
+    """Where a bench computes and in which precision (resolved from its options)."""
+
+    device: torch.device
+    precision: str
+    """``fp32`` or ``bf16``."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        from hybridflow_comm.devices import precision_dtype
+
+        return precision_dtype(self.precision)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def describe(self) -> str:
+        """The JSON's ``device``: ``cpu``, or ``cuda:<name of the card>``."""
+        if not self.is_cuda:
+            return self.device.type
+        return f"cuda:{torch.cuda.get_device_name(self.device)}"
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device cpu|cuda`` (default cpu) and ``--precision fp32|bf16`` (default fp32 on CPU,
+    bf16 on CUDA)."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both contenders run (default %(default)s)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                        help="weights and compute (default fp32 on cpu, bf16 on cuda)")
+
+
+def bench_device(args: argparse.Namespace) -> BenchDevice:
+    """The options of :func:`add_device_arguments`, resolved (ValueError when CUDA is asked
+    for and absent, or bf16 on a card without it)."""
+    from hybridflow_comm.devices import resolve_device, resolve_precision
+
+    device = resolve_device(args.device)
+    return BenchDevice(device, resolve_precision(args.precision or "auto", device))
+
+
+def sync(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device's stream; nothing on CPU), so that
+    a host clock read next covers it."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synced(fn, device: torch.device | str | None):
+    """``fn`` followed by :func:`sync`: a callable whose return marks the end of its device
+    work (for timers that do not sync themselves, e.g. :func:`rlhf.planner.calibrate.best_time`,
+    whose warm-up call then also syncs before the first timed one)."""
+    def call():
+        out = fn()
+        sync(device)
+        return out
+    return call
+
+
+def median_time(fn, repeat: int, warmup: int = 1,
+                device: torch.device | str | None = None) -> tuple[float, object]:
     """Call ``fn`` ``warmup`` times untimed, then ``repeat`` times timed.
 
     Returns:
         ``(median seconds, result of the last call)``.
     """
-    times, results = interleaved_median_times({"fn": fn}, repeat, warmup)
+    times, results = interleaved_median_times({"fn": fn}, repeat, warmup, device)
     return times["fn"], results["fn"]
 
 
-def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1
+def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1,
+                             device: torch.device | str | None = None
                              ) -> tuple[dict[str, float], dict[str, object]]:
     """Time several callables side by side: each round calls every one once, in turn.
 
     Interleaving spreads slow phases of a shared, noisy machine over all contenders instead of
     charging them to whichever ran at that moment, so the ratios of the medians are stable.
+    On a CUDA ``device`` the clock is read after :func:`sync` on both sides of each call, so a
+    call's time is its device work, not the time to queue it.
 
     Returns:
         ``({name: median seconds}, {name: result of its last call})``.
@@ -33,7 +103,9 @@ def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
+            sync(device)
             t0 = time.perf_counter()
             results[name] = fn()
+            sync(device)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}, results

@@ -24,6 +24,33 @@ def test_llama_1b_has_llama_3_2_1b_sizes():
     assert shape.weight_bytes() == 2 * shape.param_count()
 
 
+def test_qwen2_5_0_5b_has_qwen2_5_0_5b_sizes():
+    """The table's count against the published one (494,032,768 parameters, tied) and the
+    models built of the shape: ours (its flat buffer, 1 GB of zeros) and transformers' Qwen2 (on
+    the meta device)."""
+    import transformers
+
+    from engine.hf_interop import config_to_hf
+    from engine.model import ParallelLlama
+    from hybridflow_comm.groups import build_hybrid_groups
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+    shape = SHAPES["qwen2.5-0.5b"]
+    assert shape.param_count() == 494_032_768 and shape.head_dim == 64
+    config = shape.llama_config()
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    ours = ParallelLlama(config, groups)
+    assert sum(p.numel() for p in ours.params.values()) == shape.param_count()
+    assert {p.dtype for p in ours.params.values()} == {torch.bfloat16}
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config_to_hf(config))
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    assert sum(p.numel() for p in hf.parameters()) == shape.param_count()
+    assert shape.bpe_vocab == 8192 < shape.vocab
+    assert shape.describe()["tokenizer_vocab"] == 8192
+    assert "tokenizer_vocab" not in SHAPES["small"].describe()
+
+
 def test_rl_benches_refuse_the_resharding_only_shape():
     import argparse
     with pytest.raises(ValueError, match="llama-1b"):
