@@ -3,11 +3,14 @@
 The caller builds, on every rank, the ``vllm.LLM`` of its generation replica with this
 package's worker extension (``pip install .[vllm]`` pins the version, ``requirements-vllm.txt``)::
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"    # engine and worker in this process
-    llm = vllm.LLM(path, tensor_parallel_size=tp_g, worker_extension_cls=WORKER_EXTENSION,
-                   logprobs_mode="processed_logprobs",
-                   distributed_executor_backend="external_launcher" if tp_g > 1 else None)
+    llm = build_llm(path, tp_g=..., pp_g=..., world_size=..., dtype="bfloat16", seed=0,
+                    gpu_memory_utilization=0.5, max_num_seqs=None)
     rollout = VLLMRollout(llm, groups.gen_tp)
+
+:func:`build_llm` is ``vllm.LLM(path, worker_extension_cls=WORKER_EXTENSION,
+logprobs_mode="processed_logprobs", enable_sleep_mode=True, load_format="dummy", ...)`` with
+the engine and its worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and
+``distributed_executor_backend="external_launcher"`` when the job has several ranks.
 
 One worker per rank (``external_launcher``: the ranks of a generation TP group each drive the
 worker of one vLLM TP rank, as verl's colocated mode does; vLLM's world is then the job's, so
@@ -19,8 +22,15 @@ transition the adapter
   split back into their parts), cuts the stream into buckets under ``bucket_bytes``
   (:func:`plan_weight_buckets`, pure) and loads each with one
   ``llm.collective_rpc(LOAD_BUCKET, args=(bucket,))`` into ``model.load_weights``;
-* turns our left-padded prompt batch into vLLM token prompts and vLLM's outputs back into a
-  :class:`GenerationOutput` (log-probs of the sampled tokens, ``logprobs=0``).
+* turns our left-padded prompt batch into vLLM token prompts, one ``SamplingParams`` per row
+  with its own seed (:func:`row_seeds`: a GRPO group's identical prompts draw independent
+  samples), and vLLM's outputs back into a :class:`GenerationOutput` in the native engine's
+  format (:func:`response_tables`: cut after the first EOS, padded after it, log-probs of the
+  sampled tokens, ``logprobs=0``).
+
+Between generation phases vLLM sleeps (``enable_sleep_mode``): its weights and KV cache leave
+the device while the actor trains, and come back, new weights loaded and the prefix cache
+reset, when the next phase starts (:class:`VLLMRollout`).
 
 Full tensors with ``tp_g > 1``: ``load_weights`` is vLLM's supported entry for new weights and
 its loaders take a checkpoint's *full* tensor and keep their own TP rank's slice (q/k/v and
@@ -45,6 +55,7 @@ Nothing here imports vllm at module import time, so the module loads on any mach
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -53,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from engine.generation import GenerationOutput
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, derive_seed
 from engine.vllm_worker_ext import DESCRIBE, LOAD_BUCKET, WORKER_EXTENSION
 from hybridflow_comm.groups import Group
 
@@ -162,24 +173,105 @@ def full_hf_weights(resharder, tp_group: Group) -> Iterator[tuple[str, torch.Ten
         yield name, torch.cat(pieces, dim=dim)
 
 
+def row_seeds(sampling: SamplingParams, rows: int) -> list[int]:
+    """One vLLM seed per row: row ``i`` of the call is row ``first_row + i`` of the batch, as
+    in the native engine's draw (:func:`engine.sampling.clock_uniforms`), so a GRPO group's
+    identical prompts draw independent samples and a wave split does not change them."""
+    return [derive_seed(sampling.seed, "row", sampling.first_row + i) for i in range(rows)]
+
+
+def response_tables(token_lists: Sequence[Sequence[int]],
+                    logprob_lists: Sequence[Sequence[float]], sampling: SamplingParams,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native engine's response columns from per-row token and log-prob lists.
+
+    A row ends after its first ``eos_token_id`` (kept, mask 1) or at ``max_new_tokens``;
+    after its end come ``pad_token_id``, mask 0 and log-prob 0 (what
+    :meth:`engine.generation.GenerationEngine.generate` returns).
+
+    Returns:
+        ``(ids [B, N] int64, mask [B, N] int64, log_probs [B, N] float32)`` on ``device``.
+    """
+    n, eos = sampling.max_new_tokens, sampling.eos_token_id
+    # the lists are host values (vLLM's outputs): the tables are filled on the host, then
+    # moved to the prompts' device once
+    host = torch.device("cpu")
+    batch = len(token_lists)
+    ids = torch.full((batch, n), sampling.pad_token_id, dtype=torch.long, device=host)
+    mask = torch.zeros(batch, n, dtype=torch.long, device=host)
+    lps = torch.zeros(batch, n, dtype=torch.float32, device=host)
+    for b, (toks, lp) in enumerate(zip(token_lists, logprob_lists)):
+        toks = list(toks)[:n]
+        if eos is not None and eos in toks:
+            toks = toks[:toks.index(eos) + 1]
+        k = len(toks)
+        ids[b, :k] = torch.tensor(toks, dtype=torch.long, device=host)
+        mask[b, :k] = 1
+        lps[b, :min(k, len(lp))] = torch.tensor(list(lp)[:k], dtype=torch.float32, device=host)
+    return ids.to(device), mask.to(device), lps.to(device)
+
+
+def build_llm(model_dir: str, *, tp_g: int, pp_g: int, world_size: int, dtype: str, seed: int,
+              gpu_memory_utilization: float, max_num_seqs: int | None, llm_cls=None):
+    """This rank's ``vllm.LLM`` for :class:`VLLMRollout` (engine and worker in this process).
+
+    Args:
+        model_dir: a Hugging Face folder with ``config.json`` (its weights are not read:
+            ``load_format="dummy"``; the adapter loads the actor's before every generation).
+        tp_g, pp_g: the generation layout of the replica.
+        world_size: ranks of the job; above 1, vLLM joins it through ``external_launcher``
+            with ``data_parallel_size = world_size / (pp_g * tp_g)``.
+        dtype: vLLM's ``dtype`` (``"bfloat16"``, ``"float32"``).
+        seed: vLLM's global seed (each request carries its own, :func:`row_seeds`).
+        gpu_memory_utilization: fraction of the GPU vLLM may take (weights and KV cache).
+        max_num_seqs: rows vLLM schedules at once; None = vLLM's default.
+        llm_cls: the class to build (default ``vllm.LLM``).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in this process: buckets by
+    # reference, and one worker per rank (the adapter's check)
+    if llm_cls is None:
+        from vllm import LLM as llm_cls  # noqa: N813 - import guard
+    kwargs = dict(model=model_dir, tensor_parallel_size=tp_g, pipeline_parallel_size=pp_g,
+                  dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                  worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                  enable_sleep_mode=True, load_format="dummy", skip_tokenizer_init=True)
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if world_size > 1:
+        kwargs.update(distributed_executor_backend="external_launcher",
+                      data_parallel_size=world_size // (pp_g * tp_g))
+    return llm_cls(**kwargs)
+
+
 class VLLMRollout:
     """A ``vllm.LLM`` built with ``worker_extension_cls=WORKER_EXTENSION`` as a :class:`Rollout`.
 
     Args:
-        llm: the engine (or any object with the same ``collective_rpc`` and ``generate``).
+        llm: the engine (or any object with the same ``collective_rpc``, ``generate``,
+            ``sleep``, ``wake_up`` and ``reset_prefix_cache``).
         tp_group: this rank's generation TP group (``groups.gen_tp``).
         bucket_bytes: bytes of full tensors per ``collective_rpc`` (see the module docstring).
         sampling_cls: class of vLLM's sampling params (default ``vllm.SamplingParams``).
+        sleep_level: ``llm.sleep(level=)`` between generations (the LLM built with
+            ``enable_sleep_mode=True``): 1 moves vLLM's weights to host memory and drops its KV
+            cache, 2 drops both; None = vLLM stays on the device.
 
     Construction asks the worker (one ``collective_rpc``, no collective of ours) for its TP
-    size and checks it against ``tp_group`` before any weight moves.
+    size and checks it against ``tp_group`` before any weight moves, then puts the engine to
+    sleep.  Each generation phase (:meth:`engine.hybrid_engine.HybridEngine.generation_mode`)::
+
+        load_weights   wake_up(weights) -> buckets -> wake_up(kv_cache) -> reset_prefix_cache
+        generate       (any number of calls)
+        release        sleep(level)                 training runs with vLLM off the device
     """
 
     def __init__(self, llm, tp_group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 sampling_cls=None) -> None:
+                 sampling_cls=None, sleep_level: int | None = 1) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
                 or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive int")
+        if sleep_level not in (None, 1, 2):
+            raise ValueError(f"sleep_level={sleep_level!r} must be 1, 2 or None (no sleep)")
         try:
             workers = llm.collective_rpc(DESCRIBE)
         except AttributeError as err:
@@ -196,11 +288,28 @@ class VLLMRollout:
         if sampling_cls is None:
             from vllm import SamplingParams as sampling_cls  # noqa: N813 - import guard
         self.sampling_cls = sampling_cls
+        self.sleep_level = sleep_level
+        self.asleep = False
         self.weights_version: int | None = None
         self.last_load: WeightLoadStats | None = None
+        self._sleep()
+
+    def _sleep(self) -> None:
+        if self.sleep_level is not None and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def _wake(self, tag: str) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=[tag])
 
     def load_weights(self, resharder) -> None:
+        """Wake vLLM's weights, load the generation weights of ``resharder`` (or any source
+        with ``specs``, ``named_generation_weights`` and ``version``, e.g. a
+        :class:`hybridflow_comm.sync.WeightSync`), wake its KV cache and drop the prefix
+        cache computed with the old weights."""
         t0 = time.perf_counter()
+        self._wake("weights")
         plan = plan_weight_buckets(full_hf_sizes(resharder, self.tp_group), self.bucket_bytes)
         stream = full_hf_weights(resharder, self.tp_group)
         loaded = 0
@@ -212,48 +321,48 @@ class VLLMRollout:
             del pairs  # the gathered tensors of this bucket go before the next is gathered
         tensors = sum(len(b.names) for b in plan)
         assert loaded == tensors and next(stream, None) is None, (loaded, tensors)
+        self._wake("kv_cache")
+        self.asleep = False
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         self.weights_version = resharder.version
         self.last_load = WeightLoadStats(buckets=len(plan), tensors=tensors,
                                          nbytes=sum(b.nbytes for b in plan),
                                          time_s=time.perf_counter() - t0)
 
     def release(self) -> None:
-        self.weights_version = None  # vLLM keeps its own copy; nothing of ours is held
+        """Put vLLM to sleep (its weights and KV cache leave the device for training)."""
+        self.weights_version = None
+        self._sleep()
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  sampling: SamplingParams) -> GenerationOutput:
+        if self.asleep:
+            raise RuntimeError("vLLM is asleep: generate between load_weights and release")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         mask = attention_mask.long()
         t0 = time.perf_counter()
-        vp = self.sampling_cls(
+        eos = [] if sampling.eos_token_id is None else [sampling.eos_token_id]
+        params = [self.sampling_cls(
             max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_k=sampling.top_k, top_p=sampling.top_p,  # top_k 0 disables, in vLLM too
-            seed=sampling.seed, logprobs=0, min_tokens=sampling.min_new_tokens,
-            stop_token_ids=[] if sampling.eos_token_id is None else [sampling.eos_token_id])
+            seed=seed, logprobs=0, min_tokens=sampling.min_new_tokens, stop_token_ids=eos,
+            detokenize=False) for seed in row_seeds(sampling, input_ids.shape[0])]
+        # the prompts' real tokens as host lists: vLLM's input format
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in
                    zip(input_ids, mask)]
-        outs = self.llm.generate(prompts, sampling_params=vp, use_tqdm=False)
-        n = sampling.max_new_tokens
-        batch = input_ids.shape[0]
-        # vLLM returns host lists: the tables are filled on the host, then moved to the
-        # prompts' device once
-        host = torch.device("cpu")
-        resp = torch.full((batch, n), sampling.pad_token_id, dtype=torch.long, device=host)
-        resp_mask = torch.zeros(batch, n, dtype=torch.long, device=host)
-        lps = torch.zeros(batch, n, device=host)
-        for b, o in enumerate(outs):
-            comp = o.outputs[0]
-            toks = list(comp.token_ids)[:n]
-            resp[b, :len(toks)] = torch.tensor(toks, dtype=torch.long, device=host)
-            resp_mask[b, :len(toks)] = 1
-            for i, (tok, entry) in enumerate(zip(toks, comp.logprobs or [])):
-                lps[b, i] = entry[tok].logprob
-        resp, resp_mask, lps = (t.to(input_ids.device) for t in (resp, resp_mask, lps))
+        outs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        comps = [o.outputs[0] for o in outs]
+        resp, resp_mask, lps = response_tables(
+            [c.token_ids for c in comps],
+            [[entry[tok].logprob for tok, entry in zip(c.token_ids, c.logprobs or [])]
+             for c in comps], sampling, input_ids.device)
         prompt = input_ids.long().masked_fill(mask == 0, sampling.pad_token_id)
         elapsed = time.perf_counter() - t0
+        new_tokens = int(resp_mask.sum())  # host value for the stats
         return GenerationOutput(
             input_ids=torch.cat([prompt, resp], 1), attention_mask=torch.cat([mask, resp_mask], 1),
             log_probs=lps, prompt_length=input_ids.shape[1],
-            stats={"time_s": elapsed, "new_tokens": int(resp_mask.sum()),
+            stats={"time_s": elapsed, "new_tokens": new_tokens,
+                   "tokens_per_s": new_tokens / max(elapsed, 1e-9),
                    "weights_version": self.weights_version})

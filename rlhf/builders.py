@@ -18,6 +18,7 @@ critic's pool (or the actor's when there is no critic), one DP rank per pool ran
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 
@@ -69,6 +70,7 @@ def check_run(cfg: Config, tokenizer) -> None:
     """ValueError naming the values unless every model, tokenizer, dataset, reward function and
     resume checkpoint of the run can be loaded and fits the lengths (run on every rank before
     any process group exists, so a bad input never reaches a collective)."""
+    check_rollout_engine(cfg)
     for role in cfg.roles:
         try:
             _check_model(cfg, role)
@@ -97,6 +99,22 @@ def check_run(cfg: Config, tokenizer) -> None:
             raise ValueError(f"data.max_prompt_len={cfg.data.max_prompt_len} < {need} (longest "
                              f"prompt of max_digits={task.max_digits}, num_operands="
                              f"{task.num_operands}, plus <bos>)")
+
+
+def check_rollout_engine(cfg: Config) -> None:
+    """``rollout.engine=vllm`` needs vllm importable and a GPU (ValueError in one line)."""
+    if cfg.rollout.engine != "vllm":
+        return
+    if cfg.device == "cpu":
+        raise ValueError("rollout.engine='vllm' runs on GPUs only but device='cpu'; set "
+                         "device=cuda (or auto), or rollout.engine=native")
+    try:
+        importlib.import_module("vllm")
+    except ImportError as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"rollout.engine='vllm' but vllm cannot be imported ({why}); install "
+                         f"it (pip install -r requirements-vllm.txt) or set "
+                         f"rollout.engine=native") from None
 
 
 def _check_model(cfg: Config, role: str) -> None:
@@ -200,7 +218,8 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
     return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
                      loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
                      kl_loss=KLLossTerm.of(a), temperature=cfg.data.temperature,
-                     offload_during_generation=cfg.actor.offload_during_generation)
+                     offload_during_generation=cfg.actor.offload_during_generation,
+                     rollout=cfg.rollout)
 
 
 def reference_spec(cfg: Config) -> ReferenceSpec:
@@ -292,7 +311,8 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
                     gen_ranks=g.pool)
     group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
                       args=(RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)),
-                                        sync=sync),),
+                                        sync=sync, rollout=cfg.rollout,
+                                        init_from=cfg.actor.model.init_from, seed=cfg.seed),),
                       values_in_replies=True)
     for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective
         call.wait()

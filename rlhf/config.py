@@ -20,6 +20,7 @@ Sections and who reads them (each worker gets its own typed section, see :mod:`r
     critic, cost_critic    model, layout, optim, loss (ValueLossConfig)
     reference, reward_model, cost_model    model, layout
     algo         registry name, epochs, advantage and KL settings (the controller program)
+    rollout      generation engine (native or vllm), rows per wave, KV-cache memory budget
     data, reward, placement, log, checkpoint
 
 Batch sizes, one meaning each (all counted in sequences except ``prompts_per_iter``)::
@@ -59,16 +60,17 @@ from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
 from rlhf.config_roles import (ARCH_FIELDS, BUILTIN_ARCH, ActorConfig, CriticConfig,
                                FrozenModelConfig, LayoutConfig, ModelConfig, PolicyLossConfig,
                                ValueLossConfig)
-from rlhf.config_run import (PLACEMENTS, AlgoConfig, CheckpointConfig, DataConfig, LogConfig,
-                             PlacementConfig, RewardConfig)
+from rlhf.config_run import (PLACEMENTS, ROLLOUT_ENGINES, AlgoConfig, CheckpointConfig,
+                             DataConfig, LogConfig, PlacementConfig, RewardConfig, RolloutConfig)
 from rlhf.programs import algorithm, algorithm_names
 from rlhf.programs.common import ROLES, load_algorithm_module
 
 __all__ = [
     "ARCH_FIELDS", "BUILTIN_ARCH", "MAX_COUNT", "MAX_MODEL_PARAMS", "MAX_ROLLOUT_TOKENS",
-    "PLACEMENTS", "RECIPES_DIR", "SEED_LIMIT", "ActorConfig", "AlgoConfig", "CheckpointConfig",
-    "Config", "CriticConfig", "DataConfig", "FrozenModelConfig", "LayoutConfig", "LogConfig",
-    "ModelConfig", "PlacementConfig", "PolicyLossConfig", "RewardConfig", "ValueLossConfig",
+    "PLACEMENTS", "RECIPES_DIR", "ROLLOUT_ENGINES", "SEED_LIMIT", "ActorConfig", "AlgoConfig",
+    "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "FrozenModelConfig",
+    "LayoutConfig", "LogConfig", "ModelConfig", "PlacementConfig", "PolicyLossConfig",
+    "RewardConfig", "RolloutConfig", "ValueLossConfig",
     "config_from_dict", "load_config", "recipe_names", "resolve_devices", "save_config",
 ]
 
@@ -97,6 +99,8 @@ class Config:
     """Cost model (safe_rlhf with reward.cost_kind = model)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward and cost sources."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine and its limits (the actor's and the rollout pool's)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Role placement on the ranks."""
     log: LogConfig = field(default_factory=LogConfig)

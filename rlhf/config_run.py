@@ -1,5 +1,5 @@
 """The run-wide sections of the config (:mod:`rlhf.config`): data and batch sizes, the
-algorithm, rewards, placement, logging and checkpoints (one of each per run, beside the
+algorithm, rewards, rollouts, placement, logging and checkpoints (one of each per run, beside the
 per-role sections of :mod:`rlhf.config_roles`)."""
 
 from __future__ import annotations
@@ -352,3 +352,35 @@ class CheckpointConfig:
         if not self.resume:
             raise ValueError("checkpoint.resume must be 'auto', 'never' or a checkpoint path")
 
+
+
+ROLLOUT_ENGINES = ("native", "vllm")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How rollouts are generated: the engine and its batch and memory limits (verl's
+    ``actor_rollout_ref.rollout`` knobs under the same names)."""
+
+    engine: str = "native"
+    """``native`` (:class:`engine.generation.GenerationEngine`) or ``vllm`` (the adapter
+    :class:`engine.vllm_rollout.VLLMRollout`; needs vllm installed, requirements-vllm.txt)."""
+    max_num_seqs: int | None = None
+    """Rows decoded at once: a larger batch is generated in waves of at most this many rows
+    (the same tokens as one call; vLLM schedules its own); None = every row at once."""
+    gpu_memory_utilization: float = 0.5
+    """In (0, 1].  vLLM: the fraction of the GPU's memory it may take (weights and KV cache).
+    native on a GPU: the fraction of free device memory one wave's KV cache may take (waves
+    shrink until theirs fits); unused on the CPU."""
+
+    def __post_init__(self) -> None:
+        check_one_of("rollout.engine", self.engine, ROLLOUT_ENGINES)
+        n = self.max_num_seqs
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"rollout.max_num_seqs={n!r} must be a positive int (or null: "
+                                 f"every row at once)")
+            check_at_most(MAX_COUNT, **{"rollout.max_num_seqs": n})
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} "
+                             f"must be in (0, 1]")

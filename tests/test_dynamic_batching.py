@@ -312,7 +312,7 @@ BUDGET = 48  # tokens per micro-batch: 1 to 4 sequences each
 def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: int = B):
     from engine.train import OptimConfig
     from rlhf.algos import KLLossTerm
-    from rlhf.config import PolicyLossConfig, ValueLossConfig
+    from rlhf.config import PolicyLossConfig, RolloutConfig, ValueLossConfig
     from rlhf.workers import (ActorSpec, ActorWorker, CriticSpec, CriticWorker, ModelSpec,
                               UpdateSpec)
 
@@ -327,7 +327,7 @@ def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: 
             loss=PolicyLossConfig(loss_agg_mode="token-mean", entropy_coeff=0.01),
             update=update, algo="grpo",
             kl_loss=KLLossTerm(coef=0.1, estimator="k3", log_ratio_clamp=20.0, k3_clamp=10.0),
-            temperature=0.9, offload_during_generation=False)
+            temperature=0.9, offload_during_generation=False, rollout=RolloutConfig())
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=model, optim=optim,

@@ -217,7 +217,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
     """An ActorWorker / CriticWorker built the way the runtime builds it (groups set first)."""
     from engine.llama_spec import LlamaConfig
     from engine.train import OptimConfig
-    from rlhf.config import PolicyLossConfig, ValueLossConfig
+    from rlhf.config import PolicyLossConfig, RolloutConfig, ValueLossConfig
     from rlhf.workers import ActorSpec, ActorWorker, CriticSpec, CriticWorker, ModelSpec
     from rlhf.workers import UpdateSpec
 
@@ -231,7 +231,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
             optim=optim,
             loss=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, clip_ratio_c=3.0),
             update=update, algo="grpo", kl_loss=KL, temperature=1.0,
-            offload_during_generation=False)
+            offload_during_generation=False, rollout=RolloutConfig())
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=ModelSpec(config=config, head="value", init_from=None, seed=0,

@@ -1,7 +1,11 @@
 """vLLM rollout adapter without a GPU: the modules import without vllm, the bucket planner by
 enumeration, and the adapter driving a stand-in ``LLM`` whose ``collective_rpc`` reaches a fake
-worker built on the real worker extension (on one process and on 2 gloo ranks, tp_g = 2).
-vLLM's own signatures are checked where vllm is installed; the real engine needs a GPU."""
+worker built on the real worker extension (on one process and on 2 gloo ranks, tp_g = 2):
+per-row seeds, EOS and padding against the native engine, sleep and wake over RL iterations.
+The ``rollout`` config section, its check before the job and the actor's choice of engine (a
+stand-in ``vllm`` module), and ``rollout.max_num_seqs`` waves of the native engine against one
+call.  vLLM's own signatures are checked where vllm is installed; the real engine needs a
+GPU."""
 
 from __future__ import annotations
 
@@ -9,9 +13,12 @@ import dataclasses
 import importlib
 import inspect
 import itertools
+import os
 import random
+import shutil
 import subprocess
 import sys
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -24,10 +31,16 @@ from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_spe
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
 from engine.vllm_rollout import VLLMRollout, WeightBucket, plan_weight_buckets
+from engine.train import OptimConfig
 from engine.vllm_worker_ext import (DESCRIBE, LOAD_BUCKET, WORKER_EXTENSION,
                                     HybridflowWorkerExtension)
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from rlhf.builders import check_rollout_engine
+from rlhf.config import PolicyLossConfig, RolloutConfig, load_config
+from rlhf.controller import Batch
+from rlhf.workers import ActorSpec, ActorWorker, ModelSpec, UpdateSpec
+from rlhf.workers.rollout_engine import WavedGeneration, wave_rows
 from tests.near_ties import assert_clear_picks
 from tests.test_generation_multirank import resharded_model
 
@@ -69,24 +82,51 @@ class FakeWorker(HybridflowWorkerExtension):
         self.parallel_config = SimpleNamespace(tensor_parallel_size=tp_size)
 
 
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+
+
 class FakeLLM:
     """``collective_rpc`` with vLLM's signature (the method by name on every worker, results in
-    a list), and ``generate`` through transformers' greedy decoding."""
+    a list), ``generate`` through transformers' greedy decoding, and vLLM's sleep mode as a
+    state machine: ``sleep(level)`` takes the weights and the KV cache off the device,
+    ``wake_up(tags)`` brings the named ones back; loading weights needs the weights awake,
+    generating needs both.  ``events`` logs every call in order."""
 
     def __init__(self, workers, hf=None) -> None:
         self.workers, self.hf = workers, hf
         self.rpc: list[str] = []
+        self.events: list[tuple] = []
+        self.asleep: set[str] = set()
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None) -> list:
+        if method == LOAD_BUCKET:
+            assert "weights" not in self.asleep, "weights loaded into a sleeping engine"
         self.rpc.append(method)
+        self.events.append(("rpc", method))
         return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
 
-    @torch.no_grad()
+    def sleep(self, level=1):
+        self.events.append(("sleep", level))
+        self.asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags=None):
+        self.events.append(("wake_up", tuple(tags or SLEEP_TAGS)))
+        self.asleep -= set(tags or SLEEP_TAGS)
+
+    def reset_prefix_cache(self):
+        self.events.append(("reset_prefix_cache",))
+
     def generate(self, prompts, sampling_params, use_tqdm=False):
-        sp = sampling_params
-        assert sp.temperature == 0 and sp.logprobs == 0 and sp.top_k == 0
+        assert not self.asleep, f"generate while {sorted(self.asleep)} sleep"
+        assert isinstance(sampling_params, list) and len(sampling_params) == len(prompts)
+        self.events.append(("generate", len(prompts)))
+        return self._generate(prompts, sampling_params)
+
+    @torch.no_grad()
+    def _generate(self, prompts, params):
         outs = []
-        for p in prompts:
+        for p, sp in zip(prompts, params):
+            assert sp.temperature == 0 and sp.logprobs == 0 and sp.top_k == 0
             ids = torch.tensor([p["prompt_token_ids"]])
             r = self.hf.generate(input_ids=ids, max_new_tokens=sp.max_tokens, do_sample=False,
                                  eos_token_id=(sp.stop_token_ids or [None])[0],
@@ -333,12 +373,17 @@ def test_vllm_signatures_used_by_the_adapter():
     init = inspect.signature(vllm.LLM.__init__).parameters
     engine_fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     forwards = any(p.kind is p.VAR_KEYWORD for p in init.values())
-    for arg in ("worker_extension_cls", "logprobs_mode", "distributed_executor_backend"):
+    for arg in ("worker_extension_cls", "logprobs_mode", "distributed_executor_backend",
+                "enable_sleep_mode", "load_format", "skip_tokenizer_init", "max_num_seqs",
+                "gpu_memory_utilization", "pipeline_parallel_size", "data_parallel_size"):
         assert arg in init or (forwards and arg in engine_fields), arg
+    assert "level" in inspect.signature(vllm.LLM.sleep).parameters
+    assert "tags" in inspect.signature(vllm.LLM.wake_up).parameters
+    assert callable(vllm.LLM.reset_prefix_cache)
     gen = inspect.signature(vllm.LLM.generate).parameters
     assert {"prompts", "sampling_params", "use_tqdm"} <= gen.keys(), list(gen)
     sp = vllm.SamplingParams(max_tokens=4, temperature=0.7, top_k=0, top_p=0.9, seed=1,
-                             logprobs=0, stop_token_ids=[2])
+                             logprobs=0, stop_token_ids=[2], min_tokens=1, detokenize=False)
     assert (sp.max_tokens, sp.top_k, sp.logprobs, sp.stop_token_ids) == (4, 0, 0, [2])
 
 
@@ -355,7 +400,8 @@ def test_real_vllm_greedy_matches_native(tmp_path, monkeypatch):
     # dummy (random) weights: only the adapter's load gives vLLM the model's
     llm = vllm.LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True,
                    gpu_memory_utilization=0.2, enforce_eager=True, load_format="dummy",
-                   worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs")
+                   worker_extension_cls=WORKER_EXTENSION, logprobs_mode="processed_logprobs",
+                   enable_sleep_mode=True)
     rollout = VLLMRollout(llm, groups.gen_tp, bucket_bytes=16 * 1024)
     engine = HybridEngine(model, rollout=rollout)
     ids = torch.randint(1, CFG.vocab_size, (2, 5))
@@ -368,3 +414,281 @@ def test_real_vllm_greedy_matches_native(tmp_path, monkeypatch):
     ref = native.generate(ids, None, sp)
     assert_clear_picks(model, ref, sp)
     assert torch.equal(out.responses, ref.responses)
+
+
+# Seeds, EOS and sleep mode on a scripted engine --------------------------------------------
+
+
+class ScriptedLLM(FakeLLM):
+    """Generates as a sampler seeded per request would: each request's tokens are a
+    pseudo-random stream of its own ``seed`` (or ``script[i]`` for prompt ``i`` when given),
+    stopped after a stop token as vLLM stops (the token kept); log-probs ``-(k + 1) / 8``."""
+
+    def __init__(self, vocab: int = CFG.vocab_size, script=None, tp_size: int = 1,
+                 stops: bool = True) -> None:
+        super().__init__([FakeWorker(tp_size=tp_size)])
+        self.vocab, self.script, self.stops = vocab, script, stops
+        self.params: list = []
+
+    def _generate(self, prompts, params):
+        self.params.append(params)
+        outs = []
+        for i, sp in enumerate(params):
+            if self.script is not None:
+                toks, lps = self.script[i]
+            else:
+                rng = random.Random(sp.seed)
+                toks = [rng.randrange(1, self.vocab) for _ in range(sp.max_tokens)]
+                lps = [-(k + 1) / 8 for k in range(len(toks))]
+            stop = [k for k, t in enumerate(toks)
+                    if self.stops and t in sp.stop_token_ids and k >= sp.min_tokens]
+            end = stop[0] + 1 if stop else sp.max_tokens
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(
+                token_ids=list(toks[:end]),
+                logprobs=[{t: SimpleNamespace(logprob=lp)} for t, lp in zip(toks[:end], lps)])]))
+        return outs
+
+
+def awake_rollout(llm, **kw) -> VLLMRollout:
+    """An adapter on ``llm`` with one load done (weights of a one-rank model)."""
+    groups, model, _ = one_rank_model()
+    engine = HybridEngine(model, rollout=VLLMRollout(llm, groups.gen_tp,
+                                                     sampling_cls=fake_sampling, **kw))
+    engine.resharder.to_generation()
+    engine.rollout.load_weights(engine.resharder)
+    return engine.rollout
+
+
+def test_one_seed_per_row_distinct_deterministic_and_wave_free():
+    """A GRPO group of identical prompts gets distinct seeds, hence distinct samples; the same
+    call gives the same seeds; a call's rows split in two calls (first_row) get the seeds of
+    the one call; another call seed gives other seeds."""
+    llm = ScriptedLLM()
+    rollout = awake_rollout(llm)
+    prompt = torch.randint(1, CFG.vocab_size, (1, 4), generator=torch.Generator().manual_seed(0))
+    ids = prompt.repeat(8, 1)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=123)
+    out = rollout.generate(ids, None, sp)
+    seeds = [p.seed for p in llm.params[-1]]
+    assert len(set(seeds)) == 8
+    assert len({tuple(r) for r in out.responses.tolist()}) == 8  # no collapsed group
+    again = rollout.generate(ids, None, sp)
+    assert [p.seed for p in llm.params[-1]] == seeds
+    assert torch.equal(again.input_ids, out.input_ids)
+    halves = [rollout.generate(ids[a:a + 4], None, dataclasses.replace(sp, first_row=a))
+              for a in (0, 4)]
+    assert [p.seed for p in llm.params[-2] + llm.params[-1]] == seeds
+    assert torch.equal(torch.cat([h.input_ids for h in halves]), out.input_ids)
+    rollout.generate(ids, None, dataclasses.replace(sp, seed=124))
+    assert not set(p.seed for p in llm.params[-1]) & set(seeds)
+    first = llm.params[0][0]
+    assert (first.max_tokens, first.temperature, first.logprobs, first.detokenize) == \
+        (6, 1.0, 0, False)
+
+
+def native_eos_run(seed: int = 3):
+    """The native engine's greedy output on padded prompts, without EOS and with an EOS id
+    that ends some rows early (a token of row 0's response)."""
+    groups, model, _ = one_rank_model()
+    native = GenerationEngine(CFG, groups)
+    native.set_weights(model.params)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, CFG.vocab_size, (4, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0, pad_token_id=0)
+    free = native.generate(ids, mask, sp)
+    eos = int(free.responses[0, 2])
+    sp_eos = dataclasses.replace(sp, eos_token_id=eos)
+    return ids, mask, free, sp_eos, native.generate(ids, mask, sp_eos)
+
+
+def test_eos_and_padding_match_the_native_engine():
+    """The same token streams through the adapter give the native engine's output: cut after
+    the first EOS (kept), pad ids, mask 0 and log-prob 0 after it, float32 log-probs; vLLM's
+    outputs either stopped at the EOS or running past it."""
+    ids, mask, free, sp, ref = native_eos_run()
+    assert (ref.response_mask == 0).any() and (free.response_mask == 1).all()
+    streams = [(r, lp) for r, lp in zip(free.responses.tolist(), free.log_probs.tolist())]
+    for stops in (True, False):  # vLLM stopped at EOS, or a stream running past it
+        llm = ScriptedLLM(script=streams, stops=stops)
+        out = awake_rollout(llm).generate(ids, mask, sp)
+        assert out.log_probs.dtype == ref.log_probs.dtype == torch.float32
+        assert torch.equal(out.input_ids, ref.input_ids)
+        assert torch.equal(out.attention_mask, ref.attention_mask)
+        torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+        assert out.prompt_length == ref.prompt_length
+        assert llm.params[-1][0].stop_token_ids == [sp.eos_token_id]
+
+
+def fake_vllm_module(built: list) -> types.ModuleType:
+    """A stand-in ``vllm`` package: ``LLM(**kwargs)`` records its arguments in ``built`` and
+    is a :class:`ScriptedLLM`."""
+    mod = types.ModuleType("vllm")
+
+    def llm(**kwargs):
+        engine = ScriptedLLM(tp_size=kwargs["tensor_parallel_size"])
+        built.append((kwargs, engine))
+        return engine
+
+    mod.LLM, mod.SamplingParams = llm, fake_sampling
+    return mod
+
+
+def actor_worker(rollout: RolloutConfig) -> ActorWorker:
+    """An ActorWorker of a one-rank layout, built as the runtime builds it."""
+    groups, _, _ = one_rank_model()
+    spec = ActorSpec(
+        model=ModelSpec(config=CFG, head="lm", init_from=None, seed=0, fresh_head=False),
+        optim=OptimConfig(max_grad_norm=None), loss=PolicyLossConfig(),
+        update=UpdateSpec(1, 4, 4, None), algo="grpo", kl_loss=None, temperature=1.0,
+        offload_during_generation=False, rollout=rollout)
+    w = ActorWorker.__new__(ActorWorker)
+    w.groups = groups
+    w.__init__(spec)
+    return w
+
+
+def test_actor_selects_vllm_and_sleeps_while_training(monkeypatch):
+    """rollout.engine=vllm: the actor builds vllm.LLM (sleep mode, the worker extension, the
+    run's limits) behind its HybridEngine; over two RL iterations vLLM sleeps outside
+    generation, wakes its weights before each load, its KV cache after, resets the prefix
+    cache after each load, and generates only awake."""
+    built: list = []
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(built))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    w = actor_worker(RolloutConfig(engine="vllm", max_num_seqs=3, gpu_memory_utilization=0.4))
+    (kwargs, llm), = built
+    try:
+        assert isinstance(w.engine.rollout, VLLMRollout) and w.engine.rollout.llm is llm
+        assert os.path.isfile(os.path.join(kwargs["model"], "config.json"))
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert {k: kwargs[k] for k in ("enable_sleep_mode", "worker_extension_cls",
+                                       "logprobs_mode", "max_num_seqs",
+                                       "gpu_memory_utilization", "tensor_parallel_size",
+                                       "load_format", "dtype")} == {
+            "enable_sleep_mode": True, "worker_extension_cls": WORKER_EXTENSION,
+            "logprobs_mode": "processed_logprobs", "max_num_seqs": 3,
+            "gpu_memory_utilization": 0.4, "tensor_parallel_size": 1, "load_format": "dummy",
+            "dtype": "float32"}
+        assert "distributed_executor_backend" not in kwargs  # one rank
+    finally:
+        shutil.rmtree(kwargs["model"])
+    assert llm.events == [("rpc", DESCRIBE), ("sleep", 1)] and llm.asleep == SLEEP_TAGS
+    ids = torch.randint(1, CFG.vocab_size, (4, 5), generator=torch.Generator().manual_seed(1))
+    prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    for step in range(2):
+        llm.events.clear()
+        out = w.generate_sequences(prompts, SamplingParams(max_new_tokens=4, temperature=1.0,
+                                                           seed=step))
+        assert llm.asleep == SLEEP_TAGS  # the update runs with vLLM off the device
+        loads = sum(e == ("rpc", LOAD_BUCKET) for e in llm.events)
+        assert loads >= 1
+        assert llm.events == [("wake_up", ("weights",))] + [("rpc", LOAD_BUCKET)] * loads + [
+            ("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate", 4),
+            ("sleep", 1)], llm.events
+        assert out["input_ids"].shape == (4, 9) and bool(out["response_mask"].all())
+
+
+def test_actor_native_engine_by_default_and_in_waves():
+    w = actor_worker(RolloutConfig(max_num_seqs=2))
+    assert isinstance(w.engine.rollout, WavedGeneration)
+    assert isinstance(w.engine.rollout.engine, GenerationEngine)
+    assert w.engine.rollout.max_num_seqs == 2
+    ids = torch.randint(1, CFG.vocab_size, (5, 4), generator=torch.Generator().manual_seed(2))
+    prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    with w.engine.generation_mode():
+        one = w.engine.rollout.engine.generate(ids, None, SamplingParams(max_new_tokens=3,
+                                                                         temperature=0.0))
+    out = w.generate_sequences(prompts, SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert torch.equal(out["input_ids"], one.input_ids)
+
+
+# max_num_seqs: waves of the native engine ---------------------------------------------------
+
+
+def waves_case():
+    groups, model, _ = one_rank_model()
+    native = GenerationEngine(CFG, groups)
+    native.set_weights(model.params)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, CFG.vocab_size, (7, 5), generator=g)
+    ids[1] = ids[0]  # a GRPO pair (prefilled once)
+    mask = torch.ones_like(ids)
+    mask[3, :2] = 0
+    mask[5, :4] = 0
+    return model, native, ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(max_new_tokens=6, temperature=0.0),
+                                SamplingParams(max_new_tokens=6, temperature=1.0, seed=5),
+                                SamplingParams(max_new_tokens=6, temperature=0.8, top_k=5,
+                                               seed=9)],
+                         ids=["greedy", "sampled", "top_k"])
+def test_waves_equal_one_call(sp):
+    """max_num_seqs = 1, 2, 3, 7: the waves' tokens are the one call's (sampled rows draw as
+    their rows of the whole batch), log-probs to rounding; without the row offset the sampled
+    waves would differ."""
+    model, native, ids, mask = waves_case()
+    ref = native.generate(ids, mask, sp)
+    assert_clear_picks(model, ref, sp)
+    for n in (1, 2, 3, 7):
+        out = WavedGeneration(native, max_num_seqs=n).generate(ids, mask, sp)
+        assert out.stats.get("waves", 1) == -(-7 // n)
+        assert torch.equal(out.input_ids, ref.input_ids), n
+        assert torch.equal(out.attention_mask, ref.attention_mask), n
+        torch.testing.assert_close(out.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+        assert out.stats["new_tokens"] == ref.stats["new_tokens"]
+    if not sp.greedy:
+        naive = torch.cat([native.generate(ids[a:a + 3], mask[a:a + 3], sp).input_ids
+                           for a in range(0, 7, 3)])
+        assert not torch.equal(naive, ref.input_ids)
+
+
+def test_wave_rows():
+    assert wave_rows(10, None, 100, None) == 10
+    assert wave_rows(10, 4, 100, None) == 4
+    assert wave_rows(3, 4, 100, None) == 3
+    assert wave_rows(10, None, 100, 350) == 3  # 3 rows' caches fit 350 bytes, 4 do not
+    assert wave_rows(10, 2, 100, 350) == 2
+    assert wave_rows(10, None, 100, 50) == 1  # one row at least, whatever the budget
+    for batch, cap, row, budget in itertools.product((1, 5, 9), (None, 1, 4), (1, 7),
+                                                     (None, 0, 6, 30)):
+        rows = wave_rows(batch, cap, row, budget)
+        assert 1 <= rows <= batch and (cap is None or rows <= cap)
+        assert rows == 1 or budget is None or rows * row <= budget
+        # the largest such: one more row breaks a limit
+        assert rows == batch or rows == cap or (budget is not None and (rows + 1) * row > budget)
+
+
+# The rollout section of the config ----------------------------------------------------------
+
+
+def test_rollout_config_keys():
+    cfg = load_config(["algo=grpo", "rollout.engine=vllm", "rollout.max_num_seqs=64",
+                       "rollout.gpu_memory_utilization=1.0"])
+    assert cfg.rollout == RolloutConfig(engine="vllm", max_num_seqs=64,
+                                        gpu_memory_utilization=1.0)
+    assert load_config(["algo=grpo"]).rollout == RolloutConfig()
+    for arg, key in [("rollout.engine=sglang", "rollout.engine"),
+                     ("rollout.max_num_seqs=0", "rollout.max_num_seqs"),
+                     ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization"),
+                     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization")]:
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            load_config(["algo=grpo", arg])
+    for bad in (True, -1, 2.5):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            RolloutConfig(max_num_seqs=bad)
+
+
+def test_vllm_engine_checked_before_the_job_starts(monkeypatch):
+    vllm_cfg = load_config(["algo=grpo", "rollout.engine=vllm", "device=cuda"])
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    with pytest.raises(ValueError, match=r"rollout\.engine='vllm' but vllm cannot be imported"
+                                         r".*requirements-vllm\.txt.*rollout\.engine=native"):
+        check_rollout_engine(vllm_cfg)
+    check_rollout_engine(load_config(["algo=grpo"]))  # native: vllm never imported
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module([]))
+    check_rollout_engine(vllm_cfg)
+    with pytest.raises(ValueError, match=r"GPUs only but device='cpu'"):
+        check_rollout_engine(dataclasses.replace(vllm_cfg, device="cpu"))

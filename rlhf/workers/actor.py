@@ -28,6 +28,7 @@ from rlhf.programs import algorithm
 from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model,
                                  forward_outputs, loss_denominator, mean_row, response_head_from,
                                  response_outputs, update_micro_batches)
+from rlhf.workers.rollout_engine import build_rollout
 from rlhf.workers.specs import ActorSpec, ReferenceSpec
 
 
@@ -106,11 +107,15 @@ class PolicyWorker(CheckpointedWorker):
 
 class ActorWorker(PolicyWorker):
     """The policy that also generates: a :class:`HybridEngine` around the training engine,
-    on the same flat buffer."""
+    on the same flat buffer, generating with the backend of ``rollout.engine`` (vLLM sleeps
+    while the actor trains)."""
 
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
-        self.engine = HybridEngine(self.model, train=self.train,
+        rollout = build_rollout(spec.rollout, self.model.config, self.groups, self.device,
+                                init_from=spec.model.init_from, seed=spec.model.seed,
+                                sleep_between_phases=True)
+        self.engine = HybridEngine(self.model, train=self.train, rollout=rollout,
                                    offload_during_generation=spec.offload_during_generation)
 
     @protocol(THREE_D_PROTO, phase="generation")

@@ -6,9 +6,10 @@ worker, which holds generation weights only, and the actor that pushes its weigh
     training pool A (every role: actor,               rollout pool B (generation only)
       critics, reference, reward, cost)
     PushingActorWorker                                 RolloutWorker
-      trains on p-t-d (a TrainEngine only: no            GenerationEngine on gen_pp x gen_tp,
-      resharder, no generation engine, a flat            dp_g = |B| / (gen_pp gen_tp) replicas
-      buffer of the training shard alone)                pull_weights(version): receives its
+      trains on p-t-d (a TrainEngine only: no            rollout.engine's backend (native or
+      resharder, no generation engine, a flat            vLLM) on gen_pp x gen_tp, dp_g =
+      buffer of the training shard alone)                |B| / (gen_pp gen_tp) replicas
+                                                         pull_weights(version): receives its
       push_weights(): every training rank sends   ---->    generation shard in place, stamps
       only the boxes it owns (WeightSync)                  the version on every later sample
                                                          generate_sequences(): the run's
@@ -31,18 +32,20 @@ new weights.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
-from engine.generation import GenerationEngine
 from engine.llama_spec import LlamaConfig, llama_shard_specs
 from engine.sampling import SamplingParams, derive_seed
 from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.sync import WeightSync, build_sync_group
 from hybridflow_comm.sync_plan import SyncLayout
+from rlhf.config import RolloutConfig
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.workers.actor import PolicyWorker
+from rlhf.workers.rollout_engine import build_rollout
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,41 @@ class SyncSpec:
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    """The rollout pool's worker: the architecture and where its weights come from."""
+    """The rollout pool's worker: the architecture, where its weights come from and the
+    generation engine."""
 
     config: LlamaConfig
     """The actor's architecture."""
     sync: SyncSpec
     """The pools of the weight push."""
+    rollout: RolloutConfig
+    """The generation engine and its limits."""
+    init_from: str | None
+    """The actor's HF folder (vLLM reads its config.json); None = random init."""
+    seed: int
+    """vLLM's global seed."""
+
+
+@dataclass(frozen=True)
+class PushedWeights:
+    """The generation shards a push left in the pool's flat buffer, in the form a
+    :class:`engine.hybrid_engine.Rollout`'s ``load_weights`` takes (a resharder's)."""
+
+    sync: WeightSync
+    version: int
+    """The actor's weight version they are."""
+    mode: str = "generation"
+
+    @property
+    def specs(self) -> list:
+        return self.sync.specs
+
+    def generation_params(self) -> dict[str, torch.Tensor]:
+        return self.sync.generation_params()
+
+    def named_generation_weights(self, hf_names: bool = True
+                                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.sync.named_generation_weights(hf_names)
 
 
 def _connect(sync: SyncSpec, specs: list, **side) -> WeightSync:
@@ -106,7 +138,9 @@ class RolloutWorker(Worker):
 
     def __init__(self, spec: RolloutSpec) -> None:
         self.spec = spec
-        self.engine = GenerationEngine(spec.config, self.groups, device=self.device)
+        self.engine = build_rollout(spec.rollout, spec.config, self.groups, self.device,
+                                    init_from=spec.init_from, seed=spec.seed,
+                                    sleep_between_phases=False)  # this pool never trains
         self.sync: WeightSync | None = None
 
     @protocol(ONE_TO_ALL)
@@ -121,7 +155,7 @@ class RolloutWorker(Worker):
         and generate with it as weight version ``version``; returns the seconds spent."""
         t0 = time.perf_counter()
         self.sync.sync()
-        self.engine.set_weights(self.sync.generation_params(), version)
+        self.engine.load_weights(PushedWeights(self.sync, version))
         return time.perf_counter() - t0
 
     @protocol(THREE_D_PROTO, phase="generation")

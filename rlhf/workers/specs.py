@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from engine.llama_spec import LlamaConfig
 from engine.train import OptimConfig
 from rlhf.algos.kl import KLLossTerm
-from rlhf.config import PolicyLossConfig, ValueLossConfig
+from rlhf.config import PolicyLossConfig, RolloutConfig, ValueLossConfig
 from rlhf.task import CostRule
 
 
@@ -67,6 +67,9 @@ class ActorSpec:
     offload_during_generation: bool
     """actor.offload_during_generation: the training state in host memory while generating
     (:class:`engine.hybrid_engine.HybridEngine`)."""
+    rollout: RolloutConfig
+    """The generation engine and its limits (:func:`rlhf.workers.rollout_engine.
+    build_rollout`)."""
 
 
 @dataclass(frozen=True)
