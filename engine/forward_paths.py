@@ -14,7 +14,9 @@ KV cache at ``[cache.length, cache.length + S)`` without advancing it:
     path           steps             how
     python         prefill, decode   engine.layers.decoder_layer per layer, keys and values by
                                      the cache's hook: the reference every other path is
-                                     tested against (tests/test_decode_kernels.py)
+                                     tested against (tests/test_decode_kernels.py); also the
+                                     static decode steps of the dense layout, whose "cache"
+                                     is then the DecodeSlots of engine.kv_cache
     kernel_stage   decode            engine._kernels.decode_layers: the whole stage in one
                                      call; no TP; its small products in the k-lane or the
                                      row-lane form (csrc/engine/small_gemm.h), one form a

@@ -31,6 +31,13 @@ stages are not overlapped across steps (no micro-batching): simple, not fast.
 Every rank of a generation replica (its TP x PP group) must pass the same prompts and
 settings; the sampled tokens are then identical on all of them (see :mod:`engine.sampling`).
 
+The KV cache has a layout per device (:mod:`engine.kv_cache`): tiled on the CPU, for the C++
+kernels; dense on CUDA, read in place by SDPA.  On the dense layout with one stage the decode
+steps run at the static shapes of their batch bucket (:class:`engine.cuda_graphs.
+StaticDecode`: embedding and layers; the sampler runs after it on the device), replayed as
+CUDA graphs where :func:`engine.cuda_graphs.graphs_apply` (``cuda_graphs``), eagerly
+elsewhere with the same bits.
+
 Early exit (``early_exit=True``, the default) stops computing the rows that have finished
 (:mod:`engine.early_exit`, which states what it guarantees).  A call runs in numbered phases
 (:meth:`GenerationEngine.generate`): tables and plan, prefill, the decode loop (step, record,
@@ -46,11 +53,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
 from engine.early_exit import RunningRows, check_every
 from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
     plan_call, resolve_kernels
-from engine.kv_cache import KVCache, kv_cache_nbytes
+from engine.kv_cache import KVCache, kv_cache_nbytes, resolve_layout
 from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import same_device
@@ -212,6 +220,14 @@ class GenerationEngine:
             stage, no TP); False keeps the Python loop (same results).
         device: where the weights (:meth:`set_weights`) live; every tensor of a call is made
             there and the prompts are moved there.  The C++ kernels run on the CPU only.
+        kv_layout: the KV cache's layout (:mod:`engine.kv_cache`): ``"tiled"`` (the C++
+            kernels' layout), ``"dense"`` (read in place by SDPA; its decode steps run at the
+            static shapes of :class:`engine.cuda_graphs.StaticDecode` on one stage), or None:
+            dense on CUDA, tiled elsewhere.  The dense layout decodes on the Python layers
+            (``fused_decode`` False).
+        cuda_graphs: replay the decode steps as CUDA graphs per batch bucket
+            (:mod:`engine.cuda_graphs`); None: on for CUDA.  Only on one stage without TP and
+            with the dense layout; elsewhere the steps run eagerly (same tokens).
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -222,7 +238,8 @@ class GenerationEngine:
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
                  fused_decode: bool | None = None, early_exit: bool = True,
-                 greedy_loop: bool = True, device: torch.device | str = "cpu") -> None:
+                 greedy_loop: bool = True, device: torch.device | str = "cpu",
+                 kv_layout: str | None = None, cuda_graphs: bool | None = None) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -236,8 +253,17 @@ class GenerationEngine:
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.device = torch.device(device)
-        self.fused_decode = resolve_kernels(fused_decode, config.dtype, config.layer_keys,
-                                            self.device)
+        self.kv_layout = resolve_layout(kv_layout, self.device)
+        if self.kv_layout == "dense" and fused_decode:
+            raise ValueError("fused_decode=True reads the tiled KV cache; kv_layout='dense' "
+                             "decodes on the Python layers (fused_decode=None or False)")
+        self.fused_decode = self.kv_layout == "tiled" and resolve_kernels(
+            fused_decode, config.dtype, config.layer_keys, self.device)
+        # the dense layout's decode steps at static shapes (one stage: the step is embed +
+        # layers), captured as CUDA graphs where graphs_apply
+        self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
+        self.cuda_graphs = (resolve_graphs(cuda_graphs, self.device) and self.static_decode
+                            and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1))
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
@@ -299,11 +325,16 @@ class GenerationEngine:
         """Bytes the KV cache of one call takes on this rank."""
         return kv_cache_nbytes(**self._kv_cache_sizes(batch, prompt_length, max_new_tokens))
 
-    def _kv_cache_sizes(self, batch: int, prompt_length: int, max_new_tokens: int) -> dict:
-        """:class:`KVCache` arguments of one call: the last new token is never fed back."""
-        return dict(num_layers=len(self.layer_ids), batch=batch,
+    def _kv_cache_sizes(self, rows: int, prompt_length: int, max_new_tokens: int,
+                        batch: int | None = None) -> dict:
+        """:class:`KVCache` arguments of one call of ``batch`` sequences (default ``rows``)
+        whose prefill runs ``rows``: the last new token is never fed back; static decode
+        steps need the rows of the batch's bucket."""
+        capacity = bucket(batch or rows) if self.static_decode else None
+        return dict(num_layers=len(self.layer_ids), batch=rows,
                     max_len=prompt_length + max_new_tokens - 1, kv_heads=self.kv_heads,
-                    head_dim=self.config.head_dim, dtype=self.config.dtype)
+                    head_dim=self.config.head_dim, dtype=self.config.dtype,
+                    layout=self.kv_layout, capacity=capacity)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -335,8 +366,10 @@ class GenerationEngine:
         prompt = _padded_prompt(input_ids, mask, sampling)
         distinct, copies = distinct_prompts(prompt, mask)
         plan = self._plan(batch, limits, sampling)
-        cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new),
+        cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new, batch),
                         device=self.device)
+        static = (StaticDecode(self._embed, plan.paths.decode.forward, cache,
+                               capture=self.cuda_graphs) if self.static_decode else None)
         rows = RunningRows(limits, sampling.eos_token_id)
         out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
         sample = functools.partial(self._sample, sampling=sampling,
@@ -366,10 +399,10 @@ class GenerationEngine:
                 if keep is not None:
                     tables = tables.keep_rows(keep)
                     cache.keep_rows_(keep)
-            rope, attn = tables.decode(plen + i + 1)
-            tok, lp = self._step(plan.paths.decode, out.ids[rows.at, i:i + 1], cache, rope,
-                                 attn, functools.partial(sample, rows=rows.mask, step=i + 1))
-        del cache  # the KV cache lives only for the call
+            tok, lp = self._decode_step(plan.paths.decode, static, out.ids[rows.at, i:i + 1],
+                                        cache, tables, plen + i + 1,
+                                        functools.partial(sample, rows=rows.mask, step=i + 1))
+        del cache, static  # the KV cache (and the graphs over it) live only for the call
         # 4. output
         new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
         elapsed = time.perf_counter() - t0
@@ -382,6 +415,7 @@ class GenerationEngine:
                    "compactions": rows.compactions,
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9),
                    "kv_cache_bytes": self.kv_cache_bytes(batch, plen, n_new),
+                   "kv_layout": self.kv_layout, "cuda_graphs": self.cuda_graphs,
                    "weights_version": self.weights_version})
 
     def _plan(self, batch: int, limits: torch.Tensor, sampling: SamplingParams) -> CallPlan:
@@ -438,6 +472,18 @@ class GenerationEngine:
         x = path.forward(x, cache, rope, attn)
         cache.advance(ids.shape[1])
         return self.boundary.leave(x, sample, copies)
+
+    def _decode_step(self, path: LayerPath, static: StaticDecode | None, ids: torch.Tensor,
+                     cache: KVCache, tables: StepTables, end: int, sample: Sample
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step of ``ids [R, 1]`` at position ``end - 1``: by ``path``, or at the
+        static shapes of ``static`` (embed and layers; the sampler eager after it)."""
+        if static is None:
+            return self._step(path, ids, cache, *tables.decode(end), sample)
+        x = static.step(ids, tables.cos[:, end - 1:end], tables.sin[:, end - 1:end],
+                        tables.keys_ok)
+        cache.advance(1)
+        return self.boundary.leave(x, sample)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """First stage: ``ids [B, S]`` -> ``[B, S, H]``."""

@@ -43,7 +43,9 @@ except ImportError:  # extension not built: the formula runs everywhere
     _kernels = None
 
 # kv_hook(k, v) -> (k_all, v_all): lets a KV cache append the new keys/values ([B, S, h_kv, D])
-# and return everything attention should see ([B, S_kv, h_kv, D]).
+# and return everything attention should see ([B, S_kv, h_kv, D]).  A hook whose attribute
+# stacked_decode is True hands out views of a dense cache: one new token then attends by
+# decode_attention (no GQA expansion of the cache).
 KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -255,6 +257,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _packed_attention(q, k, v, mask)
     if kv_hook is not None:
         k, v = kv_hook(k, v)
+        if q.shape[1] == 1 and getattr(kv_hook, "stacked_decode", False):
+            return decode_attention(q, k, v, mask)
     elif mask is None:
         return _causal_attention(q, k, v)
     elif batched_attention.applies(q, k, mask):  # short sequences, no cache
@@ -271,6 +275,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                          is_causal=mask is None and queries > 1,
                                          enable_gqa=True)
     return out.transpose(1, 2).flatten(2)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+    """One new query per row against cached ``k, v [B, S_kv, h_kv, D]`` (views of a dense
+    KV cache), each KV group's query heads stacked as the rows of one SDPA call::
+
+        q [B, 1, h_kv * qpg, D] -> [B, h_kv, qpg, D]    (query head g * qpg + j: group g)
+        k, v                    -> [B, h_kv, S_kv, D]   (views, never expanded per query)
+        mask [B, 1, 1, S_kv]       broadcast over the heads and the stacked queries
+
+    The same maths as ``scaled_dot_product_attention(enable_gqa=True)``; the mask (None:
+    every key) leaves SDPA's memory-efficient kernel eligible on CUDA, where GQA with a mask
+    would take the math kernel and copy the cache per query head.
+
+    Returns:
+        ``[B, 1, h_q * D]``.
+    """
+    b, _, h_q, d = q.shape
+    h_kv = k.shape[2]
+    qg = q.reshape(b, h_kv, h_q // h_kv, d)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask)
+    return out.reshape(b, 1, h_q * d)
 
 
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],

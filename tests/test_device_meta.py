@@ -109,18 +109,20 @@ def test_training_forward_and_step_are_device_clean(dtype, remove_padding):
     assert all(torch.equal(w0[n], w1[n]) for n in w0)
 
 
-GEN_CASES = [  # (fused_decode, dtype, temperature, padded, repeat)
-    (True, torch.float32, 0.0, True, False),
-    (True, torch.float32, 1.3, False, True),
-    (False, torch.float32, 0.0, False, True),
-    (False, torch.float32, 1.3, True, False),
-    (False, torch.bfloat16, 0.0, True, True),
-    (False, torch.bfloat16, 1.3, False, False),
+GEN_CASES = [  # (fused_decode, dtype, temperature, padded, repeat, kv_layout)
+    (True, torch.float32, 0.0, True, False, "tiled"),
+    (True, torch.float32, 1.3, False, True, "tiled"),
+    (False, torch.float32, 0.0, False, True, "tiled"),
+    (False, torch.float32, 1.3, True, False, "tiled"),
+    (False, torch.bfloat16, 0.0, True, True, "tiled"),
+    (False, torch.bfloat16, 1.3, False, False, "tiled"),
+    (None, torch.float32, 1.3, True, True, "dense"),
+    (None, torch.bfloat16, 0.0, False, False, "dense"),
 ]
 
 
-@pytest.mark.parametrize("fused, dtype, temperature, padded, repeat", GEN_CASES)
-def test_generation_is_device_clean(fused, dtype, temperature, padded, repeat):
+@pytest.mark.parametrize("fused, dtype, temperature, padded, repeat, layout", GEN_CASES)
+def test_generation_is_device_clean(fused, dtype, temperature, padded, repeat, layout):
     if fused and not kernels_available(dtype, CFG.layer_keys):
         pytest.skip("engine._kernels not built")
     cfg = replace(CFG, dtype=dtype)
@@ -131,7 +133,7 @@ def test_generation_is_device_clean(fused, dtype, temperature, padded, repeat):
     for mode in modes():
         with mode():
             model = model_of(cfg, full)
-            eng = GenerationEngine(cfg, model.groups, fused_decode=fused)
+            eng = GenerationEngine(cfg, model.groups, fused_decode=fused, kv_layout=layout)
             eng.set_weights(model.params)
             probe = eng.generate(ids, mask, first)
             # EOS = a token row 1 produces mid-way: rows finish at different steps

@@ -1,6 +1,8 @@
-"""The engines on a CUDA device (skipped without one): bf16 generation against transformers'
-greedy generate of the same bf16 model, the training model's bf16 forward and backward against
-the float32 CPU model, and the sampler's uniforms on the GPU against the CPU's.
+"""The engines on a CUDA device (skipped without one): bf16 generation (dense KV cache, with
+and without CUDA graphs) against transformers' greedy generate of the same bf16 model, graph
+replay against the same static steps run eagerly (bitwise), the training model's bf16 forward
+and backward against the float32 CPU model, the sampler's uniforms on the GPU against the
+CPU's, and a printed (never asserted) decode throughput of eager steps against graphs.
 
 bf16 paths round differently from each other (our layers vs transformers', SDPA kernels vs
 the CPU), so greedy tokens are compared up to each row's first near-tie: a row may part from
@@ -10,6 +12,7 @@ the reference only at a step whose two largest reference logits are within
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -68,17 +71,19 @@ def hf_bf16(full: dict):
     return hf.to(device=CUDA, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("padded", [False, True])
-def test_bf16_generation_matches_transformers_greedy(padded):
+def test_bf16_generation_matches_transformers_greedy(padded, graphs):
     full = init_full_state_dict(CFG, seed=2, std=STD)
     model = model_on(CFG, full, CUDA)
-    eng = GenerationEngine(CFG, model.groups, device=CUDA)
+    eng = GenerationEngine(CFG, model.groups, device=CUDA, cuda_graphs=graphs)
     assert not eng.fused_decode  # the C++ kernels are CPU only
     eng.set_weights(model.params)
     ids, mask = prompts(8, 9, padded)
     n = 16
     out = eng.generate(ids, mask, SamplingParams(max_new_tokens=n, temperature=0.0))
     assert out.input_ids.device.type == "cuda" and out.log_probs.dtype == torch.float32
+    assert out.stats["kv_layout"] == "dense" and out.stats["cuda_graphs"] == graphs
     hf = hf_bf16(full)
     with torch.no_grad():
         ref = hf.generate(input_ids=ids.to(CUDA), attention_mask=mask.to(CUDA),
@@ -160,3 +165,59 @@ def test_sampled_generation_runs_on_the_gpu_like_the_cpu_in_float32():
     assert float(equal_steps.float().mean()) > 0.8
     same = equal_steps.bool()
     assert float((cpu.log_probs - gpu.log_probs.cpu()).abs()[same].max()) < 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graph_replay_equals_the_eager_static_steps_bitwise(temperature):
+    """The same static steps, captured or not, give the same bits: shared prompts, padding,
+    rows that end at EOS and at their own limits (in-place compaction, smaller buckets)."""
+    full = init_full_state_dict(CFG, seed=6, std=STD)
+    model = model_on(CFG, full, CUDA)
+    ids, mask = prompts(20, 9, padded=True)
+    ids, mask = ids[::2].repeat_interleave(2, 0), mask[::2].repeat_interleave(2, 0)
+    first = SamplingParams(max_new_tokens=24, temperature=temperature, seed=4)
+    limits = torch.tensor([24, 5, 24, 9, 24] * 4)
+    engines = {}
+    for graphs in (False, True):
+        engines[graphs] = GenerationEngine(CFG, model.groups, device=CUDA, cuda_graphs=graphs)
+        engines[graphs].set_weights(model.params)
+    # EOS = a token row 0 produces mid-way: rows finish at different steps
+    params = replace(first, eos_token_id=int(engines[False].generate(ids, mask, first)
+                                             .responses[0, 6]))
+    eager, graph = (engines[g].generate(ids, mask, params, max_new_tokens=limits)
+                    for g in (False, True))
+    assert graph.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
+    assert graph.stats["compactions"] >= 1
+    assert torch.equal(graph.input_ids, eager.input_ids)
+    assert torch.equal(graph.attention_mask, eager.attention_mask)
+    assert torch.equal(graph.log_probs, eager.log_probs)
+
+
+QWEN_LIKE = LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=1536,
+                        num_layers=8, num_heads=8, num_kv_heads=2, rope_theta=1e6,
+                        max_position_embeddings=512, tie_word_embeddings=True, qkv_bias=True,
+                        model_type="qwen2", dtype=torch.bfloat16)
+
+
+def test_decode_throughput_eager_vs_graphs_is_printed():
+    """Batch 128, greedy, every row to the end: decode tokens/s of the eager steps and of
+    graph replay on a small Qwen2-like bf16 model (a measure for the log, not a check)."""
+    full = init_full_state_dict(QWEN_LIKE, seed=7, std=0.02)
+    model = model_on(QWEN_LIKE, full, CUDA)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(1, QWEN_LIKE.vocab_size, (128, 32), generator=g)
+    params = SamplingParams(max_new_tokens=128, temperature=0.0)
+    rates = {}
+    for graphs in (False, True):
+        eng = GenerationEngine(QWEN_LIKE, model.groups, device=CUDA, cuda_graphs=graphs)
+        eng.set_weights(model.params)
+        eng.generate(ids, sampling=replace(params, max_new_tokens=8))  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = eng.generate(ids, sampling=params)
+        torch.cuda.synchronize()
+        rates[graphs] = out.stats["new_tokens"] / (time.perf_counter() - t0)
+    print(f"\ndecode tokens/s at batch 128 ({torch.cuda.get_device_name()}): eager "
+          f"{rates[False]:.0f}, CUDA graphs {rates[True]:.0f}, ratio "
+          f"{rates[True] / rates[False]:.2f}")
+    assert min(rates.values()) > 0

@@ -1,26 +1,45 @@
-"""The KV cache's tiled key layout (engine/kv_cache.py) against plain concatenation.
+"""The KV cache's two layouts (engine/kv_cache.py) against plain concatenation, and a
+generation on the dense layout (the CUDA one, forced on the CPU) against the tiled one.
 
-Keys live in tiles of KEY_TILE positions; a step's keys may cross a tile boundary (a prefill
-longer than a tile, or a decode step at the first position of a tile).  The reference is the
-list of every step's keys concatenated along the positions."""
+Keys of the tiled layout live in tiles of KEY_TILE positions; a step's keys may cross a tile
+boundary (a prefill longer than a tile, or a decode step at the first position of a tile).
+The reference is the list of every step's keys concatenated along the positions.  The dense
+layout's decode steps run at the static shapes of engine.cuda_graphs (eagerly here): their
+tokens equal the tiled layout's (C++ kernels, or the Python layers) wherever the reference
+logits have no near-tie."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.kv_cache import KEY_TILE, KVCache, key_tiles, kv_cache_nbytes, tile_keys, untile_keys
+from engine.cuda_graphs import BUCKET_STEP, SMALL_BUCKETS, bucket, resolve_graphs
+from engine.generation import GenerationEngine
+from engine.kv_cache import KEY_TILE, KVCache, key_tiles, kv_cache_nbytes, resolve_layout, \
+    tile_keys, untile_keys
+from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.model import ParallelLlama, load_full_state_dict
+from engine.sampling import SamplingParams
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests.near_ties import assert_clear_picks
 
 B, G, D = 3, 2, 8
 
 
 @pytest.mark.parametrize("steps", [[1] * 70, [5, KEY_TILE - 6, 1, 1, 1], [KEY_TILE + 3, 2],
                                    [2 * KEY_TILE + 1, 1, KEY_TILE - 2]])
-def test_hook_writes_and_returns_every_step_across_tiles(steps):
+@pytest.mark.parametrize("layout", ["tiled", "dense"])
+def test_hook_writes_and_returns_every_step_across_tiles(steps, layout):
     g = torch.Generator().manual_seed(sum(steps))
     max_len = sum(steps)
-    cache = KVCache(2, B, max_len, G, D, torch.float32)
-    assert cache.k.shape == (2, B, G, key_tiles(max_len), D, KEY_TILE)
+    cache = KVCache(2, B, max_len, G, D, torch.float32, layout=layout)
+    if layout == "tiled":
+        assert cache.k.shape == (2, B, G, key_tiles(max_len), D, KEY_TILE)
+    else:
+        assert cache.k.shape == (2, B, G, max_len, D)
     written = {layer: ([], []) for layer in range(2)}
     for s in steps:
         for layer in range(2):
@@ -34,9 +53,9 @@ def test_hook_writes_and_returns_every_step_across_tiles(steps):
     keys = torch.stack([torch.cat(written[layer][0], dim=1) for layer in range(2)])
     assert torch.equal(cache.keys(0, max_len), keys.permute(0, 1, 3, 4, 2))  # [L, B, G, D, S]
     assert torch.equal(cache.keys(3, max_len - 1), keys.permute(0, 1, 3, 4, 2)[..., 3:-1])
-    # positions past the filled ones are zeros (the kernel reads whole tile rows)
-    tail = cache.k[:, :, :, -1, :, max_len - (key_tiles(max_len) - 1) * KEY_TILE:]
-    assert tail.numel() == 0 or not tail.any()
+    if layout == "tiled":  # positions past the filled ones are zeros (whole tile rows read)
+        tail = cache.k[:, :, :, -1, :, max_len - (key_tiles(max_len) - 1) * KEY_TILE:]
+        assert tail.numel() == 0 or not tail.any()
 
 
 def test_overflow_raises_before_writing():
@@ -78,3 +97,155 @@ def test_keep_rows_copies_whole_tiles_of_the_kept_rows():
     assert cache.k.shape[1] == 3
     assert torch.equal(cache.keys(0, n), before[:, rows])
     assert not cache.keys(n, 2 * KEY_TILE).any()
+
+
+def test_dense_hook_returns_views_of_the_cache():
+    cache = KVCache(1, B, 10, G, D, torch.float32, layout="dense")
+    k, v = cache.hook(0)(torch.ones(B, 4, G, D), torch.ones(B, 4, G, D))
+    assert k.shape == (B, 4, G, D)
+    for got, buf in ((k, cache.k_buf), (v, cache.v_buf)):  # no copy of the cache
+        assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    assert getattr(cache.hook(0), "stacked_decode", False)
+    assert not getattr(KVCache(1, B, 10, G, D, torch.float32).hook(0), "stacked_decode", False)
+
+
+def test_dense_keep_rows_moves_rows_within_its_buffers():
+    g = torch.Generator().manual_seed(2)
+    cache = KVCache(2, 3, 20, G, D, torch.float32, layout="dense", capacity=8)
+    n = 7
+    for layer in range(2):
+        cache.hook(layer)(torch.randn(3, n, G, D, generator=g), torch.randn(3, n, G, D,
+                                                                            generator=g))
+    cache.advance(n)
+    before_k, before_v = cache.keys(0, n), cache.v[:, :, :, :n].clone()
+    ptr = cache.k_buf.data_ptr()
+    rows = torch.tensor([2, 0, 0, 1, 2])  # the copies of shared prompts: more rows than before
+    cache.keep_rows_(rows)
+    assert cache.k_buf.data_ptr() == ptr and cache.rows == 5
+    assert torch.equal(cache.keys(0, n), before_k[:, rows])
+    assert torch.equal(cache.v[:, :, :, :n], before_v[:, rows])
+    cache.keep_rows_(torch.tensor([3]))
+    assert cache.rows == 1 and torch.equal(cache.keys(0, n), before_k[:, [1]])
+    with pytest.raises(ValueError, match="capacity 8"):
+        cache.keep_rows_(torch.zeros(9, dtype=torch.long))
+
+
+def test_decode_slots_write_at_the_device_position():
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(2, 2, 6, G, D, torch.float32, layout="dense", capacity=4)
+    prompt = [torch.randn(2, 3, G, D, generator=g) for _ in range(2)]
+    for layer in range(2):
+        cache.hook(layer)(prompt[layer], prompt[layer] * 2)
+    cache.advance(3)
+    slots = cache.slots(4, torch.tensor([3]))
+    new = torch.randn(4, 1, G, D, generator=g)
+    k, v = slots.hook(1)(new, -new)
+    assert k.shape == (4, 6, G, D)  # every position of every slot row
+    assert torch.equal(k[:2, :3], prompt[1]) and torch.equal(v[:2, :3], prompt[1] * 2)
+    assert torch.equal(k[:, 3:4], new) and torch.equal(v[:, 3:4], -new)
+    assert not k[:, 4:].any() and not cache.k_buf[0, :, :, 3].any()  # layer 0 untouched
+    with pytest.raises(ValueError, match="capacity"):
+        cache.slots(5, torch.tensor([3]))
+    with pytest.raises(ValueError, match="dense"):
+        KVCache(1, 2, 6, G, D, torch.float32).slots(2, torch.tensor([0]))
+
+
+def test_layouts_resolve_by_device_and_size_their_bytes():
+    assert resolve_layout(None, "cpu") == "tiled" and resolve_layout(None, "cuda") == "dense"
+    assert resolve_layout("dense", "cpu") == "dense"
+    with pytest.raises(ValueError, match="'flat'"):
+        resolve_layout("flat", "cpu")
+    cache = KVCache(3, B, 70, G, D, torch.bfloat16, layout="dense", capacity=B + 2)
+    assert cache.nbytes == kv_cache_nbytes(3, B, 70, G, D, torch.bfloat16, "dense", B + 2)
+    assert cache.nbytes == 2 * 3 * (B + 2) * G * 70 * D * 2
+    with pytest.raises(ValueError, match="capacity=2 < batch=3"):
+        KVCache(1, 3, 4, G, D, torch.float32, layout="dense", capacity=2)
+
+
+def test_buckets_are_the_smallest_allowed_size_that_holds_the_rows():
+    allowed = sorted(set(SMALL_BUCKETS) | set(range(BUCKET_STEP, 1000, BUCKET_STEP)))
+    for rows in range(1, 300):
+        assert bucket(rows) == min(b for b in allowed if b >= rows), rows
+    with pytest.raises(ValueError, match="rows=0"):
+        bucket(0)
+    with pytest.raises(ValueError, match="device=cpu"):
+        resolve_graphs(True, torch.device("cpu"))
+    assert not resolve_graphs(None, torch.device("cpu"))
+
+
+CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+
+
+def _model(cfg: LlamaConfig) -> ParallelLlama:
+    model = ParallelLlama(cfg, build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1)))
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=5, std=0.2))
+    return model
+
+
+def _prompts(batch: int, plen: int, padded: bool, repeat: bool):
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, CFG.vocab_size, (batch, plen), generator=g)
+    mask = torch.ones(batch, plen, dtype=torch.long)
+    if padded:
+        for b in range(batch):
+            mask[b, :b % 3] = 0
+    if repeat:  # pairs of identical prompts: one prefill each, then copied
+        ids, mask = ids[::2].repeat_interleave(2, 0), mask[::2].repeat_interleave(2, 0)
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("padded, repeat, fused", [(True, False, None), (False, True, None),
+                                                   (True, True, False)])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dense_generation_matches_the_tiled_layout(padded, repeat, fused, temperature):
+    model = _model(CFG)
+    ids, mask = _prompts(10, 6, padded, repeat)  # 10 rows: bucket 16, six pad rows
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
+    outs = {}
+    for layout in ("tiled", "dense"):
+        eng = GenerationEngine(CFG, model.groups, fused_decode=fused if layout == "tiled"
+                               else None, kv_layout=layout)
+        eng.set_weights(model.params)
+        outs[layout] = eng.generate(ids, mask, params)
+    tiled, dense = outs["tiled"], outs["dense"]
+    assert dense.stats["kv_layout"] == "dense" and not dense.stats["cuda_graphs"]
+    assert_clear_picks(model, tiled, params)
+    assert torch.equal(dense.input_ids, tiled.input_ids)
+    assert torch.allclose(dense.log_probs, tiled.log_probs, atol=2e-5, rtol=0)
+
+
+def test_dense_generation_with_early_exit_matches_the_tiled_layout():
+    """Rows end at EOS and at their own limits: the dense cache compacts in place and the
+    static steps move to smaller buckets."""
+    model = _model(CFG)
+    ids, mask = _prompts(20, 5, padded=True, repeat=False)
+    first = SamplingParams(max_new_tokens=14, temperature=0.0)
+    limits = torch.tensor([14, 3, 14, 2, 14] * 4)
+    engines = {}
+    for layout in ("tiled", "dense"):
+        engines[layout] = GenerationEngine(CFG, model.groups, fused_decode=False,
+                                           kv_layout=layout)
+        engines[layout].set_weights(model.params)
+    # EOS = a token row 0 produces mid-way: rows finish at different steps
+    params = replace(first, eos_token_id=int(engines["tiled"].generate(ids, mask, first)
+                                             .responses[0, 5]))
+    outs = {layout: eng.generate(ids, mask, params, max_new_tokens=limits)
+            for layout, eng in engines.items()}
+    tiled, dense = outs["tiled"], outs["dense"]
+    assert tiled.stats["compactions"] >= 1 and dense.stats["compactions"] >= 1
+    assert_clear_picks(model, tiled, params)
+    assert torch.equal(dense.input_ids, tiled.input_ids)
+    assert torch.equal(dense.attention_mask, tiled.attention_mask)
+    assert torch.allclose(dense.log_probs, tiled.log_probs, atol=2e-5, rtol=0)
+
+
+def test_dense_layout_refuses_the_kernels():
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    with pytest.raises(ValueError, match="kv_layout='dense'"):
+        GenerationEngine(CFG, groups, fused_decode=True, kv_layout="dense")
+    eng = GenerationEngine(CFG, groups, kv_layout="dense")
+    assert not eng.fused_decode and eng.static_decode and not eng.cuda_graphs
+    assert eng.kv_cache_bytes(10, 6, 12) == kv_cache_nbytes(
+        2, 10, 17, 2, 16, torch.float32, "dense", bucket(10))

@@ -1,0 +1,186 @@
+"""Decode steps at static shapes per batch bucket, replayed as CUDA graphs.
+
+A CUDA graph records the kernels of one decode step (embedding and every layer of the stage)
+with all addresses fixed; ``graph.replay()`` then launches them in one call, with no Python
+and no per-kernel launch cost.  As in vLLM and nano-vllm, one graph per batch bucket: the
+running rows ``R`` are padded to the smallest bucket ``b >= R`` (:func:`bucket`)::
+
+    buckets      1 2 4 8 16 32 48 64 ... (multiples of 16)
+    inputs       ids [b, 1] int64, cos/sin [b, 1, D], attn [b, 1, 1, max_len] bool,
+                 pos [1] int64 (the position written, = cache.length)
+    cache        rows [0, b) of the dense KV cache's buffers (engine.kv_cache.DecodeSlots),
+                 all max_len positions, the key mask hiding those past pos
+    output       x [b, 1, H], of which rows [0, R) are read
+
+A step copies its inputs into the bucket's buffers (no host sync: every copy is on the
+device), replays the graph and hands ``x[:R]`` to the eager sampler (:mod:`engine.sampling`,
+on the device).  The pad rows compute garbage that nobody reads; each row's floats depend
+only on its own inputs and the bucket, so :class:`StaticDecode` run eagerly (``capture=
+False``, also the CPU tests' path) gives the graph's bits exactly.
+
+The price of static shapes: attention reads all ``max_len`` cached positions at every step,
+the mask zeroing those not yet written (SDPA takes no per-row key lengths, which flash
+attention's ``cache_seqlens`` would): over a call, up to twice the reads of the filled
+positions (short prompts, many new tokens).
+
+Graphs are used only where the whole step can be captured (:func:`graphs_apply`): a CUDA
+device, one stage (``pp_g == 1``: a pipeline's send/recv and broadcast per step stay eager)
+and no tensor parallelism (``tp_g == 1``: capturing NCCL collectives needs the communicator
+on the capturing stream, which the generation TP group, possibly gloo, does not promise).
+Everywhere else the same static step runs eagerly.  A call captures its graphs lazily, the
+first time a bucket runs (the KV cache, and so the addresses, are per call), the buckets
+sharing one memory pool; they live until the call ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+
+SMALL_BUCKETS = (1, 2, 4, 8)
+BUCKET_STEP = 16
+WARMUP_STEPS = 2
+"""Eager runs of a step on a side stream before it is captured (cuBLAS and SDPA pick and
+initialise their kernels outside the capture)."""
+
+Layers = Callable[[torch.Tensor, object, tuple[torch.Tensor, torch.Tensor], torch.Tensor],
+                  torch.Tensor]  # (x, cache with .hook, rope, attn) -> x: LayerPath.forward
+Embed = Callable[[torch.Tensor], torch.Tensor]
+
+
+def bucket(rows: int) -> int:
+    """The batch bucket of ``rows >= 1`` running rows (pure): the next of 1, 2, 4, 8, then
+    the next multiple of :data:`BUCKET_STEP`."""
+    if rows < 1:
+        raise ValueError(f"rows={rows} must be >= 1")
+    for b in SMALL_BUCKETS:
+        if rows <= b:
+            return b
+    return -(-rows // BUCKET_STEP) * BUCKET_STEP
+
+
+def graphs_apply(device: torch.device, stages: int, tensor_parallel: bool) -> bool:
+    """Whether a decode step can be captured as a CUDA graph (pure; module docstring)."""
+    return device.type == "cuda" and stages == 1 and not tensor_parallel
+
+
+def resolve_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
+    """The user's ``cuda_graphs`` on ``device`` (None: on for CUDA); ValueError for True
+    elsewhere.  Where :func:`graphs_apply` says no, the steps still run eagerly."""
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, got device={device}")
+    return device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+
+
+@dataclass
+class _Bucket:
+    """The static buffers of one bucket and its graph (None: run eagerly)."""
+
+    ids: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: torch.Tensor
+    out: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticDecode:
+    """The decode steps of one generation call at the shapes of their batch bucket.
+
+    Args:
+        embed: ``ids [b, 1] -> x [b, 1, H]`` (the first stage's embedding).
+        layers: the stage's decode layer path's ``forward``.
+        cache: the call's KV cache, dense layout, capacity at least ``bucket(batch)``.
+        capture: record each bucket's step as a CUDA graph (CUDA only); False runs the same
+            step eagerly.
+    """
+
+    def __init__(self, embed: Embed, layers: Layers, cache: KVCache, capture: bool) -> None:
+        if capture and cache.k_buf.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA cache, got {cache.k_buf.device}")
+        self.embed, self.layers, self.cache, self.capture = embed, layers, cache, capture
+        self.device = cache.k_buf.device
+        self.positions = torch.arange(cache.max_len, device=self.device)  # [max_len]
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by buckets
+        self.stream: torch.cuda.Stream | None = None  # of the warm-ups and captures
+
+    def step(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             keys_ok: torch.Tensor) -> torch.Tensor:
+        """One decode step of the ``R`` running rows at position ``cache.length`` (the cache
+        does not advance).
+
+        Args:
+            ids: ``[R, 1]`` the rows' last tokens.
+            cos, sin: ``[R, 1, D]`` RoPE of the new position.
+            keys_ok: ``[R, 1, 1, >= max_len]`` bool, the key positions that are not padding.
+
+        Returns:
+            ``[R, 1, H]`` hidden states (a view of the bucket's output buffer: read it before
+            the next step).
+        """
+        r, length = ids.shape[0], self.cache.length
+        if length >= self.cache.max_len:
+            raise RuntimeError(f"KV cache overflow: {length + 1} > max_len="
+                               f"{self.cache.max_len}")
+        buf = self._bucket(r)
+        buf.ids[:r].copy_(ids)
+        buf.cos[:r].copy_(cos)
+        buf.sin[:r].copy_(sin)
+        torch.logical_and(keys_ok[..., :self.cache.max_len], self.positions <= length,
+                          out=buf.attn[:r])
+        self.pos.fill_(length)  # a host scalar into a device tensor: no sync
+        if self.capture and buf.graph is None:
+            buf.out, buf.graph = self._capture(buf)
+        if buf.graph is not None:
+            buf.graph.replay()
+        else:
+            buf.out = self._run(buf)
+        return buf.out[:r]
+
+    def _bucket(self, rows: int) -> _Bucket:
+        b = bucket(rows)
+        if b not in self.buckets:
+            self.buckets[b] = self._new_bucket(b)
+        return self.buckets[b]
+
+    def _new_bucket(self, b: int) -> _Bucket:
+        c, d = self.cache, self.cache.k_buf.shape[-1]
+        dtype = c.k_buf.dtype
+        buf = _Bucket(ids=torch.zeros(b, 1, dtype=torch.long, device=self.device),
+                      cos=torch.zeros(b, 1, d, dtype=dtype, device=self.device),
+                      sin=torch.zeros(b, 1, d, dtype=dtype, device=self.device),
+                      # pad rows see every key: never a row without one (no NaN)
+                      attn=torch.ones(b, 1, 1, c.max_len, dtype=torch.bool,
+                                      device=self.device))
+        return buf
+
+    def _run(self, buf: _Bucket) -> torch.Tensor:
+        """The step of ``buf``'s bucket over its buffers (eager, or inside a capture)."""
+        slots = self.cache.slots(buf.ids.shape[0], self.pos)
+        return self.layers(self.embed(buf.ids), slots, (buf.cos, buf.sin), buf.attn)
+
+    def _capture(self, buf: _Bucket) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
+        """Warm the step up on a side stream, then record it (torch.cuda.graph).  The warm-up
+        writes position ``pos`` of the cache with the step's own keys and values (its inputs
+        are in the buffers already), which the replay that follows writes again."""
+        with torch.cuda.device(self.device):
+            # one side stream for every warm-up and capture of the call: the BLAS handles and
+            # workspaces made for it in the warm-up are the capture's, and captures that share
+            # a pool share their stream (torch.cuda.graph's note on memory sharing)
+            if self.stream is None:
+                self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for _ in range(WARMUP_STEPS):
+                    self._run(buf)
+            torch.cuda.current_stream().wait_stream(self.stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                out = self._run(buf)
+        return out, graph
