@@ -98,6 +98,7 @@ PROJECT_CLASSES = frozenset({
     "rlhf.algos.kl:KLLossTerm",
     "rlhf.config_roles:PolicyLossConfig",
     "rlhf.config_roles:ValueLossConfig",
+    "rlhf.config_run:RolloutConfig",
     "rlhf.task.arithmetic:CostRule",
     "rlhf.workers.specs:ActorSpec",
     "rlhf.workers.specs:CriticSpec",
