@@ -185,12 +185,10 @@ def _model(cfg: LlamaConfig) -> ParallelLlama:
 
 
 def _prompts(batch: int, plen: int, padded: bool, repeat: bool):
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(1, CFG.vocab_size, (batch, plen), generator=g)
-    mask = torch.ones(batch, plen, dtype=torch.long)
-    if padded:
-        for b in range(batch):
-            mask[b, :b % 3] = 0
+    ids = torch.randint(1, CFG.vocab_size, (batch, plen),
+                        generator=torch.Generator().manual_seed(6))
+    pads = torch.arange(batch) % 3 if padded else torch.zeros(batch, dtype=torch.long)
+    mask = (torch.arange(plen) >= pads[:, None]).long()  # row b: b % 3 pads on the left
     if repeat:  # pairs of identical prompts: one prefill each, then copied
         ids, mask = ids[::2].repeat_interleave(2, 0), mask[::2].repeat_interleave(2, 0)
     return ids.masked_fill(mask == 0, 0), mask
