@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.cuda_graphs import BUCKET_STEP, SMALL_BUCKETS, bucket, resolve_graphs
+from engine.cuda_graphs import BUCKET_STEP, SMALL_BUCKETS, StaticDecode, bucket, \
+    resolve_graphs
 from engine.generation import GenerationEngine
 from engine.kv_cache import KEY_TILE, KVCache, key_tiles, kv_cache_nbytes, resolve_layout, \
     tile_keys, untile_keys
@@ -243,6 +244,11 @@ def test_dense_layout_refuses_the_kernels():
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     with pytest.raises(ValueError, match="kv_layout='dense'"):
         GenerationEngine(CFG, groups, fused_decode=True, kv_layout="dense")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        GenerationEngine(CFG, groups, kv_layout="dense", cuda_graphs=True)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA cache"):
+        StaticDecode(lambda ids: ids, lambda *a: a[0],
+                     KVCache(1, 2, 4, G, D, torch.float32, layout="dense"), capture=True)
     eng = GenerationEngine(CFG, groups, kv_layout="dense")
     assert not eng.fused_decode and eng.static_decode and not eng.cuda_graphs
     assert eng.kv_cache_bytes(10, 6, 12) == kv_cache_nbytes(
