@@ -6,7 +6,7 @@ compute with the same function.
       config.json              Qwen2ForCausalLM of the shape (bos/eos/pad ids of the tokenizer)
       generation_config.json
       model.safetensors        init_full_state_dict(seed)
-      tokenizer*.json          build_bpe_tokenizer(folder, shape.vocab)
+      tokenizer*.json          build_bpe_tokenizer(folder, shape.bpe_vocab)
     prompts.jsonl              write_prompts(...): {"prompt": text, "ground_truth": ""}
 
 Responses of exactly ``shape.response_len`` tokens on both sides: bench/e2e.py gives both
@@ -84,7 +84,7 @@ def make_small_model(folder: str, shape, seed: int = 0):
     from engine.hf_interop import SINGLE_FILE, config_to_hf, full_to_hf_state_dict
     from engine.llama_spec import init_full_state_dict, llama_shard_specs
 
-    tok = build_bpe_tokenizer(folder, shape.vocab)
+    tok = build_bpe_tokenizer(folder, shape.bpe_vocab)
     config = shape.llama_config()
     hf_state = full_to_hf_state_dict(init_full_state_dict(config, seed=seed),
                                      llama_shard_specs(config, 1))

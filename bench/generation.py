@@ -1,8 +1,10 @@
 """Generation throughput: our KV-cache engine against transformers' ``generate``, in one run.
 
-    python bench/generation.py [--shape tiny|small] [--batch B] [--new-tokens N] [--repeat 3]
-                               [--nproc 4] [--no-multirank] [--no-early-exit] [--profile]
-                               [--json PATH]
+    python bench/generation.py [--shape tiny|small|qwen2.5-0.5b] [--batch|--prompts B]
+                               [--new-tokens N] [--repeat 3] [--nproc 4] [--no-multirank]
+                               [--no-early-exit] [--profile] [--device cpu|cuda]
+                               [--precision fp32|bf16] [--sampled|--no-sampled]
+                               [--hf-cache dynamic|static] [--json PATH]
 
 Single process, a model built from a config and seeded weights (nothing downloaded); both
 engines generate greedily for the same left-padded prompts on the same weights (HF gets a copy
@@ -19,6 +21,16 @@ every contender once, in turn (:func:`bench.timing.interleaved_median_times`).  
            (:func:`bench.shapes.build_bpe_tokenizer`, in a temporary folder); prompts are
            :func:`bench.shapes.bench_corpus` text, tokenized, cut to 1/2..1 of
            ``shape.prompt_len`` tokens and left-padded to it; batch 32 x ``shape.response_len``
+    qwen2.5-0.5b  Qwen2.5-0.5B's sizes (the GPU bench): as ``small``, with the shape's 8,192-token
+           BPE; batch 128 x 512 new tokens
+
+Device (``--device``, ``--precision``; :func:`bench.timing.bench_device`): both engines, the
+prompts and the arbiter live there; on CUDA the clock is read after ``torch.cuda.synchronize``
+on both sides of every timed call, transformers' ``generate`` uses its static KV cache
+(``--hf-cache``, default ``static`` on CUDA: transformers then compiles its decode step, and
+the untimed warm-up call pays for that), the multi-rank part is skipped (one device) and
+``--sampled`` is on: ours and transformers also sample at temperature 1 (no top-k/top-p),
+``sampled_*`` figures.  The JSON's ``device`` names the card.
 
 Where the C++ decode kernels run (float32 Llama or Qwen2 layers: both shapes), a third
 contender is our engine with them switched off (every step through the Python layers), to show
@@ -30,7 +42,11 @@ float64 forward of the same weights on our sequences (the arbiter, :func:`greedy
 ``greedy_match_tie_aware`` holds when every row is equal up to its first difference and that
 difference is a tie (both picks within ``TIE_TOL`` logits of the arbiter's best);
 ``max_logprob_diff`` is ours against transformers' log-probs on the common prefixes;
-``first_mismatch`` names the earliest differing (row, position), both tokens and the gaps.
+``first_mismatch`` names the earliest differing (row, position), both tokens and the gaps.  On
+CUDA in bf16 the arbiter is a float64 copy of the same bf16 weights and the tie tolerance
+:data:`BF16_TIE_TOL`; transformers' logits are a teacher-forced forward of its own tokens, and
+both are computed a few rows at a time (:func:`agreement`): ``[B, N, V]`` logits of 128 x 512 x
+151,936 do not fit a GPU at once.
 
 Early exit (``early_exit``): our engine with and without dropping finished rows
 (:mod:`engine.generation`) on the same prompts where half the rows end after N/8 tokens (their
@@ -50,7 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
+import dataclasses
 import functools
 import os
 import statistics
@@ -69,7 +85,8 @@ from bench.ranks import launch, max_over_ranks  # noqa: E402
 from bench.report import write_json  # noqa: E402
 from bench.shapes import add_shape_argument, bench_corpus, build_bpe_tokenizer, \
     get_shape, widest_tp  # noqa: E402
-from bench.timing import interleaved_median_times  # noqa: E402
+from bench.timing import BenchDevice, add_device_arguments, bench_device, \
+    interleaved_median_times  # noqa: E402
 from engine import forward_paths  # noqa: E402
 from engine import generation as generation_mod  # noqa: E402
 from engine import layers as layers_mod  # noqa: E402
@@ -92,7 +109,13 @@ TIE_TOL = 1e-4
 """Logit gap below which two tokens count as tied: 25x the largest float32 logit error of
 transformers against the float64 arbiter (``hf_logit_error``, about 4e-6 with
 ``--batch 32 --new-tokens 256``)."""
-DEFAULTS = {"tiny": (16, 64)}
+BF16_TIE_TOL = 0.25
+"""The tie tolerance of bf16 runs: two bf16 implementations' logits (a few units) differ by a
+few bf16 ulps (tests/test_engine_cuda.py's ``BF16_GAP``); ``hf_logit_error`` records the
+measured one."""
+ARBITER_BYTES = 4 << 30
+"""Float64 logits the arbiter computes at once on a GPU (rows per chunk follow from it)."""
+DEFAULTS = {"tiny": (16, 64), "qwen2.5-0.5b": (128, 512)}
 """``--batch`` and ``--new-tokens`` per shape where they are not the table's (other shapes:
 batch 32, ``shape.response_len``)."""
 NPROC = 4
@@ -112,6 +135,9 @@ class Workload:
     """``[B, P]`` 1 for real tokens."""
     new_tokens: int
     pad_token_id: int
+    full: dict
+    """The seeded global weights every contender loads
+    (:func:`engine.llama_spec.init_full_state_dict`)."""
 
 
 def make_prompts(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,54 +178,63 @@ def default_sizes(shape_name: str) -> tuple[int, int]:
     return 32, get_shape(shape_name, rl=True).response_len
 
 
-def model_config(shape_name: str, new_tokens: int) -> LlamaConfig:
+def model_config(shape_name: str, new_tokens: int, dtype: torch.dtype | None = None
+                 ) -> LlamaConfig:
     """The model of ``--shape``: :data:`CFG` at ``tiny``, else the table's row with positions
-    for a prompt and ``new_tokens``."""
+    for a prompt and ``new_tokens``; in ``dtype`` when given (else the shape's)."""
     if shape_name == "tiny":
-        return CFG
+        return CFG if dtype is None else dataclasses.replace(CFG, dtype=dtype)
     row = get_shape(shape_name, rl=True)
-    return row.llama_config(max_positions=row.prompt_len + new_tokens)
+    return row.llama_config(max_positions=row.prompt_len + new_tokens, dtype=dtype)
 
 
-def workload(shape_name: str, batch: int | None, new_tokens: int | None) -> Workload:
-    """The model and prompts of ``--shape`` (defaults: :func:`default_sizes`)."""
+def workload(shape_name: str, batch: int | None, new_tokens: int | None,
+             bd: BenchDevice = BenchDevice(torch.device("cpu"), "fp32")) -> Workload:
+    """The model and prompts of ``--shape`` (defaults: :func:`default_sizes`), the model in
+    ``bd``'s precision and the prompts on its device."""
     default_batch, default_new = default_sizes(shape_name)
     batch, new_tokens = batch or default_batch, new_tokens or default_new
-    config = model_config(shape_name, new_tokens)
+    config = model_config(shape_name, new_tokens, bd.dtype)
+    full = init_full_state_dict(config, seed=SEED, std=STD)
     if shape_name == "tiny":
         ids, mask = make_prompts(batch)
-        shape = {"name": "tiny", **CFG.to_dict(), "prompt_len": int(ids.shape[1])}
-        return Workload(shape, config, ids, mask, new_tokens, 0)
-    row = get_shape(shape_name, rl=True)
-    with tempfile.TemporaryDirectory() as folder:
-        tokenizer = build_bpe_tokenizer(folder, row.vocab)
-    ids, mask = corpus_prompts(tokenizer, batch, row.prompt_len)
-    return Workload(row.describe(), config, ids, mask, new_tokens, tokenizer.pad_token_id)
+        shape = {"name": "tiny", **config.to_dict(), "prompt_len": int(ids.shape[1])}
+        pad = 0
+    else:
+        row = get_shape(shape_name, rl=True)
+        with tempfile.TemporaryDirectory() as folder:
+            tokenizer = build_bpe_tokenizer(folder, row.bpe_vocab)
+        ids, mask = corpus_prompts(tokenizer, batch, row.prompt_len)
+        shape, pad = row.describe(), tokenizer.pad_token_id
+    return Workload(shape, config, ids.to(bd.device), mask.to(bd.device), new_tokens, pad,
+                    full)
 
 
-def hf_model(config: LlamaConfig, full: dict):
-    """transformers' model of ``config``'s family holding ``full``'s weights."""
+def hf_model(config: LlamaConfig, full: dict, device: torch.device | str = "cpu",
+             dtype: torch.dtype | None = None):
+    """transformers' model of ``config``'s family holding ``full``'s weights, on ``device`` in
+    ``dtype`` (default ``config.dtype``)."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_config(config_to_hf(config)).eval()
+    with torch.device(device):  # transformers' random init runs there, then is overwritten
+        hf = transformers.AutoModelForCausalLM.from_config(config_to_hf(config)).eval()
     missing, unexpected = hf.load_state_dict(
         full_to_hf_state_dict(full, llama_shard_specs(config, 1)), strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"HF state dict: missing {missing}, unexpected {unexpected}")
-    return hf
+    return hf.to(device, dtype or config.dtype)
 
 
 @torch.no_grad()
-def float64_logits(hf, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
-                   ) -> torch.Tensor:
-    """The arbiter: logits ``[B, N, V]`` float64 predicting each of ``tokens [B, N]`` after the
-    left-padded prompts ``ids``/``mask [B, P]``, teacher-forced through a float64 copy of
-    ``hf`` (positions skip the padding, as in generation)."""
-    hf64 = copy.deepcopy(hf).double()
+def teacher_forced_logits(hf, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor
+                          ) -> torch.Tensor:
+    """Logits ``[B, N, V]`` (in ``hf``'s dtype) predicting each of ``tokens [B, N]`` after the
+    left-padded prompts ``ids``/``mask [B, P]``, teacher-forced through ``hf`` (positions skip
+    the padding, as in generation).  Through a float64 model: the arbiter."""
     seq = torch.cat([ids, tokens], dim=1)
     full = torch.cat([mask, torch.ones_like(tokens)], dim=1)
     positions = (full.cumsum(-1) - 1).clamp(min=0)
-    logits = hf64(input_ids=seq, attention_mask=full, position_ids=positions).logits
+    logits = hf(input_ids=seq, attention_mask=full, position_ids=positions).logits
     return logits[:, ids.shape[1] - 1:-1]
 
 
@@ -225,7 +260,7 @@ def greedy_agreement(ours: torch.Tensor, ours_lp: torch.Tensor, hf: torch.Tensor
     """
     batch, n = ours.shape
     differs = ours != hf
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=ours.device)
     first = torch.where(differs, pos, n).min(dim=1).values  # [B], n where equal
     prefix = pos < first[:, None]  # [B, N] positions before each row's first difference
     hf_lp = torch.log_softmax(hf_logits.double(), -1).gather(-1, hf[..., None])[..., 0]
@@ -256,66 +291,131 @@ def greedy_agreement(ours: torch.Tensor, ours_lp: torch.Tensor, hf: torch.Tensor
             "mismatched_rows": len(rows), "tie_flips": ties, "first_mismatch": first_mismatch}
 
 
-def build(w: Workload):
+def merge_agreements(parts: list[dict], rows: list[int]) -> dict:
+    """One :func:`greedy_agreement` of a batch from those of its row chunks (``rows``: each
+    chunk's first row, added to its ``first_mismatch`` row)."""
+    gaps = [p["min_top2_gap"] for p in parts if p["min_top2_gap"] is not None]
+    mismatches = [p["first_mismatch"] | {"row": p["first_mismatch"]["row"] + start}
+                  for p, start in zip(parts, rows) if p["first_mismatch"] is not None]
+    return {"greedy_match": all(p["greedy_match"] for p in parts),
+            "greedy_match_tie_aware": all(p["greedy_match_tie_aware"] for p in parts),
+            "max_logprob_diff": max(p["max_logprob_diff"] for p in parts),
+            "hf_logit_error": max(p["hf_logit_error"] for p in parts),
+            "min_top2_gap": min(gaps) if gaps else None,
+            "mismatched_rows": sum(p["mismatched_rows"] for p in parts),
+            "tie_flips": sum(p["tie_flips"] for p in parts),
+            "first_mismatch": min(mismatches, key=lambda d: (d["position"], d["row"]),
+                                  default=None)}
+
+
+def agreement(w: Workload, ours, hf_tokens: torch.Tensor, hf_logits, tol: float,
+              rows: int) -> dict:
+    """:func:`greedy_agreement` of our greedy output ``ours`` and transformers' ``hf_tokens``,
+    ``rows`` rows at a time (:func:`merge_agreements`).
+
+    Args:
+        hf_logits: ``slice -> [b, N, V]`` transformers' logits behind those rows' tokens.
+        tol: the tie tolerance.
+    """
+    arbiter = hf_model(w.config, w.full, w.ids.device, torch.float64)
+    starts = list(range(0, w.ids.shape[0], rows))
+    parts = []
+    for start in starts:
+        rs = slice(start, start + rows)
+        ref = teacher_forced_logits(arbiter, w.ids[rs], w.mask[rs], ours.responses[rs])
+        parts.append(greedy_agreement(ours.responses[rs], ours.log_probs[rs], hf_tokens[rs],
+                                      hf_logits(rs), ref, tol))
+        del ref
+    return merge_agreements(parts, starts)
+
+
+def build(w: Workload, device: torch.device):
     """Our engine (kernels where the model allows), the same without early exit, the one
-    with every step in the Python layers, and transformers' model, on one state dict."""
-    full = init_full_state_dict(w.config, seed=SEED, std=STD)
+    with every step in the Python layers, and transformers' model, on one state dict, all on
+    ``device``."""
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    model = ParallelLlama(w.config, groups)
-    load_full_state_dict(model, full)
-    engines = {"ours": GenerationEngine(w.config, groups),
-               "no_early_exit": GenerationEngine(w.config, groups, early_exit=False),
-               "python": GenerationEngine(w.config, groups, fused_decode=False)}
+    model = ParallelLlama(w.config, groups, device=device)
+    load_full_state_dict(model, w.full)
+    engines = {"ours": GenerationEngine(w.config, groups, device=device),
+               "no_early_exit": GenerationEngine(w.config, groups, early_exit=False,
+                                                 device=device),
+               "python": GenerationEngine(w.config, groups, fused_decode=False, device=device)}
     for e in engines.values():
         e.set_weights(model.params)
-    return engines, hf_model(w.config, full)
+    return engines, hf_model(w.config, w.full, device)
 
 
-def single_process(w: Workload, repeat: int) -> tuple[dict, dict]:
-    """Ours against transformers, greedy; returns the figures and the engines."""
-    engines, hf = build(w)
+def contenders(w: Workload, engines: dict, hf, sampled: bool, hf_cache: str) -> dict:
+    """The timed calls: ours and transformers greedy (and ours in the Python layers where the
+    kernels run; both sampled at temperature 1 when ``sampled``), each returning tokens."""
     ids, mask, n = w.ids, w.mask, w.new_tokens
-    sp = SamplingParams(max_new_tokens=n, temperature=0.0, pad_token_id=w.pad_token_id)
-    kernels = engines["ours"].fused_decode
+    greedy = SamplingParams(max_new_tokens=n, temperature=0.0, pad_token_id=w.pad_token_id)
+    sample = SamplingParams(max_new_tokens=n, temperature=1.0, pad_token_id=w.pad_token_id)
+    cache = {} if hf_cache == "dynamic" else {"cache_implementation": hf_cache}
 
     @torch.no_grad()
-    def theirs():
+    def theirs(**kwargs):
         return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=w.pad_token_id,
-                           eos_token_id=None)[:, ids.shape[1]:]
+                           min_new_tokens=n, pad_token_id=w.pad_token_id, eos_token_id=None,
+                           **cache, **kwargs)[:, ids.shape[1]:]
 
-    contenders = {"ours": lambda: engines["ours"].generate(ids, mask, sp), "hf": theirs}
-    if kernels:  # otherwise "ours" already runs every step in the Python layers
-        contenders["python"] = lambda: engines["python"].generate(ids, mask, sp).responses
-    t, r = interleaved_median_times(contenders, repeat)
+    fns = {"ours": lambda: engines["ours"].generate(ids, mask, greedy),
+           "hf": lambda: theirs(do_sample=False)}
+    if engines["ours"].fused_decode:  # otherwise "ours" already runs the Python layers
+        fns["python"] = lambda: engines["python"].generate(ids, mask, greedy).responses
+    if sampled:
+        fns["ours_sampled"] = lambda: engines["ours"].generate(ids, mask, sample).responses
+        fns["hf_sampled"] = lambda: theirs(do_sample=True, temperature=1.0, top_k=0,
+                                           top_p=1.0)
+    return fns
+
+
+def single_process(w: Workload, repeat: int, bd: BenchDevice, sampled: bool = False,
+                   hf_cache: str = "dynamic") -> tuple[dict, dict]:
+    """Ours against transformers, greedy (and sampled); returns the figures and the engines."""
+    engines, hf = build(w, bd.device)
+    ids, mask, n = w.ids, w.mask, w.new_tokens
+    kernels = engines["ours"].fused_decode
+    t, r = interleaved_median_times(contenders(w, engines, hf, sampled, hf_cache), repeat,
+                                    device=bd.device)
     tokens = ids.shape[0] * n
-    with torch.no_grad():  # untimed: transformers' logits behind the same greedy tokens
-        hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=w.pad_token_id,
-                             eos_token_id=None, output_logits=True,
-                             return_dict_in_generate=True)
-    assert torch.equal(hf_out.sequences[:, ids.shape[1]:], r["hf"])
     out = r["ours"]
-    agreement = greedy_agreement(out.responses, out.log_probs, r["hf"],
-                                 torch.stack(hf_out.logits, dim=1),
-                                 float64_logits(hf, ids, mask, out.responses))
+    if bd.is_cuda:  # transformers' logits along its tokens, a few rows at a time
+        rows = max(1, ARBITER_BYTES // (ids.shape[1] + n) // w.config.vocab_size // 8)
+        agree = agreement(w, out, r["hf"], lambda rs: teacher_forced_logits(
+            hf, ids[rs], mask[rs], r["hf"][rs]).float(), BF16_TIE_TOL
+            if bd.precision == "bf16" else TIE_TOL, rows)
+    else:  # untimed: transformers' logits behind the same greedy tokens
+        with torch.no_grad():
+            hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False,
+                                 pad_token_id=w.pad_token_id, eos_token_id=None,
+                                 output_logits=True, return_dict_in_generate=True)
+        assert torch.equal(hf_out.sequences[:, ids.shape[1]:], r["hf"])
+        logits = torch.stack(hf_out.logits, dim=1)
+        agree = agreement(w, out, r["hf"], lambda rs: logits[rs], TIE_TOL, ids.shape[0])
     result = {"ours_tokens_per_s": tokens / t["ours"], "hf_tokens_per_s": tokens / t["hf"],
-              "ratio": t["hf"] / t["ours"], **agreement, "decode_kernels": kernels,
-              "threads": torch.get_num_threads(), "reference": out.responses}
+              "ratio": t["hf"] / t["ours"], **agree, "decode_kernels": kernels,
+              "threads": torch.get_num_threads(), "reference": out.responses.cpu()}
     if kernels:
         result |= {"python_layers_tokens_per_s": tokens / t["python"],
                    "python_layers_greedy_match": bool(torch.equal(r["python"], r["hf"]))}
+    if sampled:
+        result |= {"sampled_ours_tokens_per_s": tokens / t["ours_sampled"],
+                   "sampled_hf_tokens_per_s": tokens / t["hf_sampled"],
+                   "sampled_ratio": t["hf_sampled"] / t["ours_sampled"]}
     return result, engines
 
 
 def early_exit(w: Workload, engines: dict, repeat: int) -> dict:
     """Our engine with and without early exit where half the rows end after N/8 tokens."""
     n = w.new_tokens
-    limits = torch.tensor([max(1, n // 8) if b % 2 == 0 else n for b in range(w.ids.shape[0])])
+    limits = torch.tensor([max(1, n // 8) if b % 2 == 0 else n for b in range(w.ids.shape[0])],
+                          device=w.ids.device)
     sp = SamplingParams(max_new_tokens=n, temperature=0.0, pad_token_id=w.pad_token_id)
     t, r = interleaved_median_times(
         {name: functools.partial(engines[name].generate, w.ids, w.mask, sp, limits)
-         for name in ("ours", "no_early_exit")}, repeat)
+         for name in ("ours", "no_early_exit")}, repeat, device=w.ids.device)
     on, off = r["ours"], r["no_early_exit"]
     return {"speedup": t["no_early_exit"] / t["ours"],
             "identical": all(torch.equal(a, b) for a, b in (
@@ -450,11 +550,33 @@ def multi_rank(nproc: int, w: Workload, repeat: int, reference: torch.Tensor) ->
     return {"train": [t.pp, t.tp, t.dp], "gen": launch(_rank_main, nproc, cfg)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def summary(name: str, single: dict, batch: int, n: int, tol: float) -> str:
+    """The printed line of the single-process comparison."""
+    line = (f"[{name}] single process ({single['threads']} threads), batch {batch} x {n} "
+            f"new tokens, greedy: ours {single['ours_tokens_per_s']:.0f} tok/s, transformers "
+            f"{single['hf_tokens_per_s']:.0f} tok/s, ratio {single['ratio']:.2f}, "
+            f"greedy_match={single['greedy_match']} (tie-aware "
+            f"{single['greedy_match_tie_aware']}, tolerance {tol:g} logits, max log-prob diff "
+            f"{single['max_logprob_diff']:.1e})")
+    if single["decode_kernels"]:
+        line += (f"; ours with every step in the Python layers "
+                 f"{single['python_layers_tokens_per_s']:.0f} tok/s "
+                 f"(greedy_match={single['python_layers_greedy_match']})")
+    else:
+        line += "; decode in the Python layers (no kernels)"
+    if "sampled_ratio" in single:
+        line += (f"; sampled: ours {single['sampled_ours_tokens_per_s']:.0f} tok/s, "
+                 f"transformers {single['sampled_hf_tokens_per_s']:.0f} tok/s, ratio "
+                 f"{single['sampled_ratio']:.2f}")
+    return line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_argument(p, default="tiny", rl=True)
-    p.add_argument("--batch", type=int, default=None,
-                   help="prompts (default 16 at tiny, 32 otherwise)")
+    add_device_arguments(p)
+    p.add_argument("--batch", "--prompts", dest="batch", type=int, default=None,
+                   help="prompts (default 16 at tiny, 128 at qwen2.5-0.5b, 32 otherwise)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="tokens per response (default 64 at tiny, the shape's response_len)")
     p.add_argument("--repeat", type=int, default=3)
@@ -463,32 +585,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-early-exit", action="store_true",
                    help="skip the early-exit comparison")
     p.add_argument("--profile", action="store_true",
-                   help="time the decode step's pieces (automatic below ratio 2 off tiny)")
+                   help="time the decode step's pieces (CPU; automatic below ratio 2 off tiny)")
+    p.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time sampling at temperature 1 (default: on CUDA)")
+    p.add_argument("--hf-cache", choices=("dynamic", "static"), default=None,
+                   help="transformers' KV cache (default static on CUDA, dynamic on CPU)")
     p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     bad = {k: v for k, v in (("batch", a.batch), ("new_tokens", a.new_tokens),
                              ("repeat", a.repeat), ("nproc", a.nproc))
            if v is not None and v < 1}
     if bad:
         print(f"error: {bad} must be >= 1", file=sys.stderr)
         return 2
-    w = workload(a.shape, a.batch, a.new_tokens)
+    try:
+        bd = bench_device(a)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if bd.is_cuda and a.profile:
+        print("error: --profile times host calls around the decode step: CPU only",
+              file=sys.stderr)
+        return 2
+    sampled = bd.is_cuda if a.sampled is None else a.sampled
+    hf_cache = a.hf_cache or ("static" if bd.is_cuda else "dynamic")
+    w = workload(a.shape, a.batch, a.new_tokens, bd)
     batch, n = int(w.ids.shape[0]), w.new_tokens
-    single, engines = single_process(w, a.repeat)
+    single, engines = single_process(w, a.repeat, bd, sampled, hf_cache)
     reference = single.pop("reference")
     result = {**single, "shape": w.shape, "argv": sys.argv if argv is None else argv,
               "config": {"batch": batch, "new_tokens": n, "prompt_len": int(w.ids.shape[1]),
-                         "repeat": a.repeat, "model": w.config.to_dict()}}
-    print(f"[{a.shape}] single process ({single['threads']} threads), batch {batch} x {n} "
-          f"new tokens, greedy: ours {single['ours_tokens_per_s']:.0f} tok/s, transformers "
-          f"{single['hf_tokens_per_s']:.0f} tok/s, ratio {single['ratio']:.2f}, "
-          f"greedy_match={single['greedy_match']} (tie-aware "
-          f"{single['greedy_match_tie_aware']}, tolerance {TIE_TOL:g} logits, max log-prob diff "
-          f"{single['max_logprob_diff']:.1e})" + (
-              f"; ours with every step in the Python layers "
-              f"{single['python_layers_tokens_per_s']:.0f} tok/s "
-              f"(greedy_match={single['python_layers_greedy_match']})"
-              if single["decode_kernels"] else "; decode in the Python layers (no kernels)"))
+                         "repeat": a.repeat, "model": w.config.to_dict()},
+              "device": bd.describe()}
+    if bd.is_cuda:
+        result |= {"precision": bd.precision, "hf_cache": hf_cache}
+    tol = BF16_TIE_TOL if bd.is_cuda and bd.precision == "bf16" else TIE_TOL
+    print(summary(a.shape, single, batch, n, tol))
     if single["first_mismatch"]:
         print(f"first mismatch: {single['first_mismatch']}")
     if not a.no_early_exit:
@@ -497,14 +633,14 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens): {e['speedup']:.2f}x faster than computing every row to the end, "
               f"identical={e['identical']} ({e['row_steps']} vs {e['row_steps_without']} "
               f"row-steps, {e['compactions']} compactions)")
-    if a.profile or (a.shape != "tiny" and single["ratio"] < 2):
+    if a.profile or (not bd.is_cuda and a.shape != "tiny" and single["ratio"] < 2):
         result["profile"] = prof = decode_profile(w, engines["ours"])
         print(f"decode step {prof['decode_step_ms']:.2f} ms at batch {prof['batch']} over "
               f"<= {prof['positions']} positions ({prof['path']}): " + ", ".join(
                   f"{k} {v:.2f} ms ({prof['fractions'][k]:.0%})"
                   for k, v in prof["per_step_ms"].items())
               + f"; prefill {prof['prefill_ms']:.1f} ms")
-    if not a.no_multirank:
+    if not a.no_multirank and not bd.is_cuda:  # gloo ranks on CPU; one GPU runs one rank
         result["multirank"] = multi_rank(a.nproc, w, a.repeat, reference)
         train = ",".join(map(str, result["multirank"]["train"]))
         for name, r in result["multirank"]["gen"].items():

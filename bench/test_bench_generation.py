@@ -23,12 +23,39 @@ def test_corpus_prompts_are_left_padded_corpus_text(tmp_path):
         assert tok.decode(row[64 - n:].tolist()) in text
 
 
+def test_agreement_of_row_chunks_is_the_whole_batch_one():
+    """The chunked agreement (how a GPU run judges 128 x 512 x 151,936 logits) merges to the
+    agreement of the whole batch: same flags, maxima, counts and first mismatch."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    batch, n, vocab = 7, 6, 11
+    ref = torch.randn(batch, n, vocab, generator=g, dtype=torch.float64)
+    ref[2, 3, :2] = 5.0  # a tie at row 2, position 3
+    ours = ref.argmax(-1)
+    hf = ours.clone()
+    hf[2, 3:] = 1 - ours[2, 3]  # a tie flip, then diverged
+    hf[5, 1] = (ours[5, 1] + 1) % vocab  # a real mismatch
+    hf_logits = ref.float() + 1e-6 * torch.randn(batch, n, vocab, generator=g)
+    ours_lp = torch.log_softmax(ref, -1).gather(-1, ours[..., None])[..., 0].float()
+    whole = generation.greedy_agreement(ours, ours_lp, hf, hf_logits, ref)
+    assert whole["mismatched_rows"] == 2 and whole["tie_flips"] == 1
+    assert whole["first_mismatch"]["row"] == 5 and not whole["greedy_match_tie_aware"]
+    for rows in (1, 2, 3, 7):
+        starts = list(range(0, batch, rows))
+        parts = [generation.greedy_agreement(ours[s:s + rows], ours_lp[s:s + rows],
+                                             hf[s:s + rows], hf_logits[s:s + rows],
+                                             ref[s:s + rows]) for s in starts]
+        assert generation.merge_agreements(parts, starts) == whole, rows
+
+
 def _run(tmp_path, argv: list[str]) -> dict:
     path = tmp_path / "generation.json"
-    argv = argv + ["--repeat", "1", "--no-multirank", "--profile", "--json", str(path)]
+    argv = argv + ["--repeat", "1", "--no-multirank", "--profile", "--device", "cpu",
+                   "--json", str(path)]
     assert generation.main(argv) == 0
     result = json.loads(path.read_text())
-    assert result["argv"] == argv
+    assert result["argv"] == argv and result["device"] == "cpu"
     assert result["ratio"] > 0 and result["greedy_match_tie_aware"], result["first_mismatch"]
     assert result["max_logprob_diff"] < 1e-3  # the same weights (q/k/v biases included)
     # early exit is bit-identical where the decode kernels compute every row (fixed-tree sums,
@@ -41,9 +68,12 @@ def _run(tmp_path, argv: list[str]) -> dict:
 
 
 def test_generation_tiny_smoke(benchmark, tmp_path, keep_threads):
-    result = benchmark.pedantic(_run, args=(tmp_path, ["--batch", "8", "--new-tokens", "8"]),
+    result = benchmark.pedantic(_run, args=(tmp_path, ["--batch", "8", "--new-tokens", "8",
+                                                       "--sampled"]),
                                 rounds=1, iterations=1)
     assert result["shape"]["name"] == "tiny" and result["decode_kernels"] in (True, False)
+    assert result["sampled_ratio"] == pytest.approx(result["sampled_ours_tokens_per_s"]
+                                                    / result["sampled_hf_tokens_per_s"])
     assert result["config"]["model"]["vocab_size"] == 128  # the figures of record's model
     benchmark.extra_info["ratio"] = result["ratio"]
 
