@@ -1,7 +1,17 @@
 """This machine's limits and our fractions of them, measured side by side in one run.
 
     python bench/roofline.py [--shape small] [--threads N] [--repeat 3] [--micro-batch 8]
-                             [--no-reshard] [--reshard-mb 1024] [--json PATH]
+                             [--no-reshard] [--reshard-mb 1024] [--decode-tokens N]
+                             [--device cpu|cuda] [--precision fp32|bf16] [--json PATH]
+
+``--device cuda`` (``--precision`` bf16 by default there, :func:`bench.timing.bench_device`):
+the model, the training step, the generations and the limits all on the GPU, in the run's
+dtype, each timed call between ``torch.cuda.synchronize`` calls; ``peak_matmul_flops`` is the
+best of a ``CUDA_GEMM_SIZE``^3 product and the model's products in that dtype (cuBLAS), the
+bandwidth a ``CUDA_STREAM_BYTES`` device copy and sum and a GEMV over the weights' bytes; decode
+is timed at batches ``CUDA_DECODE_BATCHES`` and the reshard part is not run (one device).
+``--decode-tokens`` (default the shape's response_len) is N of the decode timing below,
+``--sequences`` (default prompts x samples) the sequences of the timed training step.
 
 Machine (all ``--threads`` intra-op threads, default every core; best time of ``repeat``,
 measured before and after our code, the better run kept, ``limits_drift`` their ratio):
@@ -52,6 +62,7 @@ of ``--reshard-mb`` MiB on 4 gloo ranks over one raw all-gather of the same byte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -66,12 +77,18 @@ import torch  # noqa: E402
 
 from bench.report import write_json  # noqa: E402
 from bench.shapes import BenchShape, add_shape_argument, get_shape  # noqa: E402
-from bench.timing import interleaved_median_times  # noqa: E402
+from bench.timing import BenchDevice, add_device_arguments, bench_device, \
+    interleaved_median_times, synced  # noqa: E402
 from rlhf.planner.calibrate import best_time  # noqa: E402
 
 GEMM_SIZE = 2048
 STREAM_BYTES = 256 << 20
 DECODE_BATCHES = (1, 32)
+CUDA_GEMM_SIZE = 8192
+CUDA_STREAM_BYTES = 2 << 30
+CUDA_DECODE_BATCHES = (1, 32, 128)
+"""On a GPU the issue's decode goal is at batch 128."""
+CPU = BenchDevice(torch.device("cpu"), "fp32")
 MICRO_BATCH = 8
 """``--micro-batch``: sequences per training micro-batch."""
 
@@ -142,39 +159,49 @@ def model_products(shape: BenchShape, rows: int, head_rows: int) -> dict[str, tu
             "down_proj": (rows, h, shape.ffn), "lm_head": (head_rows, shape.vocab, h)}
 
 
-def measure_matmul(products: dict[str, tuple], repeat: int) -> dict:
+def measure_matmul(products: dict[str, tuple], repeat: int, bd: BenchDevice = CPU) -> dict:
     """FLOP/s of a ``GEMM_SIZE``^3 product and of each product ``(M, N, K)`` (as the model's
-    ``x @ w.t()``), on each float32 GEMM this torch has: ``blas`` (``torch.matmul``, MKL) and
-    ``onednn`` (:mod:`engine.onednn`, where available); ``peak`` is the best of them all."""
+    ``x @ w.t()``), on each GEMM this torch has for ``bd``: on CPU (float32) ``blas``
+    (``torch.matmul``, MKL) and ``onednn`` (:mod:`engine.onednn`, where available), on CUDA
+    ``cublas`` in ``bd.dtype`` with a ``CUDA_GEMM_SIZE``^3 product; ``peak`` is the best of
+    them all."""
     from engine import onednn
 
-    g = torch.Generator().manual_seed(0)
-    backends = {"blas": lambda x, w: torch.matmul(x, w.t())}
-    if onednn.enabled():
+    dev, dtype = bd.device, bd.dtype
+    g = torch.Generator(device=dev).manual_seed(0)
+    size = CUDA_GEMM_SIZE if bd.is_cuda else GEMM_SIZE
+    backends = {"cublas" if bd.is_cuda else "blas": lambda x, w: torch.matmul(x, w.t())}
+    if onednn.enabled() and not bd.is_cuda:
         backends["onednn"] = onednn.mm_t
     rates: dict[str, dict[str, float]] = {b: {} for b in backends}
-    for name, (m, n, k) in {"gemm": (GEMM_SIZE,) * 3, **products}.items():
-        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    for name, (m, n, k) in {"gemm": (size,) * 3, **products}.items():
+        x = torch.randn(m, k, generator=g, device=dev, dtype=dtype)
+        w = torch.randn(n, k, generator=g, device=dev, dtype=dtype)
         for b, fn in backends.items():
-            rates[b][name] = 2 * m * n * k / best_time(lambda: fn(x, w), repeat)
+            rates[b][name] = 2 * m * n * k / best_time(synced(lambda: fn(x, w), dev), repeat)
     return {"peak": max(r for by_name in rates.values() for r in by_name.values()),
             "gemm_flops": {b: r.pop("gemm") for b, r in rates.items()},
             "model_products_flops": rates, "model_products_mnk": products}
 
 
-def measure_bandwidth(weight_numel: int, hidden: int, repeat: int) -> dict:
-    """Copy (read + write), sum (read) and GEMV (read, ``weight_numel`` float32) rates."""
-    src = torch.ones(STREAM_BYTES // 4)
+def measure_bandwidth(weight_numel: int, hidden: int, repeat: int, bd: BenchDevice = CPU
+                      ) -> dict:
+    """Copy (read + write), sum (read) and GEMV (read, ``weight_numel`` elements of
+    ``bd.dtype``) rates on ``bd.device`` (a ``CUDA_STREAM_BYTES`` buffer on CUDA)."""
+    dev, dtype = bd.device, bd.dtype
+    nbytes = CUDA_STREAM_BYTES if bd.is_cuda else STREAM_BYTES
+    src = torch.ones(nbytes // 4, device=dev)
     dst = torch.zeros_like(src)  # touched: no page faults in the timed copies
-    copy = 2 * src.nbytes / best_time(lambda: dst.copy_(src), repeat)
-    total = src.nbytes / best_time(src.sum, repeat)
-    mat, vec = torch.ones(weight_numel // hidden, hidden), torch.ones(hidden)
-    gemv = mat.nbytes / best_time(lambda: torch.mv(mat, vec), repeat)
+    copy = 2 * src.nbytes / best_time(synced(lambda: dst.copy_(src), dev), repeat)
+    total = src.nbytes / best_time(synced(src.sum, dev), repeat)
+    mat = torch.ones(weight_numel // hidden, hidden, device=dev, dtype=dtype)
+    vec = torch.ones(hidden, device=dev, dtype=dtype)
+    gemv = mat.nbytes / best_time(synced(lambda: torch.mv(mat, vec), dev), repeat)
     return {"copy": copy, "sum": total, "gemv": gemv, "read": max(total, gemv)}
 
 
 # ------------------------------------------------------------------------------ our code
-def _model(shape: BenchShape):
+def _model(shape: BenchShape, device: torch.device):
     from engine.llama_spec import init_full_state_dict
     from engine.model import ParallelLlama, load_full_state_dict
     from hybridflow_comm.groups import build_hybrid_groups
@@ -182,30 +209,33 @@ def _model(shape: BenchShape):
 
     cfg = shape.llama_config()
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
-    model = ParallelLlama(cfg, groups)
+    model = ParallelLlama(cfg, groups, device=device)
     load_full_state_dict(model, init_full_state_dict(cfg, seed=0))
     return cfg, groups, model
 
 
-def update_sequences(shape: BenchShape, micro_batch: int) -> int:
-    """Sequences of one RL update at ``shape`` (prompts x samples); ValueError unless
-    ``micro_batch`` divides them."""
-    seqs = shape.prompts * shape.samples
-    if micro_batch < 1 or seqs % micro_batch:
-        raise ValueError(f"micro_batch={micro_batch} must divide prompts x samples = {seqs}")
+def update_sequences(shape: BenchShape, micro_batch: int, sequences: int | None = None) -> int:
+    """Sequences of the timed training step: ``sequences``, by default one RL update at
+    ``shape`` (prompts x samples); ValueError unless ``micro_batch`` divides them."""
+    seqs = shape.prompts * shape.samples if sequences is None else sequences
+    if micro_batch < 1 or seqs < 1 or seqs % micro_batch:
+        raise ValueError(f"micro_batch={micro_batch} must divide the step's sequences = {seqs}")
     return seqs
 
 
-def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
+def measure_train(shape: BenchShape, micro_batch: int, repeat: int,
+                  device: torch.device = CPU.device, sequences: int | None = None) -> dict:
     """Median time of one optimiser step over an RL iteration's sequences (all tokens real)."""
     from engine import inductor
     from engine.train import OptimConfig, TrainEngine
 
-    seqs, seq = update_sequences(shape, micro_batch), shape.prompt_len + shape.response_len
-    _, _, model = _model(shape)
+    seqs = update_sequences(shape, micro_batch, sequences)
+    seq = shape.prompt_len + shape.response_len
+    _, _, model = _model(shape, device)
     engine = TrainEngine(model, OptimConfig(lr=1e-5))
-    g = torch.Generator().manual_seed(1)
-    mbs = [{"input_ids": torch.randint(0, shape.vocab, (micro_batch, seq), generator=g)}
+    g = torch.Generator(device=device).manual_seed(1)
+    mbs = [{"input_ids": torch.randint(0, shape.vocab, (micro_batch, seq), generator=g,
+                                       device=device)}
            for _ in range(seqs // micro_batch)]
     head_from = shape.prompt_len - 1
 
@@ -220,7 +250,8 @@ def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
         finally:
             inductor.set_enabled(previous)
 
-    t, _ = interleaved_median_times({"step": step, "eager_head": eager_head_step}, repeat)
+    t, _ = interleaved_median_times({"step": step, "eager_head": eager_head_step}, repeat,
+                                    device=device)
     flops = train_flops(shape, seqs, seq, head_from)
     return {"step_s": t["step"], "eager_head_step_s": t["eager_head"],
             "compiled_head_speedup": t["eager_head"] / t["step"],
@@ -230,26 +261,29 @@ def measure_train(shape: BenchShape, micro_batch: int, repeat: int) -> dict:
             "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"]}
 
 
-def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int) -> dict:
-    """Greedy decode step time per batch size: ``(t(N) - t(1)) / (N - 1)``, N = response_len."""
+def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int,
+                   device: torch.device = CPU.device, new_tokens: int | None = None) -> dict:
+    """Greedy decode step time per batch size: ``(t(N) - t(1)) / (N - 1)``, N = ``new_tokens``
+    (default the shape's response_len)."""
     from engine.generation import GenerationEngine
     from engine.sampling import SamplingParams
 
-    cfg, groups, model = _model(shape)
-    engine = GenerationEngine(cfg, groups)
+    cfg, groups, model = _model(shape, device)
+    engine = GenerationEngine(cfg, groups, device=device)
     engine.set_weights(model.params)
-    n = shape.response_len
+    n = shape.response_len if new_tokens is None else new_tokens
     if n < 2:
-        raise ValueError(f"response_len={n} must be >= 2 to time a decode step")
-    g = torch.Generator().manual_seed(2)
+        raise ValueError(f"decode tokens={n} must be >= 2 to time a decode step")
+    g = torch.Generator(device=device).manual_seed(2)
     fns = {}
     for b in batches:
-        ids = torch.randint(0, shape.vocab, (b, shape.prompt_len), generator=g)
+        ids = torch.randint(0, shape.vocab, (b, shape.prompt_len), generator=g, device=device)
         for k in (1, n):
             fns[(b, k)] = (lambda ids=ids, k=k:
                            engine.generate(ids, None, SamplingParams(max_new_tokens=k,
                                                                      temperature=0.0)))
-    t, _ = interleaved_median_times({f"{b},{k}": f for (b, k), f in fns.items()}, repeat)
+    t, _ = interleaved_median_times({f"{b},{k}": f for (b, k), f in fns.items()}, repeat,
+                                    device=device)
     out = {}
     for b in batches:
         step = (t[f"{b},{n}"] - t[f"{b},1"]) / (n - 1)
@@ -278,7 +312,7 @@ def measure_reshard(size_mb: float, repeat: int) -> dict:
 def decode_limits(shape: BenchShape, decode: dict, peak: float, read_bw: float) -> dict:
     """Each batch size's step FLOPs, bytes, limit time and fraction (limit / measured)."""
     out = {}
-    for b in DECODE_BATCHES:
+    for b in decode:
         d, c = decode[b], decode[b]["context_mean"]
         flops, nbytes = decode_step_flops(shape, b, c), decode_step_bytes(shape, b, c)
         limit = max(flops / peak, nbytes / read_bw)
@@ -289,16 +323,23 @@ def decode_limits(shape: BenchShape, decode: dict, peak: float, read_bw: float) 
     return out
 
 
-def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | None) -> dict:
-    """Every measurement of the module docstring; JSON-ready."""
+def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | None,
+        bd: BenchDevice = CPU, decode_tokens: int | None = None,
+        sequences: int | None = None) -> dict:
+    """Every measurement of the module docstring on ``bd`` (``shape`` in its dtype); JSON-ready."""
+    shape = dataclasses.replace(shape, dtype=bd.dtype)
     seq = shape.prompt_len + shape.response_len
     products = model_products(shape, micro_batch * seq, micro_batch * shape.response_len)
-    before = (measure_matmul(products, max(3, repeat)),
-              measure_bandwidth(matrix_params(shape), shape.hidden, max(3, repeat)))
-    train = measure_train(shape, micro_batch, repeat)
-    decode = measure_decode(shape, DECODE_BATCHES, repeat)
-    after = (measure_matmul(products, max(3, repeat)),
-             measure_bandwidth(matrix_params(shape), shape.hidden, max(3, repeat)))
+    batches = CUDA_DECODE_BATCHES if bd.is_cuda else DECODE_BATCHES
+
+    def limits():
+        return (measure_matmul(products, max(3, repeat), bd),
+                measure_bandwidth(matrix_params(shape), shape.hidden, max(3, repeat), bd))
+
+    before = limits()
+    train = measure_train(shape, micro_batch, repeat, bd.device, sequences)
+    decode = measure_decode(shape, batches, repeat, bd.device, decode_tokens)
+    after = limits()
     # the limits are the better of the two (on a shared machine the load drifts: the
     # fractions stay conservative, and the drift is recorded)
     mm, bw = max(before[0], after[0], key=lambda m: m["peak"]), \
@@ -307,36 +348,50 @@ def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | No
              "read_after_over_before": after[1]["read"] / before[1]["read"]}
     decode = decode_limits(shape, decode, mm["peak"], bw["read"])
     reshard = None if reshard_mb is None else measure_reshard(reshard_mb, repeat)
-    fractions = [decode[f"b{b}"]["limit_fraction"] for b in DECODE_BATCHES]
+    fractions = {f"decode_b{b}_limit_fraction": decode[f"b{b}"]["limit_fraction"]
+                 for b in batches}
+    goals = ({"train_flops_fraction": ">= 0.45", "decode_limit_fraction": ">= 0.6 at batch 128"}
+             if bd.is_cuda else
+             {"train_flops_fraction": ">= 0.70", "decode_limit_fraction": ">= 0.70",
+              "reshard_vs_raw": "<= 1.3 at 1024 MiB"})
     return {
         "peak_matmul_flops": mm["peak"], "memcpy_bytes_per_s": bw["copy"],
         "read_bytes_per_s": bw["read"],
         "train_flops_fraction": train["flops_per_s"] / mm["peak"],
         "train_eager_head_flops_fraction": train["flops_per_step"] / train["eager_head_step_s"]
         / mm["peak"],
-        "decode_b1_limit_fraction": decode["b1"]["limit_fraction"],
-        "decode_b32_limit_fraction": decode["b32"]["limit_fraction"],
-        "decode_limit_fraction": min(fractions) if None not in fractions else None,
+        **fractions,
+        "decode_limit_fraction": (min(fractions.values())
+                                  if None not in fractions.values() else None),
         "reshard_vs_raw": None if reshard is None else reshard["ratio_vs_raw"],
-        "goals": {"train_flops_fraction": ">= 0.70", "decode_limit_fraction": ">= 0.70",
-                  "reshard_vs_raw": "<= 1.3 at 1024 MiB"},
+        "goals": goals,
         "matmul": mm, "bandwidth_bytes_per_s": bw, "limits_drift": drift,
         "matrix_params": matrix_params(shape),
         "train": train, "decode": decode, "reshard": reshard,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_argument(p, default="small", rl=True)
+    add_device_arguments(p)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                    help="sequences per micro-batch")
-    p.add_argument("--no-reshard", action="store_true", help="skip the 4-rank reshard part")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="skip the 4-rank reshard part (never run with --device cuda)")
     p.add_argument("--reshard-mb", type=float, default=1024.0)
+    p.add_argument("--sequences", type=int, default=None,
+                   help="sequences of the timed training step (default prompts x samples)")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help="N of the decode-step timing (default the shape's response_len)")
     p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     from engine.host_memory import keep_freed_memory
 
     keep_freed_memory()  # the allocator setting the RL ranks run with (rlhf/train.py)
@@ -347,22 +402,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(a.threads)
     try:
-        result = run(shape, a.repeat, a.micro_batch, None if a.no_reshard else a.reshard_mb)
+        bd = bench_device(a)
+        reshard_mb = None if a.no_reshard or bd.is_cuda else a.reshard_mb
+        result = run(shape, a.repeat, a.micro_batch, reshard_mb, bd, a.decode_tokens,
+                     a.sequences)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result.update(shape=shape.describe(), argv=sys.argv if argv is None else argv,
-                  threads=torch.get_num_threads(), repeat=a.repeat)
+    result.update(shape=dataclasses.replace(shape, dtype=bd.dtype).describe(),
+                  argv=sys.argv if argv is None else argv, threads=torch.get_num_threads(),
+                  repeat=a.repeat, device=bd.describe())
     r = result
     reshard = ("skipped" if r["reshard_vs_raw"] is None
                else f"{r['reshard_vs_raw']:.2f}x raw all-gather at {a.reshard_mb:g} MiB")
-    print(f"roofline {shape.name} ({r['threads']} threads): peak "
+    decode = ", ".join(f"{b} " + ("n/a" if d["limit_fraction"] is None
+                                  else f"{d['limit_fraction']:.2f}")
+                       for b, d in r["decode"].items())
+    print(f"roofline {shape.name} on {r['device']} ({r['threads']} threads): peak "
           f"{r['peak_matmul_flops'] / 1e9:.0f} GFLOP/s, copy "
           f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, read {r['read_bytes_per_s'] / 1e9:.1f} GB/s"
           f" | train {r['train_flops_fraction']:.2f} of peak (eager head "
-          f"{r['train_eager_head_flops_fraction']:.2f}) | decode b1 "
-          f"{r['decode_b1_limit_fraction']:.2f}, b32 {r['decode_b32_limit_fraction']:.2f} of "
-          f"limit ({r['decode']['b1']['decode_path']}) | reshard {reshard}")
+          f"{r['train_eager_head_flops_fraction']:.2f}) | decode {decode} of limit "
+          f"({r['decode']['b1']['decode_path']}) | reshard {reshard}")
     write_json(result, a.json, indent=2)
     return 0
 

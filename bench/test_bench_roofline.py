@@ -17,13 +17,14 @@ FRACTIONS = ("train_flops_fraction", "decode_b1_limit_fraction", "decode_b32_lim
 
 def test_roofline_tiny(benchmark, tmp_path, keep_threads):
     path = tmp_path / "roofline.json"
-    argv = ["--shape", "tiny", "--no-reshard", "--repeat", "2", "--json", str(path)]
+    argv = ["--shape", "tiny", "--no-reshard", "--repeat", "2", "--device", "cpu",
+            "--json", str(path)]
     assert benchmark.pedantic(roofline.main, args=(argv,), rounds=1, iterations=1) == 0
     result = json.loads(path.read_text())
     assert result["peak_matmul_flops"] > 0 and result["memcpy_bytes_per_s"] > 0
     assert result["reshard_vs_raw"] is None and result["reshard"] is None
     assert result["shape"]["name"] == "tiny" and result["argv"] == argv
-    assert result["threads"] >= 1
+    assert result["threads"] >= 1 and result["device"] == "cpu"
     for key in FRACTIONS:
         # a fraction of a FLOP limit cannot beat the measured matmul peak by much; one of a
         # bytes limit can: the tiny shape's weights (17 MB) fit in a 32 MB L3 and are read
