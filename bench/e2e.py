@@ -1,7 +1,8 @@
 """End-to-end GRPO throughput: our runtime against TRL's GRPOTrainer, in one run.
 
-    python bench/e2e.py [--shape tiny|small] [--nproc 2] [--steps 8] [--prompts P]
-                        [--samples S] [--tp 1] [--rounds 3] [--json PATH]
+    python bench/e2e.py [--shape tiny|small|qwen2.5-0.5b] [--nproc 2] [--steps 8]
+                        [--prompts P] [--samples S] [--tp 1] [--rounds 3] [--micro-batch M]
+                        [--device cpu|cuda] [--precision fp32|bf16] [--json PATH]
     python bench/e2e.py --placement disaggregated --max-staleness 1 --nproc 4 [--steps 30]
                         (our async run on a rollout pool vs our colocated synchronous run:
                         bench/e2e_async.py)
@@ -29,6 +30,17 @@ medians of the runs are compared.  Time per phase (median seconds per iteration)
 its metrics.jsonl (``timing_s/*``), TRL's from timers around its generation, reference
 forward, reward and loss/update.  Prints and optionally writes ``{"ours_tokens_per_s",
 "trl_tokens_per_s", "ratio", "ours_phases_s", "trl_phases_s", "rounds", "shape", "argv"}``.
+``--device cuda`` (``--precision`` bf16 by default there, :func:`bench.timing.bench_device`):
+our ranks run with ``device=cuda precision=bf16`` (one GPU: ``--nproc 1``), TRL's trainer on
+the same GPU (``use_cpu=False``, ``bf16=True``, the model loaded in bfloat16), generation
+through transformers' ``generate`` (no vLLM) with the dynamic cache TRL uses by default; its
+phase timers synchronise the device before reading the clock.  ``--shape qwen2.5-0.5b``
+(Qwen2.5-0.5B's sizes, random weights) is the GPU shape: 16 prompts x 8 samples, prompts of
+64 tokens, responses of exactly 512, as ``small`` otherwise.  ``--micro-batch M``: sequences
+per forward/backward on each side (ours ``data.micro_batch_size``, TRL
+``per_device_train_batch_size`` with gradient accumulation over the iteration's sequences: one
+optimizer step per iteration on both sides); default the whole rank's share of the iteration.
+The JSON's ``device`` names the card.
 TRL is an optional dev dependency (``pip install -r requirements-dev.txt``); HF_HUB_OFFLINE=1
 is set for it.  On a machine shared with other jobs, ``OMP_WAIT_POLICY=PASSIVE`` in the
 environment (both sides inherit it) keeps TRL's OpenMP threads from spin-waiting, which on
@@ -44,21 +56,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, ROOT)
 
+import torch  # noqa: E402
+
 from bench import e2e_async  # noqa: E402
 from bench.peers import require_peer  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from bench.shapes import add_shape_argument, get_shape  # noqa: E402
+from bench.timing import BenchDevice, add_device_arguments, bench_device  # noqa: E402
 
 RESPONSE_LEN, PROMPT_LEN, KL_COEF, LR = 6, 8, 0.01, 1e-4
 NPROC = 2
 """``--nproc`` against TRL: our ranks, TRL's threads."""
 REWARD_FILE = os.path.join(ROOT, "bench", "e2e_small.py")
+CPU = BenchDevice(torch.device("cpu"), "fp32")
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,9 @@ class Contest:
         prompt_len / response_len: tokens per prompt (at most) and per response (at most;
             exactly, for ``small``: both sides get min-new-tokens = response_len).
         prompts_file: JSONL of prompts (``small``); None = the built-in addition task.
+        device / precision: where both sides run (``cpu``/``cuda``) and in what (``fp32``/
+            ``bf16``).
+        micro_batch: sequences per forward/backward on a rank (None: the rank's whole share).
     """
 
     shape: str
@@ -78,6 +97,9 @@ class Contest:
     prompt_len: int
     response_len: int
     prompts_file: str | None = None
+    device: str = "cpu"
+    precision: str = "fp32"
+    micro_batch: int | None = None
 
     @property
     def exact_lengths(self) -> bool:
@@ -127,28 +149,31 @@ def model_config(shape_name: str):
     return load_config(["algo=grpo"]).actor.model.llama()
 
 
-def contest(shape_name: str, work: str) -> Contest:
+def contest(shape_name: str, work: str, device: str = "cpu", precision: str = "fp32",
+            micro_batch: int | None = None) -> Contest:
     """What ``shape_name`` runs on, its files named under ``work`` (:func:`prepare` writes
     them)."""
     folder = os.path.join(work, "model")
+    run_on = dict(device=device, precision=precision, micro_batch=micro_batch)
     if shape_name == "tiny":
-        return Contest("tiny", folder, PROMPT_LEN, RESPONSE_LEN)
+        return Contest("tiny", folder, PROMPT_LEN, RESPONSE_LEN, **run_on)
     shape = get_shape(shape_name, rl=True)
     return Contest(shape_name, folder, shape.prompt_len, shape.response_len,
-                   os.path.join(work, "prompts.jsonl"))
+                   os.path.join(work, "prompts.jsonl"), **run_on)
 
 
-def prepare(shape_name: str, work: str, prompts: int, steps: int) -> Contest:
-    """Write the model, tokenizer and (``small``) the prompts of ``shape_name`` under ``work``."""
-    c = contest(shape_name, work)
+def prepare(c: Contest, prompts: int, steps: int) -> None:
+    """Write the model (in ``c.precision``), tokenizer and (``small`` and larger) the prompts
+    of ``c``."""
     if c.prompts_file is None:
         make_model(c.folder)
-        return c
+        return
     from bench.e2e_small import make_small_model, write_prompts
+    from hybridflow_comm.devices import precision_dtype
 
-    tok = make_small_model(c.folder, get_shape(shape_name, rl=True))
+    shape = replace(get_shape(c.shape, rl=True), dtype=precision_dtype(c.precision))
+    tok = make_small_model(c.folder, shape)
     write_prompts(c.prompts_file, tok, c.prompt_len, prompts * steps)
-    return c
 
 
 def describe(c: Contest, prompts: int, samples: int) -> dict:
@@ -175,12 +200,14 @@ def our_overrides(c: Contest, nproc: int, steps: int, work: str, tp: int, prompt
     args = ["algo=grpo", f"iterations={steps}", f"actor.model.init_from={c.folder}",
             f"data.prompts_per_iter={prompts}", f"data.samples_per_prompt={samples}",
             f"data.mini_batch_size={prompts * samples}",
-            f"data.micro_batch_size={prompts * samples // nproc * tp}",
+            f"data.micro_batch_size={c.micro_batch or prompts * samples // nproc * tp}",
             f"data.max_response_len={c.response_len}", f"data.max_prompt_len={c.prompt_len}",
-            f"actor.layout.tp={tp}", "algo.recompute_log_prob=false", "algo.kl_mode=loss", "algo.kl_estimator=k3", f"algo.kl_coef={KL_COEF}",
+            f"actor.layout.tp={tp}", "algo.recompute_log_prob=false", "algo.kl_mode=loss",
+            "algo.kl_estimator=k3", f"algo.kl_coef={KL_COEF}",
             f"actor.optim.lr={LR}", f"log.runs_dir={work}", "log.run_name=ours",
             "checkpoint.resume=never", "checkpoint.save_every=1000000", "log.progress=false",
-            "log.tensorboard=false", "log.plot=false"]
+            "log.tensorboard=false", "log.plot=false", f"device={c.device}",
+            f"precision={c.precision}"]
     if c.prompts_file is not None:
         args += [f"data.train_files={c.prompts_file}", "reward.kind=function",
                  f"reward.function={REWARD_FILE}:compute_score"]
@@ -220,6 +247,7 @@ def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from bench.timing import sync
     from rlhf.metrics import PhaseTimer
 
     torch.set_num_threads(threads)
@@ -239,27 +267,31 @@ def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
 
     class Timed(GRPOTrainer):
         """GRPOTrainer with a phase timer around generation, reference forward and reward
-        (the rest of scoring is ``adv``; the rest of the step is ``update_actor``)."""
+        (the rest of scoring is ``adv``; the rest of the step is ``update_actor``); each phase
+        ends with its device work (:func:`bench.timing.sync`)."""
 
         timer = PhaseTimer()
 
+        def _timed(self, phase: str, fn, *args, **kwargs):
+            with self.timer(phase):
+                out = fn(*args, **kwargs)
+                sync(c.device)
+                return out
+
         def _generate_and_score_completions(self, inputs):
-            with self.timer("score"):
-                return super()._generate_and_score_completions(inputs)
+            return self._timed("score", super()._generate_and_score_completions, inputs)
 
         def _generate(self, prompts):
-            with self.timer("gen"):
-                return super()._generate(prompts)
+            return self._timed("gen", super()._generate, prompts)
 
         def _calculate_rewards(self, *args, **kwargs):
-            with self.timer("reward"):
-                return super()._calculate_rewards(*args, **kwargs)
+            return self._timed("reward", super()._calculate_rewards, *args, **kwargs)
 
         def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
             if model is not self.ref_model:  # the loss forward (or an old-policy forward)
                 return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-            with self.timer("ref"):
-                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            return self._timed("ref", super()._get_per_token_logps_and_entropies, model,
+                               *args, **kwargs)
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -267,9 +299,11 @@ def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
 
         def on_step_begin(self, *a, **k):
             Timed.timer.reset()
+            sync(c.device)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
+            sync(c.device)
             p = dict(Timed.timer.times)
             p["step"] = time.perf_counter() - self.t0
             score = p.pop("score", 0.0)
@@ -281,14 +315,18 @@ def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
     extra = {} if c.shape == "tiny" else {"gradient_checkpointing": False}
     if c.exact_lengths:  # HF generate's MinNewTokensLengthLogitsProcessor, as ours
         extra["generation_kwargs"] = {"min_new_tokens": c.response_len}
-    args = GRPOConfig(output_dir=os.path.join(os.path.dirname(out), "trl"), use_cpu=True,
-                      per_device_train_batch_size=prompts * samples, num_generations=samples,
+    micro = c.micro_batch or prompts * samples  # one optimizer step per iteration
+    args = GRPOConfig(output_dir=os.path.join(os.path.dirname(out), "trl"),
+                      use_cpu=c.device == "cpu", per_device_train_batch_size=micro,
+                      gradient_accumulation_steps=prompts * samples // micro,
+                      num_generations=samples,
                       max_completion_length=c.response_len, beta=KL_COEF, learning_rate=LR,
                       temperature=1.0, max_steps=steps, logging_steps=1, save_strategy="no",
                       report_to="none", shuffle_dataset=False, loss_type="dapo",
-                      dataloader_num_workers=0, bf16=False,  # fp32 and a constant lr, as ours
-                      lr_scheduler_type="constant", **extra)
-    trainer = Timed(model=AutoModelForCausalLM.from_pretrained(c.folder),
+                      dataloader_num_workers=0, bf16=c.precision == "bf16",  # as ours
+                      lr_scheduler_type="constant", **extra)  # a constant lr, as ours
+    dtype = torch.bfloat16 if c.precision == "bf16" else torch.float32
+    trainer = Timed(model=AutoModelForCausalLM.from_pretrained(c.folder, dtype=dtype),
                     reward_funcs=reward, args=args, train_dataset=data,
                     processing_class=AutoTokenizer.from_pretrained(c.folder),
                     callbacks=[timer])
@@ -321,9 +359,10 @@ def trl(c: Contest, steps: int, threads: int, work: str, prompts: int, samples: 
 
 
 def run(shape: str = "tiny", nproc: int = NPROC, steps: int = 8, prompts: int | None = None,
-        samples: int | None = None, tp: int = 1, rounds: int = 3) -> dict:
-    """Both contenders, ``rounds`` times each, alternating; the result dict of the module
-    docstring (prompts / samples default to the shape's row)."""
+        samples: int | None = None, tp: int = 1, rounds: int = 3, bd: BenchDevice = CPU,
+        micro_batch: int | None = None) -> dict:
+    """Both contenders, ``rounds`` times each, alternating, on ``bd``; the result dict of the
+    module docstring (prompts / samples default to the shape's row)."""
     row = get_shape(shape, rl=True)
     prompts = row.prompts if prompts is None else prompts
     samples = row.samples if samples is None else samples
@@ -336,9 +375,13 @@ def run(shape: str = "tiny", nproc: int = NPROC, steps: int = 8, prompts: int | 
     if (prompts * samples) % nproc or nproc % tp:
         raise ValueError(f"prompts x samples = {prompts * samples} must split over "
                          f"nproc={nproc} ranks, and tp={tp} must divide nproc")
+    share = prompts * samples // nproc * tp  # sequences a rank trains on per iteration
+    if micro_batch is not None and (micro_batch < 1 or share % micro_batch):
+        raise ValueError(f"micro_batch={micro_batch} must divide a rank's {share} sequences")
     ours_runs, trl_runs = [], []
     with tempfile.TemporaryDirectory() as work:
-        c = prepare(shape, work, prompts, steps)
+        c = contest(shape, work, bd.device.type, bd.precision, micro_batch)
+        prepare(c, prompts, steps)
         for r in range(rounds):  # alternate the contenders so drift of the machine is shared
             ours_runs.append(ours(c, nproc, steps, os.path.join(work, f"r{r}"), tp, prompts,
                                   samples))
@@ -353,7 +396,7 @@ def run(shape: str = "tiny", nproc: int = NPROC, steps: int = 8, prompts: int | 
                        "trl": [r["tokens_per_s"] for r in trl_runs]},
             "response_len_mean": {"ours": ours_runs[-1]["response_len_mean"],
                                   "trl": trl_runs[-1]["response_len_mean"]},
-            "shape": describe(c, prompts, samples)}
+            "shape": describe(c, prompts, samples), "device": bd.describe()}
 
 
 def _median_of_runs(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -361,7 +404,7 @@ def _median_of_runs(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_argument(p, default="tiny", rl=True)
     p.add_argument("--nproc", type=int, default=None,
@@ -382,10 +425,18 @@ def main() -> None:
                    help="--placement disaggregated: algo.max_staleness")
     p.add_argument("--budget-s", type=float, default=None,
                    help="--placement disaggregated: wall-clock budget for the reward")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward/backward on a rank, both sides (default: the "
+                        "rank's whole share of the iteration)")
+    add_device_arguments(p)
     p.add_argument("--json", default=None)
     p.add_argument("--trl-worker", nargs=2, metavar=("CONTEST", "OUT"), default=None,
                    help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     if a.trl_worker:
         trl_worker(Contest(**json.loads(a.trl_worker[0])), a.trl_worker[1], a.steps, a.nproc,
                    a.prompts, a.samples)
@@ -395,12 +446,17 @@ def main() -> None:
             raise SystemExit("--placement disaggregated runs the main job's model (--shape tiny)")
         nproc = e2e_async.NPROC if a.nproc is None else a.nproc
         result = e2e_async.run(nproc, a.max_staleness, a.steps, a.rounds, a.budget_s)
-        emit_json(result | {"argv": sys.argv}, a.json)
+        emit_json(result | {"argv": sys.argv if argv is None else argv}, a.json)
         return
     require_peer("trl", "bench/e2e.py")
     nproc = NPROC if a.nproc is None else a.nproc
-    result = run(a.shape, nproc, a.steps, a.prompts, a.samples, a.tp, a.rounds)
-    emit_json(result | {"argv": sys.argv}, a.json)
+    try:
+        bd = bench_device(a)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    result = run(a.shape, nproc, a.steps, a.prompts, a.samples, a.tp, a.rounds, bd,
+                 a.micro_batch)
+    emit_json(result | {"argv": sys.argv if argv is None else argv}, a.json)
 
 
 if __name__ == "__main__":
