@@ -14,10 +14,20 @@ Steps, in order (``--device cpu`` runs the same steps on CPU: the dry run CI kee
 ``pytest_gpu``        ``pytest -m gpu`` over the test files that carry the marker
 ``main_job``          ``rlhf.main_job`` at world size 1 (bf16 on CUDA); ``--quick``: one
                       tiny RL iteration of ``rlhf.train`` without the SFT warm start
-``bench_generation``  ``bench/generation.py --device D``
-``bench_roofline``    ``bench/roofline.py --device D``
-``bench_e2e``         ``bench/e2e.py --device D``
+``bench_generation``  ``bench/generation.py --device D``: ours vs transformers'
+                      ``generate``, greedy and sampled, 128 prompts x 512 new tokens
+                      at ``qwen2.5-0.5b``, once each after a warm-up
+``bench_roofline``    ``bench/roofline.py --device D``: a training step and decode
+                      steps at ``qwen2.5-0.5b`` against the card's measured bf16
+                      matmul peak and copy bandwidth, one timed call each
+``bench_e2e``         ``bench/e2e.py --device D``: GRPO iterations vs TRL's
+                      GRPOTrainer at ``qwen2.5-0.5b``, 2 iterations (1 warm-up)
 ====================  ==============================================================
+
+The bench steps run the GPU's shape with fewer timed calls, not smaller shapes; ``--quick``
+(the CPU dry run) runs them at ``tiny`` with a handful of tokens.  Each bench writes its own
+JSON into the output folder (``generation.json``, ``roofline.json``, ``e2e.json``); its
+headline figures (:data:`BENCH_FIGURES`) are copied into the step's ``figures``.
 
 Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds``,
 ``timed_out``, ``skipped`` (the reason, or null), ``tail`` (the end of its output) and
@@ -55,6 +65,33 @@ WHEELS = os.path.join(ROOT, "wheels")
 TAIL_CHARS = 4000
 KEYS = ("name", "command", "rc", "seconds", "timed_out", "skipped", "tail", "figures")
 """The keys of every step's JSON."""
+BENCH_FIGURES = {
+    "generation": ("device", "ratio", "ours_tokens_per_s", "hf_tokens_per_s", "greedy_match",
+                   "greedy_match_tie_aware", "max_logprob_diff", "sampled_ratio",
+                   "sampled_ours_tokens_per_s", "sampled_hf_tokens_per_s"),
+    "roofline": ("device", "train_flops_fraction", "decode_limit_fraction",
+                 "peak_matmul_flops", "memcpy_bytes_per_s", "read_bytes_per_s",
+                 "decode_b1_limit_fraction", "decode_b32_limit_fraction",
+                 "decode_b128_limit_fraction"),
+    "e2e": ("device", "ratio", "ours_tokens_per_s", "trl_tokens_per_s", "ours_phases_s",
+            "trl_phases_s"),
+}
+"""The keys of each bench's JSON copied into its step's ``figures`` (those it wrote)."""
+BENCH_ARGS = {
+    "generation": (["--shape", "qwen2.5-0.5b", "--no-multirank", "--no-early-exit",
+                    "--repeat", "1"],
+                   ["--no-multirank", "--no-early-exit", "--batch", "2", "--new-tokens", "4",
+                    "--repeat", "1", "--sampled"], 240),
+    "roofline": (["--shape", "qwen2.5-0.5b", "--no-reshard", "--repeat", "1",
+                  "--decode-tokens", "64"],
+                 ["--shape", "tiny", "--no-reshard", "--repeat", "1", "--decode-tokens", "16",
+                  "--sequences", "8"],
+                 120),
+    "e2e": (["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2", "--rounds", "1",
+             "--micro-batch", "16"],
+            ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),
+}
+"""Each bench's options on a GPU, with ``--quick``, and its step's timeout (s) on a GPU."""
 
 ENV_PROBE = r"""
 import json, subprocess, torch
@@ -162,12 +199,15 @@ def _held_out(out: str, rc: int) -> dict:
     return {"sft_accuracy": float(m[1]), "final_accuracy": float(m[2])} if m else {}
 
 
-def _bench_json(path: str) -> Callable[[str, int], dict]:
+def _bench_json(path: str, keys: tuple[str, ...]) -> Callable[[str, int], dict]:
+    """A parser that reads the bench's JSON at ``path`` and keeps ``keys`` (those present)
+    and the path."""
     def parse(out: str, rc: int) -> dict:
         if not os.path.exists(path):
             return {}
         with open(path) as f:
-            return json.load(f)
+            result = json.load(f)
+        return {"json": os.path.basename(path)} | {k: result[k] for k in keys if k in result}
     return parse
 
 
@@ -191,18 +231,15 @@ def _main_job(device: str, quick: bool, py: str) -> list[str]:
             "log.run_name=gpu_check", "checkpoint.resume=never"]
 
 
-def plan(device: str, quick: bool, scratch: str) -> list[Step]:
-    """The check's steps for ``device``; ``quick`` shrinks each to seconds."""
+def plan(device: str, quick: bool, scratch: str, out_dir: str | None = None) -> list[Step]:
+    """The check's steps for ``device``; ``quick`` shrinks each to seconds; the benches write
+    their JSON into ``out_dir`` (default ``scratch``)."""
     py = sys.executable
     wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
     site = os.path.join(scratch, "site")
     limit = (lambda s: min(s, 45)) if quick else (lambda s: s)
     build = ([py, "-c", "import torch, hybridflow_comm._C, engine._kernels"] if quick else
              [py, "setup.py", "build_ext", "--inplace"])
-    benches = {"generation": ["--no-multirank"] + (["--batch", "2", "--new-tokens", "4",
-                                                    "--repeat", "1"] if quick else []),
-               "roofline": ["--no-reshard"] + (["--repeat", "1"] if quick else []),
-               "e2e": ["--nproc", "1"] + (["--steps", "2", "--rounds", "1"] if quick else [])}
     steps = [
         Step("env", [py, "-c", ENV_PROBE], limit(30), _last_json_line),
         Step("install_wheels",
@@ -217,11 +254,15 @@ def plan(device: str, quick: bool, scratch: str) -> list[Step]:
         Step("main_job", _main_job(device, quick, py), 90 if quick else 240, _held_out,
              env={"OMP_NUM_THREADS": "1"} if quick else {}),
     ]
-    for name, extra in benches.items():
-        out = os.path.join(scratch, f"{name}.json")
+    # the dry run checks the benches' plumbing: it skips engine.inductor's compiles (seconds
+    # per process on CPU), which the GPU run times
+    bench_env = {"HYBRIDFLOW_COMPILE": "0"} if quick else {}
+    for name, (full, small, timeout_s) in BENCH_ARGS.items():
+        out = os.path.join(out_dir or scratch, f"{name}.json")
         steps.append(Step(f"bench_{name}", [py, "-m", f"bench.{name}", "--device", device,
-                                            "--json", out, *extra], limit(120),
-                          _bench_json(out)))
+                                            "--json", out, *(small if quick else full)],
+                          limit(timeout_s), _bench_json(out, BENCH_FIGURES[name]),
+                          env=bench_env))
     return steps
 
 
@@ -255,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [os.path.join(scratch, "site"), ROOT, os.environ.get("PYTHONPATH", "")]))
-        records = run_steps(plan(a.device, a.quick, scratch), out_dir, budget, env)
+        records = run_steps(plan(a.device, a.quick, scratch, out_dir), out_dir, budget, env)
     failed = [r["name"] for r in records if r["rc"] not in (None, 0) and not r["skipped"]]
     print(f"[gpu_check] {len(records)} steps in {out_dir}; failed: {failed or 'none'}")
     return 1 if failed else 0

@@ -15,7 +15,8 @@ PY = sys.executable
 
 
 def _records(out_dir):
-    names = sorted(os.listdir(out_dir))
+    """The step records (``NN_name.json``) of a run's folder, in order."""
+    names = sorted(n for n in os.listdir(out_dir) if n[:2].isdigit() and n[2] == "_")
     return names, [json.load(open(os.path.join(out_dir, n))) for n in names]
 
 
@@ -52,6 +53,35 @@ def test_pytest_counts_and_held_out_parsers():
     assert gpu_check._held_out(line, 0) == {"sft_accuracy": 0.605, "final_accuracy": 0.98}
 
 
+def test_bench_parser_keeps_the_headline_figures(tmp_path):
+    path = tmp_path / "generation.json"
+    parse = gpu_check._bench_json(str(path), ("ratio", "device", "sampled_ratio"))
+    assert parse("", 1) == {}  # the bench wrote nothing
+    path.write_text(json.dumps({"ratio": 2.5, "device": "cpu", "config": {"batch": 2}}))
+    assert parse("", 0) == {"json": "generation.json", "ratio": 2.5, "device": "cpu"}
+
+
+def test_gpu_bench_commands_are_the_gpu_shape_and_parse(tmp_path):
+    """On a GPU the benches run Qwen2.5-0.5B's shape on CUDA, write into the output folder,
+    and every option they get is one their parser takes."""
+    from bench import e2e, generation, roofline
+
+    parsers = {"generation": generation.parse_args, "roofline": roofline.parse_args,
+               "e2e": e2e.parse_args}
+    steps = {s.name: s for s in gpu_check.plan("cuda", False, str(tmp_path / "scratch"),
+                                              str(tmp_path / "out"))}
+    for name, parse in parsers.items():
+        argv = steps[f"bench_{name}"].argv
+        assert argv[1:3] == ["-m", f"bench.{name}"]
+        a = parse(argv[3:])
+        assert (a.device, a.shape) == ("cuda", "qwen2.5-0.5b")
+        assert a.json == str(tmp_path / "out" / f"{name}.json")
+    quick = {s.name: s.argv for s in gpu_check.plan("cpu", True, str(tmp_path))}
+    for name, parse in parsers.items():
+        a = parse(quick[f"bench_{name}"][3:])
+        assert (a.device, a.shape) == ("cpu", "tiny")
+
+
 def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
     proc = subprocess.run([PY, "-m", "bench.gpu_check", "--device", "cpu", "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True,
@@ -69,3 +99,15 @@ def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
     assert by_name["main_job"]["rc"] == 0, by_name["main_job"]["tail"]
     counts = by_name["pytest_gpu"]["figures"]
     assert counts.get("skipped", 0) + counts.get("passed", 0) >= 1
+    # the benches ran on CPU and their figures reached the step records
+    for name, keys in (("generation", ("ratio", "ours_tokens_per_s", "greedy_match",
+                                       "sampled_ratio")),
+                       ("roofline", ("train_flops_fraction", "decode_limit_fraction")),
+                       ("e2e", ("ratio", "ours_tokens_per_s", "trl_tokens_per_s"))):
+        rec = by_name[f"bench_{name}"]
+        assert rec["rc"] == 0 and rec["skipped"] is None, rec["tail"]
+        figures = rec["figures"]
+        assert figures["device"] == "cpu" and figures["json"] == f"{name}.json"
+        bench = json.load(open(tmp_path / f"{name}.json"))
+        assert {k: bench[k] for k in keys} == {k: figures[k] for k in keys}
+        assert all(figures[k] > 0 for k in keys if not isinstance(figures[k], bool))
