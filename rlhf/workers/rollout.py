@@ -91,7 +91,12 @@ class PushedWeights:
     sync: WeightSync
     version: int
     """The actor's weight version they are."""
-    mode: str = "generation"
+
+    @property
+    def mode(self) -> str:
+        """Always ``"generation"``: the shards are in the generation layout (as a resharder's
+        after ``to_generation``)."""
+        return "generation"
 
     @property
     def specs(self) -> list:

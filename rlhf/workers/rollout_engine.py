@@ -77,7 +77,7 @@ class WavedGeneration:
             take (measured at each call); unused on the CPU.
     """
 
-    def __init__(self, engine: GenerationEngine, max_num_seqs: int | None = None,
+    def __init__(self, engine: GenerationEngine, max_num_seqs: int | None,
                  kv_fraction: float = 1.0) -> None:
         self.engine, self.max_num_seqs, self.kv_fraction = engine, max_num_seqs, kv_fraction
 
