@@ -1,4 +1,7 @@
-"""examples/reshard_*.py, each as a user runs it: ``torchrun --nproc_per_node=4 EXAMPLE``.
+"""examples/reshard_*.py, each as a user runs it (``torchrun --nproc_per_node=4 EXAMPLE``),
+with NCCL's rules enforced in every rank (``-m tests.nccl_rules``: the script runs unchanged,
+its collectives refused where NCCL would refuse them; the gloo-only host point-to-point path
+the rules switch off is covered by tests/test_reshard_multirank.py).
 
 Every example builds its full tensors from a seed on every rank, shards them its framework's
 way, reshards through the public API and compares every generation tensor bit-exactly; here
@@ -34,7 +37,7 @@ def torchrun_example(name: str, timeout: float = 300,
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_example_reshards_bit_exact_with_minimum_bytes(name, nccl_rules=False):
+def test_example_reshards_bit_exact_with_minimum_bytes(name, nccl_rules=True):
     proc = torchrun_example(name, nccl_rules=nccl_rules)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     results = RESULT.findall(proc.stdout)

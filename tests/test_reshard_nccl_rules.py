@@ -4,14 +4,14 @@ Every multi-rank resharding test (the transitions of every layout and method, We
 FSDP2, DTensor, megatron, plain state dicts, the public entries) runs here with its own
 assertions, on one 4-rank and one 2-rank pool whose ranks enforce the rules, so the
 collectives NCCL would run (in-place region all-gathers, no host point-to-point path) are the
-ones checked bit-exactly.  The examples run under ``torchrun -m tests.nccl_rules``.
+ones checked bit-exactly.  The examples run under ``torchrun -m tests.nccl_rules`` in
+tests/test_examples_reshard.py.
 ``HYBRIDFLOW_TEST_NCCL_RULES=1 pytest ...`` runs any other multi-rank module the same way.
 """
 
 import pytest
 
 from tests import test_api as api
-from tests import test_examples_reshard as examples
 from tests import test_interop_fsdp as fsdp
 from tests import test_interop_megatron as megatron
 from tests import test_interop_state as state
@@ -63,7 +63,3 @@ def test_under_nccl_rules(rules_pools, ranks, check):
     after = pool.run(_rules_calls)
     assert all(a > b for a, b in zip(after, before)), (before, after)
 
-
-@pytest.mark.parametrize("name", examples.EXAMPLES)
-def test_example_under_nccl_rules(name):
-    examples.test_example_reshards_bit_exact_with_minimum_bytes(name, nccl_rules=True)
