@@ -129,22 +129,24 @@ def _group_size(group) -> int:
 
 
 # What each function's arguments must satisfy ------------------------------------------------
+def _check_world_parts(r: Rules, op: str, group, whole: tuple[str, torch.Tensor],
+                       part: tuple[str, torch.Tensor]) -> None:
+    """A single-tensor gather or scatter: the whole tensor is world x the per-rank part."""
+    (whole_name, big), (part_name, small) = whole, part
+    r.tensors(op, [big, small])
+    if big.numel() != _group_size(group) * small.numel():
+        raise NcclRuleError(f"{op}: {whole_name} has {big.numel()} elements, world x "
+                            f"{part_name} is {_group_size(group)} x {small.numel()}")
+    r.collective(op, group, small.numel(), small.dtype)
+
+
 def _check_all_gather_single(r: Rules, op: str, a: dict) -> None:
-    out, inp, group = a["output_tensor"], a["input_tensor"], a["group"]
-    r.tensors(op, [out, inp])
-    if out.numel() != _group_size(group) * inp.numel():
-        raise NcclRuleError(f"{op}: output has {out.numel()} elements, world x input is "
-                            f"{_group_size(group)} x {inp.numel()}")
-    r.collective(op, group, inp.numel(), inp.dtype)
+    _check_world_parts(r, op, a["group"], ("output", a["output_tensor"]),
+                       ("input", a["input_tensor"]))
 
 
 def _check_reduce_scatter_tensor(r: Rules, op: str, a: dict) -> None:
-    out, inp, group = a["output"], a["input"], a["group"]
-    r.tensors(op, [out, inp])
-    if inp.numel() != _group_size(group) * out.numel():
-        raise NcclRuleError(f"{op}: input has {inp.numel()} elements, world x output is "
-                            f"{_group_size(group)} x {out.numel()}")
-    r.collective(op, group, out.numel(), out.dtype)
+    _check_world_parts(r, op, a["group"], ("input", a["input"]), ("output", a["output"]))
 
 
 def _check_all_gather(r: Rules, op: str, a: dict) -> None:
