@@ -316,8 +316,15 @@ class LogConfig:
     """Show a progress bar with reward and tokens/s."""
     plot: bool = True
     """Write reward and timing curves to a PNG at the end."""
+    rollouts_every: int = 0
+    """Every this many iterations, write the iteration's samples to
+    ``<run_dir>/rollouts/iter_<k>.jsonl`` (decoded conversation, reward, turns, tool calls,
+    token counts); 0 = never."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.rollouts_every, bool) or not isinstance(self.rollouts_every, int) \
+                or self.rollouts_every < 0:
+            raise ValueError(f"log.rollouts_every={self.rollouts_every!r} must be an int >= 0")
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ValueError(f"log.run_name={self.run_name!r} must be a plain folder name")
         if not self.runs_dir.strip():
@@ -355,6 +362,49 @@ class CheckpointConfig:
 
 
 ROLLOUT_ENGINES = ("native", "vllm")
+SANDBOX_BACKENDS = ("local", "sandbox_fusion")
+SANDBOX_ISOLATIONS = ("namespaces", "none")
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Where and within which limits the built-in ``python`` tool runs model-written code
+    (:mod:`rlhf.tools.sandbox`)."""
+
+    backend: str = "local"
+    """``local``: a child process on this host, isolated by Linux namespaces (``unshare``);
+    ``sandbox_fusion``: a SandboxFusion service at ``url`` (what verl users run)."""
+    isolation: str = "namespaces"
+    """``local`` backend: ``namespaces`` (no network, a private writable /tmp and nothing else
+    writable, no view of the host's files or processes); ``none`` runs the code as a plain
+    child process with the limits below only (logged as a warning)."""
+    url: str | None = None
+    """``sandbox_fusion`` backend: the service's base URL (``http://host:8080``)."""
+    wall_time_s: float = 10.0
+    """Wall-clock seconds before the snippet is killed."""
+    cpu_time_s: float = 5.0
+    """CPU seconds (RLIMIT_CPU) of each process of the snippet."""
+    memory_mb: int = 512
+    """Address space of each process, MiB (RLIMIT_AS)."""
+    max_processes: int = 16
+    """Processes and threads the snippet may run at once (RLIMIT_NPROC, counted inside its
+    own user namespace)."""
+    max_output_bytes: int = 65536
+    """Bytes of stdout and of stderr kept; a snippet writing more is killed."""
+    max_file_mb: int = 16
+    """Largest file the snippet may write (RLIMIT_FSIZE) and the size of its /tmp, MiB."""
+
+    def __post_init__(self) -> None:
+        check_one_of("rollout.sandbox.backend", self.backend, SANDBOX_BACKENDS)
+        check_one_of("rollout.sandbox.isolation", self.isolation, SANDBOX_ISOLATIONS)
+        if self.backend == "sandbox_fusion" and not self.url:
+            raise ValueError("rollout.sandbox.backend=sandbox_fusion needs rollout.sandbox.url "
+                             "(the service's base URL, e.g. http://localhost:8080)")
+        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_processes",
+                     "max_output_bytes", "max_file_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"rollout.sandbox.{name}={value!r} must be a positive number")
 
 
 @dataclass(frozen=True)
@@ -373,8 +423,36 @@ class RolloutConfig:
     native on a GPU: the fraction of free device memory one wave's KV cache may take (waves
     shrink until theirs fits); unused on the CPU."""
 
+    tools: str | None = None
+    """Tools of multi-turn rollouts, comma-separated: files whose ``@rlhf.tools.tool``
+    functions and ``@rlhf.tools.environment`` classes are tools, and ``builtin:<name>``
+    (``builtin:python``: run code in the sandbox); None = one-turn rollouts."""
+    max_turns: int = 4
+    """Assistant turns per trajectory at most (multi-turn rollouts)."""
+    tool_format: str = "hermes"
+    """How the model writes tool calls, a name in :data:`rlhf.tools.formats.TOOL_FORMATS`
+    (checked when the tools load): ``hermes`` is ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>``, as Qwen2.5/Qwen3 emit."""
+    max_tool_response_tokens: int = 256
+    """A tool result longer than this many tokens is cut in the middle (marked)."""
+    tool_timeout_s: float = 30.0
+    """Seconds one tool call may take; then its result is a timeout error."""
+    max_parallel_tool_calls: int = 8
+    """Tool calls running at once, over every trajectory of a turn."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """The built-in ``python`` tool's sandbox."""
+
     def __post_init__(self) -> None:
         check_one_of("rollout.engine", self.engine, ROLLOUT_ENGINES)
+        for name in ("max_turns", "max_tool_response_tokens", "max_parallel_tool_calls"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{name}={value!r} must be a positive int")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"rollout.tool_timeout_s={self.tool_timeout_s!r} must be > 0")
+        if self.tools is not None and not str(self.tools).strip():
+            raise ValueError("rollout.tools='' names no tool; give files and/or builtin:python "
+                             "(or null for one-turn rollouts)")
         n = self.max_num_seqs
         if n is not None:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:

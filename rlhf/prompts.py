@@ -34,5 +34,7 @@ def encode_prompts(examples: list[Example], tok, width: int, samples: int,
               {"answer": [e.answer for e in examples],
                "data_source": [e.data_source for e in examples],
                "extra_info": [e.extra_info for e in examples],
+               "prompt": [e.prompt for e in examples],
+               "tools": [e.tools for e in examples],
                "uid": list(range(first_uid, first_uid + len(examples)))})
     return b.repeat(samples) if samples > 1 else b

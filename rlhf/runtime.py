@@ -32,6 +32,7 @@ from rlhf.config import Config, save_config
 from rlhf.controller import Batch, Controller
 from rlhf.metrics import MetricsLogger, PhaseTimer, memory_metrics
 from rlhf.programs import Iteration, Roles, algorithm
+from rlhf.rollout_log import rollout_records, write_rollouts
 from rlhf.task import PromptStream, read_dataset
 from rlhf.world_plan import WorldPlan
 
@@ -195,6 +196,9 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         metrics |= memory_metrics(ctl.take_memory())  # this iteration's phases, evaluation too
         start = {}
         records.append(logger.log(state.step, metrics))
+        every = cfg.log.rollouts_every
+        if every and state.step % every == 0:
+            write_rollouts(run_dir, state.step, rollout_records(batch, tok))
         state.step += 1
         every = cfg.checkpoint.save_every
         if (every and state.step % every == 0) or state.step == cfg.iterations:

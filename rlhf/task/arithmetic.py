@@ -47,6 +47,8 @@ class Example:
     """Where the row comes from (passed to a reward function)."""
     extra_info: dict | None = None
     """Anything else of the row (passed to a reward function)."""
+    tools: list[str] | None = None
+    """Names of the tools the row may use in multi-turn rollouts; None = every tool."""
 
 
 @dataclass(frozen=True)

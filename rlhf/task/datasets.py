@@ -1,7 +1,8 @@
 """Prompt datasets (jsonl, parquet, saved ``datasets`` folders) and a resumable prompt stream.
 
 Rows use verl's layout: ``prompt`` (a string or a chat list of ``{role, content}``), optional
-``ground_truth``, ``data_source`` and ``extra_info`` (the key names of the first two are
+``ground_truth``, ``data_source``, ``extra_info`` and ``tools`` (the names of the tools the row
+may use in multi-turn rollouts) (the key names of the first two are
 configurable: ``data.prompt_key``, ``data.ground_truth_key``).
 """
 
@@ -28,8 +29,13 @@ def _example(rec: dict, where: str, prompt_key: str, answer_key: str, source: st
         prompt = [dict(m) for m in prompt]
     answer = rec.get(answer_key)
     extra = rec.get("extra_info")
+    tools = rec.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, str) for t in tools)):
+        raise ValueError(f"{where}: tools must be a list of tool names, got {tools!r:.80}")
     return Example(prompt, "" if answer is None else str(answer),
-                   str(rec.get("data_source") or source), dict(extra) if extra else None)
+                   str(rec.get("data_source") or source), dict(extra) if extra else None,
+                   list(tools) if tools is not None else None)
 
 
 def read_jsonl(path: str | os.PathLike, prompt_key: str = "prompt",

@@ -48,6 +48,8 @@ class _ScoreWorker(CheckpointedWorker):
             if any(args.rule_weights.values()) else None
 
     def _texts(self, batch: Batch) -> list[str]:
+        if "solution_str" in batch.non_tensors:  # multi-turn: the final assistant message
+            return list(batch["solution_str"])
         plen = prompt_width(batch)
         responses = batch["input_ids"][:, plen:].cpu()  # host synchronisation: decoded to text
         return [self.tokenizer.decode_response(r) for r in responses]

@@ -1,0 +1,359 @@
+"""Multi-turn rollouts with tools (rlhf.tools): the turn loop against a scripted generator
+(ids against the chat template's rendering, masks, log-probs, tool failures, limits), the
+call format, the tool catalog and the rollout log."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+import rlhf.tools
+from rlhf.config_run import LogConfig, RolloutConfig, SandboxConfig
+from rlhf.controller import Batch
+from rlhf.prompts import encode_prompts
+from rlhf.rollout_log import rollout_records, write_rollouts
+from rlhf.task import Example, load_tokenizer
+from rlhf.tools.catalog import Tool, ToolCatalog, load_catalog, tool_schema
+from rlhf.tools.chat import render
+from rlhf.tools.formats import HermesFormat
+from rlhf.tools.multi_turn import MultiTurn, truncate_middle
+from engine.sampling import SamplingParams
+from tests.tool_chat import save_tool_tokenizer
+
+CALL = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return load_tokenizer(save_tool_tokenizer(str(tmp_path_factory.mktemp("tok"))))
+
+
+@rlhf.tools.tool
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a + b
+
+
+@rlhf.tools.tool
+def fail(x: str) -> str:
+    """Always raises.
+
+    Args:
+        x: anything
+    """
+    raise ValueError(f"bad {x}")
+
+
+@rlhf.tools.tool
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def catalog(*fns) -> ToolCatalog:
+    return ToolCatalog([Tool(f.__name__, f, tool_schema(f)) for f in fns])
+
+
+class ScriptedModel:
+    """A generator whose reply to a context is ``policy(context_text)`` (+ EOS), with
+    log-prob ``-(k + 1) / 100`` for the k-th token of each reply."""
+
+    def __init__(self, tok, policy) -> None:
+        self.tok, self.policy, self.calls = tok, policy, []
+
+    def __call__(self, batch: Batch, s: SamplingParams) -> Batch:
+        self.calls.append((len(batch), s.max_new_tokens))
+        ctx = [[i for i, m in zip(row, mask) if m] for row, mask in
+               zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())]
+        replies = [(self.tok.tok(self.policy(self.tok.tok.decode(c)),
+                                 add_special_tokens=False)["input_ids"]
+                    + [self.tok.eos_id])[:s.max_new_tokens] for c in ctx]
+        n = max(len(r) for r in replies)
+        out = torch.full((len(batch), n), self.tok.pad_id)
+        mask = torch.zeros((len(batch), n), dtype=torch.int64)
+        lps = torch.zeros((len(batch), n))
+        for i, r in enumerate(replies):
+            out[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+            lps[i, :len(r)] = -(torch.arange(len(r)) + 1) / 100
+        return Batch({"input_ids": torch.cat([batch["input_ids"], out], 1),
+                      "attention_mask": torch.cat([batch["attention_mask"], mask], 1),
+                      "response_mask": mask, "rollout_log_probs": lps},
+                     dict(batch.non_tensors), {"gen_s": 0.5})
+
+
+def prompts(tok, rows: list[Example], samples: int = 1) -> Batch:
+    return encode_prompts(rows, tok, 512, samples, 0)
+
+
+def loop(tok, cat, max_response_len=512, **settings) -> MultiTurn:
+    return MultiTurn(cat, tok, RolloutConfig(tools="x", **settings), 2048, max_response_len)
+
+
+def sampling(tok) -> SamplingParams:
+    return SamplingParams(max_new_tokens=256, temperature=1.0, eos_token_id=tok.eos_id,
+                          pad_token_id=tok.pad_id)
+
+
+def adder(ctx: str) -> str:
+    """Calls ``add`` once, then answers with the last tool result."""
+    if "<tool_response>" not in ctx:
+        return CALL.format("add", json.dumps({"a": 12, "b": 30}))
+    return "The answer is " + ctx.rsplit("<tool_response>\n", 1)[1].split("\n")[0] + "."
+
+
+ROW = Example([{"role": "user", "content": "What is 12 plus 30?"}], "42", "t", {"k": 1})
+
+
+def test_ids_are_the_templates_rendering_of_the_decoded_conversation(tok):
+    mt = loop(tok, catalog(add))
+    batch, metrics = mt.run(prompts(tok, [ROW], samples=2), sampling(tok),
+                            ScriptedModel(tok, adder))
+    messages = batch["messages"][0]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "add",
+                                                        "arguments": {"a": 12, "b": 30}}
+    assert messages[2]["content"] == "42" and batch["solution_str"][0] == "The answer is 42."
+    assert batch["extra_info"][0] == {"k": 1, "messages": messages}
+    schemas = [tool_schema(add)]
+    ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    # the template ends the last assistant turn with a newline the model never samples
+    assert tok.tok.decode(ids) + "\n" == render(tok.tok, messages, schemas, False)
+    width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    response = batch["input_ids"][0, width:]
+    mask = batch["response_mask"][0].bool()
+    sampled = tok.tok.decode(response[mask].tolist())
+    assert sampled == CALL.format("add", json.dumps({"a": 12, "b": 30})) + "<|im_end|>" \
+        + "The answer is 42.<|im_end|>"
+    lps = batch["rollout_log_probs"][0]
+    assert torch.all(lps[~mask] == 0) and torch.all(lps[mask] < 0)
+    assert lps[mask][0] == pytest.approx(-0.01)  # each turn's first token: its own log-prob
+    tool_ids = response[~mask & batch["attention_mask"][0, width:].bool()]
+    assert "<tool_response>\n42\n</tool_response>" in tok.tok.decode(tool_ids.tolist())
+    assert metrics["rollout/turns_mean"] == 2 and metrics["rollout/tool_calls_mean"] == 1
+    assert metrics["rollout/tool_errors"] == 0 and metrics["rollout/template_mismatch"] == 0
+    assert batch["num_turns"] == [2, 2]
+
+
+def test_tool_failures_become_messages_never_crashes(tok):
+    bad = ['<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',  # missing b
+           CALL.format("nope", "{}"), "<tool_call>{not json}</tool_call>",
+           CALL.format("fail", json.dumps({"x": "y"})),
+           CALL.format("slow", json.dumps({"seconds": 5})), "<tool_call>{\"name\": \"add\""]
+
+    def policy(ctx: str) -> str:
+        return "done" if "<tool_response>" in ctx else "\n".join(bad)
+
+    mt = loop(tok, catalog(add, fail, slow), 2048, tool_timeout_s=0.3)
+    t0 = time.monotonic()
+    batch, metrics = mt.run(prompts(tok, [ROW]), sampling(tok), ScriptedModel(tok, policy))
+    assert time.monotonic() - t0 < 4  # the 5 s call was abandoned at its timeout
+    results = [m["content"] for m in batch["messages"][0] if m["role"] == "tool"]
+    assert len(results) == 6 and all(r.startswith("Error:") for r in results)
+    assert "needs argument(s) ['b']" in results[0] and "unknown tool 'nope'" in results[1]
+    assert "not valid JSON" in results[2] and "ValueError: bad y" in results[3]
+    assert "timed out" in results[4] and "not closed" in results[5]
+    assert metrics["rollout/tool_errors"] == 6 and metrics["rollout/tool_timeouts"] == 1
+
+
+def test_calls_run_concurrently_within_the_bound(tok):
+    running, peak, lock = [0], [0], threading.Lock()
+
+    @rlhf.tools.tool
+    def wait(n: int) -> int:
+        """Waits a little.
+
+        Args:
+            n: returned as is
+        """
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.1)
+        with lock:
+            running[0] -= 1
+        return n
+
+    def policy(ctx: str) -> str:
+        return "ok" if "<tool_response>" in ctx else "\n".join(
+            CALL.format("wait", json.dumps({"n": k})) for k in range(3))
+
+    mt = loop(tok, catalog(wait), 2048, max_parallel_tool_calls=2)
+    batch, _ = mt.run(prompts(tok, [ROW], samples=3), sampling(tok), ScriptedModel(tok, policy))
+    assert peak[0] == 2  # 9 calls over 3 trajectories, at most 2 at once
+    assert [m["content"] for m in batch["messages"][2] if m["role"] == "tool"] == ["0", "1", "2"]
+
+
+def test_turn_and_length_limits(tok):
+    def always_call(ctx: str) -> str:
+        return CALL.format("add", json.dumps({"a": 1, "b": 2}))
+
+    model = ScriptedModel(tok, always_call)
+    batch, m = loop(tok, catalog(add), max_turns=3).run(prompts(tok, [ROW]), sampling(tok),
+                                                         model)
+    assert m["rollout/turns_mean"] == 3 and m["rollout/tool_calls_mean"] == 2  # last unanswered
+    assert batch["messages"][0][-1]["role"] == "assistant"
+    short = loop(tok, catalog(add), max_response_len=40, max_turns=8)
+    model = ScriptedModel(tok, always_call)
+    batch, m = short.run(prompts(tok, [ROW]), sampling(tok), model)
+    assert batch["response_mask"].shape[1] <= 40 and m["rollout/turns_mean"] < 8
+    assert all(n <= 40 for _rows, n in model.calls)
+
+
+def test_environment_per_trajectory_and_extra_info(tok, tmp_path):
+    (tmp_path / "env_tools.py").write_text('''
+import rlhf.tools
+CLOSED = []
+
+@rlhf.tools.environment
+class Counter:
+    def __init__(self, row):
+        self.n = row["extra_info"]["start"]
+
+    def reset(self):
+        return f"The counter starts at {self.n}."
+
+    @rlhf.tools.tool
+    def bump(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: the increment
+        """
+        self.n += by
+        return self.n
+
+    def close(self):
+        CLOSED.append(self.n)
+
+@rlhf.tools.tool
+def secret(extra_info: dict) -> str:
+    """The row's secret."""
+    return extra_info["secret"]
+''')
+    cat = load_catalog(str(tmp_path / "env_tools.py"), {})
+    assert sorted(cat.tools) == ["bump", "secret"]
+    assert "extra_info" not in json.dumps(cat.tools["secret"].schema)
+
+    def policy(ctx: str) -> str:
+        n = ctx.count("<tool_response>")
+        return [CALL.format("bump", '{"by": 5}'), CALL.format("secret", "{}"), "end"][min(n, 2)]
+
+    rows = [Example("go", "", "t", {"start": 10 * k, "secret": f"s{k}"}) for k in (1, 2)]
+    batch, _ = loop(tok, cat).run(prompts(tok, rows), sampling(tok), ScriptedModel(tok, policy))
+    for k, msgs in zip((1, 2), batch["messages"]):
+        assert msgs[1] == {"role": "user", "content": f"The counter starts at {10 * k}."}
+        assert [m["content"] for m in msgs if m["role"] == "tool"] == [str(10 * k + 5), f"s{k}"]
+    closed = cat.tools["bump"].fn.__globals__["CLOSED"]
+    assert sorted(closed) == [15, 25]
+
+
+def test_a_rows_tools_limit_its_schemas_and_calls(tok):
+    row = Example("hi", "", "t", None, ["add"])
+    seen = []
+
+    def policy(ctx: str) -> str:
+        seen.append(ctx)
+        return "ok" if "<tool_response>" in ctx else CALL.format("fail", '{"x": "1"}')
+
+    batch, _ = loop(tok, catalog(add, fail)).run(prompts(tok, [row]), sampling(tok),
+                                                 ScriptedModel(tok, policy))
+    assert '"name": "add"' in seen[0] and '"name": "fail"' not in seen[0]
+    assert "unknown tool 'fail'" in batch["messages"][0][2]["content"]
+    with pytest.raises(ValueError, match="names tools \\['nope'\\]"):
+        catalog(add).allowed(["nope"])
+
+
+def test_truncate_middle_keeps_head_and_tail(tok):
+    text = "".join(f"{k} " for k in range(200))
+    out = truncate_middle(tok.tok, text, 20)
+    assert out.startswith("0 1") and out.rstrip().endswith("199") and "tokens cut" in out
+    n = len(tok.tok(text, add_special_tokens=False)["input_ids"])
+    assert f"[{n - 20} tokens cut]" in out
+    assert truncate_middle(tok.tok, "short", 20) == "short"
+
+
+def test_hermes_format():
+    content, calls = HermesFormat().parse(
+        'Let me see.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>')
+    assert content == "Let me see." and [(c.name, c.arguments) for c in calls] == \
+        [("a", {"x": 1}), ("b", {"y": 2})]
+    assert HermesFormat().parse("no calls") == ("no calls", [])
+    _, calls = HermesFormat().parse('<tool_call>{"name": 3}</tool_call>')
+    assert calls[0].error and not calls[0].name
+
+
+def test_tool_schema_is_transformers_schema_without_extra_info():
+    from transformers.utils import get_json_schema
+
+    @rlhf.tools.tool
+    def lookup(key: str, limit: int = 3, extra_info: dict | None = None) -> list:
+        """Look a key up.
+
+        Args:
+            key: what to look up
+            limit: how many results
+            extra_info: the row's extra_info
+        """
+
+    def plain(key: str, limit: int = 3) -> list:
+        """Look a key up.
+
+        Args:
+            key: what to look up
+            limit: how many results
+        """
+
+    expected = get_json_schema(plain)
+    expected["function"]["name"] = "lookup"
+    assert tool_schema(lookup) == expected
+
+
+def test_catalog_errors(tmp_path):
+    (tmp_path / "none.py").write_text("def f(): pass\n")
+    with pytest.raises(ValueError, match="no @rlhf.tools.tool"):
+        load_catalog(str(tmp_path / "none.py"), {})
+    with pytest.raises(ValueError, match="'builtin:shell' is not a built-in tool"):
+        load_catalog("builtin:shell", {"python": add})
+    with pytest.raises(ValueError, match="two tools are named 'add'"):
+        catalog(add, add)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_catalog(str(tmp_path / "missing.py"), {})
+    with pytest.raises(ValueError, match="no docstring"):
+        rlhf.tools.tool(lambda: 1)
+    with pytest.raises(ValueError, match="rollout.max_turns=0"):
+        RolloutConfig(max_turns=0)
+    with pytest.raises(ValueError, match="sandbox_fusion needs rollout.sandbox.url"):
+        SandboxConfig(backend="sandbox_fusion")
+    with pytest.raises(ValueError, match="log.rollouts_every=-1"):
+        LogConfig(rollouts_every=-1)
+
+
+def test_rollout_records(tok, tmp_path):
+    batch, _ = loop(tok, catalog(add)).run(prompts(tok, [ROW]), sampling(tok),
+                                           ScriptedModel(tok, adder))
+    batch.tensors["scores"] = torch.tensor([1.0])
+    rec = rollout_records(batch, tok)[0]
+    mask = batch["response_mask"][0]
+    width = batch["input_ids"].shape[1] - mask.shape[0]
+    real = int(batch["attention_mask"][0, width:].sum())
+    assert rec["response_tokens"] == int(mask.sum()) and rec["tool_tokens"] == real - int(mask.sum())
+    assert rec["num_turns"] == 2 and rec["num_tool_calls"] == 1 and rec["reward"] == 1.0
+    path = write_rollouts(str(tmp_path), 3, [rec])
+    assert path.endswith("rollouts/iter_3.jsonl")
+    assert json.loads(open(path).read()) == rec
