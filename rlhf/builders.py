@@ -39,6 +39,8 @@ from rlhf.programs.common import VALUE_ROLES
 from rlhf.task import (AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer,
                        read_dataset)
 from rlhf.task.reward_fn import load_function
+from rlhf.tools.multi_turn import MultiTurnRollouts
+from rlhf.tools.setup import multi_turn_of
 from rlhf.workers import (ActorSpec, ActorWorker, CostWorker, CriticSpec, CriticWorker,
                           ModelSpec, OverlongShaping, ReferenceSpec, ReferenceWorker,
                           RewardWorker, ScoreSpec, UpdateSpec)
@@ -85,6 +87,7 @@ def check_run(cfg: Config, tokenizer) -> None:
                          f"actor.model.vocab_size={tokenizer.vocab_size}")
     if cfg.reward.function is not None:
         _check_reward_function(cfg.reward.function)
+    multi_turn_of(cfg, tokenizer)
     for key in ("train_files", "val_files"):
         _check_dataset(cfg, key, tokenizer)
     try:
@@ -298,8 +301,12 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
             cost = _rule_group(ctl, plan, CostWorker, ScoreSpec(
                 model=None, model_weight=0.0, rule_weights={}, cost_rule=rule, function=None,
                 tokenizer=tok, overlong=None), "cost")
-    return Roles(actor=actor, reward=reward, reference=reference, critic=critic,
-                 cost_critic=cost_critic, cost=cost, rollout=rollout)
+    roles = Roles(actor=actor, reward=reward, reference=reference, critic=critic,
+                  cost_critic=cost_critic, cost=cost, rollout=rollout)
+    loop = multi_turn_of(cfg, tokenizer_of(cfg))
+    if loop is not None:
+        roles.rollout = MultiTurnRollouts(roles.rollout, loop)
+    return roles
 
 
 def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGroup

@@ -4,7 +4,8 @@ The SFT of a user's model is here; the command also runs the built-in task's war
 (:mod:`rlhf.sft_builtin`)::
 
     python -m rlhf.sft --model DIR --data FILE.jsonl --out OUT [--steps N] [--batch B]
-                       [--lr LR] [--max-len L] [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
+                       [--lr LR] [--max-len L] [--tools FILE.py,builtin:python]
+                       [device=auto|cpu|cuda] [precision=auto|fp32|bf16]
     torchrun --nproc_per_node=2 -m rlhf.sft --model DIR --data FILE.jsonl --out OUT
     python -m rlhf.sft --out runs/cache/sft [--steps 400] [--noise 0.3] [--carry-errors 0.6]
                        [key=value ...]      (the built-in task; actor.model.init_from=DIR:
@@ -18,6 +19,12 @@ files); ``FILE`` (jsonl, or parquet) holds one demonstration a row, in either fo
                                                                      the prompt)
     {"messages": [{role, content}, ..., {"role": "assistant", "content": str}, ...]}
         tokens = the conversation through the tokenizer's chat template
+
+With ``--tools`` (the same list as ``rollout.tools``) the template also renders the tools'
+schemas (the row's ``tools`` names, or all), and ``messages`` may hold assistant turns with
+``tool_calls`` (``[{"type": "function", "function": {"name", "arguments"}}]``) and ``tool``
+results (``{"role": "tool", "name", "content"}``): the loss is on the assistant's tokens,
+calls included, never on tool results.
 
 Rows longer than ``--max-len`` tokens (default: the model's max_position_embeddings) are
 dropped.  Under torchrun each rank trains on its share of every batch (data parallel, the
@@ -94,12 +101,17 @@ def read_rows(path: str) -> list[tuple[str, object]]:
     return out
 
 
-def encode_row(row, tok: HFTokenizer, where: str) -> Demo:
-    """A ``messages`` row or a ``prompt`` + ``response`` row (see the module docstring)."""
+def encode_row(row, tok: HFTokenizer, where: str, tools=None) -> Demo:
+    """A ``messages`` row or a ``prompt`` + ``response`` row (see the module docstring);
+    ``tools`` is the ``--tools`` catalog (:class:`rlhf.tools.catalog.ToolCatalog`) or None."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a row must be a JSON object, got {row!r:.80}")
     if "messages" in row:
-        return encode_messages(row["messages"], tok, where)
+        try:
+            schemas = tools.schemas(row.get("tools")) if tools is not None else None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return encode_messages(row["messages"], tok, where, schemas)
     if "prompt" in row and "response" in row:
         return encode_prompt_response(row["prompt"], row["response"], tok, where)
     raise ValueError(f"{where}: a row needs 'messages' (a chat list with an assistant turn) or "
@@ -118,13 +130,15 @@ def encode_prompt_response(prompt, response, tok: HFTokenizer, where: str) -> De
     return Demo(head + answer, [0] * len(head) + [1] * len(answer))
 
 
-def encode_messages(messages, tok: HFTokenizer, where: str) -> Demo:
+def encode_messages(messages, tok: HFTokenizer, where: str,
+                    tools: list[dict] | None = None) -> Demo:
     """The conversation through the chat template; the loss on every assistant turn.
 
     The assistant tokens come from the template's ``{% generation %}`` blocks when it has
     them, else from rendering the conversation up to each assistant turn (with the generation
     prompt) and taking the tokens the turn adds, up to and including the first eos.  An eos
-    right after a marked span is marked too: the model must learn to stop.
+    right after a marked span is marked too: the model must learn to stop.  ``tools``: the
+    schemas the template renders (None: no tools).
     """
     ok = isinstance(messages, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -132,6 +146,9 @@ def encode_messages(messages, tok: HFTokenizer, where: str) -> Demo:
     if not ok:
         raise ValueError(f"{where}: messages must be a list of {{role, content}} objects with "
                          f"string values, got {messages!r:.120}")
+    if tools is None and any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        raise ValueError(f"{where}: messages hold tool calls or results; give the tools with "
+                         f"--tools FILE.py so the template renders their schemas")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: messages has no assistant turn to train on (roles "
                          f"{[m['role'] for m in messages]})")
@@ -140,32 +157,34 @@ def encode_messages(messages, tok: HFTokenizer, where: str) -> Demo:
         raise ValueError(f"{where}: tokenizer {tok.path!r} has no chat_template, so messages "
                          f"cannot be rendered; use prompt/response rows")
     if _GENERATION_BLOCK.search(template):
-        enc = tok.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                          return_assistant_tokens_mask=True)
+        enc = tok.tok.apply_chat_template(messages, tools=tools, tokenize=True,
+                                          return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
     else:
-        ids, mask = _assistant_mask_by_prefix(messages, tok, where)
+        ids, mask = _assistant_mask_by_prefix(messages, tok, where, tools)
     mask = _mark_eos_after_spans(ids, mask, tok.eos_id)
     if not any(mask):
         raise ValueError(f"{where}: the chat template of {tok.path!r} marks no assistant token")
     return Demo(ids, mask)
 
 
-def _render(tok: HFTokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    enc = tok.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+def _render(tok: HFTokenizer, messages: list[dict], generation_prompt: bool,
+            tools: list[dict] | None = None) -> list[int]:
+    enc = tok.tok.apply_chat_template(messages, tools=tools,
+                                      add_generation_prompt=generation_prompt,
                                       tokenize=True, return_dict=True)
     return list(enc["input_ids"])
 
 
-def _assistant_mask_by_prefix(messages: list[dict], tok: HFTokenizer, where: str
-                              ) -> tuple[list[int], list[int]]:
-    ids = _render(tok, messages, False)
+def _assistant_mask_by_prefix(messages: list[dict], tok: HFTokenizer, where: str,
+                              tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    ids = _render(tok, messages, False, tools)
     mask = [0] * len(ids)
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = _render(tok, messages[:k], True)
-        turn = _render(tok, messages[:k + 1], False)
+        head = _render(tok, messages[:k], True, tools)
+        turn = _render(tok, messages[:k + 1], False, tools)
         if ids[:len(turn)] != turn or turn[:len(head)] != head:
             raise ValueError(f"{where}: the chat template does not render turn {k} as a prefix "
                              f"of the conversation, so its tokens cannot be found; use a "
@@ -184,14 +203,15 @@ def _mark_eos_after_spans(ids: list[int], mask: list[int], eos: int) -> list[int
     return out
 
 
-def encode_rows(rows: list[tuple[str, object]], tok: HFTokenizer, max_len: int
-                ) -> tuple[list[Demo], int]:
-    """Every row encoded; those longer than ``max_len`` tokens dropped.
+def encode_rows(rows: list[tuple[str, object]], tok: HFTokenizer, max_len: int,
+                tools=None) -> tuple[list[Demo], int]:
+    """Every row encoded (``tools``: the ``--tools`` catalog or None); those longer than
+    ``max_len`` tokens dropped.
 
     Returns:
         The kept demonstrations and how many were dropped (ValueError if all were).
     """
-    demos = [encode_row(row, tok, where) for where, row in rows]
+    demos = [encode_row(row, tok, where, tools) for where, row in rows]
     kept = [d for d in demos if len(d.input_ids) <= max_len]
     if not kept:
         shortest = min(len(d.input_ids) for d in demos)
@@ -295,7 +315,12 @@ def prepare_user(a: argparse.Namespace, world: int) -> UserSFT:
     if not 2 <= max_len <= max_pos:
         raise ValueError(f"--max-len={max_len} must be in [2, {max_pos}] (the model's "
                          f"max_position_embeddings)")
-    demos, dropped = encode_rows(read_rows(a.data), tok, max_len)
+    tools = None
+    if getattr(a, "tools", None) is not None:
+        from rlhf.tools.setup import tool_catalog
+
+        tools = tool_catalog(a.tools)
+    demos, dropped = encode_rows(read_rows(a.data), tok, max_len, tools)
     with open(config_path) as f:
         hf = json.load(f)
     token_ids = {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
@@ -400,6 +425,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (decays to 10%%)")
     p.add_argument("--max-len", type=int, default=None,
                    help="drop longer rows (--model; default: max_position_embeddings)")
+    p.add_argument("--tools", default=None,
+                   help="tool files and builtin:<name> (as rollout.tools) whose schemas the "
+                        "chat template renders (--model runs)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="built-in task: fraction of SFT answers replaced by a wrong answer")
     p.add_argument("--carry-errors", type=float, default=0.0,
@@ -411,8 +439,8 @@ def main(argv: list[str]) -> int:
     if (a.model is None) != (a.data is None):
         p.error("--model and --data go together (a user's model and its SFT rows)")
     if a.model is None:
-        if a.max_len is not None:
-            p.error("--max-len applies to --model/--data runs")
+        if a.max_len is not None or a.tools is not None:
+            p.error("--max-len and --tools apply to --model/--data runs")
         return main_builtin(a)
     if a.noise or a.carry_errors:
         p.error("--noise and --carry-errors apply to the built-in task only")

@@ -294,8 +294,10 @@ def test_hermes_format():
     assert content == "Let me see." and [(c.name, c.arguments) for c in calls] == \
         [("a", {"x": 1}), ("b", {"y": 2})]
     assert HermesFormat().parse("no calls") == ("no calls", [])
-    _, calls = HermesFormat().parse('<tool_call>{"name": 3}</tool_call>')
-    assert calls[0].error and not calls[0].name
+    content, calls = HermesFormat().parse('<tool_call>{"name": 3}</tool_call>')
+    assert calls[0].error and not calls[0].name and content == '<tool_call>{"name": 3}</tool_call>'
+    content, calls = HermesFormat().parse('ok <tool_call>{"name": "a"')
+    assert content == 'ok <tool_call>{"name": "a"' and "not closed" in calls[0].error
 
 
 def test_tool_schema_is_transformers_schema_without_extra_info():
@@ -357,3 +359,49 @@ def test_rollout_records(tok, tmp_path):
     path = write_rollouts(str(tmp_path), 3, [rec])
     assert path.endswith("rollouts/iter_3.jsonl")
     assert json.loads(open(path).read()) == rec
+
+
+def test_builtin_python_tool_runs_in_the_sandbox(tok):
+    from rlhf.tools.builtin import builtin_tools
+
+    cat = load_catalog("builtin:python", builtin_tools(SandboxConfig(wall_time_s=10, cpu_time_s=1)))
+    assert cat.tools["python"].schema["function"]["parameters"]["required"] == ["code"]
+    snippets = ["print(6 * 7)", "import os; print(sorted(os.listdir('/')))",
+                "while True: pass", "raise KeyError('k')"]
+
+    def policy(ctx: str) -> str:
+        k = ctx.count("<tool_response>")
+        return "done" if k else "\n".join(CALL.format("python", json.dumps({"code": c}))
+                                          for c in snippets)
+
+    batch, m = loop(tok, cat, 2048, tool_timeout_s=30).run(prompts(tok, [ROW]), sampling(tok),
+                                                           ScriptedModel(tok, policy))
+    out = [msg["content"] for msg in batch["messages"][0] if msg["role"] == "tool"]
+    assert out[0] == "42"
+    assert "work" not in out[1] and "tmp" in out[1]  # the sandbox's root, not the host's
+    assert "[stopped: cpu_time limit]" in out[2]
+    assert "KeyError: 'k'" in out[3] and "[exit code 1]" in out[3]
+    assert m["rollout/tool_errors"] == 0  # the tool ran each time; the programs failed
+
+
+def test_setup_refuses_a_sandbox_that_cannot_isolate(tok, monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import rlhf.tools.setup as setup
+
+    monkeypatch.setattr(setup, "isolation_problem", lambda: "unshare not found")
+    cfg = SimpleNamespace(rollout=RolloutConfig(tools="builtin:python"),
+                          data=SimpleNamespace(max_prompt_len=64, max_response_len=64))
+    with pytest.raises(ValueError, match="cannot isolate here: unshare not found; set "
+                                         "rollout.sandbox.isolation=none"):
+        setup.multi_turn_of(cfg, tok)
+    cfg.rollout = RolloutConfig(tools="builtin:python",
+                                sandbox=SandboxConfig(isolation="none"))
+    assert setup.multi_turn_of(cfg, tok) is not None
+    cfg.rollout = RolloutConfig(tools="builtin:python", tool_format="xml")
+    with pytest.raises(ValueError, match="rollout.tool_format='xml' is not one of"):
+        setup.multi_turn_of(cfg, tok)
+    cfg.rollout = RolloutConfig(tools="builtin:python",
+                                sandbox=SandboxConfig(isolation="none"))
+    with pytest.raises(ValueError, match="chat template that renders tools"):
+        setup.multi_turn_of(cfg, object())  # the built-in task's tokenizer

@@ -99,6 +99,7 @@ PROJECT_CLASSES = frozenset({
     "rlhf.config_roles:PolicyLossConfig",
     "rlhf.config_roles:ValueLossConfig",
     "rlhf.config_run:RolloutConfig",
+    "rlhf.config_run:SandboxConfig",
     "rlhf.task.arithmetic:CostRule",
     "rlhf.workers.specs:ActorSpec",
     "rlhf.workers.specs:CriticSpec",

@@ -8,7 +8,8 @@
     </tool_call>
 
 A format parses one assistant turn into its text and its calls; a call the format cannot read
-is kept as a :class:`ToolCall` with ``error`` set, so the model sees what was wrong.
+is kept as a :class:`ToolCall` with ``error`` set, so the model sees what was wrong, and its
+text stays in the turn's content (the conversation shows what the model wrote).
 """
 
 from __future__ import annotations
@@ -45,11 +46,15 @@ class HermesFormat:
     _OPEN = "<tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls = [self._call(m.group(1)) for m in self._BLOCK.finditer(text)]
-        rest = self._BLOCK.sub("", text)
-        if self._OPEN in rest:  # an opened block the turn never closed
+        calls: list[ToolCall] = []
+
+        def take(m: re.Match) -> str:
+            calls.append(self._call(m.group(1)))
+            return "" if calls[-1].error is None else m.group(0)  # unreadable: left in the text
+
+        rest = self._BLOCK.sub(take, text)
+        if self._OPEN in self._BLOCK.sub("", rest):  # an opened block the turn never closed
             calls.append(ToolCall("", error="a <tool_call> block is not closed by </tool_call>"))
-            rest = rest[:rest.index(self._OPEN)]
         return rest.strip(), calls
 
     @staticmethod

@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -399,6 +400,8 @@ LIMIT_ERRORS = (("MemoryError", "memory"), ("OSError: [Errno 27]", "file_size"),
                 ("OSError: [Errno 28]", "file_size"), ("BlockingIOError: [Errno 11]", "processes"),
                 ("RuntimeError: can't start new thread", "processes"))
 
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception)\b")
+
 
 def _limit_reached(exit_code: int, cpu_s: float, stderr: str, cfg: SandboxConfig) -> str | None:
     """Which limit ended a snippet that exited by itself, told from its status and stderr."""
@@ -410,8 +413,9 @@ def _limit_reached(exit_code: int, cpu_s: float, stderr: str, cfg: SandboxConfig
         return "file_size"
     if exit_code == 0:
         return None
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
+    # the last exception line: tracebacks of several processes may interleave their lines
+    errors = [line for line in stderr.splitlines() if _EXCEPTION_LINE.match(line)]
+    last = errors[-1] if errors else ""
     return next((why for prefix, why in LIMIT_ERRORS if last.startswith(prefix)), None)
 
 
