@@ -405,3 +405,19 @@ def test_setup_refuses_a_sandbox_that_cannot_isolate(tok, monkeypatch, tmp_path)
                                 sandbox=SandboxConfig(isolation="none"))
     with pytest.raises(ValueError, match="chat template that renders tools"):
         setup.multi_turn_of(cfg, object())  # the built-in task's tokenizer
+
+
+def test_the_tools_of_docs_tools_md_load_and_run(tmp_path):
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "tools.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "doc_tools.py").write_text(code)
+    cat = load_catalog(str(tmp_path / "doc_tools.py"), {})
+    row = {"prompt": "hi", "extra_info": {"codes": {"kiwi": "123"}, "files": {"a.txt": "x"}}}
+    box = cat.open(row)
+    assert box.first_messages() == [{"role": "user", "content": "Files: ['a.txt']"}]
+    assert box.bound("lookup")(name="kiwi") == "123"
+    assert box.bound("cat")(path="a.txt") == "x"
+    assert [s["function"]["name"] for s in box.schemas] == ["lookup", "cat"]
+    box.close()
