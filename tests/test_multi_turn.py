@@ -421,3 +421,39 @@ def test_the_tools_of_docs_tools_md_load_and_run(tmp_path):
     assert box.bound("cat")(path="a.txt") == "x"
     assert [s["function"]["name"] for s in box.schemas] == ["lookup", "cat"]
     box.close()
+
+
+def test_a_colocated_actor_holds_its_generation_layout_for_all_turns(tok):
+    from rlhf.programs.common import ActorRollouts, Iteration
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def wait(self):
+            return self
+
+        def get(self):
+            return self.value
+
+    class FakeActor:
+        def __init__(self):
+            self.log, self.model = [], ScriptedModel(tok, adder)
+
+        def hold_generation(self, hold):
+            self.log.append(("hold", hold))
+            return Done([0.25, 0.5])
+
+        def generate_sequences(self, batch, sampling):
+            self.log.append(("generate", len(batch)))
+            return Done(self.model(batch, sampling))
+
+    from rlhf.tools.multi_turn import MultiTurnRollouts
+
+    actor = FakeActor()
+    rollouts = MultiTurnRollouts(ActorRollouts(actor), loop(tok, catalog(add)))
+    it = Iteration(algo=None, sampling=sampling(tok), greedy=sampling(tok), timer=None,
+                   kl_ctrl=None, lagrange=None, mini_batch_size=2, more_prompts=None)
+    out = rollouts.take(prompts(tok, [ROW], samples=2), it, greedy=False)
+    assert actor.log == [("hold", True), ("generate", 2), ("generate", 2), ("hold", False)]
+    assert out.batch.meta["reshard_s"] == 0.5  # the one transition (slowest rank)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -146,6 +147,9 @@ class RolloutPool:
                                      "rollout/dropped": float(dropped),
                                      "rollout/weights_version":
                                          float(batch["weights_version"].min())})
+
+    def session(self) -> AbstractContextManager:
+        return nullcontext({"reshard_s": 0.0})  # the pool generates in its own layout always
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         """Rollouts of ``prompts`` with the newest weights (pushed last), queued behind the

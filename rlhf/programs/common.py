@@ -19,6 +19,7 @@ actor of a disaggregated run holds no generation side at all.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,6 +69,11 @@ class Rollouts(Protocol):
     def push(self) -> dict[str, float]:
         """The actor's weights changed (after each iteration's update)."""
 
+    def session(self) -> AbstractContextManager:
+        """A block of several :meth:`generate` calls with the same weights (the turns of
+        multi-turn rollouts): the actor stays in its generation layout for the block.  Yields
+        a dict with ``reshard_s``, the seconds of the transition into it (0 without one)."""
+
 
 def group_heads(prompts: Batch) -> Batch:
     """The first row of each prompt group (the rows of a group are adjacent, all groups of
@@ -97,6 +103,14 @@ class ActorRollouts:
 
     def push(self) -> dict[str, float]:
         return {}
+
+    @contextmanager
+    def session(self):
+        held = {"reshard_s": max(self.actor.hold_generation(True).get())}
+        try:
+            yield held
+        finally:
+            self.actor.hold_generation(False).wait()
 
 
 @dataclass

@@ -153,7 +153,7 @@ class MultiTurn:
         s = replace(sampling, max_new_tokens=budget, seed=derive_seed(sampling.seed, "turn", turn),
                     min_new_tokens=min(sampling.min_new_tokens, budget) if turn == 0 else 0)
         out = generate(batch, s)
-        out = out.get() if isinstance(out, Future) else out
+        out = out if isinstance(out, Batch) else out.get()  # a Future: the rows, here
         timing["gen_s"] += float(out.meta.get("gen_s", 0.0))
         timing["reshard_s"] += float(out.meta.get("reshard_s", 0.0))
         width = out["input_ids"].shape[1] - out["response_mask"].shape[1]
@@ -262,7 +262,8 @@ class MultiTurnRollouts:
     """A run's :class:`rlhf.programs.common.Rollouts` with tools: every rollout (the
     iteration's, ReMax's greedy ones, DAPO's refills, the held-out evaluation's) is a
     :class:`MultiTurn` loop whose turns the wrapped rollouts generate, with the newest
-    weights."""
+    weights, in one :meth:`~rlhf.programs.common.Rollouts.session` (a colocated actor
+    reshards to its generation layout once for all the turns)."""
 
     def __init__(self, inner: Rollouts, loop: MultiTurn) -> None:
         self.inner, self.loop = inner, loop
@@ -271,13 +272,18 @@ class MultiTurnRollouts:
         return self.inner.start(step)
 
     def take(self, prompts: Batch, it, greedy: bool) -> Rollout:
-        batch, metrics = self.loop.run(prompts, it.sampling, self.inner.generate)
-        base = self.loop.run(group_heads(prompts), it.greedy, self.inner.generate)[0] \
-            if greedy else None
+        with self.inner.session() as held:
+            batch, metrics = self.loop.run(prompts, it.sampling, self.inner.generate)
+            base = self.loop.run(group_heads(prompts), it.greedy, self.inner.generate)[0] \
+                if greedy else None
+        batch.meta["reshard_s"] += held["reshard_s"]
         return Rollout(batch, base, metrics)
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        return self.loop.run(prompts, sampling, self.inner.generate)[0]
+        with self.inner.session() as held:
+            batch = self.loop.run(prompts, sampling, self.inner.generate)[0]
+        batch.meta["reshard_s"] += held["reshard_s"]
+        return batch
 
     def push(self) -> dict[str, float]:
         return self.inner.push()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -118,11 +119,31 @@ class ActorWorker(PolicyWorker):
         self.engine = HybridEngine(self.model, train=self.train, rollout=rollout,
                                    offload_during_generation=spec.offload_during_generation)
 
+    held: ExitStack | None = None
+    """The generation layout held across calls (:meth:`hold_generation`)."""
+
+    @protocol(ONE_TO_ALL, phase="generation")
+    def hold_generation(self, hold: bool) -> float:
+        """Enter the generation layout and stay in it for the following
+        ``generate_sequences`` calls (``hold=True``: the turns of a multi-turn rollout, with
+        the same weights), or go back to training (``False``); returns the transition's
+        seconds (0 on the way back)."""
+        if hold == (self.held is not None):
+            raise RuntimeError(f"hold_generation({hold}) but the generation layout is "
+                               f"{'already' if hold else 'not'} held")
+        if not hold:
+            self.held, held = None, self.held
+            held.close()
+            return 0.0
+        self.held = ExitStack()
+        return self.held.enter_context(self.engine.generation_mode()).time_s
+
     @protocol(THREE_D_PROTO, phase="generation")
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        """Rollouts of this replica's prompts (input_ids/attention_mask ``[B, P]``)."""
+        """Rollouts of this replica's prompts (input_ids/attention_mask ``[B, P]``); in the
+        held generation layout when :meth:`hold_generation` holds it (no transition)."""
         t0 = time.perf_counter()
-        with self.engine.generation_mode() as stats:
+        with self._generation_layout() as reshard_s:
             out = self.engine.generate_sequences(prompts["input_ids"],
                                                  prompts["attention_mask"], sampling)
         plen = out.prompt_length
@@ -130,8 +151,17 @@ class ActorWorker(PolicyWorker):
                       "response_mask": out.response_mask,
                       "rollout_log_probs": out.log_probs},
                      dict(prompts.non_tensors),
-                     {"reshard_s": stats.time_s, "gen_s": time.perf_counter() - t0,
+                     {"reshard_s": reshard_s, "gen_s": time.perf_counter() - t0,
                       "prompt_len": plen})
+
+    @contextmanager
+    def _generation_layout(self):
+        """The block in the generation layout; yields the seconds its transition took."""
+        if self.held is not None:
+            yield 0.0
+            return
+        with self.engine.generation_mode() as stats:
+            yield stats.time_s
 
 
 class ReferenceWorker(CheckpointedWorker):
