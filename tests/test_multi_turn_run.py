@@ -1,13 +1,14 @@
 """Multi-turn GRPO end to end on a local model (nothing downloaded): a tiny Qwen2 checkpoint
 with the tool template's tokenizer, taught by ``rlhf.sft --tools`` to call ``add``, then
 ``rlhf.train`` with ``rollout.tools`` colocated and disaggregated in one 2-rank torchrun job:
-tool calls happen, the training engine's log-probs of the model's tokens equal the sampled
+tool calls happen (each longer than the job's stall timeout), the training engine's log-probs of the model's tokens equal the sampled
 ones at step 0 (the ids of every turn are the ids it sampled), and the rollout log holds the
 conversations."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import subprocess
@@ -19,6 +20,9 @@ from tests.tool_chat import tool_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOOLS = '''
+import os
+import time
+
 import rlhf.tools
 
 @rlhf.tools.tool
@@ -29,6 +33,7 @@ def add(a: int, b: int) -> int:
         a: the first integer
         b: the second integer
     """
+    time.sleep(float(os.environ.get("ADD_TOOL_SLEEP_S", "0")))
     return a + b
 '''
 REWARD = '''
@@ -101,7 +106,10 @@ def test_multi_turn_grpo_colocated_and_disaggregated(setup, tmp_path):
     spec_path.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "tests.rlhf_jobs", str(spec_path), str(out_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # tools run on the controller while the other ranks wait: a call longer than the stall
+    # timeout must not look like a stalled rank
+    env = dict(os.environ, ADD_TOOL_SLEEP_S="1.5", HYBRIDFLOW_STALL_TIMEOUT_S="1")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert out_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(out_path.read_text())
     for name in spec:
@@ -110,7 +118,7 @@ def test_multi_turn_grpo_colocated_and_disaggregated(setup, tmp_path):
         assert [r["step"] for r in recs] == [0, 1]
         first = recs[0]
         assert first["rollout/tool_calls_mean"] > 0 and first["rollout/turns_mean"] > 1
-        assert first["reward/used_tool/mean"] > 0
+        assert first["reward/used_tool/mean"] > 0 and first["timing_s/tools"] >= 1.5
         assert {"rollout/tool_errors", "rollout/tool_timeouts", "rollout/template_mismatch",
                 "timing_s/tools"} <= set(first)
         # the training forward over every turn's ids gives the log-probs they were sampled with
