@@ -89,7 +89,7 @@ def test_sft_with_tools_trains_on_the_assistants_tokens_only(setup):
     assert meta["loss"] < 0.5 * meta["first_loss"]
 
 
-def test_multi_turn_grpo_colocated_and_disaggregated(setup, tmp_path):
+def test_multi_turn_grpo_colocated_and_disaggregated_ppo_and_remax(setup, tmp_path):
     common = [f"actor.model.init_from={setup / 'sft'}", "algo=grpo", "iterations=2",
               f"data.train_files={setup / 'train.jsonl'}", "data.prompts_per_iter=2",
               "data.samples_per_prompt=2", "data.mini_batch_size=4", "data.micro_batch_size=2",
@@ -102,8 +102,12 @@ def test_multi_turn_grpo_colocated_and_disaggregated(setup, tmp_path):
             "disaggregated": common + ["log.run_name=disaggregated",
                                        "placement.mode=disaggregated",
                                        "placement.pool_sizes={actor: 1, rollout: 1}"]}
+    # a critic's values and GAE over responses with tool ids inside; ReMax's greedy rollouts
+    others = {algo: [c.replace("algo=grpo", f"algo={algo}") for c in common]
+              + [f"log.run_name={algo}", "log.rollouts_every=0", "iterations=1"]
+              for algo in ("ppo", "remax")}
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps(spec | others))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "tests.rlhf_jobs", str(spec_path), str(out_path)]
     # tools run on the controller while the other ranks wait: a call longer than the stall
@@ -129,3 +133,7 @@ def test_multi_turn_grpo_colocated_and_disaggregated(setup, tmp_path):
         used = [s for s in samples if s["num_tool_calls"]]
         assert used and all(s["tool_tokens"] > 0 and s["response_tokens"] > 0 for s in used)
         assert all(s["messages"][2]["role"] == "tool" for s in used)
+    for algo in others:
+        assert "records" in out[algo], out[algo].get("error")
+        rec = out[algo]["records"][0]
+        assert rec["rollout/tool_calls_mean"] > 0 and rec["actor/rollout_logprob_diff_max"] < 1e-4
