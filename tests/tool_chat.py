@@ -1,44 +1,28 @@
-"""A local byte-level BPE tokenizer with a ChatML template that renders tools and tool
-results in the Hermes layout (Qwen2.5's), for the multi-turn tests: nothing downloaded."""
+"""A local byte-level BPE tokenizer with the tool-use example's ChatML template (tools and
+tool results in the Hermes layout, Qwen2.5's), for the multi-turn tests: nothing downloaded."""
 
 from __future__ import annotations
 
-BOS, EOS, PAD, IM_START = "<|endoftext|>", "<|im_end|>", "<|pad|>", "<|im_start|>"
+import importlib.util
+import pathlib
+import sys
 
-# Tools as a system block; assistant calls as <tool_call> lines; consecutive tool results in
-# one user turn of <tool_response> blocks.  {% generation %} marks the assistant's tokens.
-TOOL_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- 'Tools:\\n<tools>' }}"
-    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>"
-    "<|im_end|>\\n' }}"
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m['role'] == 'system' and loop.first %}"
-    "{%- elif m['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- m['content'] }}"
-    "{%- for c in m.get('tool_calls') or [] %}"
-    "{%- if m['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>{\"name\": \"' + c['function']['name'] + '\", \"arguments\": '"
-    " + (c['function']['arguments'] | tojson) + '}</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}"
-    "{%- elif m['role'] == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
-    "{{- '<|im_start|>user' }}{%- endif %}"
-    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+
+def _tool_use_example():
+    """``examples/tool_use/make_example.py``, the one copy of the tool chat template."""
+    name = "tool_use_make_example"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tool_use" / \
+            "make_example.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+_example = _tool_use_example()
+BOS, EOS, PAD, IM_START = _example.BOS, _example.EOS, _example.PAD, _example.IM_START
+TOOL_TEMPLATE = _example.TOOL_TEMPLATE
 
 CORPUS = ["user\n", "assistant\n", "system\n", "Tools:\n<tools>", "</tools>",
           '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>',
