@@ -6,6 +6,9 @@
     python bench/e2e.py --placement disaggregated --max-staleness 1 --nproc 4 [--steps 30]
                         (our async run on a rollout pool vs our colocated synchronous run:
                         bench/e2e_async.py)
+    python bench/e2e.py --multi-turn [--nproc 2] [--steps 8] [--rounds 3]
+                        (multi-turn GRPO with a tool vs single-turn GRPO generating as many
+                        tokens: bench/e2e_multi_turn.py)
 
 ``--shape tiny`` (the figures of record): the GRPO recipe's actor (2 layers, hidden 64,
 24-token character vocabulary, seeded weights saved to a local HF folder, nothing
@@ -64,7 +67,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch  # noqa: E402
 
-from bench import e2e_async  # noqa: E402
+from bench import e2e_async, e2e_multi_turn  # noqa: E402
 from bench.peers import require_peer  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from bench.shapes import add_shape_argument, get_shape  # noqa: E402
@@ -421,6 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--placement", choices=("colocated", "disaggregated"), default="colocated",
                    help="disaggregated: compare our async run on a rollout pool with our "
                         "colocated synchronous run instead of TRL (bench/e2e_async.py)")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="compare multi-turn GRPO with a tool against single-turn GRPO of as "
+                        "many generated tokens instead of TRL (bench/e2e_multi_turn.py)")
     p.add_argument("--max-staleness", type=int, default=1,
                    help="--placement disaggregated: algo.max_staleness")
     p.add_argument("--budget-s", type=float, default=None,
@@ -446,6 +452,13 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--placement disaggregated runs the main job's model (--shape tiny)")
         nproc = e2e_async.NPROC if a.nproc is None else a.nproc
         result = e2e_async.run(nproc, a.max_staleness, a.steps, a.rounds, a.budget_s)
+        emit_json(result | {"argv": sys.argv if argv is None else argv}, a.json)
+        return
+    if a.multi_turn:
+        if a.shape != "tiny" or a.placement != "colocated":
+            raise SystemExit("--multi-turn runs the tool-use example's model, colocated")
+        result = e2e_multi_turn.run(e2e_multi_turn.NPROC if a.nproc is None else a.nproc,
+                                    a.steps, a.rounds, a.prompts or 16, a.samples or 4)
         emit_json(result | {"argv": sys.argv if argv is None else argv}, a.json)
         return
     require_peer("trl", "bench/e2e.py")

@@ -7,10 +7,11 @@ any shape: they have no parallel sizes to check.
 """
 
 import inspect
+import os
 
 import pytest
 
-from bench import e2e, e2e_async, generation, roofline, transition, weight_sync
+from bench import e2e, e2e_async, e2e_multi_turn, generation, roofline, transition, weight_sync
 from bench.shapes import SHAPES
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.shard_spec import check_specs
@@ -118,3 +119,44 @@ def test_e2e_async_default_runs_fit(placement):
     overrides = e2e_async.overrides(placement, nproc, 1, 8, "runs", "bench")
     plan = _plan([*overrides, "actor.model.init_from=null", *MODEL], nproc)
     assert sum(len(pool) for pool in plan.pools.values()) == nproc
+
+
+def test_e2e_multi_turn_defaults_pass_the_runs_checks(tmp_path):
+    """``bench/e2e.py --multi-turn``: both contenders' configs on the example's files (its
+    untrained model in place of the cached SFT one) pass every check ``rlhf.train`` makes
+    before a rank starts; the single-turn one generates exactly the tokens it is given."""
+    import subprocess
+    import sys
+
+    from rlhf.builders import check_run, tokenizer_of
+    from rlhf.config import load_config
+
+    folder = tmp_path / "example"
+    subprocess.run([sys.executable, os.path.join(e2e_multi_turn.EXAMPLE, "make_example.py"),
+                    str(folder), "--train", "8", "--val", "4", "--sft", "4"], check=True,
+                   stdout=subprocess.DEVNULL)
+    (folder / "sft").symlink_to(folder / "base")
+    defaults = inspect.signature(e2e_multi_turn.run).parameters
+    nproc, prompts, samples, steps = (defaults[k].default for k in
+                                      ("nproc", "prompts", "samples", "steps"))
+    for tokens in (None, 37):
+        overrides = e2e_multi_turn.overrides(str(folder), steps, prompts, samples,
+                                             str(tmp_path), "bench", tokens)
+        plan = _plan(overrides, nproc)
+        cfg = load_config(overrides)
+        check_run(cfg, tokenizer_of(cfg))
+        assert plan.roles["actor"].dp * plan.roles["actor"].tp == nproc
+        if tokens is not None:
+            assert (cfg.data.min_new_tokens, cfg.data.max_response_len,
+                    cfg.rollout.max_turns) == (tokens, tokens, 1)
+
+
+def test_e2e_multi_turn_summary():
+    recs = [{"response/length_mean": 99.0, "timing_s/step": 9.0, "timing_s/gen": 5.0}] + [
+        {"response/length_mean": n, "timing_s/step": s, "timing_s/gen": g,
+         "rollout/turns_mean": 2.0, "rollout/tool_calls_mean": 1.0, "timing_s/tools": 0.1}
+        for n, s, g in ((10.0, 2.0, 1.0), (20.0, 2.0, 1.5), (12.0, 3.0, 2.0))]
+    out = e2e_multi_turn.summarize(recs, rows=8)
+    assert out["generated_tokens_per_s"] == sorted([10 * 8 / 2, 20 * 8 / 2, 12 * 8 / 3])[1]
+    assert out["tokens_per_sample"] == 12.0 and out["phases_s"] == {"gen": 1.5, "step": 2.0,
+                                                                    "tools": 0.1}
