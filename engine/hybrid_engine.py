@@ -138,7 +138,9 @@ class HybridEngine:
 
         Args:
             input_ids: ``[B, P]`` left-padded prompts of this DP rank (the same on every rank
-                of the training replica); ``B`` must be divisible by the micro-DP size.
+                of the training replica), split in equal shares over the micro-DP group (a
+                ``B`` it does not divide: the last prompt is repeated up to a multiple, and
+                the copies' rollouts dropped).
             attention_mask: ``[B, P]`` (default all ones).
             sampling: settings; generation replica ``dp_g`` samples with its own stream,
                 ``derive_seed(seed, "replica", dp_g)``.
@@ -154,21 +156,22 @@ class HybridEngine:
         group = self.groups.micro_dp
         m, k = group.size, group.rank
         batch = input_ids.shape[0]
-        if batch % m:
-            raise ValueError(f"{batch} prompts cannot be split over the micro-DP size {m} "
-                             f"(training {self.layout.train} -> generation pp_g="
-                             f"{self.layout.pp_g}, tp_g={self.layout.tp_g})")
+        pad = -batch % m  # equal shares: the last prompt repeated, its copies dropped after
+        if pad:
+            input_ids = torch.cat([input_ids, input_ids[-1:].expand(pad, -1)])
+            mask = torch.cat([mask, mask[-1:].expand(pad, -1)])
+        share = (batch + pad) // m
         coords = self.layout.gen_coords(self.groups.rank)
         assert k == coords.micro_dp, (k, coords)  # group order = micro-DP coordinate
-        rows = slice(k * batch // m, (k + 1) * batch // m)
+        rows = slice(k * share, (k + 1) * share)
         mine = self.rollout.generate(
             input_ids[rows], mask[rows],
             replace(sampling, seed=derive_seed(sampling.seed, "replica", coords.dp_g)))
         t0 = time.perf_counter()
         gathered = GenerationOutput(
-            input_ids=_all_gather_rows(mine.input_ids, group),
-            attention_mask=_all_gather_rows(mine.attention_mask, group),
-            log_probs=_all_gather_rows(mine.log_probs, group),
+            input_ids=_all_gather_rows(mine.input_ids, group)[:batch],
+            attention_mask=_all_gather_rows(mine.attention_mask, group)[:batch],
+            log_probs=_all_gather_rows(mine.log_probs, group)[:batch],
             prompt_length=mine.prompt_length,
             stats={**mine.stats, "gather_time_s": time.perf_counter() - t0})
         return gathered

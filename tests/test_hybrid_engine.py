@@ -93,6 +93,8 @@ def run_cycles(rank: int, world_size: int, train: tuple, gen: tuple, full: dict,
             rows_generated = out.stats["new_tokens"]
             hot = engine.generate_sequences(ids[mine], mask[mine], SamplingParams(
                 max_new_tokens=N_NEW, temperature=HOT, seed=5 + cycle))
+            odd = engine.generate_sequences(ids[mine][:B_PER_DP - 1], mask[mine][:B_PER_DP - 1],
+                                            sp)  # not a multiple of the micro-DP size
         back = {
             "ptrs_same": {n: p.data_ptr() for n, p in model.params.items()} == ptrs,
             "shard_same": all(torch.equal(p, before[n]) for n, p in model.params.items()),
@@ -100,6 +102,7 @@ def run_cycles(rank: int, world_size: int, train: tuple, gen: tuple, full: dict,
         }
         cycles.append({"version": stats.version, "time_s": stats.time_s, "views": views,
                        "out": (out.input_ids, out.attention_mask, out.log_probs),
+                       "odd": (odd.input_ids, odd.log_probs),
                        "gap": logprob_gap(engine, out), "hot_gap": logprob_gap(engine, hot, HOT),
                        "own_tokens": rows_generated, **back})
         engine.train.train_step([{"input_ids": out.input_ids,
@@ -147,6 +150,10 @@ def test_hybrid_engine_cycle(pool4, full_and_reference, train, gen):
         assert torch.equal(got_ids, ref.input_ids[rows]), rank
         assert torch.equal(got_mask, ref.attention_mask[rows])
         torch.testing.assert_close(got_lp, ref.log_probs[rows], atol=2e-5, rtol=0)
+        odd_ids, odd_lp = r["cycles"][0]["odd"]  # B_PER_DP - 1 rows: the same rollouts
+        assert torch.equal(odd_ids, ref.input_ids[rows][:B_PER_DP - 1]), rank
+        torch.testing.assert_close(odd_lp, ref.log_probs[rows][:B_PER_DP - 1], atol=2e-5,
+                                   rtol=0)
         # each replica generated only its 1/m of the rows
         own = r["cycles"][0]["own_tokens"]
         assert own == int(ref.attention_mask[rows][:, P:].reshape(m, -1).sum(1)[
