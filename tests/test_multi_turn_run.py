@@ -106,6 +106,12 @@ def test_multi_turn_grpo_colocated_and_disaggregated_ppo_and_remax(setup, tmp_pa
     others = {algo: [c.replace("algo=grpo", f"algo={algo}") for c in common]
               + [f"log.run_name={algo}", "log.rollouts_every=0", "iterations=1"]
               for algo in ("ppo", "remax")}
+    # trained tp=2, generating unsplit: each turn's rows split over a micro-DP pair (an odd
+    # count of them: tests/test_hybrid_engine.py)
+    others["resharded"] = [c for c in common if not c.startswith("actor.layout.")] + [
+        "actor.layout.tp=2", "actor.layout.gen_tp=1", "reference.layout.tp=2",
+        "log.run_name=resharded",
+        "log.rollouts_every=0", "iterations=1"]
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec | others))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -133,7 +139,7 @@ def test_multi_turn_grpo_colocated_and_disaggregated_ppo_and_remax(setup, tmp_pa
         used = [s for s in samples if s["num_tool_calls"]]
         assert used and all(s["tool_tokens"] > 0 and s["response_tokens"] > 0 for s in used)
         assert all(s["messages"][2]["role"] == "tool" for s in used)
-    for algo in others:
+    for algo in others:  # and the resharded run
         assert "records" in out[algo], out[algo].get("error")
         rec = out[algo]["records"][0]
         assert rec["rollout/tool_calls_mean"] > 0 and rec["actor/rollout_logprob_diff_max"] < 1e-4
