@@ -457,3 +457,21 @@ def test_a_colocated_actor_holds_its_generation_layout_for_all_turns(tok):
     out = rollouts.take(prompts(tok, [ROW], samples=2), it, greedy=False)
     assert actor.log == [("hold", True), ("generate", 2), ("generate", 2), ("hold", False)]
     assert out.batch.meta["reshard_s"] == 0.5  # the one transition (slowest rank)
+
+
+def test_sft_rows_with_tool_calls_train_on_the_assistants_tokens_only(tok):
+    from rlhf.sft import encode_messages
+
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 30}}}
+    messages = [{"role": "user", "content": "What is 12 plus 30?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "add", "content": "42"},
+                {"role": "assistant", "content": "The answer is 42."}]
+    demo = encode_messages(messages, tok, "row 1", [tool_schema(add)])
+    assert tok.tok.decode(demo.input_ids) == render(tok.tok, messages, [tool_schema(add)],
+                                                    False)
+    trained = [i for i, m in zip(demo.input_ids, demo.loss_mask) if m]
+    assert tok.tok.decode(trained) == (CALL.format("add", json.dumps({"a": 12, "b": 30}))
+                                       + "<|im_end|>The answer is 42.<|im_end|>")
+    with pytest.raises(ValueError, match="give the tools with --tools"):
+        encode_messages(messages, tok, "row 1")
