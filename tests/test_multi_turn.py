@@ -475,3 +475,17 @@ def test_sft_rows_with_tool_calls_train_on_the_assistants_tokens_only(tok):
                                        + "<|im_end|>The answer is 42.<|im_end|>")
     with pytest.raises(ValueError, match="give the tools with --tools"):
         encode_messages(messages, tok, "row 1")
+
+
+def test_setup_refuses_a_template_that_rewrites_earlier_turns(tok, monkeypatch):
+    from rlhf.tools.setup import check_template
+
+    check_template(tok.tok, [tool_schema(add)])  # the test template appends
+    rewriting = tok.tok.chat_template.replace(
+        "{{- '<|im_start|>assistant\\n' }}{%- generation %}",
+        "{{- '<|im_start|>assistant\\n' }}{%- if not loop.last %}[old]{%- endif %}"
+        "{%- generation %}")
+    assert rewriting != tok.tok.chat_template
+    monkeypatch.setattr(tok.tok, "chat_template", rewriting)
+    with pytest.raises(ValueError, match="cannot render a tool call and its result"):
+        check_template(tok.tok, [tool_schema(add)])

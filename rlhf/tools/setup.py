@@ -8,6 +8,7 @@ import sys
 from rlhf.config_run import SandboxConfig
 from rlhf.tools.builtin import builtin_tools
 from rlhf.tools.catalog import ToolCatalog, load_catalog
+from rlhf.tools.chat import continuation
 from rlhf.tools.formats import get_format
 from rlhf.tools.multi_turn import MultiTurn
 from rlhf.tools.sandbox import isolation_problem
@@ -51,4 +52,20 @@ def multi_turn_of(cfg, tokenizer) -> MultiTurn | None:
         raise ValueError("rollout.tools needs a tokenizer with a chat template that renders "
                          "tools (tokenizer=DIR of an HF tokenizer, e.g. Qwen2.5's); the "
                          "built-in task's tokenizer has none")
+    check_template(tok, catalog.schemas())
     return MultiTurn(catalog, tokenizer, r, cfg.data.max_prompt_len, cfg.data.max_response_len)
+
+
+def check_template(tok, schemas: list[dict]) -> None:
+    """ValueError unless the chat template renders a tool round trip by appending (what
+    token-in, token-out multi-turn rollouts need), tried on a made-up conversation."""
+    name = schemas[0]["function"]["name"] if schemas else "tool"
+    assistant = {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": name,
+                                                                  "arguments": {}}}]}
+    try:
+        continuation(tok, [{"role": "user", "content": "hi"}], assistant, "",
+                     [{"role": "tool", "name": name, "content": "ok"}], schemas)
+    except Exception as e:
+        raise ValueError(f"rollout.tools: the tokenizer's chat template cannot render a tool "
+                         f"call and its result ({type(e).__name__}: {e})") from None
