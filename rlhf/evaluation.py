@@ -38,13 +38,14 @@ from rlhf.prompts import encode_prompts, fitting_prompts
 from rlhf.task import Example, read_dataset
 
 
-def evaluation_examples(cfg: Config, tok) -> list[Example]:
-    """The run's held-out prompts: ``data.val_files``; else, for the built-in task, its
-    ``data.val_size`` held-out problems; else none."""
+def evaluation_examples(cfg: Config, tok, encode=None) -> list[Example]:
+    """The run's held-out prompts: ``data.val_files`` (those that fit ``data.max_prompt_len``
+    encoded by ``encode``, :func:`rlhf.prompts.fitting_prompts`); else, for the built-in task,
+    its ``data.val_size`` held-out problems; else none."""
     d = cfg.data
     if d.val_files:
         return fitting_prompts(read_dataset(d.val_files, d.prompt_key, d.ground_truth_key),
-                               tok, d.max_prompt_len, "data.val_files")
+                               tok, d.max_prompt_len, "data.val_files", encode)
     if d.train_files is None and d.val_size:
         return task_of(cfg).heldout_examples(d.val_size)
     return []

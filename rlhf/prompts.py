@@ -3,14 +3,19 @@ template), left padding, and the rows' ground truth and metadata for the reward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rlhf.controller import Batch
 from rlhf.task import Example
 
 
-def fitting_prompts(examples: list[Example], tok, width: int, what: str) -> list[Example]:
+def fitting_prompts(examples: list[Example], tok, width: int, what: str,
+                    encode: Callable[[Example], list[int]] | None = None) -> list[Example]:
     """The rows whose encoded prompt fits ``width`` tokens; one counted warning for the rest,
-    ValueError if none fits."""
-    keep = [e for e in examples if len(tok.encode_prompt(e.prompt)) <= width]
+    ValueError if none fits.  ``encode``: a row's prompt ids (default ``tok.encode_prompt``;
+    multi-turn runs render the row's tools into it)."""
+    encode = encode or (lambda e: tok.encode_prompt(e.prompt))
+    keep = [e for e in examples if len(encode(e)) <= width]
     dropped = len(examples) - len(keep)
     if not keep:
         raise ValueError(f"{what}: all {len(examples)} prompts are longer than "

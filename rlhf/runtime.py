@@ -40,10 +40,10 @@ from rlhf.world_plan import WorldPlan
 class RunState:
     """Controller-side state that a checkpoint must restore."""
 
-    def __init__(self, cfg: Config, tok) -> None:
+    def __init__(self, cfg: Config, tok, encode=None) -> None:
         a, d = cfg.algo, cfg.data
         source = fitting_prompts(read_dataset(d.train_files, d.prompt_key, d.ground_truth_key),
-                                 tok, d.max_prompt_len, "data.train_files") \
+                                 tok, d.max_prompt_len, "data.train_files", encode) \
             if d.train_files else task_of(cfg)
         self.step = 0
         self.stream = PromptStream(source, seed=cfg.data.seed)
@@ -160,8 +160,9 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     resume_from = resolve_resume(cfg.checkpoint.resume, root)
     roles = build_roles(ctl, cfg, plan)
     ckpt = Checkpointer(roles, root, cfg.checkpoint.keep_last)
-    state = RunState(cfg, tok)
-    held_out = evaluation_examples(cfg, tok)
+    encode = prompt_encoder(roles)
+    state = RunState(cfg, tok, encode)
+    held_out = evaluation_examples(cfg, tok, encode)
     val = Evaluator(cfg, tok, held_out) if held_out else None
     if resume_from:
         restore(roles, state, resume_from)
@@ -207,6 +208,13 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
     ckpt.finish()
     logger.close(plot=cfg.log.plot)
     return records
+
+
+def prompt_encoder(roles: Roles):
+    """How the run renders a row's prompt: with the row's tools on a multi-turn run; None
+    (the tokenizer's ``encode_prompt``) otherwise."""
+    loop = getattr(roles.rollout, "loop", None)
+    return loop.example_prompt_ids if loop is not None else None
 
 
 def _task_metrics(batch: Batch) -> dict[str, float]:

@@ -489,3 +489,16 @@ def test_setup_refuses_a_template_that_rewrites_earlier_turns(tok, monkeypatch):
     monkeypatch.setattr(tok.tok, "chat_template", rewriting)
     with pytest.raises(ValueError, match="cannot render a tool call and its result"):
         check_template(tok.tok, [tool_schema(add)])
+
+
+def test_prompts_are_fitted_with_their_tools_rendered(tok, capsys):
+    from rlhf.prompts import fitting_prompts
+
+    mt = loop(tok, catalog(add, fail))
+    plain, limited = Example("hi", "", "t"), Example("hi", "", "t", None, ["add"])
+    ids = mt.example_prompt_ids(limited)
+    assert ids == mt._start(prompts(tok, [limited]), 0).prompt  # what the first turn sees
+    assert len(mt.example_prompt_ids(plain)) > len(ids) > len(tok.encode_prompt("hi"))
+    kept = fitting_prompts([plain, limited], tok, len(ids), "data.train_files",
+                           mt.example_prompt_ids)
+    assert kept == [limited] and "dropped 1 of 2 prompts" in capsys.readouterr().out

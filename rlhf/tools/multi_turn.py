@@ -106,6 +106,12 @@ class MultiTurn:
         self.runner = ToolRunner(settings.max_parallel_tool_calls, settings.tool_timeout_s)
         self.max_prompt_len, self.max_response_len = max_prompt_len, max_response_len
 
+    def example_prompt_ids(self, example) -> list[int]:
+        """The first generation prompt of a data row (an :class:`rlhf.task.Example`), its
+        tools' schemas rendered (without what an environment's ``reset()`` would add)."""
+        return prompt_ids(self.tok, first_messages(example.prompt),
+                          self.catalog.schemas(example.tools))
+
     def run(self, prompts: Batch, sampling: SamplingParams, generate: Generate
             ) -> tuple[Batch, dict[str, float]]:
         """Every row of ``prompts`` (with ``prompt`` and ``tools`` among its non-tensors)
