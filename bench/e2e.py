@@ -6,7 +6,7 @@
     python bench/e2e.py --placement disaggregated --max-staleness 1 --nproc 4 [--steps 30]
                         (our async run on a rollout pool vs our colocated synchronous run:
                         bench/e2e_async.py)
-    python bench/e2e.py --multi-turn [--nproc 2] [--steps 8] [--rounds 3]
+    python bench/e2e.py --multi-turn [--nproc 2] [--steps 8] [--rounds 3] [--tool-latency-s S]
                         (multi-turn GRPO with a tool vs single-turn GRPO generating as many
                         tokens: bench/e2e_multi_turn.py)
 
@@ -427,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--multi-turn", action="store_true",
                    help="compare multi-turn GRPO with a tool against single-turn GRPO of as "
                         "many generated tokens instead of TRL (bench/e2e_multi_turn.py)")
+    p.add_argument("--tool-latency-s", type=float, default=0.0,
+                   help="--multi-turn: seconds added to every tool call; also runs the "
+                        "multi-turn contender with rollout.overlap_tools")
     p.add_argument("--max-staleness", type=int, default=1,
                    help="--placement disaggregated: algo.max_staleness")
     p.add_argument("--budget-s", type=float, default=None,
@@ -458,7 +461,8 @@ def main(argv: list[str] | None = None) -> None:
         if a.shape != "tiny" or a.placement != "colocated":
             raise SystemExit("--multi-turn runs the tool-use example's model, colocated")
         result = e2e_multi_turn.run(e2e_multi_turn.NPROC if a.nproc is None else a.nproc,
-                                    a.steps, a.rounds, a.prompts or 16, a.samples or 4)
+                                    a.steps, a.rounds, a.prompts or 16, a.samples or 4,
+                                    a.tool_latency_s)
         emit_json(result | {"argv": sys.argv if argv is None else argv}, a.json)
         return
     require_peer("trl", "bench/e2e.py")

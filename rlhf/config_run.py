@@ -439,6 +439,10 @@ class RolloutConfig:
     """Seconds one tool call may take; then its result is a timeout error."""
     max_parallel_tool_calls: int = 8
     """Tool calls running at once, over every trajectory of a turn."""
+    overlap_tools: bool = False
+    """Multi-turn rollouts in two halves whose turns alternate, so that one half's tool calls
+    run while the other half generates (slow tools; each generation call has half the
+    rows)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """The built-in ``python`` tool's sandbox."""
 

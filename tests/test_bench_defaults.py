@@ -8,6 +8,7 @@ any shape: they have no parallel sizes to check.
 
 import inspect
 import os
+import time
 
 import pytest
 
@@ -139,16 +140,29 @@ def test_e2e_multi_turn_defaults_pass_the_runs_checks(tmp_path):
     defaults = inspect.signature(e2e_multi_turn.run).parameters
     nproc, prompts, samples, steps = (defaults[k].default for k in
                                       ("nproc", "prompts", "samples", "steps"))
-    for tokens in (None, 37):
+    slow = e2e_multi_turn.slow_tools(str(tmp_path), 0.2)
+    for tokens, tools, overlap in ((None, None, False), (37, None, False), (None, slow, True)):
+        kw = {"tools": tools} if tools else {}
         overrides = e2e_multi_turn.overrides(str(folder), steps, prompts, samples,
-                                             str(tmp_path), "bench", tokens)
+                                             str(tmp_path), "bench", tokens, overlap=overlap,
+                                             **kw)
         plan = _plan(overrides, nproc)
         cfg = load_config(overrides)
         check_run(cfg, tokenizer_of(cfg))
         assert plan.roles["actor"].dp * plan.roles["actor"].tp == nproc
+        assert cfg.rollout.overlap_tools == overlap
         if tokens is not None:
             assert (cfg.data.min_new_tokens, cfg.data.max_response_len,
                     cfg.rollout.max_turns) == (tokens, tokens, 1)
+    # the slow tool is the example's to the model (same schema), 0.2 s slower
+    from rlhf.tools.catalog import load_catalog
+
+    fast = load_catalog(os.path.join(e2e_multi_turn.EXAMPLE, "tools.py"), {}).tools["lookup"]
+    late = load_catalog(slow, {}).tools["lookup"]
+    assert late.schema == fast.schema
+    t0 = time.perf_counter()
+    assert late.fn("kalom", extra_info={"name": "kalom", "code": "417"}) == "417"
+    assert time.perf_counter() - t0 >= 0.2
 
 
 def test_e2e_multi_turn_summary():

@@ -502,3 +502,47 @@ def test_prompts_are_fitted_with_their_tools_rendered(tok, capsys):
     kept = fitting_prompts([plain, limited], tok, len(ids), "data.train_files",
                            mt.example_prompt_ids)
     assert kept == [limited] and "dropped 1 of 2 prompts" in capsys.readouterr().out
+
+
+def test_overlap_runs_one_halfs_tools_while_the_other_half_generates(tok):
+    events = []
+
+    @rlhf.tools.tool
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first integer
+            b: the second integer
+        """
+        events.append(("tool", a))
+        return a + b
+
+    class Pending:
+        def __init__(self, rows, out):
+            self.rows, self.out = rows, out
+
+        def get(self):
+            events.append(("get", self.rows))
+            return self.out
+
+    model = ScriptedModel(tok, adder)
+
+    def submit(batch, s):
+        events.append(("submit", s.first_row))
+        return Pending(s.first_row, model(batch, s))
+
+    rows = [Example([{"role": "user", "content": f"What is {k} plus 30?"}], "", "t")
+            for k in (1, 2, 3, 4)]
+    plain, _ = loop(tok, catalog(add)).run(prompts(tok, rows), sampling(tok), model)
+    events.clear()
+    both, _ = loop(tok, catalog(add), overlap_tools=True).run(prompts(tok, rows),
+                                                             sampling(tok), submit)
+    assert [e for e in events if e[0] != "tool"] == [
+        ("submit", 0), ("submit", 2), ("get", 0), ("submit", 0), ("get", 2), ("submit", 2),
+        ("get", 0), ("get", 2)]
+    # the first half's calls ran after the second half's turn was issued, before it was read
+    assert events.index(("tool", 12)) < events.index(("get", 2))
+    for key in ("input_ids", "attention_mask", "response_mask", "rollout_log_probs"):
+        assert torch.equal(both[key], plain[key]), key
+    assert both["messages"] == plain["messages"]

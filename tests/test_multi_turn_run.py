@@ -106,6 +106,7 @@ def test_multi_turn_grpo_colocated_and_disaggregated_ppo_and_remax(setup, tmp_pa
     others = {algo: [c.replace("algo=grpo", f"algo={algo}") for c in common]
               + [f"log.run_name={algo}", "log.rollouts_every=0", "iterations=1"]
               for algo in ("ppo", "remax")}
+    others["ppo"].append("rollout.overlap_tools=true")  # halves whose turns alternate
     # trained tp=2, generating unsplit: each turn's rows split over a micro-DP pair (an odd
     # count of them: tests/test_hybrid_engine.py)
     others["resharded"] = [c for c in common if not c.startswith("actor.layout.")] + [

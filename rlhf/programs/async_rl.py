@@ -158,6 +158,9 @@ class RolloutPool:
         and waits for the generations in flight before it)."""
         return self.rollout.generate_sequences(prompts, sampling).get()
 
+    def submit(self, prompts: Batch, sampling: SamplingParams) -> Future:
+        return self.rollout.generate_sequences(prompts, sampling)
+
     def _generation(self, prompts: Batch, step: int, greedy: bool) -> _Generation:
         sampling = self.sampling(step)
         sampled = self.rollout.generate_sequences(prompts, sampling)

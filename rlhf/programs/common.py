@@ -69,6 +69,9 @@ class Rollouts(Protocol):
     def push(self) -> dict[str, float]:
         """The actor's weights changed (after each iteration's update)."""
 
+    def submit(self, prompts: Batch, sampling: SamplingParams) -> Future:
+        """:meth:`generate` issued without waiting for it (a turn of multi-turn rollouts)."""
+
     def session(self) -> AbstractContextManager:
         """A block of several :meth:`generate` calls with the same weights (the turns of
         multi-turn rollouts): the actor stays in its generation layout for the block.  Yields
@@ -100,6 +103,9 @@ class ActorRollouts:
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Future:
         return self.actor.generate_sequences(prompts, sampling).wait()
+
+    def submit(self, prompts: Batch, sampling: SamplingParams) -> Future:
+        return self.actor.generate_sequences(prompts, sampling)
 
     def push(self) -> dict[str, float]:
         return {}

@@ -62,7 +62,8 @@ class HermesFormat:
         try:
             obj = json.loads(body)
         except json.JSONDecodeError as e:
-            return ToolCall("", error=f"the call is not valid JSON ({e.msg}): {body.strip()!r:.200}")
+            return ToolCall("", error=f"the call is not valid JSON ({e.msg}): "
+                                      f"{body.strip()!r:.200}")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ToolCall("", error=f'a call must be {{"name": ..., "arguments": {{...}}}}, '
                                       f'got {body.strip()!r:.200}')

@@ -21,6 +21,7 @@ with ``messages`` (the whole conversation, tool calls and results included).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -112,22 +113,34 @@ class MultiTurn:
         return prompt_ids(self.tok, first_messages(example.prompt),
                           self.catalog.schemas(example.tools))
 
-    def run(self, prompts: Batch, sampling: SamplingParams, generate: Generate
+    def run(self, prompts: Batch, sampling: SamplingParams, submit: Generate
             ) -> tuple[Batch, dict[str, float]]:
         """Every row of ``prompts`` (with ``prompt`` and ``tools`` among its non-tensors)
         rolled out over up to ``rollout.max_turns`` turns; returns the batch and its
-        ``rollout/`` metrics."""
+        ``rollout/`` metrics.
+
+        ``submit(batch, sampling)`` issues one turn's generation and returns its rows or a
+        future of them.  With ``rollout.overlap_tools`` the rows go in two halves whose turns
+        alternate: both halves' generations are issued first, and each half's tool calls run
+        while the other half's generation (issued before them) goes on."""
         trajs = [self._start(prompts, i) for i in range(len(prompts))]
         timing = {"gen_s": 0.0, "reshard_s": 0.0, "tools_s": 0.0}
+        n = len(trajs)
+        halves = 2 if self.settings.overlap_tools and n > 1 else 1
+        groups = [list(range(k * n // halves, (k + 1) * n // halves)) for k in range(halves)]
         try:
-            for turn in range(self.settings.max_turns):
-                live = [i for i, t in enumerate(trajs) if not t.done]
-                if not live:
-                    break
-                self._generate(trajs, live, prompts, sampling, turn, generate, timing)
+            pending = deque((0, live, self._submit(trajs, live, prompts, sampling, 0, submit))
+                            for live in groups)
+            while pending:
+                turn, live, out = pending.popleft()
+                self._receive(trajs, live, out, timing)
                 t0 = time.perf_counter()
                 self._tools(trajs, live, last_turn=turn == self.settings.max_turns - 1)
                 timing["tools_s"] += time.perf_counter() - t0
+                live = [i for i in live if not trajs[i].done]
+                if live:
+                    pending.append((turn + 1, live, self._submit(trajs, live, prompts, sampling,
+                                                                 turn + 1, submit)))
         finally:
             for t in trajs:
                 t.box.close()
@@ -148,17 +161,22 @@ class MultiTurn:
                              f"raise it")
         return Trajectory(box, messages, ids)
 
-    def _generate(self, trajs: list[Trajectory], live: list[int], prompts: Batch,
-                  sampling: SamplingParams, turn: int, generate: Generate,
-                  timing: dict) -> None:
+    def _submit(self, trajs: list[Trajectory], live: list[int], prompts: Batch,
+                sampling: SamplingParams, turn: int, submit: Generate):
+        """Issue turn ``turn`` of the trajectories ``live`` (their whole contexts); row ``i``
+        of the call samples as row ``live[0] + i`` of the batch."""
         budget = max(self.max_response_len - len(trajs[i].response) for i in live)
         ids, mask = self.tokenizer.pad_batch([trajs[i].prompt + trajs[i].response for i in live],
                                              "left")
         batch = Batch({"input_ids": ids, "attention_mask": mask.long()},
                       {k: [v[i] for i in live] for k, v in prompts.non_tensors.items()})
         s = replace(sampling, max_new_tokens=budget, seed=derive_seed(sampling.seed, "turn", turn),
-                    min_new_tokens=min(sampling.min_new_tokens, budget) if turn == 0 else 0)
-        out = generate(batch, s)
+                    min_new_tokens=min(sampling.min_new_tokens, budget) if turn == 0 else 0,
+                    first_row=sampling.first_row + live[0])
+        return submit(batch, s)
+
+    def _receive(self, trajs: list[Trajectory], live: list[int], out, timing: dict) -> None:
+        """Take the turn ``out`` (rows, or their future) generated for ``live``."""
         out = out if isinstance(out, Batch) else out.get()  # a Future: the rows, here
         timing["gen_s"] += float(out.meta.get("gen_s", 0.0))
         timing["reshard_s"] += float(out.meta.get("reshard_s", 0.0))
@@ -279,15 +297,15 @@ class MultiTurnRollouts:
 
     def take(self, prompts: Batch, it, greedy: bool) -> Rollout:
         with self.inner.session() as held:
-            batch, metrics = self.loop.run(prompts, it.sampling, self.inner.generate)
-            base = self.loop.run(group_heads(prompts), it.greedy, self.inner.generate)[0] \
+            batch, metrics = self.loop.run(prompts, it.sampling, self.inner.submit)
+            base = self.loop.run(group_heads(prompts), it.greedy, self.inner.submit)[0] \
                 if greedy else None
         batch.meta["reshard_s"] += held["reshard_s"]
         return Rollout(batch, base, metrics)
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         with self.inner.session() as held:
-            batch = self.loop.run(prompts, sampling, self.inner.generate)[0]
+            batch = self.loop.run(prompts, sampling, self.inner.submit)[0]
         batch.meta["reshard_s"] += held["reshard_s"]
         return batch
 
