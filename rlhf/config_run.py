@@ -325,6 +325,7 @@ class LogConfig:
         if isinstance(self.rollouts_every, bool) or not isinstance(self.rollouts_every, int) \
                 or self.rollouts_every < 0:
             raise ValueError(f"log.rollouts_every={self.rollouts_every!r} must be an int >= 0")
+        check_at_most(MAX_COUNT, **{"log.rollouts_every": self.rollouts_every})
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ValueError(f"log.run_name={self.run_name!r} must be a plain folder name")
         if not self.runs_dir.strip():
@@ -405,6 +406,8 @@ class SandboxConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"rollout.sandbox.{name}={value!r} must be a positive number")
+            if isinstance(value, int):
+                check_at_most(MAX_COUNT, **{f"rollout.sandbox.{name}": value})
 
 
 @dataclass(frozen=True)
@@ -452,6 +455,7 @@ class RolloutConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name}={value!r} must be a positive int")
+            check_at_most(MAX_COUNT, **{f"rollout.{name}": value})
         if not self.tool_timeout_s > 0:
             raise ValueError(f"rollout.tool_timeout_s={self.tool_timeout_s!r} must be > 0")
         if self.tools is not None and not str(self.tools).strip():
