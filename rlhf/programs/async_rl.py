@@ -156,7 +156,7 @@ class RolloutPool:
         generations in flight; the rows come through the controller.  DAPO's refills, and the
         held-out evaluation (called after :meth:`push`: it scores the version just trained,
         and waits for the generations in flight before it)."""
-        return self.rollout.generate_sequences(prompts, sampling).get()
+        return self.submit(prompts, sampling).get()
 
     def submit(self, prompts: Batch, sampling: SamplingParams) -> Future:
         return self.rollout.generate_sequences(prompts, sampling)

@@ -102,7 +102,7 @@ class ActorRollouts:
         return Rollout(gen, base, {})
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Future:
-        return self.actor.generate_sequences(prompts, sampling).wait()
+        return self.submit(prompts, sampling).wait()
 
     def submit(self, prompts: Batch, sampling: SamplingParams) -> Future:
         return self.actor.generate_sequences(prompts, sampling)

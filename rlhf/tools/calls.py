@@ -91,7 +91,7 @@ class ToolRunner:
                 results[i] = ToolResult(f"Error: tool {call.name!r} timed out after "
                                         f"{self.timeout_s:g} s", error=True, timed_out=True,
                                         seconds=self.timeout_s)
-        return [r for r in results]
+        return results
 
     @staticmethod
     def _problem(box: ToolBox, call: ToolCall) -> str | None:

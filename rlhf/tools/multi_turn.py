@@ -57,6 +57,8 @@ class Trajectory:
     done: bool = False
     calls: list[ToolCall] = field(default_factory=list)
     """The last turn's calls, waiting for their results."""
+    last: list[int] = field(default_factory=list)
+    """The last turn's sampled ids."""
 
     def add(self, ids: list[int], model: bool, log_probs: list[float] | None = None) -> None:
         self.response += ids
@@ -198,7 +200,7 @@ class MultiTurn:
         if readable:
             message["tool_calls"] = readable
         t.messages.append(message)
-        t.calls = calls
+        t.calls, t.last = calls, ids
         ended = bool(ids) and ids[-1] == self.tokenizer.eos_id
         if not calls or not ended or len(t.response) >= self.max_response_len:
             t.done = True
@@ -224,8 +226,8 @@ class MultiTurn:
         t.tool_errors += sum(r.error for _c, r in answered)
         t.tool_timeouts += sum(r.timed_out for _c, r in answered)
         history, assistant = t.messages[:-1], t.messages[-1]
-        sampled = self.tok.decode(t.response[len(t.response) - self._last_turn_len(t):],
-                                  skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        sampled = self.tok.decode(t.last, skip_special_tokens=False,
+                                  clean_up_tokenization_spaces=False)
         ids, exact = continuation(self.tok, history, assistant, sampled, replies, t.box.schemas)
         t.mismatches += not exact
         if len(t.response) + len(ids) >= self.max_response_len:
@@ -233,16 +235,6 @@ class MultiTurn:
             return
         t.messages += replies
         t.add(ids, False)
-
-    @staticmethod
-    def _last_turn_len(t: Trajectory) -> int:
-        """Ids of the last assistant turn (the trailing run of model ids)."""
-        n = 0
-        for m in reversed(t.mask):
-            if not m:
-                break
-            n += 1
-        return n
 
     def _batch(self, trajs: list[Trajectory], prompts: Batch, timing: dict) -> Batch:
         width = max(len(t.prompt) for t in trajs)
