@@ -65,10 +65,13 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
-# The wheels the GPU image lacks (its torch, transformers, pytest, pyyaml, tqdm, rich and
-# numpy are there): omegaconf (which vendors antlr4), pinned as in requirements.txt, for
-# CPython 3.12 on x86-64.
-GPU_WHEELS := $(shell grep -E '^omegaconf==' requirements.txt)
+# The wheels the GPU image lacks (its torch, transformers, accelerate, pyarrow, pandas, pytest,
+# pyyaml, tqdm, rich and numpy are there), for CPython 3.12 on x86-64: omegaconf (which vendors
+# antlr4) and datasets as pinned in requirements.txt, TRL as in requirements-dev.txt (the e2e
+# bench's peer), and the two that datasets needs beyond the image, at the versions pip
+# resolves for it here.
+GPU_WHEELS := $(shell grep -hE '^(omegaconf|datasets|trl)==' requirements.txt requirements-dev.txt) \
+	dill==0.4.1 multiprocess==0.70.19
 gpu-wheels:
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -33,13 +33,16 @@ Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds`
 ``timed_out``, ``skipped`` (the reason, or null), ``tail`` (the end of its output) and
 ``figures`` (what was parsed: test counts, held-out accuracy, a bench's own JSON).  A bench
 that does not take ``--device`` yet is recorded as skipped with that reason.  The folder is
-``$OUT`` when set, else ``bench/results/gpu/<date>-<device>/``; a whole run stays inside
+``bench/results/gpu/<date>-<device>/`` (or ``--out``); when ``$OUT`` is set (the device
+tool's return folder, which brings back few files) the folder is also packed into
+``$OUT/gpu_check.tgz``, to be unpacked in the repository's root.  A whole run stays inside
 ``--budget-s`` (a step that would start past it is recorded as skipped).
 
 On a lent GPU machine (no network), from the repository root where pip works: ``make
-gpu-wheels`` once, then run ``make gpu-check`` there with ``wheels`` carried (and
-``runs/cache``, the main job's cached SFT warm start, which it reuses when its settings
-match).  One GPU runs one NCCL rank: multi-GPU correctness rests on the CPU tests of the NCCL
+gpu-wheels`` once (omegaconf, datasets, TRL and the two that datasets needs beyond the
+image), then run ``make gpu-check`` there with ``wheels`` carried (and ``runs/cache``, the
+main job's cached SFT warm start, which it reuses when its settings match) and unpack the
+returned ``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU correctness rests on the CPU tests of the NCCL
 rules.
 """
 
@@ -55,6 +58,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Callable
@@ -88,7 +92,7 @@ BENCH_ARGS = {
                   "--sequences", "8"],
                  120),
     "e2e": (["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2", "--rounds", "1",
-             "--micro-batch", "16"],
+             "--micro-batch", "4"],
             ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),
 }
 """Each bench's options on a GPU, with ``--quick``, and its step's timeout (s) on a GPU."""
@@ -267,9 +271,7 @@ def plan(device: str, quick: bool, scratch: str, out_dir: str | None = None) -> 
 
 
 def default_out_dir(device: str) -> str:
-    """``$OUT`` when set, else ``bench/results/gpu/<date>-<device name>/``."""
-    if os.environ.get("OUT"):
-        return os.environ["OUT"]
+    """``bench/results/gpu/<date>-<device name>/``."""
     name = "cpu"
     if device == "cuda":
         try:
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="each step shrunk to seconds")
-    p.add_argument("--out", default=None, help="output folder (default: $OUT, else "
+    p.add_argument("--out", default=None, help="output folder (default: "
                                                "bench/results/gpu/<date>-<device>/)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="the whole check's limit (default 470 s, 180 s with --quick)")
@@ -299,7 +301,20 @@ def main(argv: list[str] | None = None) -> int:
         records = run_steps(plan(a.device, a.quick, scratch, out_dir), out_dir, budget, env)
     failed = [r["name"] for r in records if r["rc"] not in (None, 0) and not r["skipped"]]
     print(f"[gpu_check] {len(records)} steps in {out_dir}; failed: {failed or 'none'}")
+    if os.environ.get("OUT"):
+        print(f"[gpu_check] packed into {pack(out_dir, os.environ['OUT'])}")
     return 1 if failed else 0
+
+
+def pack(out_dir: str, into: str) -> str:
+    """``into/gpu_check.tgz`` holding ``out_dir`` under its path from the repository's root
+    (its name alone when it lies elsewhere)."""
+    inside = os.path.abspath(out_dir).startswith(ROOT + os.sep)
+    name = os.path.relpath(out_dir, ROOT) if inside else os.path.basename(out_dir)
+    path = os.path.join(into, "gpu_check.tgz")
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(out_dir, arcname=name)
+    return path
 
 
 if __name__ == "__main__":

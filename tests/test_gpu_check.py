@@ -111,3 +111,20 @@ def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
         bench = json.load(open(tmp_path / f"{name}.json"))
         assert {k: bench[k] for k in keys} == {k: figures[k] for k in keys}
         assert all(figures[k] > 0 for k in keys if not isinstance(figures[k], bool))
+
+
+def test_pack_keeps_the_folder_under_its_path_from_the_root(tmp_path, monkeypatch):
+    import tarfile
+    root, ret = tmp_path / "repo", tmp_path / "out"
+    run_dir = root / "bench" / "results" / "gpu" / "d-gpu"
+    run_dir.mkdir(parents=True)
+    ret.mkdir()
+    (run_dir / "00_env.json").write_text("{}")
+    monkeypatch.setattr(gpu_check, "ROOT", str(root))
+    with tarfile.open(gpu_check.pack(str(run_dir), str(ret))) as tar:
+        assert "bench/results/gpu/d-gpu/00_env.json" in tar.getnames()
+    elsewhere = tmp_path / "scratch"
+    elsewhere.mkdir()
+    (elsewhere / "01_build.json").write_text("{}")
+    with tarfile.open(gpu_check.pack(str(elsewhere), str(ret))) as tar:
+        assert "scratch/01_build.json" in tar.getnames()
