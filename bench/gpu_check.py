@@ -194,8 +194,11 @@ def _last_json_line(out: str, rc: int) -> dict:
 
 
 def _pytest_counts(out: str, rc: int) -> dict:
-    return {k: int(n) for n, k in re.findall(
+    """The run's counts, and the lines the GPU tests print for the log (``decode tokens/s``)."""
+    counts = {k: int(n) for n, k in re.findall(
         r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", out)}
+    printed = [ln.strip() for ln in out.splitlines() if ln.startswith("decode tokens/s")]
+    return counts | ({"printed": printed} if printed else {})
 
 
 def _held_out(out: str, rc: int) -> dict:
@@ -251,7 +254,7 @@ def plan(device: str, quick: bool, scratch: str, out_dir: str | None = None) -> 
               "--no-cache-dir", "--upgrade", "--target", site, *wheels], limit(90),
              skip=None if wheels else "no wheels in wheels/ (make gpu-wheels)"),
         Step("build", build, limit(300), env={"MAX_JOBS": str(os.cpu_count() or 1)}),
-        Step("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
+        Step("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rP",
                             "--continue-on-collection-errors", *gpu_test_files()],
              limit(150), _pytest_counts),
         # the RL ranks run with one thread each, as the main job starts them

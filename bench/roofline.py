@@ -77,7 +77,7 @@ import torch  # noqa: E402
 
 from bench.report import write_json  # noqa: E402
 from bench.shapes import BenchShape, add_shape_argument, get_shape  # noqa: E402
-from bench.timing import BenchDevice, add_device_arguments, bench_device, \
+from bench.timing import BenchDevice, add_device_arguments, bench_device, device_profile, \
     interleaved_median_times, synced  # noqa: E402
 from rlhf.planner.calibrate import best_time  # noqa: E402
 
@@ -289,7 +289,11 @@ def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int,
         step = (t[f"{b},{n}"] - t[f"{b},1"]) / (n - 1)
         out[b] = {"step_s": step, "generate_s": t[f"{b},{n}"], "prefill_s": t[f"{b},1"],
                   "new_tokens": n, "context_mean": shape.prompt_len + n / 2,
-                  "decode_path": "c++ kernels" if engine.fused_decode else "python layers"}
+                  "decode_path": "c++ kernels" if engine.fused_decode else "python layers",
+                  "compiled_layers": engine.compile_decode, "cuda_graphs": engine.cuda_graphs}
+    if device.type == "cuda":  # what bounds the steps: kernels per step, the GPU's busy share
+        for b in batches:
+            out[b]["profile"] = device_profile(fns[(b, n)], n, device)
     return out
 
 

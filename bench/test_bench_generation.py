@@ -49,6 +49,34 @@ def test_agreement_of_row_chunks_is_the_whole_batch_one():
         assert generation.merge_agreements(parts, starts) == whole, rows
 
 
+def test_bf16_tolerance_scales_with_the_reference_engines_own_error():
+    """``scale_by_hf``: a first difference whose arbiter gap is below twice transformers' own
+    logit error on that row counts as a tie; one above it, or where transformers is exact,
+    does not.  The log-prob errors of both sides against the arbiter are reported."""
+    import torch
+
+    g = torch.Generator().manual_seed(4)
+    batch, n, vocab = 3, 5, 9
+    ref = torch.randn(batch, n, vocab, generator=g, dtype=torch.float64)
+    best2 = ref.topk(2, dim=-1)
+    ours = best2.indices[..., 0]
+    hf = ours.clone()
+    hf[:, 2:] = best2.indices[:, 2:, 1]  # every row flips to the runner-up at position 2
+    gap = (best2.values[:, 2, 0] - best2.values[:, 2, 1])  # [B] the arbiter's gap there
+    hf_logits = ref.float().clone()
+    hf_logits[0, 1, 0] += float(gap[0])  # row 0: transformers off by the gap, twice covers it
+    hf_logits[1, 1, 0] += float(gap[1]) / 4  # row 1: twice the error is half the gap
+    ours_lp = torch.log_softmax(ref, -1).gather(-1, ours[..., None])[..., 0].float()
+    plain = generation.greedy_agreement(ours, ours_lp, hf, hf_logits, ref, tol=0.0)
+    scaled = generation.greedy_agreement(ours, ours_lp, hf, hf_logits, ref, tol=0.0,
+                                         scale_by_hf=True)
+    assert plain["tie_flips"] == 0 and scaled["tie_flips"] == 1
+    assert not scaled["greedy_match_tie_aware"]
+    assert abs(scaled["max_tie_tolerance"] - 2 * float(gap[0])) < 1e-5
+    assert scaled["ours_logprob_error"] < 1e-6  # ours are the arbiter's own log-probs
+    assert scaled["hf_logprob_error"] > 0
+
+
 def _run(tmp_path, argv: list[str]) -> dict:
     path = tmp_path / "generation.json"
     argv = argv + ["--repeat", "1", "--no-multirank", "--profile", "--device", "cpu",

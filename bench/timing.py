@@ -109,3 +109,39 @@ def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1,
             sync(device)
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}, results
+
+
+def device_profile(fn, steps: int, device: torch.device | str, top: int = 8) -> dict:
+    """Where one call of ``fn`` (already warmed up) spends its time, per step of ``steps``:
+    the device's kernels (CUDA) or the host's operators (CPU) under ``torch.profiler``.
+
+    Returns ``ops_per_step`` (kernels or operators launched per step), ``busy_fraction``
+    (their summed time over the call's wall time: near 1, the device is the limit; far below,
+    the host is, launching and deciding between them), ``wall_s`` and ``top`` (the ``top``
+    names by summed time, with their share of it).  The profiler's own cost is in the wall
+    time, so the fraction errs low.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
+    kind = DeviceType.CUDA if on_cuda else DeviceType.CPU
+    sync(device)
+    with profile(activities=[activity]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    # on the host only top-level operators (those inside another are in its time)
+    events = [e for e in prof.events() if e.device_type == kind
+              and (on_cuda or e.cpu_parent is None)]
+    spans = {}
+    for e in events:
+        spans[e.name] = spans.get(e.name, 0.0) + (e.device_time if on_cuda else e.cpu_time)
+    busy = sum(spans.values()) / 1e6  # microseconds
+    ranked = sorted(spans.items(), key=lambda kv: -kv[1])[:top]
+    return {"ops_per_step": len(events) / steps, "busy_fraction": busy / wall,
+            "wall_s": wall, "top": [{"name": n[:120], "share": t / 1e6 / busy if busy else 0.0}
+                                    for n, t in ranked]}

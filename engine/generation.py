@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.compiled_decode import CompiledDecodeLayers, compile_applies
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
 from engine.early_exit import RunningRows, check_every
 from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
@@ -228,6 +229,10 @@ class GenerationEngine:
         cuda_graphs: replay the decode steps as CUDA graphs per batch bucket
             (:mod:`engine.cuda_graphs`); None: on for CUDA.  Only on one stage without TP and
             with the dense layout; elsewhere the steps run eagerly (same tokens).
+        compile_decode: run the static decode steps' layers ``torch.compile``d
+            (:mod:`engine.compiled_decode`: the elementwise chains fused); None: on for CUDA.
+            Only where the steps are static and without TP; the same tokens up to float
+            summation order.
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -239,7 +244,8 @@ class GenerationEngine:
     def __init__(self, config: LlamaConfig, groups: HybridGroups,
                  fused_decode: bool | None = None, early_exit: bool = True,
                  greedy_loop: bool = True, device: torch.device | str = "cpu",
-                 kv_layout: str | None = None, cuda_graphs: bool | None = None) -> None:
+                 kv_layout: str | None = None, cuda_graphs: bool | None = None,
+                 compile_decode: bool | None = None) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -264,6 +270,9 @@ class GenerationEngine:
         self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
         self.cuda_graphs = (resolve_graphs(cuda_graphs, self.device) and self.static_decode
                             and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1))
+        self.compile_decode = compile_applies(compile_decode, self.device, self.static_decode,
+                                              layout.tp_g > 1)
+        self.static_layers: CompiledDecodeLayers | None = None
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
@@ -304,6 +313,7 @@ class GenerationEngine:
             tp_group=self.tp_group, dtype=c.dtype, device=self.device)
         self.weights, self.weights_version = weights, version
         self.paths = choose_paths(stage, self.fused_decode)
+        self.static_layers = CompiledDecodeLayers(stage) if self.compile_decode else None
         self.block_rows = None
         if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
             from engine import _kernels  # built: the kernel paths exist only then
@@ -318,7 +328,7 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version, self.paths = None, None, None
-        self.block_rows = None
+        self.static_layers, self.block_rows = None, None
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
@@ -368,8 +378,10 @@ class GenerationEngine:
         plan = self._plan(batch, limits, sampling)
         cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new, batch),
                         device=self.device)
-        static = (StaticDecode(self._embed, plan.paths.decode.forward, cache,
-                               capture=self.cuda_graphs) if self.static_decode else None)
+        layers = (self.static_layers.forward if self.static_layers is not None
+                  else plan.paths.decode.forward)
+        static = (StaticDecode(self._embed, layers, cache, capture=self.cuda_graphs)
+                  if self.static_decode else None)
         rows = RunningRows(limits, sampling.eos_token_id)
         out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
         sample = functools.partial(self._sample, sampling=sampling,
@@ -416,6 +428,7 @@ class GenerationEngine:
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9),
                    "kv_cache_bytes": self.kv_cache_bytes(batch, plen, n_new),
                    "kv_layout": self.kv_layout, "cuda_graphs": self.cuda_graphs,
+                   "compile_decode": self.compile_decode,
                    "weights_version": self.weights_version})
 
     def _plan(self, batch: int, limits: torch.Tensor, sampling: SamplingParams) -> CallPlan:

@@ -72,24 +72,26 @@ def enabled() -> bool:
 
 
 class Compiled:
-    """``fn`` eager, or compiled once its first argument has at least :data:`MIN_NUMEL`
+    """``fn`` eager, or compiled once its first argument has at least ``min_numel``
     elements (and compiling is enabled); the results are those of ``fn`` up to float32
-    summation order."""
+    summation order.  ``dynamic``: ``torch.compile``'s (True: every size symbolic from the
+    first compile; None: sizes that change between calls become symbolic at the second)."""
 
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL,
+                 dynamic: bool | None = True) -> None:
+        self.fn, self.min_numel, self.dynamic = fn, min_numel, dynamic
         self._compiled: Callable | None = None
         self._broken = False
 
     def uses_compiled(self, first: torch.Tensor) -> bool:
-        return _enabled and not self._broken and first.numel() >= MIN_NUMEL
+        return _enabled and not self._broken and first.numel() >= self.min_numel
 
     def __call__(self, first: torch.Tensor, *args):
         if not self.uses_compiled(first):
             return self.fn(first, *args)
         if self._compiled is None:
             _key_the_cache()
-            self._compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+            self._compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
         try:
             return self._compiled(first, *args)
         except Exception as exc:  # the backend could not compile: stay eager, say so once

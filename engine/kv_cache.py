@@ -255,11 +255,24 @@ class DecodeSlots:
     pos: torch.Tensor
 
     def hook(self, layer: int) -> KVHook:
-        def append(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            # k, v [b, 1, h_kv, D] -> position pos of [b, h_kv, max_len, D]
-            self.k[layer].index_copy_(2, self.pos, k.transpose(1, 2))
-            self.v[layer].index_copy_(2, self.pos, v.transpose(1, 2))
-            return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
+        return LayerSlots(self.k[layer], self.v[layer], self.pos)
 
-        append.stacked_decode = True
-        return append
+
+@dataclass(frozen=True, eq=False)
+class LayerSlots:
+    """One layer's rows of :class:`DecodeSlots` as a KV hook: writes the new keys and values
+    at ``pos`` and returns the whole cache as ``[b, max_len, h_kv, D]`` views (a plain object,
+    so that ``torch.compile`` traces it: :mod:`engine.compiled_decode`)."""
+
+    k: torch.Tensor
+    """``[b, h_kv, max_len, D]``."""
+    v: torch.Tensor
+    pos: torch.Tensor
+    stacked_decode = True
+    """One new query reads the cache by :func:`engine.layers.decode_attention`."""
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # k, v [b, 1, h_kv, D] -> position pos of [b, h_kv, max_len, D]
+        self.k.index_copy_(2, self.pos, k.transpose(1, 2))
+        self.v.index_copy_(2, self.pos, v.transpose(1, 2))
+        return self.k.transpose(1, 2), self.v.transpose(1, 2)

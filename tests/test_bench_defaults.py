@@ -174,3 +174,26 @@ def test_e2e_multi_turn_summary():
     assert out["generated_tokens_per_s"] == sorted([10 * 8 / 2, 20 * 8 / 2, 12 * 8 / 3])[1]
     assert out["tokens_per_sample"] == 12.0 and out["phases_s"] == {"gen": 1.5, "step": 2.0,
                                                                     "tools": 0.1}
+
+
+def test_device_profile_counts_the_operators_of_each_step():
+    """On the CPU the profile counts top-level operators: a call of ``steps`` steps of three
+    operators each gives three per step, and their time is a share of the wall time."""
+    import torch
+
+    from bench.timing import device_profile
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+
+    def steps(n=5):
+        x = a
+        for _ in range(n):
+            x = torch.tanh(torch.mm(x, b).add_(1.0))
+        return x
+
+    steps()
+    prof = device_profile(steps, 5, "cpu")
+    assert prof["ops_per_step"] == 3
+    assert 0 < prof["busy_fraction"] <= 1
+    assert {t["name"] for t in prof["top"]} == {"aten::mm", "aten::add_", "aten::tanh"}
+    assert abs(sum(t["share"] for t in prof["top"]) - 1) < 1e-6

@@ -200,24 +200,31 @@ QWEN_LIKE = LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=153
 
 
 def test_decode_throughput_eager_vs_graphs_is_printed():
-    """Batch 128, greedy, every row to the end: decode tokens/s of the eager steps and of
-    graph replay on a small Qwen2-like bf16 model (a measure for the log, not a check)."""
+    """Batch 128, greedy, every row to the end: decode tokens/s of the eager steps, of graph
+    replay, and of graph replay of the compiled layers on a small Qwen2-like bf16 model (a
+    measure for the log, not a check), the compiled tokens those of the others but at
+    near-ties."""
     full = init_full_state_dict(QWEN_LIKE, seed=7, std=0.02)
     model = model_on(QWEN_LIKE, full, CUDA)
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(1, QWEN_LIKE.vocab_size, (128, 32), generator=g)
     params = SamplingParams(max_new_tokens=128, temperature=0.0)
-    rates = {}
-    for graphs in (False, True):
-        eng = GenerationEngine(QWEN_LIKE, model.groups, device=CUDA, cuda_graphs=graphs)
+    rates, outs = {}, {}
+    for name, graphs, compiled in (("eager", False, False), ("graphs", True, False),
+                                   ("graphs+compiled", True, True)):
+        eng = GenerationEngine(QWEN_LIKE, model.groups, device=CUDA, cuda_graphs=graphs,
+                               compile_decode=compiled)
         eng.set_weights(model.params)
         eng.generate(ids, sampling=replace(params, max_new_tokens=8))  # warm-up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = eng.generate(ids, sampling=params)
+        outs[name] = eng.generate(ids, sampling=params)
         torch.cuda.synchronize()
-        rates[graphs] = out.stats["new_tokens"] / (time.perf_counter() - t0)
-    print(f"\ndecode tokens/s at batch 128 ({torch.cuda.get_device_name()}): eager "
-          f"{rates[False]:.0f}, CUDA graphs {rates[True]:.0f}, ratio "
-          f"{rates[True] / rates[False]:.2f}")
+        rates[name] = outs[name].stats["new_tokens"] / (time.perf_counter() - t0)
+        assert outs[name].stats["compile_decode"] == compiled
+    print(f"\ndecode tokens/s at batch 128 ({torch.cuda.get_device_name()}): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+          + f"; graphs+compiled / eager {rates['graphs+compiled'] / rates['eager']:.2f}")
     assert min(rates.values()) > 0
+    first = outs["graphs"].responses[:, 0]
+    assert float((outs["graphs+compiled"].responses[:, 0] == first).float().mean()) > 0.9

@@ -49,6 +49,8 @@ def test_pytest_counts_and_held_out_parsers():
     out = "== 3 passed, 2 skipped, 1 failed, 9 deselected in 4.1s =="
     assert gpu_check._pytest_counts(out, 1) == {"passed": 3, "skipped": 2, "failed": 1,
                                                 "deselected": 9}
+    printed = "decode tokens/s at batch 128 (H100): eager 9000, graphs 30000"
+    assert gpu_check._pytest_counts(f"PASSED x\n{printed}\n{out}", 0)["printed"] == [printed]
     line = "[main_job] held-out greedy accuracy: SFT 0.605 -> final 0.980 (+0.375); ..."
     assert gpu_check._held_out(line, 0) == {"sft_accuracy": 0.605, "final_accuracy": 0.98}
 

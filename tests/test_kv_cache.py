@@ -253,3 +253,38 @@ def test_dense_layout_refuses_the_kernels():
     assert not eng.fused_decode and eng.static_decode and not eng.cuda_graphs
     assert eng.kv_cache_bytes(10, 6, 12) == kv_cache_nbytes(
         2, 10, 17, 2, 16, torch.float32, "dense", bucket(10))
+
+
+def test_compiled_decode_layers_match_the_tiled_layout():
+    """The static steps through the compiled layers (inductor's CPU backend here; Triton on a
+    GPU): one compile serves every layer and, after one recompile, every bucket (rows leave:
+    16 -> 8 -> 4 rows), the cache written in place; tokens as the tiled layout's, log-probs
+    within float32 summation order."""
+    import torch._dynamo
+
+    from engine import compiled_decode
+
+    torch._dynamo.reset()
+    model = _model(CFG)
+    ids, mask = _prompts(12, 5, padded=True, repeat=False)
+    limits = torch.tensor([14, 3, 14, 2, 5, 14] * 2)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0)
+    outs = {}
+    for layout, compiled in (("tiled", False), ("dense", True)):
+        eng = GenerationEngine(CFG, model.groups, fused_decode=False, kv_layout=layout,
+                               compile_decode=compiled)
+        eng.set_weights(model.params)
+        assert eng.compile_decode == compiled
+        outs[layout] = eng.generate(ids, mask, params, max_new_tokens=limits)
+    tiled, dense = outs["tiled"], outs["dense"]
+    assert dense.stats["compile_decode"] and dense.stats["compactions"] >= 1
+    assert not compiled_decode._compiled_layer._broken
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 3, graphs  # not one compile per layer or per step
+    assert_clear_picks(model, tiled, params)
+    assert torch.equal(dense.input_ids, tiled.input_ids)
+    assert torch.allclose(dense.log_probs, tiled.log_probs, atol=2e-5, rtol=0)
+    # off by default on the CPU, and never with TP
+    eng = GenerationEngine(CFG, model.groups, kv_layout="dense")
+    assert not eng.compile_decode
+    assert not compiled_decode.compile_applies(True, torch.device("cuda"), True, True)
