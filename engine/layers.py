@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Protocol
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,17 @@ except ImportError:  # extension not built: the formula runs everywhere
 # stacked_decode is True hands out views of a dense cache: one new token then attends by
 # decode_attention (no GQA expansion of the cache).
 KVHook = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoraDeltas(Protocol):
+    """A layer's LoRA adapters (:class:`engine.lora.LayerLora`): each method returns the delta
+    to add to that product's output on this rank, or None where the module has none."""
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor | None: ...
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor | None: ...
+
+    def row(self, module: str, x: torch.Tensor) -> torch.Tensor | None: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -305,10 +317,15 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                     rope: tuple[torch.Tensor, torch.Tensor],
                     mask: torch.Tensor | PackedSeqs | None,
                     q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
-                    kv_hook: KVHook | None = None) -> torch.Tensor:
+                    kv_hook: KVHook | None = None, lora: LoraDeltas | None = None
+                    ) -> torch.Tensor:
     """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``,
-    with the optional biases and q/k norms of ``w`` (see the module docstring)."""
+    with the optional biases and q/k norms of ``w`` (see the module docstring) and the
+    LoRA deltas of ``lora``."""
     qkv = column_linear(x, w["qkv"], tp_group)  # [B, S, h_kv*(qpg+2)*D]
+    delta = lora.qkv(x) if lora is not None else None
+    if delta is not None:
+        qkv = qkv + delta
     cos, sin = rope
     if ("q_norm" not in w and kv_hook is None and not isinstance(mask, PackedSeqs)
             and batched_attention.qkv_applies(qkv, w.get("qkv_bias"), cos, sin, mask,
@@ -316,7 +333,7 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
         # bias, RoPE, scale and the attention layout in one C++ pass each way
         out = batched_attention.attention_from_qkv(qkv, w.get("qkv_bias"), cos, sin, mask,
                                                    q_per_group, head_dim)
-        return _o_proj(out, w, tp_group)
+        return _o_proj(out, w, tp_group, lora)
     if "qkv_bias" in w:
         qkv = qkv + w["qkv_bias"]
     qkv = qkv.unflatten(-1, (-1, q_per_group + 2, head_dim))  # [B, S, h_kv, qpg+2, D]
@@ -329,13 +346,16 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
         q = rms_norm(q, copy_to_tp(w["q_norm"], tp_group), eps)
         k = rms_norm(k, copy_to_tp(w["k_norm"], tp_group), eps)
     out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, mask, kv_hook)
-    return _o_proj(out, w, tp_group)
+    return _o_proj(out, w, tp_group, lora)
 
 
-def _o_proj(out: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None
-            ) -> torch.Tensor:
-    out = row_linear(out, w["o_proj"], tp_group)
-    return out + w["o_proj_bias"] if "o_proj_bias" in w else out
+def _o_proj(out: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None,
+            lora: LoraDeltas | None = None) -> torch.Tensor:
+    y = row_linear(out, w["o_proj"], tp_group)
+    delta = lora.row("o_proj", out) if lora is not None else None
+    if delta is not None:
+        y = y + delta
+    return y + w["o_proj_bias"] if "o_proj_bias" in w else y
 
 
 def swiglu_formula(gu: torch.Tensor) -> torch.Tensor:
@@ -410,17 +430,26 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
-                 tp_group: Group | None) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with the interleaved fused gate/up weight."""
-    gu = column_linear(x, w["gate_up"], tp_group).unflatten(-1, (-1, 2))  # [B, S, F/t, 2]
-    return row_linear(swiglu(gu), w["down_proj"], tp_group)
+                 tp_group: Group | None, lora: LoraDeltas | None = None) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` with the interleaved fused gate/up weight (and the
+    LoRA deltas of ``lora``)."""
+    gu = column_linear(x, w["gate_up"], tp_group)
+    if lora is not None:
+        delta = lora.gate_up(x)
+        gu = gu if delta is None else gu + delta
+    h = swiglu(gu.unflatten(-1, (-1, 2)))  # [B, S, F/t]
+    y = row_linear(h, w["down_proj"], tp_group)
+    delta = lora.row("down_proj", h) if lora is not None else None
+    return y if delta is None else y + delta
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | PackedSeqs | None,
                   q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
-                  kv_hook: KVHook | None = None) -> torch.Tensor:
-    """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``."""
+                  kv_hook: KVHook | None = None, lora: LoraDeltas | None = None
+                  ) -> torch.Tensor:
+    """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``
+    (with the layer's LoRA adapters when ``lora`` is given)."""
     h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
-                            head_dim, eps, tp_group, kv_hook)
-    return h + swiglu_block(rms_norm(h, w["post_norm"], eps), w, tp_group)
+                            head_dim, eps, tp_group, kv_hook, lora)
+    return h + swiglu_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora)

@@ -16,6 +16,8 @@ or head outputs (last stage) out.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from engine.layers import PackedSeqs, causal_mask, decoder_layer, position_ids_f
     rms_norm, rope_tables
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
+from engine.lora import LayerLora, LoraConfig, init_lora_state_dict, lora_shard_specs
 from engine.micro_batches import PackedRows
 from engine.tp_ops import column_linear, vocab_embedding, vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
@@ -41,11 +44,17 @@ class ParallelLlama(nn.Module):
             built from ``slot_specs(specs, groups.layout, groups.rank)`` on ``device``.
         device: where a new buffer lives (default CPU); the model's device is its buffer's
             (:attr:`device`), so ``device`` must match a given ``buffer``.
+        lora: LoRA adapters on the frozen layers (:mod:`engine.lora`): their tensors live in
+            a flat buffer of their own (:attr:`adapter_buffer`, views :attr:`adapter_params`,
+            fresh from :func:`engine.lora.init_lora_state_dict` until loaded), the base
+            parameters are frozen (``requires_grad=False``) and :meth:`trainable_params` are
+            the adapters.  :meth:`adapters_disabled` runs the base model.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
                  buffer: FlatParamBuffer | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 lora: LoraConfig | None = None) -> None:
         super().__init__()
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
@@ -71,11 +80,64 @@ class ParallelLlama(nn.Module):
             p = nn.Parameter(buffer.train_view(spec.name))  # shares the buffer's storage
             self.params[spec.name] = p
             self.register_parameter(spec.name.replace(".", "_"), p)
+        self.lora = lora
+        self.adapters_enabled = lora is not None
+        self.adapter_specs: list[ShardSpec] = []
+        self.adapter_params: dict[str, nn.Parameter] = {}
+        self.adapter_buffer: FlatParamBuffer | None = None
+        if lora is not None:
+            self.adapter_specs = lora_shard_specs(config, train.pp, lora)
+            self.adapter_buffer = FlatParamBuffer(
+                slot_specs(self.adapter_specs, groups.layout, groups.rank), device=buffer.device)
+            for p in self.params.values():
+                p.requires_grad_(False)  # frozen base: no gradient is ever made for it
+            for spec in self.local_adapter_specs:
+                p = nn.Parameter(self.adapter_buffer.train_view(spec.name))
+                self.adapter_params[spec.name] = p
+                self.register_parameter(spec.name.replace(".", "_"), p)
+            load_adapter_state_dict(self, init_lora_state_dict(config, lora))
 
     @property
     def local_specs(self) -> list[ShardSpec]:
         """Specs of the parameters this rank trains (its stage)."""
         return [s for s in self.specs if s.stage == self.stage]
+
+    @property
+    def local_adapter_specs(self) -> list[ShardSpec]:
+        """Specs of the adapter tensors of this rank's stage (none without LoRA)."""
+        return [s for s in self.adapter_specs if s.stage == self.stage]
+
+    def trainable_params(self) -> dict[str, nn.Parameter]:
+        """What training updates: the adapters with LoRA, else every parameter."""
+        return self.adapter_params if self.lora is not None else self.params
+
+    def trainable_specs(self) -> list[ShardSpec]:
+        """The specs of :meth:`trainable_params`."""
+        return self.local_adapter_specs if self.lora is not None else self.local_specs
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """Run the base model inside (the LoRA reference policy: the actor's own weights with
+        the adapters off, no second model)."""
+        previous, self.adapters_enabled = self.adapters_enabled, False
+        try:
+            yield
+        finally:
+            self.adapters_enabled = previous
+
+    def layer_lora(self, layer: int) -> LayerLora | None:
+        """The layer's adapters on this rank, or None (no LoRA, or disabled).  Dropout runs
+        only where gradients are being recorded (the training step)."""
+        if self.lora is None or not self.adapters_enabled:
+            return None
+        c, prefix = self.config, f"layers.{layer}."
+        mods = self.lora.target_modules
+        return LayerLora(a={m: self.adapter_params[f"{prefix}{m}.lora_A"] for m in mods},
+                         b={m: self.adapter_params[f"{prefix}{m}.lora_B"] for m in mods},
+                         scale=self.lora.scale,
+                         dropout=self.lora.dropout if torch.is_grad_enabled() else 0.0,
+                         tp_group=self.tp_group, q_per_group=c.q_per_group,
+                         head_dim=c.head_dim)
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +194,7 @@ class ParallelLlama(nn.Module):
              if self.is_first else inputs)
         for i in self.layer_ids:
             x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
-                              c.rms_norm_eps, self.tp_group)
+                              c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i))
         if self.is_last:
             x = rms_norm(x, self.params["norm"], c.rms_norm_eps)
         return x
@@ -259,3 +321,18 @@ def load_full_state_dict(model: ParallelLlama, full: dict[str, torch.Tensor]) ->
         shard = train_shard(full[name], spec, model.layout, model.groups.rank)
         with torch.no_grad():
             model.params[spec.name].copy_(shard)
+
+
+def load_adapter_state_dict(model: ParallelLlama, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's training shard of every global adapter tensor (by spec name) into the
+    model's adapter buffer (:func:`load_full_state_dict` for :attr:`ParallelLlama.
+    adapter_specs`)."""
+    for spec in model.local_adapter_specs:
+        if spec.name not in full:
+            raise KeyError(f"adapter state dict has no tensor {spec.name!r}")
+        if tuple(full[spec.name].shape) != spec.shape:
+            raise ValueError(f"{spec.name}: adapter shape {tuple(full[spec.name].shape)} != "
+                             f"{spec.shape} (rank or target modules differ)")
+        shard = train_shard(full[spec.name], spec, model.layout, model.groups.rank)
+        with torch.no_grad():
+            model.adapter_params[spec.name].copy_(shard)

@@ -277,12 +277,14 @@ class TrainEngine:
             self.masters = self.grads = self.optimizer = None
             self.train_params = {}
             return
-        low = any(p.dtype.itemsize < 4 for p in model.params.values())  # bf16/fp16 params
-        self.masters = MasterWeights(model.params) if low else None
-        self.train_params = model.params if self.masters is None else self.masters.params
+        # what is trained: every parameter, or the LoRA adapters of a frozen base
+        trained = model.trainable_params()
+        low = any(p.dtype.itemsize < 4 for p in trained.values())  # bf16/fp16 params
+        self.masters = MasterWeights(trained) if low else None
+        self.train_params = trained if self.masters is None else self.masters.params
         self.grads = GradBuffer(self.train_params)
         if self.masters is not None:
-            for name, p in model.params.items():
+            for name, p in trained.items():
                 p.register_post_accumulate_grad_hook(
                     _add_grad_into(self.train_params[name].grad))
         decay = [p for p in self.train_params.values() if p.dim() > 1]
@@ -427,7 +429,7 @@ class TrainEngine:
         grad_norm = self._clip()
         self.optimizer.step()
         if self.masters is not None:
-            self.masters.copy_to_(model.params)
+            self.masters.copy_to_(model.trainable_params())
         self.step_count += 1
         if loss_work is not None:
             loss_work.wait()
@@ -465,7 +467,8 @@ class TrainEngine:
     def _sync_tied_embedding(self) -> None:
         """pp > 1 with tied embeddings: sum the grads of embed_tokens (stage 0) and its copy."""
         m = self.model
-        if not (m.config.tie_word_embeddings and m.head == "lm" and m.layout.pp > 1):
+        if not (m.config.tie_word_embeddings and m.head == "lm" and m.layout.pp > 1) \
+                or m.lora is not None:  # LoRA: the embedding is frozen
             return
         name = "embed_tokens" if m.is_first else "lm_head" if m.is_last else None
         if name is not None:
@@ -491,7 +494,7 @@ class TrainEngine:
         """L2 norm of all gradients of the model, each global element counted once."""
         m = self.model
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for spec in m.local_specs:
+        for spec in m.trainable_specs():
             replicated = spec.partition_dim is None and m.coords.tp != 0
             tied_copy = spec.name == "lm_head" and m.config.tie_word_embeddings
             if not (replicated or tied_copy):
