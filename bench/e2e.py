@@ -121,7 +121,7 @@ def make_model(folder: str) -> None:
 
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     spec = ModelSpec(config=model_config("tiny"), head="lm", init_from=None, seed=0,
-                     fresh_head=False)
+                     fresh_head=False, lora=None, lora_init_from=None)
     save_hf_checkpoint(build_model(spec, groups), folder)
     make_trl_ready(folder, CharTokenizer.build())
 

@@ -40,7 +40,7 @@ def test_checkpoint_is_the_shape_in_transformers_and_in_our_engine(small):
     assert config == SHAPE.llama_config()
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     ours = build_model(ModelSpec(config=config, head="lm", init_from=folder, seed=1,
-                                 fresh_head=False), groups)
+                                 fresh_head=False, lora=None, lora_init_from=None), groups)
     ids = torch.tensor([tok(p)["input_ids"] for p in exact_length_prompts(tok, 64, 2)])
     with torch.no_grad():
         want = hf(ids).logits

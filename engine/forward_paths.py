@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVCache
-from engine.layers import decoder_layer
+from engine.layers import LoraDeltas, decoder_layer
 from engine.llama_spec import LAYER_KEYS
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
@@ -81,6 +81,9 @@ class StageLayers:
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")
     """Where the weights live (the kernel paths read CPU weights only)."""
+    loras: tuple[LoraDeltas | None, ...] = ()
+    """Per local layer its LoRA adapters (:class:`engine.lora.LayerLora`), or ``()``: none.
+    Only the Python layers apply them."""
 
     @property
     def tensor_parallel(self) -> bool:
@@ -156,8 +159,10 @@ def resolve_kernels(fused_decode: bool | None, dtype: torch.dtype,
 
 
 def _kernels_for(stage: StageLayers) -> bool:
-    """Whether the decode kernels read the stage's layers (:func:`kernels_available`)."""
-    return kernels_available(stage.dtype, {k for w in stage.weights for k in w}, stage.device)
+    """Whether the decode kernels read the stage's layers (:func:`kernels_available`; not
+    with LoRA adapters, which the kernels do not apply)."""
+    return not stage.loras and kernels_available(stage.dtype, {k for w in stage.weights
+                                                               for k in w}, stage.device)
 
 
 def _qkv_biases(stage: StageLayers) -> tuple[torch.Tensor | None, ...]:
@@ -195,7 +200,7 @@ class PythonLayers:
         s = self.stage
         for j, w in enumerate(s.weights):
             x = decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps, s.tp_group,
-                              kv_hook=cache.hook(j))
+                              kv_hook=cache.hook(j), lora=s.loras[j] if s.loras else None)
         return x
 
 

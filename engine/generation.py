@@ -55,6 +55,7 @@ import torch
 
 from engine.compiled_decode import CompiledDecodeLayers, compile_applies
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
+from engine.lora import LayerLora, LoraConfig
 from engine.early_exit import RunningRows, check_every
 from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
@@ -273,6 +274,8 @@ class GenerationEngine:
         self.compile_decode = compile_applies(compile_decode, self.device, self.static_decode,
                                               layout.tp_g > 1)
         self.static_layers: CompiledDecodeLayers | None = None
+        self.adapters: Mapping[str, torch.Tensor] | None = None
+        self.lora: LoraConfig | None = None
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
@@ -306,18 +309,42 @@ class GenerationEngine:
                              f"{weights[elsewhere[0]].device}, the engine on {self.device} "
                              f"(GenerationEngine(device=...))")
         c = self.config
+        loras = self._layer_loras()
         stage = StageLayers(
             weights=tuple({k: weights[f"layers.{i}.{k}"] for k in c.layer_keys}
                           for i in self.layer_ids),
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
-            tp_group=self.tp_group, dtype=c.dtype, device=self.device)
+            tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras)
         self.weights, self.weights_version = weights, version
-        self.paths = choose_paths(stage, self.fused_decode)
-        self.static_layers = CompiledDecodeLayers(stage) if self.compile_decode else None
+        # LoRA adapters run on the Python layers (the kernels and the compiled step lack them)
+        self.paths = choose_paths(stage, self.fused_decode and not loras)
+        self.static_layers = (CompiledDecodeLayers(stage) if self.compile_decode and not loras
+                              else None)
         self.block_rows = None
         if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
             from engine import _kernels  # built: the kernel paths exist only then
             self.block_rows = _kernels.small_gemm_max_rows
+
+    def set_adapters(self, adapters: Mapping[str, torch.Tensor] | None,
+                     lora: LoraConfig | None = None) -> None:
+        """LoRA adapters for the next :meth:`set_weights` (this rank's generation shards of
+        the adapter tensors by spec name, e.g. an adapter resharder's generation views, held
+        not copied; None: none), applied unmerged on the Python layers."""
+        if (adapters is None) != (lora is None):
+            raise ValueError("set_adapters takes the adapter tensors and their LoraConfig")
+        self.adapters, self.lora = adapters, lora
+
+    def _layer_loras(self) -> tuple[LayerLora, ...]:
+        """Each local layer's :class:`engine.lora.LayerLora` over the generation shards (the
+        generation TP group, no dropout), or ``()`` without adapters."""
+        if self.adapters is None:
+            return ()
+        c, mods = self.config, self.lora.target_modules
+        return tuple(LayerLora(a={m: self.adapters[f"layers.{i}.{m}.lora_A"] for m in mods},
+                               b={m: self.adapters[f"layers.{i}.{m}.lora_B"] for m in mods},
+                               scale=self.lora.scale, dropout=0.0, tp_group=self.tp_group,
+                               q_per_group=c.q_per_group, head_dim=c.head_dim)
+                     for i in self.layer_ids)
 
     def load_weights(self, resharder) -> None:
         """Rollout interface: take the resharder's generation views (in generation mode)."""
@@ -329,6 +356,7 @@ class GenerationEngine:
         """Drop the references to the generation views (back to training)."""
         self.weights, self.weights_version, self.paths = None, None, None
         self.static_layers, self.block_rows = None, None
+        self.adapters, self.lora = None, None
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:

@@ -302,10 +302,12 @@ def safetensors_header(specs: list[ShardSpec]) -> bytes:
     return struct.pack("<Q", len(header)) + header
 
 
-def _global_on_rank0(model: ParallelLlama, spec: ShardSpec) -> torch.Tensor | None:
+def global_on_rank0(model: ParallelLlama, spec: ShardSpec,
+                    params: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The global tensor of ``spec`` on layout rank 0 (None elsewhere): gathered to TP rank 0
     of its stage, then sent to rank 0 from another stage.  Collective over the DP-rank-0
-    replica; every member calls it for every spec, in the same order."""
+    replica; every member calls it for every spec, in the same order.  ``params``: where
+    the shards are (default the model's parameters; its adapters for an adapter spec)."""
     g, c = model.groups, model.coords
     if spec.stage != c.pp:
         if c.pp == 0 and c.tp == 0:
@@ -313,7 +315,7 @@ def _global_on_rank0(model: ParallelLlama, spec: ShardSpec) -> torch.Tensor | No
             dist.recv(t, src=g.train_pp.ranks[spec.stage], group=g.train_pp.pg)
             return t
         return None
-    full = model.params[spec.name].detach()
+    full = (model.params if params is None else params)[spec.name].detach()
     if spec.partition_dim is not None and g.train_tp.pg is not None:
         local = full.contiguous()
         pieces = [torch.empty_like(local) for _ in range(g.train_tp.size)] if c.tp == 0 else None
@@ -348,7 +350,7 @@ def stream_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
             out = stack.enter_context(open(os.path.join(folder, SINGLE_FILE), "wb"))
             out.write(safetensors_header(specs))
         for spec in specs:
-            full = _global_on_rank0(model, spec)
+            full = global_on_rank0(model, spec)
             if full is None:
                 continue
             for part in spec.fusion.split(full) if spec.fusion is not None else (full,):

@@ -42,6 +42,10 @@ class Rollout(Protocol):
     def load_weights(self, resharder: Resharder) -> None:
         """Take the new generation weights (the resharder is in generation mode)."""
 
+    def set_adapters(self, adapters: dict[str, torch.Tensor] | None, lora) -> None:
+        """LoRA adapters (generation views, :class:`engine.lora.LoraConfig`) for the next
+        :meth:`load_weights`; only a LoRA actor calls it."""
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  sampling: SamplingParams) -> GenerationOutput:
         """Generate for this generation replica's prompts."""
@@ -81,6 +85,11 @@ class HybridEngine:
         self.train = train if train is not None else TrainEngine(model, optim)
         self.resharder = Resharder(model.specs, model.groups, verify_every=verify,
                                    buffer=model.buffer)
+        # LoRA: the frozen base moves once and its generation slots are kept; the adapters
+        # (a flat buffer of their own) move at every transition
+        self.adapter_resharder = (Resharder(model.adapter_specs, model.groups,
+                                            verify_every=verify, buffer=model.adapter_buffer)
+                                  if model.lora is not None else None)
         self.rollout = rollout if rollout is not None else GenerationEngine(
             model.config, model.groups, device=model.device)
         self.offload_during_generation = offload_during_generation
@@ -102,12 +111,17 @@ class HybridEngine:
         """
         if self._generating:
             raise RuntimeError("generation_mode() is already active")
+        lora = self.adapter_resharder is not None
         with self._training_state_offloaded():
             before = self.resharder.version
-            stats = self.resharder.to_generation()
+            stats = self.resharder.to_generation(refill=not (lora and before > 0))
             if stats.version != before + 1:
                 raise RuntimeError(f"weight version went from {before} to {stats.version}, "
                                    f"expected {before + 1}")
+            if lora:
+                stats = _combined(stats, self.adapter_resharder.to_generation())
+                self.rollout.set_adapters(self.adapter_resharder.generation_params(),
+                                          self.model.lora)
             self.last_transition = stats
             self._generating = True
             try:
@@ -116,7 +130,9 @@ class HybridEngine:
             finally:
                 self.rollout.release()
                 self._generating = False
-                self.resharder.to_training()
+                self.resharder.to_training(release=not lora)
+                if lora:
+                    self.adapter_resharder.to_training()
 
     @contextmanager
     def _training_state_offloaded(self):
@@ -180,3 +196,13 @@ class HybridEngine:
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every member's ``[b, ...]`` rows in group-rank order."""
     return all_gather_tensor(t, group).flatten(0, 1)
+
+
+def _combined(base: TransitionStats, adapters: TransitionStats) -> TransitionStats:
+    """One transition's stats from the base's and the adapters' (the base's version)."""
+    return replace(base, sent_bytes=base.sent_bytes + adapters.sent_bytes,
+                   received_bytes=base.received_bytes + adapters.received_bytes,
+                   calls=base.calls + adapters.calls,
+                   peak_weight_bytes=base.peak_weight_bytes + adapters.peak_weight_bytes,
+                   redundant_bytes=base.redundant_bytes + adapters.redundant_bytes,
+                   time_s=base.time_s + adapters.time_s)

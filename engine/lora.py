@@ -54,6 +54,9 @@ def resolve_targets(target_modules: str | Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"lora.target_modules={target_modules!r}: use '{ALL_LINEAR}' or a "
                              f"list of {list(MODULES)}")
         return MODULES
+    if not isinstance(target_modules, (list, tuple)):
+        raise ValueError(f"lora.target_modules={target_modules!r}: use '{ALL_LINEAR}' or a "
+                         f"list of {list(MODULES)}")
     names = list(target_modules)
     unknown = [n for n in names if n not in MODULES]
     if unknown or not names:
@@ -81,9 +84,11 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"lora.rank={self.rank!r} must be an int >= 1 (0 turns LoRA off)")
-        if not self.alpha > 0:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) \
+                or not math.isfinite(self.alpha) or not self.alpha > 0:
             raise ValueError(f"lora.alpha={self.alpha!r} must be > 0")
-        if not 0 <= self.dropout < 1:
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
+                or not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
         object.__setattr__(self, "target_modules", resolve_targets(self.target_modules))
 
@@ -149,7 +154,8 @@ class LayerLora:
     to its products (:class:`engine.layers.LoraDeltas`).
 
     Attributes:
-        a, b: this rank's shards by module name (targeted modules only).
+        a, b: this rank's shards by module name (targeted modules only); a row-parallel
+            ``A`` may be the generation layout's stacked ``[m, r, in/m]``.
         scale: ``alpha / rank``.
         dropout: on the adapter inputs (0 when not training).
         tp_group: the TP group of the shards.
@@ -180,7 +186,13 @@ class LayerLora:
         (replicated over the TP group, like the module's reduced output), or None."""
         if module not in self.a:
             return None
-        u = reduce_from_tp(F.linear(self._input(x), self.a[module]), self.tp_group)
+        a, x = self.a[module], self._input(x)
+        if a.dim() == 3:  # the generation form [m, r, in/m] (m training shards, stacked)
+            m, _, k = a.shape
+            part = torch.einsum("...mk,mrk->...r", x.unflatten(-1, (m, k)), a)
+        else:
+            part = F.linear(x, a)
+        u = reduce_from_tp(part, self.tp_group)
         return F.linear(u, self.b[module]) * self.scale
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor | None:

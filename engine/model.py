@@ -48,7 +48,7 @@ class ParallelLlama(nn.Module):
             a flat buffer of their own (:attr:`adapter_buffer`, views :attr:`adapter_params`,
             fresh from :func:`engine.lora.init_lora_state_dict` until loaded), the base
             parameters are frozen (``requires_grad=False``) and :meth:`trainable_params` are
-            the adapters.  :meth:`adapters_disabled` runs the base model.
+            the adapters (and a value head).  :meth:`adapters_disabled` runs the base model.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
@@ -89,8 +89,8 @@ class ParallelLlama(nn.Module):
             self.adapter_specs = lora_shard_specs(config, train.pp, lora)
             self.adapter_buffer = FlatParamBuffer(
                 slot_specs(self.adapter_specs, groups.layout, groups.rank), device=buffer.device)
-            for p in self.params.values():
-                p.requires_grad_(False)  # frozen base: no gradient is ever made for it
+            for name, p in self.params.items():  # frozen base: no gradient is ever made
+                p.requires_grad_(name == "value_head")  # (a value model trains its head)
             for spec in self.local_adapter_specs:
                 p = nn.Parameter(self.adapter_buffer.train_view(spec.name))
                 self.adapter_params[spec.name] = p
@@ -108,12 +108,18 @@ class ParallelLlama(nn.Module):
         return [s for s in self.adapter_specs if s.stage == self.stage]
 
     def trainable_params(self) -> dict[str, nn.Parameter]:
-        """What training updates: the adapters with LoRA, else every parameter."""
-        return self.adapter_params if self.lora is not None else self.params
+        """What training updates: with LoRA the adapters (and a value model's head), else every
+        parameter."""
+        if self.lora is None:
+            return self.params
+        head = {n: p for n, p in self.params.items() if n == "value_head"}
+        return {**self.adapter_params, **head}
 
     def trainable_specs(self) -> list[ShardSpec]:
         """The specs of :meth:`trainable_params`."""
-        return self.local_adapter_specs if self.lora is not None else self.local_specs
+        if self.lora is None:
+            return self.local_specs
+        return self.local_adapter_specs + [s for s in self.local_specs if s.name == "value_head"]
 
     @contextlib.contextmanager
     def adapters_disabled(self):

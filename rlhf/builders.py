@@ -193,14 +193,21 @@ def run_precision(cfg: Config) -> str:
     return resolve_precision(cfg.precision, torch.device("cpu"))
 
 
-def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0) -> ModelSpec:
-    own = cfg.role(role).model
+def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0,
+               adapters: bool = True) -> ModelSpec:
+    """The role's model; ``adapters``: with the role's LoRA section (``<role>.lora``; False for
+    the reference, which is the actor's model without adapters)."""
+    section = cfg.role(role)
+    own = section.model
     init = (own or cfg.actor.model).init_from
     if own is None and role in ("reward_model", "cost_model"):
         init = None  # a reward model never starts from the policy checkpoint by accident
+    lora = getattr(section, "lora", None) if adapters else None
     return ModelSpec(config=cfg.model_of(role).llama(run_precision(cfg)), head=head,
                      init_from=init,
-                     seed=cfg.seed + seed_offset, fresh_head=role in VALUE_ROLES)
+                     seed=cfg.seed + seed_offset, fresh_head=role in VALUE_ROLES,
+                     lora=lora.engine_config() if lora is not None else None,
+                     lora_init_from=lora.init_from if lora is not None else None)
 
 
 def token_budget(cfg: Config, role: str) -> int | None:
@@ -226,7 +233,8 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
 
 
 def reference_spec(cfg: Config) -> ReferenceSpec:
-    return ReferenceSpec(model=model_spec(cfg, "actor", "lm"), temperature=cfg.data.temperature,
+    return ReferenceSpec(model=model_spec(cfg, "actor", "lm", adapters=False),
+                         temperature=cfg.data.temperature,
                          max_tokens=token_budget(cfg, "actor"))
 
 
@@ -272,6 +280,8 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
     rollout = rollout_pool(ctl, cfg, plan, actor) if plan.rollout is not None else None
     reference = group("reference", ReferenceWorker, reference_spec(cfg)) \
         if "reference" in p else None
+    if cfg.actor.lora.rank and cfg.algo.kl_mode != "none":
+        reference = actor  # the base with the adapters off (PolicyWorker.compute_ref_log_prob)
     critic = group("critic", CriticWorker, critic_spec(cfg, plan, "critic", 1)) \
         if "critic" in p else None
     cost_critic = group("cost_critic", CriticWorker, critic_spec(cfg, plan, "cost_critic", 2)) \

@@ -162,6 +162,13 @@ class Config:
                              f"than data.max_response_len={self.data.max_response_len}")
         if self.reference.model not in (None, self.actor.model):
             raise ValueError("reference.model must equal actor.model (leave it null)")
+        if self.actor.lora.rank and self.placement.mode == "disaggregated":
+            raise ValueError("actor.lora.rank > 0 with placement.mode='disaggregated': the "
+                             "rollout pool takes full weights only; use a colocated or split "
+                             "placement")
+        if self.actor.lora.rank and self.rollout.engine != "native":
+            raise ValueError(f"actor.lora.rank > 0 with rollout.engine={self.rollout.engine!r}:"
+                             f" LoRA rollouts run on the native engine")
         longest = self.data.max_prompt_len + self.data.max_response_len
         for role in ("actor", "critic", "cost_critic"):
             section = getattr(self, role)
@@ -176,9 +183,11 @@ class Config:
     @property
     def roles(self) -> tuple[str, ...]:
         """The roles this algorithm and reward setup use, in ROLES order (from the registry)."""
-        return algorithm(self.algo.name).roles(kl_mode=self.algo.kl_mode,
-                                               reward_kind=self.reward.kind,
-                                               cost_kind=self.reward.cost_kind)
+        roles = algorithm(self.algo.name).roles(kl_mode=self.algo.kl_mode,
+                                                reward_kind=self.reward.kind,
+                                                cost_kind=self.reward.cost_kind)
+        # with LoRA the actor is its own reference (the base with the adapters off)
+        return tuple(r for r in roles if r != "reference" or not self.actor.lora.rank)
 
     def role(self, name: str) -> ActorConfig | CriticConfig | FrozenModelConfig:
         if name not in ROLES:

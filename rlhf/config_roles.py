@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.train import OptimConfig
 from rlhf.config_checks import (MAX_COUNT, check_at_most, check_one_of, check_path,
@@ -211,6 +212,48 @@ class ValueLossConfig:
 
 
 @dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters on a frozen base (``actor.lora``, ``critic.lora``; :mod:`engine.lora`):
+    the base weights get no gradient, no master copy and no optimizer state, and after the
+    first transition only the adapters move to the generation side."""
+
+    rank: int = 0
+    """The adapters' rank r; 0 = no LoRA (the whole model is trained)."""
+    alpha: float = 16.0
+    """The delta is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target_modules: Any = "all-linear"
+    """'all-linear' (every linear layer but the LM head, as PEFT) or a list of HF module
+    names, e.g. [q_proj, v_proj] (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
+    init_from: str | None = None
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to continue
+    from; its rank, alpha and target modules must be this section's."""
+
+    def __post_init__(self) -> None:
+        check_path("lora.init_from", self.init_from)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank!r} must be an int >= 0 (0: no LoRA)")
+        check_at_most(MAX_COUNT, **{"lora.rank": self.rank})
+        from engine.lora import LoraConfig
+
+        # alpha, dropout and the module names are checked whatever the rank
+        LoraConfig(rank=max(self.rank, 1), alpha=self.alpha, dropout=self.dropout,
+                   target_modules=self.target_modules)
+        if not self.rank and self.init_from is not None:
+            raise ValueError(f"lora.init_from={self.init_from!r} needs lora.rank > 0")
+
+    def engine_config(self):
+        """The engine's :class:`engine.lora.LoraConfig`, or None when rank is 0."""
+        from engine.lora import LoraConfig
+
+        if not self.rank:
+            return None
+        return LoraConfig(rank=self.rank, alpha=float(self.alpha), dropout=float(self.dropout),
+                          target_modules=self.target_modules)
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy: trained, generates with the HybridEngine."""
 
@@ -236,6 +279,9 @@ class ActorConfig:
     memory while the actor generates, so that generation's KV cache can use that device
     memory; it comes back bit for bit before the next log-prob pass.  Costs two host copies
     of that state per iteration.  Unused by a disaggregated actor (it does not generate)."""
+    lora: LoraSection = field(default_factory=LoraSection)
+    """LoRA adapters (rank 0: off).  With adapters the reference policy is the actor's own
+    base with the adapters off: no reference model is built."""
 
     def __post_init__(self) -> None:
         check_token_budget("actor.", self.max_token_len_per_micro_batch)
@@ -257,6 +303,8 @@ class CriticConfig:
     """As actor.use_dynamic_bsz, for this critic's updates and value passes."""
     max_token_len_per_micro_batch: int = 4096
     """As actor.max_token_len_per_micro_batch."""
+    lora: LoraSection = field(default_factory=LoraSection)
+    """LoRA adapters on the value model (rank 0: off; the value head is trained in full)."""
 
     def __post_init__(self) -> None:
         check_token_budget("", self.max_token_len_per_micro_batch)  # critic or cost_critic

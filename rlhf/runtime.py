@@ -189,6 +189,7 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         tokens = int(batch["attention_mask"].sum())
         metrics |= _task_metrics(batch) | timer.metrics() | {
             "timing_s/reshard": float(batch.meta.get("reshard_s", 0.0)),
+            "reshard/bytes": float(batch.meta.get("reshard_bytes", 0)),
             "timing_s/step": step_s, "perf/throughput_tokens_per_s": tokens / step_s,
             "perf/tokens": tokens}
         metrics |= start

@@ -343,7 +343,7 @@ def train_user(job: UserSFT, device: torch.device = torch.device("cpu")) -> dict
         return dp_share(sft_user_batch(rows, job.tok.pad_id), dp.size, dp.rank)
 
     spec = ModelSpec(config=job.config, head="lm", init_from=job.model_dir, seed=0,
-                     fresh_head=False)
+                     fresh_head=False, lora=None, lora_init_from=None)
     result = train_steps(spec, world=world, steps=job.steps, lr=job.lr, batch_at=batch_at,
                          loss_fn=weighted_nll, out=job.out, device=device)
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -91,7 +91,7 @@ def main_builtin(a: argparse.Namespace) -> int:
     tok = CharTokenizer.build()
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     spec = ModelSpec(config=config, head="lm", init_from=start, seed=cfg.seed,
-                     fresh_head=False)
+                     fresh_head=False, lora=None, lora_init_from=None)
     result = train_sft(spec, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
                        width=width, noise=a.noise, carry_errors=a.carry_errors, device=device)
     with open(os.path.join(a.out, META), "w") as f:

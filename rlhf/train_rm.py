@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     role = "reward_model" if a.kind == "reward" else "cost_model"
     args = ModelSpec(config=cfg.model_of(role).llama(cfg.precision), head="value",
                      init_from=a.init,
-                     seed=cfg.seed + 3, fresh_head=False)
+                     seed=cfg.seed + 3, fresh_head=False, lora=None, lora_init_from=None)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), out=a.out,

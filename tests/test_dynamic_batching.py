@@ -319,7 +319,8 @@ def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: 
     update = UpdateSpec(epochs=1, mini_batch_rows=rows, micro_batch_size=micro,
                         max_tokens=max_tokens)
     head = "lm" if role == "actor" else "value"
-    model = ModelSpec(config=_config(dtype), head=head, init_from=None, seed=0, fresh_head=False)
+    model = ModelSpec(config=_config(dtype), head=head, init_from=None, seed=0, fresh_head=False,
+                      lora=None, lora_init_from=None)
     optim = OptimConfig(max_grad_norm=None)
     if role == "actor":
         cls, spec = ActorWorker, ActorSpec(
@@ -386,7 +387,8 @@ def test_reference_log_probs_by_token_budget():
     for dtype in (torch.float32, torch.float64):
         for budget in (None, BUDGET):
             spec = ReferenceSpec(model=ModelSpec(config=_config(dtype), head="lm",
-                                                 init_from=None, seed=0, fresh_head=False),
+                                                 init_from=None, seed=0, fresh_head=False,
+                                                 lora=None, lora_init_from=None),
                                  temperature=0.9, max_tokens=budget)
             w = ReferenceWorker.__new__(ReferenceWorker)
             w.groups = _single_groups()

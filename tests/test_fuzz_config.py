@@ -50,7 +50,7 @@ ZERO_OK = {"dp", "gen_pp", "gen_tp", "save_every", "keep_last", "eval_every", "s
            "lam", "kl_coef", "lagrange_init", "entropy_coeff", "weight_decay", "cost_limit",
            "model_weight", "val_size", "eval_pass_k", "overlong_buffer", "clip_cov_ratio",
            "kl_cov_ratio", "clip_cov_lb", "overlong_penalty_factor", "max_staleness",
-           "min_new_tokens", "rollouts_every"}
+           "min_new_tokens", "rollouts_every", "rank", "dropout"}
 """Leaf names for which 0 is a valid value (derive it, never, off, no term, ...)."""
 NEGATIVE_OK = {"cost_limit", "model_weight", "clip_cov_lb"}
 """Leaf names for which a negative number is a valid value."""
@@ -124,6 +124,9 @@ def _values(key: str, tp) -> list[tuple[str, str]]:
         if key in ACTIVE_PATHS:
             out.append(("empty", ""))
         return out
+    if tp is typing.Any and leaf == "target_modules":  # a name or a list of names
+        return [("int", "5"), ("map", "{a: 1}"), ("near_miss", "all_linear"),
+                ("unknown", "[q_proj, qproj]"), ("empty", "[]")]
     raise AssertionError(f"no bad values for {key}: {tp}")
 
 

@@ -195,3 +195,35 @@ def test_bad_lora_settings_name_the_value():
         resolve_targets("all_linear")
     assert resolve_targets(["v_proj", "q_proj"]) == ("q_proj", "v_proj")
     assert isinstance(ParallelLlama, type)
+
+
+def test_peft_export_loads_in_peft_with_our_logits_and_reads_back(cases, tmp_path):
+    """``save_peft_adapter`` writes what ``PeftModel.from_pretrained(base, dir)`` loads with
+    our logits; ``read_peft_adapter`` reads it back bit for bit and refuses another rank,
+    alpha or module list, naming both."""
+    import peft
+    import transformers
+
+    from engine.hf_interop import read_hf_config
+    from engine.peft_interop import read_peft_adapter, save_peft_adapter
+
+    case = cases("qwen2_tied", "qv")
+    config = read_hf_config(case["folder"])
+    model = jobs.build((1, 1, 1), case["folder"], case["lora"], case["adapters"])
+    save_peft_adapter(model, str(tmp_path), case["folder"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(case["folder"]).eval()
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path))
+    with torch.no_grad():
+        theirs = loaded(input_ids=case["ids"]).logits
+        ours = model.local_logits(model.stage_forward(case["ids"]))
+    torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+    back = read_peft_adapter(str(tmp_path), config, case["lora"])
+    assert set(back) == set(case["adapters"])
+    assert all(torch.equal(back[k], v) for k, v in case["adapters"].items())
+    with pytest.raises(ValueError, match="lora_alpha=8.*alpha=16"):
+        read_peft_adapter(str(tmp_path), config, LoraConfig(rank=RANK, alpha=16.0,
+                                                            target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="target_modules"):
+        read_peft_adapter(str(tmp_path), config, LoraConfig(rank=RANK, alpha=ALPHA))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        read_peft_adapter(case["folder"], config, case["lora"])

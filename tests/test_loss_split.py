@@ -227,7 +227,8 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
     optim, update = OptimConfig(max_grad_norm=None), UpdateSpec(1, rows, micro, None)
     if role == "actor":
         cls, spec = ActorWorker, ActorSpec(
-            model=ModelSpec(config=config, head="lm", init_from=None, seed=0, fresh_head=False),
+            model=ModelSpec(config=config, head="lm", init_from=None, seed=0, fresh_head=False,
+                            lora=None, lora_init_from=None),
             optim=optim,
             loss=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, clip_ratio_c=3.0),
             update=update, algo="grpo", kl_loss=KL, temperature=1.0,
@@ -235,7 +236,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=ModelSpec(config=config, head="value", init_from=None, seed=0,
-                            fresh_head=False), optim=optim,
+                            fresh_head=False, lora=None, lora_init_from=None), optim=optim,
             loss=ValueLossConfig(value_clip=0.2, loss_agg_mode=mode), update=update,
             algo="ppo", value_key="values", return_key="returns")
     w = cls.__new__(cls)

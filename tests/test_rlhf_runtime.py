@@ -251,7 +251,8 @@ def test_train_cost_model_bradley_terry(tmp_path):
     cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, max_position_embeddings=32,
                       tie_word_embeddings=False)
-    spec = ModelSpec(config=cfg, head="value", init_from=None, seed=0, fresh_head=False)
+    spec = ModelSpec(config=cfg, head="value", init_from=None, seed=0, fresh_head=False,
+                     lora=None, lora_init_from=None)
     res = train_rm(spec, "cost", AdditionTask(1, 2), CostRule("7"),
                    CharTokenizer.build(), out=str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
                    width=14)

@@ -164,7 +164,8 @@ def _our_logits(folder: pathlib.Path, ids: torch.Tensor) -> torch.Tensor:
 
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = build_model(ModelSpec(config=read_hf_config(str(folder)), head="lm",
-                                  init_from=str(folder), seed=0, fresh_head=False), groups)
+                                  init_from=str(folder), seed=0, fresh_head=False,
+                                  lora=None, lora_init_from=None), groups)
     mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return TrainEngine(model).forward([mb], with_logits=True, temperature=1.0)[0]["logits"]
 

@@ -171,7 +171,8 @@ def test_critic_from_a_reward_model_takes_the_backbone_with_a_fresh_head(example
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     models = {fresh: build_model(ModelSpec(config=read_hf_config(str(tmp_path / "rm")),
                                            head="value", init_from=str(tmp_path / "rm"),
-                                           seed=0, fresh_head=fresh), groups)
+                                           seed=0, fresh_head=fresh, lora=None,
+                                           lora_init_from=None), groups)
               for fresh in (False, True)}
     score = rm.score.weight.detach()
     torch.testing.assert_close(models[False].params["value_head"].detach(), score)

@@ -539,7 +539,8 @@ def actor_worker(rollout: RolloutConfig) -> ActorWorker:
     """An ActorWorker of a one-rank layout, built as the runtime builds it."""
     groups, _, _ = one_rank_model()
     spec = ActorSpec(
-        model=ModelSpec(config=CFG, head="lm", init_from=None, seed=0, fresh_head=False),
+        model=ModelSpec(config=CFG, head="lm", init_from=None, seed=0, fresh_head=False,
+                        lora=None, lora_init_from=None),
         optim=OptimConfig(max_grad_norm=None), loss=PolicyLossConfig(),
         update=UpdateSpec(1, 4, 4, None), algo="grpo", kl_loss=None, temperature=1.0,
         offload_during_generation=False, rollout=rollout)

@@ -93,6 +93,7 @@ _ENCODABLE: set[type] = {list, tuple, dict, set, frozenset, bytearray, pickle.Pi
 PROJECT_CLASSES = frozenset({
     "engine.layers:RopeScaling",
     "engine.llama_spec:LlamaConfig",
+    "engine.lora:LoraConfig",
     "engine.sampling:SamplingParams",
     "engine.train:OptimConfig",
     "rlhf.algos.kl:KLLossTerm",

@@ -147,7 +147,11 @@ class Roles:
     def checkpointed(self) -> dict[str, WorkerGroup]:
         """Role name -> group, for every role with weights (not the rollout pool: its
         weights are the actor's, pushed again when a run starts or resumes)."""
-        return {k: v for k, v in vars(self).items() if v is not None and k != "rollout"}
+        groups = {}
+        for k, v in vars(self).items():  # a group serving two roles (a LoRA actor that is its
+            if v is not None and k != "rollout" and all(v is not g for g in groups.values()):
+                groups[k] = v  # own reference) is saved once, under its first role
+        return groups
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 
 from engine.hf_interop import stream_hf_checkpoint
 from engine.hybrid_engine import HybridEngine
+from engine.peft_interop import save_peft_adapter
 from engine.sampling import SamplingParams
 from engine.train import TrainEngine
 from rlhf.algos import actor_loss, get_policy_loss
@@ -64,6 +65,20 @@ class PolicyWorker(CheckpointedWorker):
         return Batch({"old_log_probs": response_outputs(out["log_probs"], batch),
                       "entropy": response_outputs(out["entropy"], batch)})
 
+    @protocol(THREE_D_PROTO, phase="log_probs")
+    def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
+        """``ref_log_probs [B, N]`` of a LoRA actor: its own base with the adapters off (the
+        reference policy, with no second model in memory)."""
+        if self.model.lora is None:
+            raise RuntimeError("compute_ref_log_prob on the actor needs actor.lora.rank > 0 "
+                               "(without LoRA the reference is a model of its own)")
+        with self.model.adapters_disabled():
+            out = forward_outputs(self.train, batch, self.spec.update.max_tokens,
+                                  temperature=self.spec.temperature)
+        if out is None:
+            return None
+        return Batch({"ref_log_probs": response_outputs(out["log_probs"], batch)})
+
     @protocol(THREE_D_PROTO, phase="update")
     def update_actor(self, batch: Batch) -> Batch | None:
         """``epochs`` passes of mini-batch steps; returns one row of mean metrics."""
@@ -102,7 +117,11 @@ class PolicyWorker(CheckpointedWorker):
     @protocol(ONE_TO_ALL)
     def save_hf(self, folder: str) -> None:
         """The policy as an HF checkpoint in ``folder`` (collective; layout rank 0 writes it
-        one tensor at a time, never holding the whole model)."""
+        one tensor at a time, never holding the whole model); with LoRA the PEFT adapter
+        (``adapter_config.json`` + ``adapter_model.safetensors``) over ``init_from``."""
+        if self.model.lora is not None:
+            save_peft_adapter(self.model, folder, self.spec.model.init_from)
+            return
         stream_hf_checkpoint(self.model, folder)
 
 
@@ -143,7 +162,7 @@ class ActorWorker(PolicyWorker):
         """Rollouts of this replica's prompts (input_ids/attention_mask ``[B, P]``); in the
         held generation layout when :meth:`hold_generation` holds it (no transition)."""
         t0 = time.perf_counter()
-        with self._generation_layout() as reshard_s:
+        with self._generation_layout() as (reshard_s, reshard_bytes):
             out = self.engine.generate_sequences(prompts["input_ids"],
                                                  prompts["attention_mask"], sampling)
         plen = out.prompt_length
@@ -151,17 +170,18 @@ class ActorWorker(PolicyWorker):
                       "response_mask": out.response_mask,
                       "rollout_log_probs": out.log_probs},
                      dict(prompts.non_tensors),
-                     {"reshard_s": reshard_s, "gen_s": time.perf_counter() - t0,
-                      "prompt_len": plen})
+                     {"reshard_s": reshard_s, "reshard_bytes": reshard_bytes,
+                      "gen_s": time.perf_counter() - t0, "prompt_len": plen})
 
     @contextmanager
     def _generation_layout(self):
-        """The block in the generation layout; yields the seconds its transition took."""
+        """The block in the generation layout; yields the seconds its transition took and the
+        bytes this rank received in it (0, 0 inside a held layout)."""
         if self.held is not None:
-            yield 0.0
+            yield 0.0, 0
             return
         with self.engine.generation_mode() as stats:
-            yield stats.time_s
+            yield stats.time_s, stats.received_bytes
 
 
 class ReferenceWorker(CheckpointedWorker):

@@ -24,7 +24,9 @@ from engine.hf_interop import load_hf_checkpoint
 from engine.hf_shards import hf_reads, shard_parts
 from engine.llama_spec import init_full_state_dict
 from engine.micro_batches import count_micro_batches, partition_by_tokens
-from engine.model import ParallelLlama, load_full_state_dict
+from engine.lora import init_lora_state_dict
+from engine.model import ParallelLlama, load_adapter_state_dict, load_full_state_dict
+from engine.peft_interop import read_peft_adapter
 from engine.train import TrainEngine
 from hybridflow_comm.groups import Group, HybridGroups
 from rlhf.algos import agg_count, agg_denominator
@@ -37,10 +39,15 @@ def build_model(args: ModelSpec, groups: HybridGroups,
                 device: torch.device | None = None) -> ParallelLlama:
     """This rank's :class:`ParallelLlama` on ``device`` (default cpu), initialised from
     ``args`` (deterministic: the initial weights are drawn on the host, then copied)."""
-    model = ParallelLlama(args.config, groups, head=args.head, device=device)
+    model = ParallelLlama(args.config, groups, head=args.head, device=device, lora=args.lora)
     load_full_state_dict(model, init_full_state_dict(args.config, args.seed, args.head))
     if args.init_from:
         load_hf_checkpoint(model, args.init_from, load_head=not args.fresh_head)
+    if args.lora is not None:
+        load_adapter_state_dict(model, read_peft_adapter(args.lora_init_from, args.config,
+                                                         args.lora)
+                                if args.lora_init_from else
+                                init_lora_state_dict(args.config, args.lora, args.seed))
     return model
 
 
@@ -170,8 +177,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # Sharded checkpoints ------------------------------------------------------------------------
-def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: str = ""
-                 ) -> dict[str, Block]:
+def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: str = "",
+                 specs: list | None = None) -> dict[str, Block]:
     """This rank's boxes of the global HF-named tensors, over ``shards`` (no copy).
 
     Args:
@@ -179,13 +186,14 @@ def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: 
         shards: tensors shaped like this rank's training shards, by spec name (the
             parameters, or Adam moments).
         prefix: put before every HF name (``optim.exp_avg.`` ...).
+        specs: the specs of ``shards`` (default the model's parameters of this stage).
 
     Each HF tensor a spec stands for (q/k/v and gate/up separately) gets one box, the block
     :func:`engine.hf_shards.hf_reads` reads for this rank; a tied LM-head copy (pp > 1) names
     the embedding's boxes, so DCP keeps one of the two.
     """
     out = {}
-    for spec in model.local_specs:
+    for spec in (model.local_specs if specs is None else specs):
         parts = shard_parts(spec, shards[spec.name].detach())
         for r in hf_reads(spec, model.layout, model.groups.rank):
             sizes = tuple(s.stop - s.start for s in r.index)
@@ -215,10 +223,14 @@ class ShardCheckpoint:
 
     def _state(self, moments: dict[str, dict[str, torch.Tensor]] | None, step: int
                ) -> dict[str, Block | torch.Tensor]:
-        state: dict[str, Block | torch.Tensor] = dict(model_blocks(self.model, self._weights()))
+        # a trained role's checkpoint holds what it trains: with LoRA the adapters (their
+        # PEFT names), the frozen base coming from the run's init_from again on resume
+        specs = self.model.trainable_specs() if self.engine is not None else None
+        state: dict[str, Block | torch.Tensor] = dict(
+            model_blocks(self.model, self._weights(), specs=specs))
         if moments is not None:
             for m in MOMENTS:
-                state |= model_blocks(self.model, moments[m], moment_key(m, ""))
+                state |= model_blocks(self.model, moments[m], moment_key(m, ""), specs)
             state[OPTIM_STEP] = torch.tensor(step, dtype=torch.int64, device="cpu")  # a counter
         return state
 
@@ -276,7 +288,7 @@ class ShardCheckpoint:
         if self.engine is not None:
             engine = self.engine
             if engine.masters is not None:
-                engine.masters.copy_to_(self.model.params)
+                engine.masters.copy_to_(self.model.trainable_params())
             n = int(state[OPTIM_STEP])  # a host number: the step counter
             engine.step_count = n
             engine.optimizer.state.clear()

@@ -84,6 +84,9 @@ class WavedGeneration:
     def load_weights(self, source) -> None:
         self.engine.load_weights(source)
 
+    def set_adapters(self, adapters: Mapping[str, torch.Tensor] | None, lora=None) -> None:
+        self.engine.set_adapters(adapters, lora)
+
     def set_weights(self, weights: Mapping[str, torch.Tensor], version: int | None = None
                     ) -> None:
         self.engine.set_weights(weights, version)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from engine.llama_spec import LlamaConfig
 from engine.train import OptimConfig
 from rlhf.algos.kl import KLLossTerm
+from engine.lora import LoraConfig
 from rlhf.config import PolicyLossConfig, RolloutConfig, ValueLossConfig
 from rlhf.task import CostRule
 
@@ -31,6 +32,10 @@ class ModelSpec:
     fresh_head: bool
     """Keep the initialised value head even when ``init_from`` has one (a critic started from
     a reward model's checkpoint takes its backbone only)."""
+    lora: LoraConfig | None
+    """LoRA adapters on the frozen model (None: the whole model is trained)."""
+    lora_init_from: str | None
+    """A PEFT adapter folder the adapters start from (None: fresh, ``B = 0``)."""
 
 
 @dataclass(frozen=True)
