@@ -86,19 +86,33 @@ class Resharder:
         self.bucket_bytes = bucket_bytes
         self.backend = backend
         self._last: TransitionStats | None = None
+        self._slots_filled = False
         # The transfer plans depend only on specs and layout: made once, replayed per transition.
         self._tp_plan = self._plan_micro_tp()
         self._pp_plan = self._plan_micro_pp()
 
     # Transition -------------------------------------------------------------------------------
-    def to_generation(self) -> TransitionStats:
-        """Build every generation shard in the flat buffer; returns this rank's stats."""
-        self._last = self.weights.enter_generation(self._fill_generation_slots)
+    def to_generation(self, refill: bool = True) -> TransitionStats:
+        """Build every generation shard in the flat buffer; returns this rank's stats.
+
+        ``refill=False`` moves nothing: the generation slots still hold what the last
+        transition gathered (they were kept, ``to_training(release=False)``, and the weights
+        have not changed since: a frozen LoRA base).  RuntimeError when they were released.
+        """
+        if not refill and not self._slots_filled:
+            raise RuntimeError("to_generation(refill=False) but the generation slots were "
+                               "released or never filled")
+        self._last = self.weights.enter_generation(
+            self._fill_generation_slots if refill else lambda: 0)
+        self._slots_filled = True
         return self._last
 
     def to_training(self, release: bool = True) -> int:
-        """Back to the training layout; returns the bytes of generation-only pages released."""
-        return self.weights.enter_training(release)
+        """Back to the training layout; returns the bytes of generation-only pages released
+        (``release=False`` keeps them, for a later ``to_generation(refill=False)``)."""
+        released = self.weights.enter_training(release)
+        self._slots_filled = self._slots_filled and not release
+        return released
 
     def accounting(self) -> TransitionStats | None:
         """Stats of the last :meth:`to_generation` (None before the first)."""
