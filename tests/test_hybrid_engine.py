@@ -183,3 +183,20 @@ def test_single_process_cycle_and_misuse():
                                                                   temperature=0.0))
     assert stats.version == 2 and out.input_ids.shape == (3, P + 5)
     assert logprob_gap(engine, out) < LP_ATOL
+
+
+def test_refill_false_needs_kept_slots():
+    """``to_generation(refill=False)`` reuses kept generation slots (a frozen LoRA base) and
+    refuses slots that were released or never filled."""
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(CFG, groups)
+    resharder = HybridEngine(model).resharder
+    with pytest.raises(RuntimeError, match="never filled"):
+        resharder.to_generation(refill=False)
+    resharder.to_generation()
+    resharder.to_training(release=False)
+    stats = resharder.to_generation(refill=False)
+    assert stats.received_bytes == 0 and stats.version == 2
+    resharder.to_training()  # released
+    with pytest.raises(RuntimeError, match="released"):
+        resharder.to_generation(refill=False)
