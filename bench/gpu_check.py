@@ -92,7 +92,7 @@ BENCH_ARGS = {
                   "--sequences", "8"],
                  120),
     "e2e": (["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2", "--rounds", "1",
-             "--micro-batch", "4"],
+             "--micro-batch", "8"],
             ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),
 }
 """Each bench's options on a GPU, with ``--quick``, and its step's timeout (s) on a GPU."""

@@ -94,6 +94,8 @@ class Compiled:
             self._compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
         try:
             return self._compiled(first, *args)
+        except torch.OutOfMemoryError:
+            raise  # not a compile failure: the eager formula would need more memory still
         except Exception as exc:  # the backend could not compile: stay eager, say so once
             self._broken = True
             warnings.warn(f"torch.compile of {self.fn.__qualname__} failed ({type(exc).__name__}:"

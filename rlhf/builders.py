@@ -235,7 +235,8 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
 def reference_spec(cfg: Config) -> ReferenceSpec:
     return ReferenceSpec(model=model_spec(cfg, "actor", "lm", adapters=False),
                          temperature=cfg.data.temperature,
-                         max_tokens=token_budget(cfg, "actor"))
+                         max_tokens=token_budget(cfg, "actor"),
+                         micro_batch_size=cfg.data.micro_batch_size)
 
 
 def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> CriticSpec:

@@ -389,7 +389,7 @@ def test_reference_log_probs_by_token_budget():
             spec = ReferenceSpec(model=ModelSpec(config=_config(dtype), head="lm",
                                                  init_from=None, seed=0, fresh_head=False,
                                                  lora=None, lora_init_from=None),
-                                 temperature=0.9, max_tokens=budget)
+                                 temperature=0.9, max_tokens=budget, micro_batch_size=3)
             w = ReferenceWorker.__new__(ReferenceWorker)
             w.groups = _single_groups()
             w.__init__(spec)
@@ -501,3 +501,28 @@ def test_config_keys():
     assert update_spec(cfg, plan, "actor").max_tokens == 64
     assert update_spec(load_config(args), plan, "actor").max_tokens is None
     assert reference_spec(cfg).max_tokens == 64
+
+
+def test_padded_log_prob_pass_runs_micro_batches_of_micro_rows():
+    """Without a token budget the log-prob pass runs ``micro_rows`` rows per forward (one
+    micro-batch's logits at a time, as verl's log_prob_micro_batch_size), with the outputs of
+    one whole-batch forward."""
+    from engine.model import ParallelLlama, load_full_state_dict
+    from engine.llama_spec import init_full_state_dict
+    from engine.train import TrainEngine
+    from rlhf.workers.common import forward_outputs
+
+    cfg = _config(torch.float64)
+    model = ParallelLlama(cfg, _single_groups())
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=2))
+    engine = TrainEngine(model, frozen=True)
+    seen = []
+    forward = engine.forward
+    engine.forward = lambda mbs, **kw: seen.append([m["input_ids"].shape[0] for m in mbs]) \
+        or forward(mbs, **kw)
+    batch = _rollout()
+    whole = forward_outputs(engine, batch, None, temperature=0.9)
+    split = forward_outputs(engine, batch, None, temperature=0.9, micro_rows=3)
+    assert seen == [[B], [3, 3, B - 6]]
+    for k in whole:
+        assert (split[k] - whole[k]).abs().max() <= 1e-6, k

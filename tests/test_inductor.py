@@ -90,6 +90,20 @@ def test_a_failed_compile_warns_and_stays_eager(compile_on):
     assert not f.uses_compiled(x)  # remembered: no second attempt
 
 
+def test_out_of_memory_is_raised_not_turned_eager(compile_on, monkeypatch):
+    """Running out of memory in compiled code is no compile failure: it propagates (the eager
+    formula needs more memory still) and the function stays compiled."""
+    def oom(*args):
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: oom)
+    f = Compiled(lambda x: x + 1)
+    x = torch.ones(MIN_NUMEL)
+    with pytest.raises(torch.OutOfMemoryError):
+        f(x)
+    assert f.uses_compiled(x)
+
+
 def test_environment_switch():
     code = "from engine import inductor; print(inductor.enabled())"
     env = dict(os.environ, HYBRIDFLOW_COMPILE="0")

@@ -59,7 +59,8 @@ class PolicyWorker(CheckpointedWorker):
         """``old_log_probs [B, N]`` (and ``entropy``) of the rollout under the current policy
         at the sampling temperature (what the rollout's own log-probs are)."""
         out = forward_outputs(self.train, batch, self.spec.update.max_tokens,
-                              temperature=self.spec.temperature)
+                              temperature=self.spec.temperature,
+                              micro_rows=self.spec.update.micro_batch_size)
         if out is None:
             return None  # not the last pipeline stage: not collected
         return Batch({"old_log_probs": response_outputs(out["log_probs"], batch),
@@ -74,7 +75,8 @@ class PolicyWorker(CheckpointedWorker):
                                "(without LoRA the reference is a model of its own)")
         with self.model.adapters_disabled():
             out = forward_outputs(self.train, batch, self.spec.update.max_tokens,
-                                  temperature=self.spec.temperature)
+                                  temperature=self.spec.temperature,
+                                  micro_rows=self.spec.update.micro_batch_size)
         if out is None:
             return None
         return Batch({"ref_log_probs": response_outputs(out["log_probs"], batch)})
@@ -196,7 +198,8 @@ class ReferenceWorker(CheckpointedWorker):
     @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         out = forward_outputs(self.engine, batch, self.spec.max_tokens,
-                              temperature=self.spec.temperature)
+                              temperature=self.spec.temperature,
+                              micro_rows=self.spec.micro_batch_size)
         if out is None:
             return None
         return Batch({"ref_log_probs": response_outputs(out["log_probs"], batch)})

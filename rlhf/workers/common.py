@@ -106,15 +106,23 @@ def update_micro_batches(batch: Batch, update: UpdateSpec, dp: Group) -> list[li
 
 
 def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *,
-                    temperature: float) -> dict[str, torch.Tensor] | None:
+                    temperature: float, micro_rows: int | None = None
+                    ) -> dict[str, torch.Tensor] | None:
     """The head outputs of every row of ``batch`` from :func:`response_head_from` (in row
-    order; None off the last pipeline stage): one padded micro-batch, or with ``max_tokens``
-    micro-batches by token budget with the padding removed (zeros where the padded path
-    predicts or holds padding)."""
+    order; None off the last pipeline stage): padded micro-batches of ``micro_rows`` rows
+    (None: one of every row), or with ``max_tokens`` micro-batches by token budget with the
+    padding removed (zeros where the padded path predicts or holds padding).  Only one
+    micro-batch's activations and ``[tokens, vocab]`` logits exist at a time."""
     inputs, head_from = model_inputs(batch), response_head_from(batch)
     if max_tokens is None:
-        outs = engine.forward([inputs], head_from=head_from, temperature=temperature)
-        return None if outs is None else outs[0]
+        rows = batch["input_ids"].shape[0]
+        step = min(micro_rows or rows, rows)
+        mbs = [{k: v[i:i + step] for k, v in inputs.items()} for i in range(0, rows, step)]
+        outs = engine.forward(mbs, head_from=head_from, temperature=temperature)
+        if outs is None:
+            return None
+        return outs[0] if len(outs) == 1 else {k: torch.cat([o[k] for o in outs])
+                                              for k in outs[0]}
     parts = partition_by_tokens(batch["attention_mask"].sum(1).tolist(), max_tokens)
     mbs = [{k: v[torch.tensor(p, device=v.device)] for k, v in inputs.items()} for p in parts]
     outs = engine.forward(mbs, head_from=head_from, temperature=temperature,

@@ -34,7 +34,8 @@ class CriticWorker(CheckpointedWorker):
     def compute_values(self, batch: Batch) -> Batch | None:
         """Value of the state before each response token, ``[B, N]``."""
         out = forward_outputs(self.engine, batch, self.spec.update.max_tokens,
-                              temperature=1.0)  # a value head: no distribution to scale
+                              temperature=1.0,  # a value head: no distribution to scale
+                              micro_rows=self.spec.update.micro_batch_size)
         if out is None:
             return None
         return Batch({self.spec.value_key: response_outputs(out["values"], batch)})

@@ -86,6 +86,8 @@ class ReferenceSpec:
     """As the actor's: the KL compares the two policies' distributions at one temperature."""
     max_tokens: int | None
     """As the actor's ``update.max_tokens``, for the log-prob pass (the same sequences)."""
+    micro_batch_size: int
+    """Rows per forward of the log-prob pass without ``max_tokens`` (data.micro_batch_size)."""
 
 
 @dataclass(frozen=True)
