@@ -26,6 +26,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -331,12 +332,15 @@ def global_on_rank0(model: ParallelLlama, spec: ShardSpec,
     return full
 
 
-def stream_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
+def stream_hf_checkpoint(model: ParallelLlama, folder: str,
+                         delta: Callable[[str], torch.Tensor | None] | None = None) -> None:
     """:func:`save_hf_checkpoint` with bounded memory (collective; layout rank 0 writes).
 
     Rank 0 writes ``config.json`` and the ``model.safetensors`` header, then, spec by spec,
     receives one global tensor (TP-gathered on its stage's TP rank 0) and appends its HF
     parts; no rank holds more than one global tensor (and its TP pieces) at a time.
+    ``delta``: on rank 0, what to add to a global tensor by spec name (None: nothing), e.g.
+    merged LoRA adapters (:func:`engine.peft_interop.save_merged`); added in float32.
     """
     c = model.coords
     if c.dp != 0:
@@ -353,5 +357,8 @@ def stream_hf_checkpoint(model: ParallelLlama, folder: str) -> None:
             full = global_on_rank0(model, spec)
             if full is None:
                 continue
+            add = delta(spec.name) if delta is not None else None
+            if add is not None:
+                full = (full.float() + add.to(full.device)).to(full.dtype)
             for part in spec.fusion.split(full) if spec.fusion is not None else (full,):
                 out.write(part.contiguous().view(-1).view(torch.uint8).cpu().numpy())  # to file

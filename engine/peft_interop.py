@@ -3,7 +3,8 @@
 
 Reading (``actor.lora.init_from``): ``peft.PeftConfig.from_pretrained`` and
 ``peft.utils.load_peft_weights``; the folder's rank, alpha and target modules must be the
-run's.  Writing (the HF export of a LoRA actor): the global adapter tensors are gathered to
+run's.  Writing (the HF export of a LoRA actor, and with ``log.export_merged`` the base with
+the adapters merged, :func:`save_merged`): the global adapter tensors are gathered to
 layout rank 0 (:func:`engine.hf_interop.global_on_rank0`), put into a PEFT model over the base
 architecture built on the ``meta`` device (no base weights in memory) and written by
 ``save_pretrained``, so ``PeftModel.from_pretrained(base, folder)`` loads what we trained.
@@ -12,13 +13,15 @@ architecture built on the ``meta`` device (no base weights in memory) and writte
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
-from engine.hf_interop import config_to_hf, global_on_rank0
+from engine.hf_interop import config_to_hf, global_on_rank0, stream_hf_checkpoint
 from engine.llama_spec import LlamaConfig
-from engine.lora import ALL_LINEAR, MODULES, LoraConfig, lora_shard_specs
+from engine.lora import ALL_LINEAR, MODULES, LoraConfig, lora_shard_specs, module_shape
 from engine.model import ParallelLlama
+from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion
 
 
 def peft_lora_config(lora: LoraConfig, base: str | None = None):
@@ -64,20 +67,69 @@ def read_peft_adapter(folder: str, config: LlamaConfig, lora: LoraConfig
     return out
 
 
+def gather_adapters(model: ParallelLlama) -> dict[str, torch.Tensor] | None:
+    """The global adapter tensors by spec name on layout rank 0 (None elsewhere; collective
+    over the DP-rank-0 replica, like :func:`engine.hf_interop.global_on_rank0`)."""
+    if model.coords.dp != 0:
+        return None
+    full = {}
+    for spec in model.adapter_specs:
+        t = global_on_rank0(model, spec, model.adapter_params)
+        if t is not None:
+            full[spec.name] = t.detach()
+    return full if model.coords.pp == 0 and model.coords.tp == 0 else None
+
+
+def lora_delta(config: LlamaConfig, lora: LoraConfig, adapters: dict[str, torch.Tensor],
+               name: str) -> torch.Tensor | None:
+    """``s B A`` of the base tensor ``name`` (our fused layouts: ``layers.<i>.qkv``,
+    ``gate_up``, ``o_proj``, ``down_proj``) in float32, or None where no adapter touches it."""
+    match = re.fullmatch(r"layers\.(\d+)\.(qkv|gate_up|o_proj|down_proj)", name)
+    if match is None:
+        return None
+    layer, kind = int(match[1]), match[2]
+    parts = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}.get(
+        kind, (kind,))
+    if not set(parts) & set(lora.target_modules):
+        return None
+
+    def one(module: str) -> torch.Tensor:
+        if module not in lora.target_modules:
+            return torch.zeros(module_shape(config, module))
+        a = adapters[f"layers.{layer}.{module}.lora_A"].float().cpu()
+        b = adapters[f"layers.{layer}.{module}.lora_B"].float().cpu()
+        return lora.scale * (b @ a)
+
+    deltas = [one(m) for m in parts]
+    if kind == "qkv":
+        return QKVFusion(config.num_heads, config.num_kv_heads, config.head_dim).fuse(*deltas)
+    if kind == "gate_up":
+        return GateUpFusion().fuse(*deltas)
+    return deltas[0]
+
+
+def save_merged(model: ParallelLlama, folder: str) -> None:
+    """The base with the adapters merged (``W + s B A`` in float32, written in the model's
+    dtype) as a plain HF checkpoint (collective, like :func:`engine.hf_interop.
+    stream_hf_checkpoint`); the model's own weights are not touched."""
+    if model.lora is None:
+        raise ValueError("save_merged: the model has no LoRA adapters")
+    adapters = gather_adapters(model)
+    delta = (None if adapters is None else
+             lambda name: lora_delta(model.config, model.lora, adapters, name))
+    stream_hf_checkpoint(model, folder, delta)
+
+
 def save_peft_adapter(model: ParallelLlama, folder: str, base: str | None = None) -> None:
     """Write the model's adapters as a PEFT adapter folder (collective over the model's
     layout; layout rank 0 writes).  ``base``: recorded as ``base_model_name_or_path``."""
     if model.lora is None:
         raise ValueError("save_peft_adapter: the model has no LoRA adapters")
-    if model.coords.dp != 0:
+    adapters = gather_adapters(model)
+    if adapters is None:
         return
-    full = {}
-    for spec in model.adapter_specs:
-        t = global_on_rank0(model, spec, model.adapter_params)
-        if t is not None:
-            full[spec.hf_names[0]] = t.detach().cpu()
-    if model.coords.pp != 0 or model.coords.tp != 0:
-        return
+    names = {s.name: s.hf_names[0] for s in model.adapter_specs}
+    full = {names[n]: t.cpu() for n, t in adapters.items()}
     import peft
     import transformers
 

@@ -320,6 +320,10 @@ class LogConfig:
     """Every this many iterations, write the iteration's samples to
     ``<run_dir>/rollouts/iter_<k>.jsonl`` (decoded conversation, reward, turns, tool calls,
     token counts); 0 = never."""
+    export_merged: bool = False
+    """With LoRA (``actor.lora.rank > 0``): beside the PEFT adapter in ``<run_dir>/hf/actor``,
+    also the base with the adapters merged as a plain HF checkpoint in
+    ``<run_dir>/hf/actor_merged``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rollouts_every, bool) or not isinstance(self.rollouts_every, int) \

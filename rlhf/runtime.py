@@ -109,14 +109,27 @@ def save(roles: Roles, state: RunState, root: str, keep_last: int) -> str:
     return ckpt.finish()
 
 
-def export_hf(roles: Roles, tok, run_dir: str) -> str:
-    """The actor as an HF checkpoint (config.json, safetensors, tokenizer files) in
-    ``<run_dir>/hf/actor``, replaced whole (written beside it, then renamed)."""
-    final = os.path.join(run_dir, "hf", "actor")
+def export_hf(roles: Roles, tok, run_dir: str, merged: bool = False) -> str:
+    """The actor as an HF checkpoint (config.json, safetensors, tokenizer files; with LoRA a
+    PEFT adapter) in ``<run_dir>/hf/actor``, replaced whole (written beside it, then
+    renamed); ``merged``: also the LoRA actor with its adapters merged in ``hf/actor_merged``."""
+    def writer(save):
+        def write(tmp: str) -> None:
+            save(tmp).wait()
+            tok.save_files(tmp)
+        return write
+
+    if merged:
+        _replace_folder(os.path.join(run_dir, "hf", "actor_merged"),
+                        writer(roles.actor.save_hf_merged))
+    return _replace_folder(os.path.join(run_dir, "hf", "actor"), writer(roles.actor.save_hf))
+
+
+def _replace_folder(final: str, write) -> str:
+    """``write(tmp)`` into a folder beside ``final``, then renamed over it."""
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    roles.actor.save_hf(tmp).wait()
-    tok.save_files(tmp)
+    write(tmp)
     old = final + ".old"
     shutil.rmtree(old, ignore_errors=True)
     if os.path.isdir(final):
@@ -205,7 +218,8 @@ def train(ctl: Controller, cfg: Config, plan: WorldPlan) -> list[dict]:
         every = cfg.checkpoint.save_every
         if (every and state.step % every == 0) or state.step == cfg.iterations:
             ckpt.start(state)
-            export_hf(roles, tok, run_dir)
+            export_hf(roles, tok, run_dir,
+                      merged=cfg.log.export_merged and bool(cfg.actor.lora.rank))
     ckpt.finish()
     logger.close(plot=cfg.log.plot)
     return records

@@ -227,3 +227,26 @@ def test_peft_export_loads_in_peft_with_our_logits_and_reads_back(cases, tmp_pat
         read_peft_adapter(str(tmp_path), config, LoraConfig(rank=RANK, alpha=ALPHA))
     with pytest.raises(ValueError, match="no adapter_config.json"):
         read_peft_adapter(case["folder"], config, case["lora"])
+
+
+def test_merged_export_equals_peft_merge_and_unload(cases, tmp_path):
+    """``save_merged`` writes ``W + s B A`` into the fused tensors' HF parts: transformers
+    loads it with PEFT's ``merge_and_unload`` logits; our model's weights are untouched."""
+    import peft
+    import transformers
+
+    from engine.peft_interop import save_merged, save_peft_adapter
+
+    case = cases("qwen3", "qv")
+    model = jobs.build((1, 1, 1), case["folder"], case["lora"], case["adapters"])
+    before = {n: p.detach().clone() for n, p in model.params.items()}
+    save_merged(model, str(tmp_path / "merged"))
+    assert all(torch.equal(p, before[n]) for n, p in model.params.items())
+    save_peft_adapter(model, str(tmp_path / "adapter"), case["folder"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(case["folder"]).eval()
+    reference = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        want, got = reference(input_ids=case["ids"]).logits, merged(input_ids=case["ids"]).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, case["logits"], atol=ATOL, rtol=0)

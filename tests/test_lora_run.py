@@ -10,7 +10,8 @@ The base is a tiny Llama made with transformers (``actor.model.init_from``); the
   generation side applies the same adapters): step-0 ``rollout_logprob_diff`` ~ 0;
 - bytes into each rank: the first transition the base's other TP half plus the adapters',
   every later one the adapters' alone (``reshard/bytes``, counted from the specs);
-- the HF export is a PEFT adapter that ``PeftModel.from_pretrained`` loads over the base;
+- the HF export is a PEFT adapter that ``PeftModel.from_pretrained`` loads over the base, and
+  with ``log.export_merged`` the merged model too (PEFT's ``merge_and_unload`` logits);
 - a run resumed from the step-1 checkpoint (adapters and their Adam state only) repeats the
   uninterrupted run's steps 1 and 2 exactly.
 """
@@ -86,7 +87,8 @@ def test_lora_grpo_run(base, tmp_path):
               "checkpoint.save_every=1", "checkpoint.keep_last=0", "actor.lora.rank=4",
               "actor.lora.alpha=8"]
     first = _torchrun({"lora": common + ["iterations=3", "log.run_name=lora",
-                                         "checkpoint.resume=never"]}, tmp_path, "first")
+                                         "checkpoint.resume=never", "log.export_merged=true"]},
+                      tmp_path, "first")
     recs = first["lora"]
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert recs[0]["actor/kl_loss"] == 0 and recs[2]["actor/kl_loss"] > 0, \
@@ -106,6 +108,13 @@ def test_lora_grpo_run(base, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(base), str(export))
     trained = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert trained and all(float(p.abs().max()) > 0 for p in trained)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "hf" /
+                                                               "actor_merged")
+    ids = torch.randint(0, 24, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits,
+                                   model.merge_and_unload()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
 
     # resume from the step-1 checkpoint: the same steps 1 and 2
     ckpt = step_dir(str(tmp_path / "lora" / "checkpoints"), 1)

@@ -20,7 +20,7 @@ import torch
 
 from engine.hf_interop import stream_hf_checkpoint
 from engine.hybrid_engine import HybridEngine
-from engine.peft_interop import save_peft_adapter
+from engine.peft_interop import save_merged, save_peft_adapter
 from engine.sampling import SamplingParams
 from engine.train import TrainEngine
 from rlhf.algos import actor_loss, get_policy_loss
@@ -125,6 +125,12 @@ class PolicyWorker(CheckpointedWorker):
             save_peft_adapter(self.model, folder, self.spec.model.init_from)
             return
         stream_hf_checkpoint(self.model, folder)
+
+    @protocol(ONE_TO_ALL)
+    def save_hf_merged(self, folder: str) -> None:
+        """The LoRA policy with its adapters merged (``W + s B A``) as a plain HF checkpoint
+        in ``folder`` (collective; the model's own weights are not touched)."""
+        save_merged(self.model, folder)
 
 
 class ActorWorker(PolicyWorker):
