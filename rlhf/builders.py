@@ -330,7 +330,8 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
     group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
                       args=(RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)),
                                         sync=sync, rollout=cfg.rollout,
-                                        init_from=cfg.actor.model.init_from, seed=cfg.seed),),
+                                        init_from=cfg.actor.model.init_from, seed=cfg.seed,
+                                        lora=cfg.actor.lora.engine_config()),),
                       values_in_replies=True)
     for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective
         call.wait()

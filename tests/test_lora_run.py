@@ -9,7 +9,9 @@ The base is a tiny Llama made with transformers (``actor.model.init_from``); the
 - the training forward of the rollouts gives the log-probs they were sampled with (the
   generation side applies the same adapters): step-0 ``rollout_logprob_diff`` ~ 0;
 - bytes into each rank: the first transition the base's other TP half plus the adapters',
-  every later one the adapters' alone (``reshard/bytes``, counted from the specs);
+  every later one the adapters' alone (``reshard/bytes``, counted from the specs), and the
+  same with a disaggregated rollout pool (``weight_sync/bytes``);
+- a PPO critic trains adapters of its own;
 - the HF export is a PEFT adapter that ``PeftModel.from_pretrained`` loads over the base, and
   with ``log.export_merged`` the merged model too (PEFT's ``merge_and_unload`` logits);
 - a run resumed from the step-1 checkpoint (adapters and their Adam state only) repeats the
@@ -86,9 +88,18 @@ def test_lora_grpo_run(base, tmp_path):
               "actor.layout.tp=2", "actor.layout.gen_tp=1", f"log.runs_dir={tmp_path}",
               "checkpoint.save_every=1", "checkpoint.keep_last=0", "actor.lora.rank=4",
               "actor.lora.alpha=8"]
-    first = _torchrun({"lora": common + ["iterations=3", "log.run_name=lora",
-                                         "checkpoint.resume=never", "log.export_merged=true"]},
-                      tmp_path, "first")
+    single = [c for c in common if not c.startswith(("actor.layout.", "checkpoint."))] + [
+        "actor.layout.tp=1", "checkpoint.resume=never", "iterations=2"]
+    first = _torchrun({
+        "lora": common + ["iterations=3", "log.run_name=lora", "checkpoint.resume=never",
+                          "log.export_merged=true"],
+        # the rollout pool gets the frozen base with the first push, then the adapters alone
+        "disaggregated": single + ["log.run_name=disaggregated", "placement.mode=disaggregated",
+                                   "placement.pool_sizes={actor: 1, rollout: 1}"],
+        # a PPO critic with adapters of its own (its value head trained in full)
+        "ppo": [c.replace("algo=grpo", "algo=ppo") for c in single]
+        + ["log.run_name=ppo", "critic.lora.rank=4", "critic.lora.alpha=8", "iterations=1"]},
+        tmp_path, "first")
     recs = first["lora"]
     assert [r["step"] for r in recs] == [0, 1, 2]
     assert recs[0]["actor/kl_loss"] == 0 and recs[2]["actor/kl_loss"] > 0, \
@@ -98,6 +109,15 @@ def test_lora_grpo_run(base, tmp_path):
     full, adapters = llama_shard_specs(config, 1), lora_shard_specs(config, 1, lora)
     assert recs[0]["reshard/bytes"] == _received_bytes(full) + _received_bytes(adapters)
     assert recs[1]["reshard/bytes"] == recs[2]["reshard/bytes"] == _received_bytes(adapters)
+
+    pushed = first["disaggregated"]
+    assert pushed[0]["actor/rollout_logprob_diff_max"] < 1e-4 and pushed[0]["actor/kl_loss"] == 0
+    base_bytes = 4 * sum(torch.Size(s.shape).numel() for s in full)
+    adapter_bytes = 4 * sum(torch.Size(s.shape).numel() for s in adapters)
+    assert pushed[0]["weight_sync/bytes"] == base_bytes + adapter_bytes  # the start's push
+    assert pushed[1]["weight_sync/bytes"] == adapter_bytes
+    ppo = first["ppo"][0]
+    assert ppo["critic/grad_norm"] > 0 and ppo["actor/grad_norm"] > 0
 
     # the export: a PEFT adapter over the base
     import peft

@@ -104,8 +104,13 @@ class RolloutPool:
     def push(self) -> dict[str, float]:
         """After an actor update: its weights become the next version on the rollout pool.
         Returns ``timing_s/weight_sync``, the rollout ranks' time in the previous push (done
-        by now: the training pool ran it before this update)."""
-        done = {} if self._pull is None else {"timing_s/weight_sync": max(self._pull.get())}
+        by now: the training pool ran it before this update), and ``weight_sync/bytes``, what
+        they received in it together."""
+        done = {}
+        if self._pull is not None:
+            pulled = self._pull.get()
+            done = {"timing_s/weight_sync": max(p["time_s"] for p in pulled),
+                    "weight_sync/bytes": sum(p["received_bytes"] for p in pulled)}
         self.version += 1
         self.actor.push_weights()  # both ends issued back to back: one collective
         self._pull = self.rollout.pull_weights(self.version)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.llama_spec import LlamaConfig, llama_shard_specs
+from engine.lora import LoraConfig, lora_shard_specs
 from engine.sampling import SamplingParams, derive_seed
 from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.sync import WeightSync, build_sync_group
@@ -81,6 +82,9 @@ class RolloutSpec:
     """The actor's HF folder (vLLM reads its config.json); None = random init."""
     seed: int
     """vLLM's global seed."""
+    lora: LoraConfig | None
+    """The actor's LoRA adapters (None: none): the frozen base comes with the first push
+    only, the adapters with every push, applied unmerged by the native engine."""
 
 
 @dataclass(frozen=True)
@@ -121,20 +125,32 @@ class PushingActorWorker(PolicyWorker):
     """The actor of a disaggregated run: trains as :class:`~rlhf.workers.actor.ActorWorker`
     does, generates nothing (no generation weights, no KV cache: the rollout pool generates
     every rollout and the held-out evaluation) and pushes its weights to the rollout pool
-    after every update."""
+    after every update (with LoRA: the frozen base with the first push only, the adapters
+    with every push)."""
 
     sync: WeightSync | None = None
+    adapter_sync: WeightSync | None = None
 
     @protocol(ONE_TO_ALL)
     def connect_rollout(self, sync: SyncSpec) -> None:
         """Plan the weight push (collective with the rollout pool's ``connect_actor``)."""
         self.sync = _connect(sync, self.model.specs, train_shards=self.model.params)
+        if self.model.lora is not None:
+            self.adapter_sync = _connect(sync, self.model.adapter_specs,
+                                         train_shards=self.model.adapter_params)
 
     @protocol(ONE_TO_ALL)
     def push_weights(self) -> float:
         """Send this rank's boxes of the current weights (collective with ``pull_weights``);
         returns the seconds this rank spent, waiting for the rollout pool included."""
-        return self.sync.sync().time_s
+        return sum(s.time_s for s in _push(self.sync, self.adapter_sync))
+
+
+def _push(base: WeightSync, adapters: WeightSync | None) -> list:
+    """One push or pull, the same on both ends (collective between the pools): the weights,
+    or with LoRA the frozen base the first time and the adapters every time."""
+    stats = [base.sync()] if adapters is None or base.version == 0 else []
+    return stats + ([adapters.sync()] if adapters is not None else [])
 
 
 class RolloutWorker(Worker):
@@ -147,21 +163,28 @@ class RolloutWorker(Worker):
                                     init_from=spec.init_from, seed=spec.seed,
                                     sleep_between_phases=False)  # this pool never trains
         self.sync: WeightSync | None = None
+        self.adapter_sync: WeightSync | None = None
 
     @protocol(ONE_TO_ALL)
     def connect_actor(self) -> None:
         """Plan the weight push (collective with the actor's ``connect_rollout``)."""
-        pp = self.spec.sync.train[0]
-        self.sync = _connect(self.spec.sync, llama_shard_specs(self.spec.config, pp))
+        s, pp = self.spec, self.spec.sync.train[0]
+        self.sync = _connect(s.sync, llama_shard_specs(s.config, pp))
+        if s.lora is not None:
+            self.adapter_sync = _connect(s.sync, lora_shard_specs(s.config, pp, s.lora))
 
     @protocol(ONE_TO_ALL)
-    def pull_weights(self, version: int) -> float:
+    def pull_weights(self, version: int) -> dict[str, float]:
         """Receive this rank's generation shard in place (collective with ``push_weights``)
-        and generate with it as weight version ``version``; returns the seconds spent."""
+        and generate with it as weight version ``version``; returns the seconds spent and
+        the bytes received (with LoRA: the base once, then the adapters alone)."""
         t0 = time.perf_counter()
-        self.sync.sync()
+        stats = _push(self.sync, self.adapter_sync)
+        if self.adapter_sync is not None:
+            self.engine.set_adapters(self.adapter_sync.generation_params(), self.spec.lora)
         self.engine.load_weights(PushedWeights(self.sync, version))
-        return time.perf_counter() - t0
+        return {"time_s": time.perf_counter() - t0,
+                "received_bytes": float(sum(st.received_bytes for st in stats))}
 
     @protocol(THREE_D_PROTO, phase="generation")
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> Batch:
