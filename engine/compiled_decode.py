@@ -32,16 +32,24 @@ from engine import inductor
 from engine.forward_paths import Rope, StageLayers
 from engine.kv_cache import DecodeSlots, LayerSlots
 from engine.layers import decoder_layer
+from engine.lora import LayerLora
 
 
 def decode_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
                  sin: torch.Tensor, attn: torch.Tensor | None, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, pos: torch.Tensor, q_per_group: int, head_dim: int,
-                 eps: float) -> torch.Tensor:
+                 eps: float, lora_a: dict[str, torch.Tensor] | None = None,
+                 lora_b: dict[str, torch.Tensor] | None = None,
+                 lora_scale: float = 1.0) -> torch.Tensor:
     """One decode layer of ``x [b, 1, H]`` writing its keys and values at ``pos`` of
-    ``k_cache, v_cache [b, h_kv, max_len, D]`` (the function that is compiled)."""
+    ``k_cache, v_cache [b, h_kv, max_len, D]`` (the function that is compiled), with the
+    layer's LoRA adapters when ``lora_a``/``lora_b`` are given (tensors, not the
+    :class:`engine.lora.LayerLora` object: one compiled function serves every layer)."""
+    lora = (LayerLora(a=lora_a, b=lora_b, scale=lora_scale, dropout=0.0, tp_group=None,
+                      q_per_group=q_per_group, head_dim=head_dim)
+            if lora_a is not None else None)
     return decoder_layer(x, w, (cos, sin), attn, q_per_group, head_dim, eps, None,
-                         kv_hook=LayerSlots(k_cache, v_cache, pos))
+                         kv_hook=LayerSlots(k_cache, v_cache, pos), lora=lora)
 
 
 _compiled_layer = inductor.Compiled(decode_layer, min_numel=0, dynamic=None)
@@ -71,6 +79,8 @@ class CompiledDecodeLayers:
         s, layer = self.stage, _compiled_layer
         cos, sin = rope
         for j, w in enumerate(self.weights):
+            lora = s.loras[j] if s.loras else None
+            adapters = ((dict(lora.a), dict(lora.b), lora.scale) if lora is not None else ())
             x = layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
-                      s.q_per_group, s.head_dim, s.eps)
+                      s.q_per_group, s.head_dim, s.eps, *adapters)
         return x

@@ -316,10 +316,9 @@ class GenerationEngine:
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
             tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras)
         self.weights, self.weights_version = weights, version
-        # LoRA adapters run on the Python layers (the kernels and the compiled step lack them)
+        # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)
-        self.static_layers = (CompiledDecodeLayers(stage) if self.compile_decode and not loras
-                              else None)
+        self.static_layers = CompiledDecodeLayers(stage) if self.compile_decode else None
         self.block_rows = None
         if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
             from engine import _kernels  # built: the kernel paths exist only then
