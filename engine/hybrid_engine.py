@@ -42,9 +42,11 @@ class Rollout(Protocol):
     def load_weights(self, resharder: Resharder) -> None:
         """Take the new generation weights (the resharder is in generation mode)."""
 
-    def set_adapters(self, adapters: dict[str, torch.Tensor] | None, lora) -> None:
-        """LoRA adapters (generation views, :class:`engine.lora.LoraConfig`) for the next
-        :meth:`load_weights`; only a LoRA actor calls it."""
+    def set_adapters(self, source, lora) -> None:
+        """LoRA adapters for the next :meth:`load_weights`: ``source`` holds them in the
+        generation layout as a resharder holds weights (``generation_params()``,
+        ``named_generation_weights()``, ``version``), ``lora`` their
+        :class:`engine.lora.LoraConfig`; only a LoRA actor calls it."""
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  sampling: SamplingParams) -> GenerationOutput:
@@ -120,8 +122,7 @@ class HybridEngine:
                                    f"expected {before + 1}")
             if lora:
                 stats = _combined(stats, self.adapter_resharder.to_generation())
-                self.rollout.set_adapters(self.adapter_resharder.generation_params(),
-                                          self.model.lora)
+                self.rollout.set_adapters(self.adapter_resharder, self.model.lora)
             self.last_transition = stats
             self._generating = True
             try:

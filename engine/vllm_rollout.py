@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -212,7 +214,8 @@ def response_tables(token_lists: Sequence[Sequence[int]],
 
 
 def build_llm(model_dir: str, *, tp_g: int, pp_g: int, world_size: int, dtype: str, seed: int,
-              gpu_memory_utilization: float, max_num_seqs: int | None, llm_cls=None):
+              gpu_memory_utilization: float, max_num_seqs: int | None,
+              max_lora_rank: int | None = None, llm_cls=None):
     """This rank's ``vllm.LLM`` for :class:`VLLMRollout` (engine and worker in this process).
 
     Args:
@@ -225,6 +228,8 @@ def build_llm(model_dir: str, *, tp_g: int, pp_g: int, world_size: int, dtype: s
         seed: vLLM's global seed (each request carries its own, :func:`row_seeds`).
         gpu_memory_utilization: fraction of the GPU vLLM may take (weights and KV cache).
         max_num_seqs: rows vLLM schedules at once; None = vLLM's default.
+        max_lora_rank: the actor's LoRA rank: vLLM is built with LoRA enabled (one adapter
+            at a time); None = no LoRA.
         llm_cls: the class to build (default ``vllm.LLM``).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # worker in this process: buckets by
@@ -237,6 +242,8 @@ def build_llm(model_dir: str, *, tp_g: int, pp_g: int, world_size: int, dtype: s
                   enable_sleep_mode=True, load_format="dummy", skip_tokenizer_init=True)
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
+    if max_lora_rank is not None:
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
     if world_size > 1:
         kwargs.update(distributed_executor_backend="external_launcher",
                       data_parallel_size=world_size // (pp_g * tp_g))
@@ -255,6 +262,8 @@ class VLLMRollout:
         sleep_level: ``llm.sleep(level=)`` between generations (the LLM built with
             ``enable_sleep_mode=True``): 1 moves vLLM's weights to host memory and drops its KV
             cache, 2 drops both; None = vLLM stays on the device.
+        lora_request_cls: class of vLLM's LoRA requests (default
+            ``vllm.lora.request.LoRARequest``), for an actor with adapters.
 
     Construction asks the worker (one ``collective_rpc``, no collective of ours) for its TP
     size and checks it against ``tp_group`` before any weight moves, then puts the engine to
@@ -266,7 +275,8 @@ class VLLMRollout:
     """
 
     def __init__(self, llm, tp_group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 sampling_cls=None, sleep_level: int | None = 1) -> None:
+                 sampling_cls=None, sleep_level: int | None = 1,
+                 lora_request_cls=None) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) \
                 or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be a positive int")
@@ -292,6 +302,10 @@ class VLLMRollout:
         self.asleep = False
         self.weights_version: int | None = None
         self.last_load: WeightLoadStats | None = None
+        self.lora_request_cls = lora_request_cls
+        self.adapters = self.lora = self.lora_request = None
+        self._adapter_root: str | None = None
+        self._base_loaded = False
         self._sleep()
 
     def _sleep(self) -> None:
@@ -303,13 +317,27 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up(tags=[tag])
 
+    def set_adapters(self, source, lora) -> None:
+        """LoRA adapters for the next :meth:`load_weights` (``source``: their generation
+        shards as a resharder holds them; ``lora``: their :class:`engine.lora.LoraConfig`).
+        vLLM then applies them through its own LoRA support (a request naming a PEFT folder),
+        and the frozen base is loaded with the first :meth:`load_weights` only (it stays in
+        vLLM's weights, which sleep level 1 keeps in host memory)."""
+        self.adapters, self.lora = source, lora
+
     def load_weights(self, resharder) -> None:
         """Wake vLLM's weights, load the generation weights of ``resharder`` (or any source
         with ``specs``, ``named_generation_weights`` and ``version``, e.g. a
         :class:`hybridflow_comm.sync.WeightSync`), wake its KV cache and drop the prefix
-        cache computed with the old weights."""
+        cache computed with the old weights.  With adapters (:meth:`set_adapters`) the base
+        is loaded once and the adapters are written as a PEFT folder for vLLM's LoRA loader
+        every time."""
         t0 = time.perf_counter()
         self._wake("weights")
+        if self.adapters is not None and self._base_loaded and self.sleep_level != 2:
+            self._load_adapters(resharder.version)
+            self._finish_load(resharder.version, [], t0)
+            return
         plan = plan_weight_buckets(full_hf_sizes(resharder, self.tp_group), self.bucket_bytes)
         stream = full_hf_weights(resharder, self.tp_group)
         loaded = 0
@@ -321,13 +349,44 @@ class VLLMRollout:
             del pairs  # the gathered tensors of this bucket go before the next is gathered
         tensors = sum(len(b.names) for b in plan)
         assert loaded == tensors and next(stream, None) is None, (loaded, tensors)
+        self._base_loaded = True
+        if self.adapters is not None:
+            self._load_adapters(resharder.version)
+        self._finish_load(resharder.version, plan, t0)
+
+    def _finish_load(self, version: int, plan: list[WeightBucket], t0: float) -> None:
         self._wake("kv_cache")
         self.asleep = False
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
-        self.weights_version = resharder.version
-        self.last_load = WeightLoadStats(buckets=len(plan), tensors=tensors,
+        self.weights_version = version
+        self.last_load = WeightLoadStats(buckets=len(plan),
+                                         tensors=sum(len(b.names) for b in plan),
                                          nbytes=sum(b.nbytes for b in plan),
                                          time_s=time.perf_counter() - t0)
+
+    def _load_adapters(self, version: int) -> None:
+        """The adapters' full tensors (gathered over the generation TP group) as a PEFT folder
+        of this process, and the LoRA request that makes vLLM load it (a new id per weight
+        version, so it never serves an older adapter)."""
+        from safetensors.torch import save_file
+
+        from engine.peft_interop import peft_lora_config
+
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.mkdtemp(prefix="hybridflow_vllm_lora_")
+        folder = os.path.join(self._adapter_root, f"v{version}")
+        os.makedirs(folder, exist_ok=True)
+        weights = {name: t.detach().to("cpu").contiguous()
+                   for name, t in full_hf_weights(self.adapters, self.tp_group)}
+        peft_lora_config(self.lora).save_pretrained(folder)
+        save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
+        if self.lora_request is not None:
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        cls = self.lora_request_cls
+        if cls is None:
+            from vllm.lora.request import LoRARequest as cls  # noqa: N813 - import guard
+        self.lora_request = cls(lora_name=f"actor-v{version}", lora_int_id=version + 1,
+                                lora_path=folder)
 
     def release(self) -> None:
         """Put vLLM to sleep (its weights and KV cache leave the device for training)."""
@@ -351,7 +410,8 @@ class VLLMRollout:
         # the prompts' real tokens as host lists: vLLM's input format
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in
                    zip(input_ids, mask)]
-        outs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        extra = {"lora_request": self.lora_request} if self.lora_request is not None else {}
+        outs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, **extra)
         comps = [o.outputs[0] for o in outs]
         resp, resp_mask, lps = response_tables(
             [c.token_ids for c in comps],

@@ -162,9 +162,6 @@ class Config:
                              f"than data.max_response_len={self.data.max_response_len}")
         if self.reference.model not in (None, self.actor.model):
             raise ValueError("reference.model must equal actor.model (leave it null)")
-        if self.actor.lora.rank and self.rollout.engine != "native":
-            raise ValueError(f"actor.lora.rank > 0 with rollout.engine={self.rollout.engine!r}:"
-                             f" LoRA rollouts run on the native engine")
         longest = self.data.max_prompt_len + self.data.max_response_len
         for role in ("actor", "critic", "cost_critic"):
             section = getattr(self, role)

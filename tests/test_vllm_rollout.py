@@ -28,7 +28,7 @@ from engine.generation import GenerationEngine
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict
 from engine.hybrid_engine import HybridEngine
 from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
-from engine.model import ParallelLlama, load_full_state_dict
+from engine.model import ParallelLlama, load_adapter_state_dict, load_full_state_dict
 from engine.sampling import SamplingParams
 from engine.vllm_rollout import VLLMRollout, WeightBucket, plan_weight_buckets
 from engine.train import OptimConfig
@@ -116,10 +116,11 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.events.append(("reset_prefix_cache",))
 
-    def generate(self, prompts, sampling_params, use_tqdm=False):
+    def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
         assert not self.asleep, f"generate while {sorted(self.asleep)} sleep"
         assert isinstance(sampling_params, list) and len(sampling_params) == len(prompts)
         self.events.append(("generate", len(prompts)))
+        self.lora_requests = getattr(self, "lora_requests", []) + [lora_request]
         return self._generate(prompts, sampling_params)
 
     @torch.no_grad()
@@ -295,6 +296,62 @@ def test_adapter_loads_generation_views_in_buckets_and_matches_native_engine():
     assert torch.equal(via_vllm.input_ids, ref.input_ids)
     assert torch.equal(via_vllm.attention_mask, ref.attention_mask)
     torch.testing.assert_close(via_vllm.log_probs, ref.log_probs, atol=1e-5, rtol=0)
+
+
+def test_lora_actor_loads_the_base_once_and_its_adapters_through_vllms_lora_requests():
+    """An actor with LoRA adapters on vLLM: the base is loaded with the first generation phase
+    only; every phase writes the adapters (full tensors, PEFT names) as a PEFT folder that
+    ``peft`` reads back, with a LoRA request of a new id that each generate call carries;
+    the previous version's folder is removed."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    from engine.lora import LoraConfig, init_lora_state_dict
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(CFG, groups, lora=lora)
+    load_full_state_dict(model, init_full_state_dict(CFG, seed=4, std=0.2))
+    adapters = {k: v + 0.1 for k, v in init_lora_state_dict(CFG, lora, seed=1).items()}
+    load_adapter_state_dict(model, adapters)
+    hf = transformers.LlamaForCausalLM(config_to_hf(CFG)).eval()
+    fake = FakeLLM([FakeWorker(hf=hf)], hf=hf)
+    rollout = VLLMRollout(fake, groups.gen_tp, sampling_cls=fake_sampling,
+                          lora_request_cls=SimpleNamespace)
+    engine = HybridEngine(model, rollout=rollout)
+    ids = torch.randint(1, CFG.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    folders = []
+    for cycle in range(2):
+        loads = fake.rpc.count(LOAD_BUCKET)
+        with engine.generation_mode():
+            engine.generate_sequences(ids, None, SamplingParams(max_new_tokens=3,
+                                                                temperature=0.0))
+            request = rollout.lora_request
+        assert (fake.rpc.count(LOAD_BUCKET) > loads) == (cycle == 0)  # the base once
+        assert fake.lora_requests[-1] is request
+        assert request.lora_int_id == engine.version + 1
+        folders.append(request.lora_path)
+        saved = peft.PeftConfig.from_pretrained(request.lora_path)
+        assert (saved.r, saved.lora_alpha) == (4, 8.0)
+        assert set(saved.target_modules) == {"q_proj", "v_proj", "down_proj"}
+        weights = load_file(os.path.join(request.lora_path, "adapter_model.safetensors"))
+        specs = {s.hf_names[0]: s.name for s in model.adapter_specs}
+        assert set(weights) == set(specs)
+        assert all(torch.equal(weights[k], adapters[n]) for k, n in specs.items())
+    assert not os.path.exists(folders[0]) and os.path.exists(folders[1])
+
+
+def test_build_llm_enables_lora_at_the_actors_rank():
+    from engine.vllm_rollout import build_llm
+
+    made = build_llm("DIR", tp_g=1, pp_g=1, world_size=1, dtype="float32", seed=0,
+                     gpu_memory_utilization=0.5, max_num_seqs=None, max_lora_rank=32,
+                     llm_cls=lambda **kw: kw)
+    assert (made["enable_lora"], made["max_lora_rank"], made["max_loras"]) == (True, 32, 1)
+    plain = build_llm("DIR", tp_g=1, pp_g=1, world_size=1, dtype="float32", seed=0,
+                      gpu_memory_utilization=0.5, max_num_seqs=None, llm_cls=lambda **kw: kw)
+    assert "enable_lora" not in plain
 
 
 def test_adapter_checks_the_engine_before_any_weight_moves():

@@ -142,7 +142,7 @@ class ActorWorker(PolicyWorker):
         super().__init__(spec)
         rollout = build_rollout(spec.rollout, self.model.config, self.groups, self.device,
                                 init_from=spec.model.init_from, seed=spec.model.seed,
-                                sleep_between_phases=True)
+                                sleep_between_phases=True, lora=spec.model.lora)
         self.engine = HybridEngine(self.model, train=self.train, rollout=rollout,
                                    offload_during_generation=spec.offload_during_generation)
 

@@ -161,7 +161,8 @@ class RolloutWorker(Worker):
         self.spec = spec
         self.engine = build_rollout(spec.rollout, spec.config, self.groups, self.device,
                                     init_from=spec.init_from, seed=spec.seed,
-                                    sleep_between_phases=False)  # this pool never trains
+                                    sleep_between_phases=False,  # this pool never trains
+                                    lora=spec.lora)
         self.sync: WeightSync | None = None
         self.adapter_sync: WeightSync | None = None
 
@@ -181,7 +182,7 @@ class RolloutWorker(Worker):
         t0 = time.perf_counter()
         stats = _push(self.sync, self.adapter_sync)
         if self.adapter_sync is not None:
-            self.engine.set_adapters(self.adapter_sync.generation_params(), self.spec.lora)
+            self.engine.set_adapters(PushedWeights(self.adapter_sync, version), self.spec.lora)
         self.engine.load_weights(PushedWeights(self.sync, version))
         return {"time_s": time.perf_counter() - t0,
                 "received_bytes": float(sum(st.received_bytes for st in stats))}

@@ -29,6 +29,7 @@ import torch
 from engine.generation import GenerationEngine, GenerationOutput
 from engine.hf_interop import config_to_hf
 from engine.llama_spec import LlamaConfig
+from engine.lora import LoraConfig
 from engine.sampling import SamplingParams
 from hybridflow_comm.groups import HybridGroups
 from rlhf.config import RolloutConfig
@@ -84,8 +85,8 @@ class WavedGeneration:
     def load_weights(self, source) -> None:
         self.engine.load_weights(source)
 
-    def set_adapters(self, adapters: Mapping[str, torch.Tensor] | None, lora=None) -> None:
-        self.engine.set_adapters(adapters, lora)
+    def set_adapters(self, source, lora) -> None:
+        self.engine.set_adapters(source.generation_params(), lora)
 
     def set_weights(self, weights: Mapping[str, torch.Tensor], version: int | None = None
                     ) -> None:
@@ -130,7 +131,7 @@ def vllm_model_dir(config: LlamaConfig, init_from: str | None) -> str:
 
 def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGroups,
                   device: torch.device, init_from: str | None, seed: int,
-                  sleep_between_phases: bool):
+                  sleep_between_phases: bool, lora: LoraConfig | None = None):
     """This rank's generation backend for ``settings.engine``.
 
     Args:
@@ -142,6 +143,7 @@ def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGr
         seed: vLLM's global seed.
         sleep_between_phases: vLLM sleeps outside generation (the actor, which trains on the
             same GPUs); the rollout pool keeps it awake.
+        lora: the actor's LoRA adapters (vLLM is built with LoRA enabled at their rank).
     """
     if settings.engine == "native":
         return WavedGeneration(GenerationEngine(config, groups, device=device),
@@ -153,5 +155,6 @@ def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGr
     llm = build_llm(vllm_model_dir(config, init_from), tp_g=layout.tp_g, pp_g=layout.pp_g,
                     world_size=world, dtype=str(config.dtype).removeprefix("torch."),
                     seed=seed, gpu_memory_utilization=settings.gpu_memory_utilization,
-                    max_num_seqs=settings.max_num_seqs)
+                    max_num_seqs=settings.max_num_seqs,
+                    max_lora_rank=lora.rank if lora is not None else None)
     return VLLMRollout(llm, groups.gen_tp, sleep_level=1 if sleep_between_phases else None)
