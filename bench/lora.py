@@ -3,8 +3,8 @@ memory per rank, training step time, bytes synced to the generation side per ite
 (``--iteration``) a whole GRPO iteration.
 
     python -m bench.lora [--shape small|qwen2.5-0.5b] [--rank 32] [--alpha 64]
-                         [--sequences N] [--micro-batch M] [--repeat R] [--iteration]
-                         [--json PATH]
+                         [--sequences N] [--micro-batch M] [--repeat R]
+                         [--iteration [--response-len N]] [--json PATH]
     python -m bench.lora --learning [--rank 32 --alpha 32 --lr-factor 10] [--png PATH]
 
 - ``state_bytes``: what one rank holds for training, counted from its tensors after a step:
@@ -33,6 +33,7 @@ side holding about 8 GB of training state).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -153,14 +154,18 @@ def measure_steps(shape: BenchShape, lora, sequences: int, micro: int, repeat: i
     return times
 
 
-def measure_iteration(shape_name: str, rank: int, alpha: float, steps: int = 3) -> dict:
-    """GRPO on 2 ranks (tp=2 -> gen 1), full and LoRA, from the same files."""
+def measure_iteration(shape_name: str, rank: int, alpha: float, steps: int = 3,
+                      response_len: int | None = None) -> dict:
+    """GRPO on 2 ranks (tp=2 -> gen 1), full and LoRA, from the same files (responses of
+    ``response_len`` tokens, default the shape's)."""
     from bench.e2e import contest, our_overrides, prepare
     from rlhf.metrics import read_metrics
 
-    out = {}
+    out = {"response_len": response_len}
     with tempfile.TemporaryDirectory() as work:
         c = contest(shape_name, work)
+        if response_len is not None:
+            c = dataclasses.replace(c, response_len=response_len)
         prompts, samples = 4, 2
         prepare(c, prompts, steps)
         for side in SIDES:
@@ -247,6 +252,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--iteration", action="store_true", help="also time GRPO iterations")
+    p.add_argument("--response-len", type=int, default=None,
+                   help="--iteration: tokens per response (default the shape's)")
+    p.add_argument("--iteration-only", action="store_true",
+                   help="only the GRPO iterations (not the state, memory and step parts)")
     p.add_argument("--learning", action="store_true",
                    help="only the main job's learning curves, full against LoRA")
     p.add_argument("--lr-factor", type=float, default=10.0,
@@ -273,6 +282,15 @@ def main(argv: list[str] | None = None) -> int:
                           "final": {s: result[s]["accuracy"][-1] for s in SIDES}}))
         write_json(result, a.json)
         return 0
+    if a.iteration_only:
+        result = {"iteration": measure_iteration(a.shape, a.rank, a.alpha,
+                                                 response_len=a.response_len),
+                  "rank": a.rank, "alpha": a.alpha, "shape": shape.describe(),
+                  "device": "cpu", "precision": "fp32",
+                  "argv": sys.argv if argv is None else argv}
+        print(json.dumps(result["iteration"]))
+        write_json(result, a.json)
+        return 0
     lora = lora_config(a.rank, a.alpha)
     memory = measure_memory(a)
     steps = measure_steps(shape, lora, a.sequences, a.micro_batch, a.repeat)
@@ -291,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         "shape": shape.describe(), "device": "cpu", "precision": "fp32",
         "argv": sys.argv if argv is None else argv}
     if a.iteration:
-        result["iteration"] = measure_iteration(a.shape, a.rank, a.alpha)
+        result["iteration"] = measure_iteration(a.shape, a.rank, a.alpha,
+                                                response_len=a.response_len)
     print(json.dumps({k: result[k] for k in ("state_ratio", "step_ratio", "sync_ratio",
                                              "peak_rss_saved_bytes")}))
     print(f"LoRA rank {a.rank} vs full at {a.shape}: training state {result['state_ratio']:.1f}x"
