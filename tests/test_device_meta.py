@@ -36,13 +36,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @contextmanager
 def meta_default():
-    """The default device is ``meta`` inside the block, the previous one after it."""
-    previous = torch.get_default_device()
-    torch.set_default_device("meta")
-    try:
+    """The default device is ``meta`` inside the block, and after it none again (a device
+    context, pushed and popped: ``set_default_device(previous)`` would leave a ``cpu`` one
+    behind, a torch-function mode that ``torch.compile`` of later tests cannot trace)."""
+    with torch.device("meta"):
         yield
-    finally:
-        torch.set_default_device(previous)
 
 
 def modes():
