@@ -53,6 +53,8 @@ from tests.rlhf_jobs import base_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISY = ("timing_s/", "perf/", "memory/")
+TRANSFER = ("reshard/", "weight_sync/")
+"""Bytes moved to the generation side: by resharding colocated, by pushes disaggregated."""
 DISAGG = ["algo=grpo", "placement.mode=disaggregated",
           "placement.pool_sizes={actor: 2, rollout: 2}"]
 # the format reward of the built-in task from a random start: about 0.3 at first, learnt
@@ -141,7 +143,8 @@ class _Rollout:
     def pull_weights(self, version: int) -> _Done:
         self.version = version
         self.log.append(("pull", version))
-        return _Done([0.5, 0.25])
+        return _Done([{"time_s": 0.5, "received_bytes": 3.0},   # one reply per pool rank
+                      {"time_s": 0.25, "received_bytes": 5.0}])
 
     def generate_sequences(self, prompts: Batch, sampling: SamplingParams) -> _Done:
         self.log.append(("gen" if sampling.temperature > 0 else "greedy", sampling.seed))
@@ -204,7 +207,7 @@ def test_pipeline_versions_prompts_and_seeds(k):
         assert m["rollout/dropped"] == 0
         assert m["rollout/weights_version"] == max(0, t - k)
         out = pool.push()
-        assert out == {"timing_s/weight_sync": 0.25 * 2}
+        assert out == {"timing_s/weight_sync": 0.5, "weight_sync/bytes": 8.0}  # slowest; sum
         assert pool.version == t + 1
     gens = [e for e in log if e[0] == "gen"]
     assert [e[1] for e in gens] == list(range(iterations))
@@ -520,13 +523,14 @@ def test_resume_pushes_the_restored_weights(runs):
 def assert_staleness_zero_equals(a: list[dict], s: list[dict], n: int) -> list[dict]:
     """``n`` records each; every record of the k = 0 disaggregated run ``a`` is at staleness 0
     with its step's version, and equals the synchronous run's ``s`` bit for bit but for the
-    timings and the rollout/ metrics.  Returns ``a``'s compared records."""
+    timings, the transfer bytes and the rollout/ metrics.  Returns ``a``'s compared records."""
     assert len(a) == len(s) == n
     compared = []
     for x, y in zip(a, s):
         assert x["rollout/staleness_max"] == 0 and x["rollout/weights_version"] == x["step"]
-        exact = {k: v for k, v in x.items() if not k.startswith((*NOISY, "rollout/"))}
-        assert exact == {k: v for k, v in y.items() if not k.startswith(NOISY)}
+        exact = {k: v for k, v in x.items()
+                 if not k.startswith((*NOISY, *TRANSFER, "rollout/"))}
+        assert exact == {k: v for k, v in y.items() if not k.startswith((*NOISY, *TRANSFER))}
         compared.append(exact)
     return compared
 

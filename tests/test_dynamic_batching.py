@@ -503,10 +503,11 @@ def test_config_keys():
     assert reference_spec(cfg).max_tokens == 64
 
 
-def test_padded_log_prob_pass_runs_micro_batches_of_micro_rows():
-    """Without a token budget the log-prob pass runs ``micro_rows`` rows per forward (one
-    micro-batch's logits at a time, as verl's log_prob_micro_batch_size), with the outputs of
-    one whole-batch forward."""
+def test_padded_log_prob_pass_runs_micro_batches_of_micro_rows(monkeypatch):
+    """Without a token budget the log-prob pass runs at least ``micro_rows`` rows per forward,
+    more while their logits fit ``LOGITS_PER_FORWARD`` (one micro-batch's logits at a time),
+    with the outputs of one whole-batch forward."""
+    from rlhf.workers import common
     from engine.model import ParallelLlama, load_full_state_dict
     from engine.llama_spec import init_full_state_dict
     from engine.train import TrainEngine
@@ -521,8 +522,13 @@ def test_padded_log_prob_pass_runs_micro_batches_of_micro_rows():
     engine.forward = lambda mbs, **kw: seen.append([m["input_ids"].shape[0] for m in mbs]) \
         or forward(mbs, **kw)
     batch = _rollout()
-    whole = forward_outputs(engine, batch, None, temperature=0.9)
+    whole = forward_outputs(engine, batch, None, temperature=0.9, micro_rows=3)  # all fit
+    per_row = (batch["input_ids"].shape[1] - (P - 1)) * V  # logit elements of one row
+    monkeypatch.setattr(common, "LOGITS_PER_FORWARD", 2 * per_row)  # 2 rows fit: 3 run
     split = forward_outputs(engine, batch, None, temperature=0.9, micro_rows=3)
-    assert seen == [[B], [3, 3, B - 6]]
+    monkeypatch.setattr(common, "LOGITS_PER_FORWARD", 5 * per_row)  # 5 fit: more than 3
+    wider = forward_outputs(engine, batch, None, temperature=0.9, micro_rows=3)
+    assert seen == [[B], [3, 3, B - 6], [5, B - 5]]
     for k in whole:
         assert (split[k] - whole[k]).abs().max() <= 1e-6, k
+        assert (wider[k] - whole[k]).abs().max() <= 1e-6, k

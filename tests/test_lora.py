@@ -262,6 +262,7 @@ def test_generation_applies_the_adapters_eagerly_and_compiled(cases):
     from engine.sampling import SamplingParams
 
     torch._dynamo.reset()
+    counted = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the process's so far
     case = cases("qwen2_tied", "all")
     model = jobs.build((1, 1, 1), case["folder"], case["lora"], case["adapters"])
     ids = case["ids"][:, :6]
@@ -284,4 +285,4 @@ def test_generation_applies_the_adapters_eagerly_and_compiled(cases):
     lp = torch.log_softmax(logits[:, 5:-1].float(), -1).gather(
         -1, eager.input_ids[:, 6:, None])[..., 0]
     torch.testing.assert_close(lp, eager.log_probs, atol=1e-4, rtol=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] - counted <= 3

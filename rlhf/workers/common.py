@@ -105,18 +105,28 @@ def update_micro_batches(batch: Batch, update: UpdateSpec, dp: Group) -> list[li
     return token_minibatches(batch, update.mini_batch_rows, update.max_tokens, dp)
 
 
+LOGITS_PER_FORWARD = 1 << 30
+"""Logit elements one padded forward of :func:`forward_outputs` may hold (``[rows x
+positions, vocab / tp]``: about 6 GiB as bf16 logits plus their float32 copy)."""
+
+
 def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *,
                     temperature: float, micro_rows: int | None = None
                     ) -> dict[str, torch.Tensor] | None:
     """The head outputs of every row of ``batch`` from :func:`response_head_from` (in row
-    order; None off the last pipeline stage): padded micro-batches of ``micro_rows`` rows
-    (None: one of every row), or with ``max_tokens`` micro-batches by token budget with the
-    padding removed (zeros where the padded path predicts or holds padding).  Only one
-    micro-batch's activations and ``[tokens, vocab]`` logits exist at a time."""
+    order; None off the last pipeline stage): padded micro-batches of at least
+    ``micro_rows`` rows (None: every row), as many more as keep their logits within
+    :data:`LOGITS_PER_FORWARD` (a log-prob pass at 151,936 columns runs a few rows at a
+    time, a small model's whole batch at once), or with ``max_tokens`` micro-batches by token
+    budget with the padding removed (zeros where the padded path predicts or holds padding).
+    Only one micro-batch's activations and logits exist at a time."""
     inputs, head_from = model_inputs(batch), response_head_from(batch)
     if max_tokens is None:
-        rows = batch["input_ids"].shape[0]
-        step = min(micro_rows or rows, rows)
+        rows, seq = batch["input_ids"].shape
+        m = engine.model
+        width = m.config.vocab_size // m.layout.tp if m.head == "lm" else 1
+        fit = LOGITS_PER_FORWARD // max(1, (seq - head_from) * width)
+        step = min(rows, max(micro_rows or rows, fit))
         mbs = [{k: v[i:i + step] for k, v in inputs.items()} for i in range(0, rows, step)]
         outs = engine.forward(mbs, head_from=head_from, temperature=temperature)
         if outs is None:
