@@ -27,6 +27,22 @@ from rlhf.runtime import RunState, restore, save, train
 from rlhf.train import single_process_env
 from rlhf.world_plan import validate_for_world
 
+def launch(spec: dict, folder, name: str = "spec", nproc: int = 2,
+           env: dict | None = None) -> dict:
+    """Run ``spec`` (``{run: [key=value, ...]}``) in one torchrun job of ``nproc`` ranks from a
+    test: ``{run: {"records": [...]} | {"error": ...}}`` (the job's output must exist)."""
+    import subprocess
+
+    spec_path, out_path = folder / f"{name}.json", folder / f"{name}_out.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "tests.rlhf_jobs", str(spec_path), str(out_path)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert out_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out_path.read_text())
+
+
 QUIET = ["log.progress=false", "log.tensorboard=false", "log.plot=false"]
 TINY = ["actor.model.hidden_size=32", "actor.model.intermediate_size=64",
         "actor.model.num_heads=4", "actor.model.num_kv_heads=2",

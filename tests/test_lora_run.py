@@ -20,10 +20,7 @@ The base is a tiny Llama made with transformers (``actor.model.init_from``); the
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,18 +29,11 @@ from engine.hf_interop import read_hf_config
 from engine.llama_spec import llama_shard_specs
 from engine.lora import LoraConfig, lora_shard_specs
 from rlhf.checkpoint import step_dir
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.rlhf_jobs import launch
 
 
 def _torchrun(spec: dict, tmp_path, name: str) -> dict:
-    spec_path, out_path = tmp_path / f"{name}.json", tmp_path / f"{name}_out.json"
-    spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tests.rlhf_jobs", str(spec_path), str(out_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(out_path.read_text())
+    out = launch(spec, tmp_path, name)
     for run, result in out.items():
         assert "records" in result, (run, result.get("error"), result.get("traceback"))
     return {run: result["records"] for run, result in out.items()}

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch
 from rlhf.task import CharTokenizer, HFTokenizer, load_tokenizer
 from rlhf.task.reward_fn import FunctionReward, RewardFunctionError, load_function
 from tests.example_data import ROOT, build_example
+from tests.rlhf_jobs import launch
 
 REWARD = ROOT / "examples" / "gsm8k_style" / "reward.py"
 
@@ -131,13 +130,7 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     spec = {"user": common + [f"data.val_files={example / 'val.jsonl'}", "log.run_name=user",
                               f"reward.function={REWARD}:compute_score"],
             "raises": common + ["log.run_name=raises", f"reward.function={bad}:compute_score"]}
-    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
-    spec_path.write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "tests.rlhf_jobs", str(spec_path), str(out_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(out_path.read_text())
+    out = launch(spec, tmp_path)
     assert "records" in out["user"], out["user"].get("traceback")
     recs = out["user"]["records"]
     assert [r["step"] for r in recs] == [0, 1]
