@@ -27,8 +27,11 @@ test: lint test-cpp test-py test-isa
 lint: setup
 	$(PYTHON) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()' --no-logo
 
+# Test modules run two at a time (pytest-xdist), each module on one worker (its torchrun jobs
+# and module fixtures stay together): much of a module's time is start-up and waiting.
+PYTEST_WORKERS ?= 2
 test-py: setup
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests -n $(PYTEST_WORKERS) --dist loadfile
 
 # The tests that assert bitwise equality (or near-tie-aware token equality) again under other
 # instruction sets of this CPU: ATen's kernels, oneDNN and MKL capped at AVX2, then ATen's
