@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVCache
-from engine.layers import LoraDeltas, decoder_layer
+from engine.layers import LoraDeltas, MoeRouting, decoder_layer
 from engine.llama_spec import LAYER_KEYS
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
@@ -84,6 +84,9 @@ class StageLayers:
     loras: tuple[LoraDeltas | None, ...] = ()
     """Per local layer its LoRA adapters (:class:`engine.lora.LayerLora`), or ``()``: none.
     Only the Python layers apply them."""
+    routing: MoeRouting | None = None
+    """The layers' mixture-of-experts routing (None: dense MLPs); only the Python layers read
+    experts."""
 
     @property
     def tensor_parallel(self) -> bool:
@@ -200,7 +203,8 @@ class PythonLayers:
         s = self.stage
         for j, w in enumerate(s.weights):
             x = decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps, s.tp_group,
-                              kv_hook=cache.hook(j), lora=s.loras[j] if s.loras else None)
+                              kv_hook=cache.hook(j), lora=s.loras[j] if s.loras else None,
+                              routing=s.routing)
         return x
 
 

@@ -269,10 +269,13 @@ class GenerationEngine:
         # the dense layout's decode steps at static shapes (one stage: the step is embed +
         # layers), captured as CUDA graphs where graphs_apply
         self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
+        # (a mixture of experts sizes each expert's matmuls from the routing, read on the
+        # host every step: neither captured nor compiled)
         self.cuda_graphs = (resolve_graphs(cuda_graphs, self.device) and self.static_decode
-                            and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1))
+                            and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1)
+                            and not config.num_experts)
         self.compile_decode = compile_applies(compile_decode, self.device, self.static_decode,
-                                              layout.tp_g > 1)
+                                              layout.tp_g > 1) and not config.num_experts
         self.static_layers: CompiledDecodeLayers | None = None
         self.adapters: Mapping[str, torch.Tensor] | None = None
         self.lora: LoraConfig | None = None
@@ -314,7 +317,8 @@ class GenerationEngine:
             weights=tuple({k: weights[f"layers.{i}.{k}"] for k in c.layer_keys}
                           for i in self.layer_ids),
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
-            tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras)
+            tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras,
+            routing=c.routing)
         self.weights, self.weights_version = weights, version
         # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)

@@ -9,6 +9,19 @@ and under which keys::
     qwen2       Qwen2ForCausalLM / ...                    always          -               -
     qwen3       Qwen3ForCausalLM / ...                    attention_bias  attention_bias  always
     mistral     MistralForCausalLM / ...                  -               -               -
+    qwen3_moe   Qwen3MoeForCausalLM / ...                 attention_bias  attention_bias  always
+    mixtral     MixtralForCausalLM / ...                  -               -               -
+
+The last two are mixtures of experts (:class:`MoeNames`): every layer's MLP is a top-k
+router over SwiGLU experts, stored per expert in ``config.json``'s naming::
+
+    model_type  block               router        expert e's gate, up, down    experts / width keys
+    qwen3_moe   mlp                 gate          gate_proj, up_proj, down_proj  num_experts /
+                                                                               moe_intermediate_size
+    mixtral     block_sparse_moe    gate          w1, w3, w2                   num_local_experts /
+                                                                               intermediate_size
+
+Qwen3-MoE renormalises the top-k weights where ``norm_topk_prob`` says so, Mixtral always.
 
 The sliding window (Mistral's ``sliding_window``; Qwen's ``use_sliding_window`` and
 ``layer_types``) is kept as a number: the engine runs full causal attention, which equals
@@ -33,6 +46,36 @@ class AttentionSwitches(Protocol):
     o_proj_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    router_aux_loss_coef: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeNames:
+    """How a mixture-of-experts family names its MLP (see the module docstring)."""
+
+    block: str
+    """The MLP module of a layer (``mlp``, ``block_sparse_moe``)."""
+    gate: str
+    """The expert projections ``gate``, ``up``, ``down`` (``gate_proj``... or ``w1, w3, w2``)."""
+    up: str
+    down: str
+    experts_key: str
+    """``config.json``'s number of experts (transformers 5 writes ``num_local_experts`` for
+    every family; both are read)."""
+    width_key: str
+    """``config.json``'s SwiGLU width of one expert."""
+    norm_topk_key: str | None
+    """``config.json``'s switch of the top-k renormalisation, None where it is always on."""
+
+    def router(self, layer_prefix: str) -> str:
+        return f"{layer_prefix}{self.block}.gate.weight"
+
+    def expert(self, layer_prefix: str, e: int, proj: str) -> str:
+        """HF name of expert ``e``'s ``proj`` (``"gate"``, ``"up"`` or ``"down"``)."""
+        return f"{layer_prefix}{self.block}.experts.{e}.{getattr(self, proj)}.weight"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +97,8 @@ class HFFamily:
     ``layer_types``)."""
     default_head_dim: int | None
     """Head dim of a ``config.json`` without ``head_dim`` (None: hidden / heads)."""
+    moe: MoeNames | None = None
+    """The experts' names of a mixture-of-experts family (None: a dense SwiGLU MLP)."""
 
     @property
     def config_class(self) -> str:
@@ -74,6 +119,10 @@ class HFFamily:
             bad["qk_norm"] = (c.qk_norm, self.qk_norm)
         if c.sliding_window is not None and self.window == "none":
             bad["sliding_window"] = (c.sliding_window, None)
+        if bool(c.num_experts) != (self.moe is not None):
+            bad["num_experts"] = (c.num_experts, ">= 2" if self.moe else 0)
+        elif self.moe is not None and self.moe.norm_topk_key is None and not c.norm_topk_prob:
+            bad["norm_topk_prob"] = (c.norm_topk_prob, True)
         if bad:
             raise ValueError(f"model_type={self.model_type!r} cannot have these values "
                              f"(given, possible): {bad}")
@@ -87,7 +136,27 @@ class HFFamily:
         head_dim = hf.get("head_dim") or self.default_head_dim or \
             hf["hidden_size"] // hf["num_attention_heads"]
         return dict(qkv_bias=qkv, o_proj_bias=o, qk_norm=self.qk_norm, head_dim=head_dim,
-                    sliding_window=self._window_from_hf(hf))
+                    sliding_window=self._window_from_hf(hf), **self._moe_from_hf(hf))
+
+    def _moe_from_hf(self, hf: dict) -> dict:
+        """The expert fields of a ``config.json`` dict (none for a dense family); ValueError
+        for layouts the engine does not run (dense layers between the sparse ones, router
+        noise)."""
+        if self.moe is None:
+            return {}
+        m = self.moe
+        bad = {k: hf[k] for k in ("mlp_only_layers",) if hf.get(k)}
+        bad |= {k: hf[k] for k in ("decoder_sparse_step",) if hf.get(k, 1) != 1}
+        bad |= {k: hf[k] for k in ("router_jitter_noise",) if hf.get(k)}
+        if bad:
+            raise ValueError(f"unsupported {self.model_type} config values: {bad} (every "
+                             f"layer must be a mixture of experts, without router noise)")
+        experts = hf.get(m.experts_key, hf.get("num_local_experts"))
+        return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                    intermediate_size=hf[m.width_key],
+                    norm_topk_prob=bool(hf.get(m.norm_topk_key, False)) if m.norm_topk_key
+                    else True,
+                    router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
 
     def _window_from_hf(self, hf: dict) -> int | None:
         window = hf.get("sliding_window")
@@ -113,6 +182,14 @@ class HFFamily:
             windowed = c.sliding_window is not None
             out.update(use_sliding_window=windowed, sliding_window=c.sliding_window,
                        max_window_layers=0 if windowed else num_layers)
+        if self.moe is not None:
+            out.update({self.moe.experts_key: c.num_experts,
+                        "num_experts_per_tok": c.num_experts_per_tok,
+                        "router_aux_loss_coef": c.router_aux_loss_coef})
+            if self.moe.norm_topk_key is not None:
+                out[self.moe.norm_topk_key] = c.norm_topk_prob
+            if self.moe.width_key != "intermediate_size":
+                out[self.moe.width_key] = c.intermediate_size
         return out
 
 
@@ -135,6 +212,18 @@ register_family(HFFamily(model_type="qwen3", class_prefix="Qwen3", bias="attenti
                          qk_norm=True, window="use_sliding_window", default_head_dim=128))
 register_family(HFFamily(model_type="mistral", class_prefix="Mistral", bias="none",
                          qk_norm=False, window="sliding_window", default_head_dim=None))
+register_family(HFFamily(
+    model_type="qwen3_moe", class_prefix="Qwen3Moe", bias="attention_bias", qk_norm=True,
+    window="use_sliding_window", default_head_dim=None,
+    moe=MoeNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj",
+                 experts_key="num_experts", width_key="moe_intermediate_size",
+                 norm_topk_key="norm_topk_prob")))
+register_family(HFFamily(
+    model_type="mixtral", class_prefix="Mixtral", bias="none", qk_norm=False,
+    window="sliding_window", default_head_dim=None,
+    moe=MoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2",
+                 experts_key="num_local_experts", width_key="intermediate_size",
+                 norm_topk_key=None)))
 
 
 def supported_architectures() -> list[str]:

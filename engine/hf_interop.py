@@ -77,7 +77,7 @@ def config_from_hf(hf: dict, max_position_embeddings: int | None = None,
                               high_freq_factor=float(rope["high_freq_factor"]),
                               original_max_position_embeddings=int(
                                   rope["original_max_position_embeddings"]))
-    return LlamaConfig(
+    fields = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"],
@@ -87,8 +87,8 @@ def config_from_hf(hf: dict, max_position_embeddings: int | None = None,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=(max_position_embeddings
                                  or hf.get("max_position_embeddings", 2048)),
-        rope_scaling=scaling, model_type=fam.model_type, dtype=dtype,
-        **fam.switches_from_hf(hf))
+        rope_scaling=scaling, model_type=fam.model_type, dtype=dtype)
+    return LlamaConfig(**fields | fam.switches_from_hf(hf))  # an expert's width included
 
 
 def config_to_hf(config: LlamaConfig, head: str = "lm"):

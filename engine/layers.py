@@ -11,6 +11,10 @@ head counts ``h_q = Q/t``, ``h_kv = G/t``::
     o_proj                  [H, h_q*D]  or [m, H, h_q*D/m]
     gate_up                 [2*F/t, H]                gate/up rows interleaved
     down_proj               [H, F/t]    or [m, H, F/t/m]
+  a mixture of experts (E experts, routing set by MoeRouting) in place of gate_up, down_proj:
+    router                  [E, H]                    replicated
+    experts.{e}.gate_up     [2*F/t, H]                each expert split like the dense MLP
+    experts.{e}.down_proj   [H, F/t]    or [m, H, F/t/m]
   optional (the model families of engine.hf_families; absent keys = plain Llama):
     qkv_bias                [h_kv*(Q/G+2)*D]          fused like qkv's rows (Qwen2, attention_bias)
     q_norm, k_norm          [D]                       RMSNorm of each head before RoPE (Qwen3)
@@ -35,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from engine import batched_attention
 from engine.inductor import Compiled
-from engine.tp_ops import column_linear, copy_to_tp, row_linear
+from engine.tp_ops import column_linear, copy_to_tp, reduce_from_tp, row_linear
 from hybridflow_comm.groups import Group
 
 try:  # torch (imported above) must be loaded before the extension
@@ -443,13 +447,72 @@ def swiglu_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     return y if delta is None else y + delta
 
 
+@dataclass(frozen=True)
+class MoeRouting:
+    """How a mixture-of-experts layer routes: the top ``top_k`` experts of the router's
+    softmax (computed in float32), their weights renormalised to sum to one where
+    ``norm_topk``."""
+
+    top_k: int
+    norm_topk: bool
+
+
+def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [N, k] in x's dtype, experts [N, k] int64)`` of the tokens ``x [N, H]``."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    weights, experts = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
+              tp_group: Group | None) -> torch.Tensor:
+    """Dropless top-k mixture of SwiGLU experts: ``x [..., H]`` (replicated) -> ``[..., H]``.
+
+    The (token, expert) pairs are sorted by expert so each expert runs one matmul pair over
+    its tokens (a loop over experts, none over tokens); the weighted outputs are summed back
+    per token.  Under TP each expert is split like the dense MLP and its partial outputs
+    are all-reduced once for the layer.  The router is replicated and its inputs whole on
+    every rank; the routing weights scale partial outputs, so their gradient is a partial
+    sum: they enter through :func:`engine.tp_ops.copy_to_tp`, like the experts' inputs.
+    """
+    shape, num_experts = x.shape, w["router"].shape[0]
+    tokens = x.reshape(-1, shape[-1])
+    weights, experts = route(tokens, w["router"], routing)
+    order = torch.argsort(experts.flatten(), stable=True)  # pairs grouped by expert
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).tolist()
+    token_of = order // routing.top_k
+    inputs = copy_to_tp(tokens, tp_group)[token_of]  # [N*k, H], expert after expert
+    outs = []
+    for e, rows in enumerate(inputs.split(counts)):  # an expert without tokens: 0 rows
+        gu = column_linear(rows, w[f"experts.{e}.gate_up"], None)
+        outs.append(row_linear(swiglu(gu.unflatten(-1, (-1, 2))), w[f"experts.{e}.down_proj"],
+                               None))
+    scale = copy_to_tp(weights, tp_group).flatten()[order]
+    out = torch.zeros_like(tokens).index_add(0, token_of, torch.cat(outs) * scale[:, None])
+    return reduce_from_tp(out, tp_group).reshape(shape)
+
+
+def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None,
+              lora: LoraDeltas | None = None, routing: MoeRouting | None = None
+              ) -> torch.Tensor:
+    """The layer's MLP: :func:`moe_block` where ``routing`` is given, else
+    :func:`swiglu_block` (with its LoRA deltas)."""
+    if routing is not None:
+        return moe_block(x, w, routing, tp_group)
+    return swiglu_block(x, w, tp_group, lora)
+
+
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | PackedSeqs | None,
                   q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
-                  kv_hook: KVHook | None = None, lora: LoraDeltas | None = None
-                  ) -> torch.Tensor:
+                  kv_hook: KVHook | None = None, lora: LoraDeltas | None = None,
+                  routing: MoeRouting | None = None) -> torch.Tensor:
     """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``
-    (with the layer's LoRA adapters when ``lora`` is given)."""
+    (with the layer's LoRA adapters when ``lora`` is given; a mixture of experts routed by
+    ``routing`` when given)."""
     h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
                             head_dim, eps, tp_group, kv_hook, lora)
-    return h + swiglu_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora)
+    return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora, routing)

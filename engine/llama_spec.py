@@ -12,12 +12,16 @@ Parameter names are global (the same on every rank) and use global layer indices
     layers.{i}.post_norm         [H]               replicated                       stage(i)
     layers.{i}.gate_up           [2*F, H]          column-parallel, GateUpFusion    stage(i)
     layers.{i}.down_proj         [H, F]            row-parallel, dim 1              stage(i)
+  a mixture of experts (num_experts E > 0) in place of gate_up and down_proj:
+    layers.{i}.router            [E, H]            replicated                       stage(i)
+    layers.{i}.experts.{e}.gate_up    [2*F, H]     column-parallel, GateUpFusion    stage(i)
+    layers.{i}.experts.{e}.down_proj  [H, F]       row-parallel, dim 1              stage(i)
     norm                         [H]               replicated                       last
     lm_head                      [V, H]            vocab-parallel, dim 0            last
     value_head                   [1, H]            replicated                       last
 
-(V vocab, H hidden, F intermediate, Q query heads, G KV heads, D head dim; layers are split
-evenly over the ``pp`` stages; ``*``: only where the config switch of the same name is on,
+(V vocab, H hidden, F intermediate (an expert's width in a mixture of experts), Q query heads,
+G KV heads, D head dim; layers are split evenly over the ``pp`` stages; ``*``: only where the config switch of the same name is on,
 ``qk_norm`` for the norms, see :mod:`engine.hf_families` for the families that use them.)
 With tied embeddings the LM head *is* ``embed_tokens``: for ``pp == 1`` there is no
 ``lm_head`` spec; for ``pp > 1`` the last stage keeps a copy named ``lm_head`` whose gradient
@@ -31,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.hf_families import family
-from engine.layers import RopeScaling
+from engine.layers import MoeRouting, RopeScaling
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec
 
 HEADS = ("lm", "value")
@@ -85,6 +89,16 @@ class LlamaConfig:
     """The checkpoint's attention window (Mistral, Qwen with ``use_sliding_window``); None =
     full attention.  The engine runs full causal attention, the same maths while sequences fit
     the window, so it must be >= max_position_embeddings."""
+    num_experts: int = 0
+    """Experts of every layer's MLP (a mixture of experts: Qwen3-MoE, Mixtral), each a SwiGLU
+    of width ``intermediate_size``; 0 = one dense SwiGLU MLP."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to: the top k of the router's softmax (MoE only)."""
+    norm_topk_prob: bool = True
+    """The k routing weights are renormalised to sum to one (Mixtral always; Qwen3-MoE's
+    switch); else they are the softmax's own probabilities."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss of the router (the checkpoint's value; MoE only)."""
     model_type: str = "llama"
     """transformers family the checkpoint is written as (:data:`engine.hf_families.FAMILIES`);
     it must be able to state the switches above."""
@@ -113,6 +127,19 @@ class LlamaConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"rope_scaling must be a RopeScaling or None, got "
                             f"{type(self.rope_scaling).__name__}")
+        if self.num_experts:
+            if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) \
+                    or self.num_experts < 2:
+                raise ValueError(f"num_experts={self.num_experts!r} must be an int >= 2 (0 = "
+                                 f"a dense MLP)")
+            if isinstance(self.num_experts_per_tok, bool) or \
+                    not isinstance(self.num_experts_per_tok, int) or \
+                    not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok!r} must be an "
+                                 f"int in [1, num_experts={self.num_experts}]")
+            if not self.router_aux_loss_coef >= 0:
+                raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be "
+                                 f">= 0")
         if self.sliding_window is not None and \
                 self.sliding_window < self.max_position_embeddings:
             raise ValueError(f"sliding_window={self.sliding_window} is shorter than "
@@ -128,11 +155,21 @@ class LlamaConfig:
         return self.num_heads // self.num_kv_heads
 
     @property
+    def routing(self) -> MoeRouting | None:
+        """How the MLP of every layer routes its tokens (None: a dense MLP)."""
+        if not self.num_experts:
+            return None
+        return MoeRouting(top_k=self.num_experts_per_tok, norm_topk=self.norm_topk_prob)
+
+    @property
     def layer_keys(self) -> tuple[str, ...]:
-        """The weights of every decoder layer: :data:`LAYER_KEYS` and the optional ones this
-        config switches on."""
-        return LAYER_KEYS + tuple(k for k, switch in OPTIONAL_LAYER_KEYS.items()
-                                  if getattr(self, switch))
+        """The weights of every decoder layer: :data:`LAYER_KEYS` (a mixture of experts: the
+        router and each expert's ``gate_up`` and ``down_proj`` in place of the MLP's, see
+        :func:`moe_layer_keys`) and the optional ones this config switches on."""
+        keys = LAYER_KEYS if not self.num_experts else \
+            LAYER_KEYS[:4] + moe_layer_keys(self.num_experts)
+        return keys + tuple(k for k, switch in OPTIONAL_LAYER_KEYS.items()
+                            if getattr(self, switch))
 
     def check_parallel(self, pp: int, tp: int) -> None:
         """Raise ValueError unless the model can be split ``pp`` stages x ``tp`` shards."""
@@ -151,6 +188,12 @@ class LlamaConfig:
         d = asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d
+
+
+def moe_layer_keys(num_experts: int) -> tuple[str, ...]:
+    """A mixture-of-experts layer's MLP weights: ``router`` then every expert's."""
+    return ("router",) + tuple(f"experts.{e}.{k}" for e in range(num_experts)
+                               for k in ("gate_up", "down_proj"))
 
 
 def _check_head(head: str) -> None:
@@ -175,7 +218,7 @@ def llama_shard_specs(config: LlamaConfig, pp: int, head: str = "lm") -> list[Sh
     if config.num_layers % pp:
         raise ValueError(f"pp={pp} must divide num_layers={config.num_layers}")
     c, dt, last = config, config.dtype, pp - 1
-    H, F, D = c.hidden_size, c.intermediate_size, c.head_dim
+    H, D = c.hidden_size, c.head_dim
     qkv = QKVFusion(c.num_heads, c.num_kv_heads, D)
     qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * D
     specs = [ShardSpec("embed_tokens", (c.vocab_size, H), dtype=dt, partition_dim=0, stage=0,
@@ -204,15 +247,10 @@ def llama_shard_specs(config: LlamaConfig, pp: int, head: str = "lm") -> list[Sh
         if c.o_proj_bias:
             specs.append(ShardSpec(f"layers.{i}.o_proj_bias", (H,), dtype=dt, partition_dim=None,
                                    stage=s, fusion=None, hf_names=(hf + "self_attn.o_proj.bias",)))
-        specs += [
-            ShardSpec(f"layers.{i}.post_norm", (H,), dtype=dt, partition_dim=None, stage=s,
-                      fusion=None, hf_names=(hf + "post_attention_layernorm.weight",)),
-            ShardSpec(f"layers.{i}.gate_up", (2 * F, H), dtype=dt, partition_dim=0, stage=s,
-                      fusion=GateUpFusion(),
-                      hf_names=(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
-            ShardSpec(f"layers.{i}.down_proj", (H, F), dtype=dt, partition_dim=1, stage=s,
-                      fusion=None, hf_names=(hf + "mlp.down_proj.weight",)),
-        ]
+        specs.append(ShardSpec(f"layers.{i}.post_norm", (H,), dtype=dt, partition_dim=None,
+                               stage=s, fusion=None,
+                               hf_names=(hf + "post_attention_layernorm.weight",)))
+        specs += _mlp_specs(c, i, s, hf)
     specs.append(ShardSpec("norm", (H,), dtype=dt, partition_dim=None, stage=last, fusion=None,
                            hf_names=("model.norm.weight",)))
     if head == "value":
@@ -224,6 +262,29 @@ def llama_shard_specs(config: LlamaConfig, pp: int, head: str = "lm") -> list[Sh
     elif pp > 1:  # tied: the last stage keeps a gradient-synchronised copy of the embedding
         specs.append(ShardSpec("lm_head", (c.vocab_size, H), dtype=dt, partition_dim=0, stage=last,
                                fusion=None, hf_names=("model.embed_tokens.weight",)))
+    return specs
+
+
+def _mlp_specs(c: LlamaConfig, i: int, stage: int, hf: str) -> list[ShardSpec]:
+    """Layer ``i``'s MLP: one SwiGLU, or the router and every expert (each split over TP like
+    the dense MLP: ``gate_up`` by rows, ``down_proj`` by columns)."""
+    H, F, dt = c.hidden_size, c.intermediate_size, c.dtype
+    moe = family(c.model_type).moe
+    if moe is None:
+        return [ShardSpec(f"layers.{i}.gate_up", (2 * F, H), dtype=dt, partition_dim=0,
+                          stage=stage, fusion=GateUpFusion(),
+                          hf_names=(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
+                ShardSpec(f"layers.{i}.down_proj", (H, F), dtype=dt, partition_dim=1,
+                          stage=stage, fusion=None, hf_names=(hf + "mlp.down_proj.weight",))]
+    specs = [ShardSpec(f"layers.{i}.router", (c.num_experts, H), dtype=dt, partition_dim=None,
+                       stage=stage, fusion=None, hf_names=(moe.router(hf),))]
+    for e in range(c.num_experts):
+        p = f"layers.{i}.experts.{e}."
+        specs += [ShardSpec(p + "gate_up", (2 * F, H), dtype=dt, partition_dim=0, stage=stage,
+                            fusion=GateUpFusion(),
+                            hf_names=(moe.expert(hf, e, "gate"), moe.expert(hf, e, "up"))),
+                  ShardSpec(p + "down_proj", (H, F), dtype=dt, partition_dim=1, stage=stage,
+                            fusion=None, hf_names=(moe.expert(hf, e, "down"),))]
     return specs
 
 

@@ -116,7 +116,15 @@ def peft_name(layer: int, module: str, matrix: str) -> str:
 
 def lora_shard_specs(config: LlamaConfig, pp: int, lora: LoraConfig) -> list[ShardSpec]:
     """Every adapter tensor of the model, layer after layer (:data:`MODULES` order, A before
-    B), in the model's dtype, on its layer's stage, split as the module docstring says."""
+    B), in the model's dtype, on its layer's stage, split as the module docstring says.
+    A mixture of experts takes adapters on its attention only (ValueError naming the MLP
+    modules otherwise, ``all-linear`` included)."""
+    experts = [m for m in lora.target_modules if m in MLP] if config.num_experts else []
+    if experts:
+        raise ValueError(f"lora.target_modules={list(lora.target_modules)} includes {experts}, "
+                         f"but {config.model_type} routes its MLP to {config.num_experts} "
+                         f"experts, which take no adapters: use "
+                         f"'[{', '.join(ATTENTION)}]' or a part of it")
     specs = []
     for i in range(config.num_layers):
         stage = config.layer_stage(i, pp)

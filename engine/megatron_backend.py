@@ -91,7 +91,7 @@ def transformer_config(config: LlamaConfig, layout: ParallelLayout):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extras = {k: getattr(config, k) for k in ("rope_scaling", "qkv_bias", "o_proj_bias",
-                                              "qk_norm") if getattr(config, k)}
+                                              "qk_norm", "num_experts") if getattr(config, k)}
     if extras:
         raise ValueError(f"the megatron-core backend builds plain Llama layers; this "
                          f"{config.model_type} config also has {extras}: use the native engine")

@@ -200,7 +200,8 @@ class ParallelLlama(nn.Module):
              if self.is_first else inputs)
         for i in self.layer_ids:
             x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
-                              c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i))
+                              c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
+                              routing=c.routing)
         if self.is_last:
             x = rms_norm(x, self.params["norm"], c.rms_norm_eps)
         return x

@@ -4,7 +4,8 @@ Tiny random float32 models (built from a config, ``save_pretrained`` into tmp di
 downloaded) of each family: Llama with Llama-3 RoPE scaling (head_dim 16, so that some
 frequencies are stretched and some interpolated), Qwen2 with tied embeddings (q/k/v bias), Qwen3 (q/k norm,
 attention_bias on q/k/v/o, head_dim 16 != 32/4, a sharded checkpoint with an index file) and
-Mistral (sliding window = the run's length).  For each: logits equal transformers' at tp=1,
+Mistral (sliding window = the run's length), and the mixtures of experts Qwen3-MoE (q/k norm,
+4 experts, top 2 without renormalisation) and Mixtral (top 2 of 4, renormalised).  For each: logits equal transformers' at tp=1,
 tp=2, pp=2 and dp=2; greedy generation equals ``generate`` for 32 tokens on four generation
 layouts; load -> one train step -> ``save_hf_checkpoint`` -> ``from_pretrained`` gives our
 logits, and every layout saves the single-process weights.  Plus value heads from
@@ -41,7 +42,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-FAMILIES = ["llama3", "qwen2_tied", "qwen3", "mistral"]
+FAMILIES = ["llama3", "qwen2_tied", "qwen3", "mistral", "qwen3_moe", "mixtral"]
+# weights whose greedy continuations (hf_greedy) have no near-tie
+SEEDS = {"qwen3_moe": 9, "mixtral": 8}
 # the families the C++ decode kernels run: no biases or q/k norms, or q/k/v biases only
 KERNEL_DECODE = {"llama3", "mistral", "qwen2_tied"}
 
@@ -54,6 +57,11 @@ def hf_config(name: str):
         "qwen2_tied": lambda: T.Qwen2Config(**COMMON | dict(tie_word_embeddings=True)),
         "qwen3": lambda: T.Qwen3Config(**COMMON | dict(head_dim=16, attention_bias=True)),
         "mistral": lambda: T.MistralConfig(**COMMON | dict(sliding_window=64)),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON | dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=False, router_aux_loss_coef=0.01)),
+        "mixtral": lambda: T.MixtralConfig(**COMMON | dict(num_local_experts=4,
+                                                           num_experts_per_tok=2)),
     }[name]()
 
 
@@ -75,6 +83,19 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     mask[1, :3] = 0
     mask[2, :6] = 0
     return ids.masked_fill(mask == 0, 0), mask
+
+
+def checkpoint_names(folder: str) -> set[str]:
+    """The tensor names transformers saved (per expert for a mixture of experts, whose
+    in-memory experts are stacked 3-D tensors)."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in os.listdir(folder):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, f), "pt") as st:
+                names |= set(st.keys())
+    return names
 
 
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -105,7 +126,7 @@ def cases(tmp_path_factory):
         if name not in made:
             torch.manual_seed(0)
             hf = transformers.AutoModelForCausalLM.from_config(hf_config(name)).float().eval()
-            randomize(hf, seed=FAMILIES.index(name))
+            randomize(hf, seed=SEEDS.get(name, FAMILIES.index(name)))
             folder = str(tmp_path_factory.mktemp(name))
             # qwen3: a sharded checkpoint (model.safetensors.index.json + several files)
             hf.save_pretrained(folder, max_shard_size="40KB" if name == "qwen3" else "1GB")
@@ -132,12 +153,18 @@ def test_each_family_reads_its_switches(cases):
         "qwen2_tied": ("qwen2", True, False, False, 8, None, True, False),
         "qwen3": ("qwen3", True, True, True, 16, None, False, False),
         "mistral": ("mistral", False, False, False, 8, 64, False, False),
+        "qwen3_moe": ("qwen3_moe", False, False, True, 16, None, False, False),
+        "mixtral": ("mixtral", False, False, False, 8, None, False, False),
     }
+    experts = {  # (num_experts, top k, renormalised, expert width, aux loss weight)
+        "qwen3_moe": (4, 2, False, 24, 0.01), "mixtral": (4, 2, True, 48, 0.001)}
     for name, w in want.items():
         c = read_hf_config(cases(name)["folder"])
         assert (c.model_type, c.qkv_bias, c.o_proj_bias, c.qk_norm, c.head_dim, c.sliding_window,
                 c.tie_word_embeddings, c.rope_scaling is not None) == w, name
         assert read_hf_head(cases(name)["folder"]) == "lm"
+        assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob, c.intermediate_size,
+                c.router_aux_loss_coef) == experts.get(name, (0, 2, True, 48, 0.0)), name
         # config.json written by config_to_hf reads back as the same config
         assert config_from_hf(config_to_hf(c).to_dict()) == c
         assert config_from_hf(config_to_hf(c, "value").to_dict()) == c
@@ -282,8 +309,7 @@ def test_family_matches_transformers(pool2, cases, name, tmp_path):
         torch.testing.assert_close(hf_logits(hf, case["ids"]), after, atol=ATOL, rtol=0,
                                    msg=lambda m: f"{name} {layout} saved model logits: {m}")
         saved = load_file(os.path.join(folder, "model.safetensors"))
-        assert set(saved) == set(ref_weights) == set(case["hf"].state_dict()) - (
-            {"lm_head.weight"} if case["hf"].config.tie_word_embeddings else set())
+        assert set(saved) == set(ref_weights) == checkpoint_names(case["folder"])
         for k, v in saved.items():
             torch.testing.assert_close(v, ref_weights[k], atol=1e-5, rtol=0,
                                        msg=lambda m: f"{name} {layout} {k} after a step: {m}")

@@ -1,0 +1,184 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral) against transformers and a float64 loop.
+
+The tiny checkpoints are written by transformers from a config (tests/test_hf_families.py
+builds them; that module also runs them at tp=2, pp=2 and dp=2, through generation and a
+saved train step).  Here, in one process: logits and the gradient of every tensor against
+transformers' autograd (its stacked expert tensors split back into the per-expert names of
+the checkpoint), the block against a per-token float64 reference (top-k with and without
+renormalisation, experts that get no token), and the configs the engine refuses.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from engine.hf_interop import config_from_hf, config_to_hf
+from engine.layers import MoeRouting, moe_block
+from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.lora import ATTENTION, LoraConfig
+from engine.megatron_backend import transformer_config
+from engine.model import ParallelLlama, load_full_state_dict
+from engine.train import OptimConfig, TrainEngine
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests.test_hf_families import COMMON, VOCAB, hf_config, randomize, single_model
+
+FAMILIES = ["qwen3_moe", "mixtral"]
+
+
+def hf_grad(params: dict, name: str) -> torch.Tensor:
+    """The gradient of the checkpoint tensor ``name`` from transformers' in-memory parameters
+    (a mixture of experts holds each layer's experts stacked: ``gate_up_proj [E, 2F, H]``,
+    gate rows then up rows, and ``down_proj [E, H, F]``; Mixtral's ``block_sparse_moe`` is
+    its ``mlp`` in memory)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    m = re.fullmatch(r"(.*\.experts\.)(\d+)\.(\w+)\.weight", name)
+    if m is None:
+        return params[name].grad
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj in ("down_proj", "w2"):
+        return params[prefix + "down_proj"].grad[e]
+    gate_up = params[prefix + "gate_up_proj"].grad[e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if proj in ("gate_proj", "w1") else gate_up[half:]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_and_every_gradient_match_transformers(tmp_path, name):
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(name)).float().eval()
+    randomize(hf, seed=5)
+    hf.save_pretrained(tmp_path)
+    model = single_model(str(tmp_path))
+    assert model.config.num_experts == 4
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, VOCAB, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    out = model.head_outputs(model.stage_forward(ids, mask), ids, with_logits=True,
+                             temperature=1.0)
+    ref = hf(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(out["logits"][real], ref[real], atol=1e-5, rtol=1e-5)
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    ref_lp = torch.log_softmax(ref[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ((out["log_probs"] * m).sum() / m.sum()).backward()
+    ((ref_lp * m).sum() / m.sum()).backward()
+    params = dict(hf.named_parameters())
+    checked = set()
+    for spec in model.specs:
+        grad = model.params[spec.name].grad
+        parts = spec.fusion.split(grad) if spec.fusion is not None else (grad,)
+        for hf_name, part in zip(spec.hf_names, parts):
+            want = hf_grad(params, hf_name)
+            assert want is not None and want.abs().max() > 0, hf_name
+            torch.testing.assert_close(part, want, atol=1e-6, rtol=1e-4,
+                                       msg=lambda msg: f"{name} {hf_name}: {msg}")
+            checked.add(hf_name)
+    assert any(".gate.weight" in n for n in checked)  # the router's gradient too
+    assert len(checked) == len(model.specs) + sum(
+        len(s.hf_names) - 1 for s in model.specs)
+
+
+def reference_moe(x: torch.Tensor, w: dict, top_k: int, norm_topk: bool) -> torch.Tensor:
+    """One token at a time in float64: softmax over the router, its top k, each chosen
+    expert's SwiGLU (gate/up rows interleaved as in ``gate_up``) weighted and summed."""
+    x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(w["router"].double() @ x[t], -1)
+        top, experts = torch.topk(probs, top_k)
+        if norm_topk:
+            top = top / top.sum()
+        for p, e in zip(top, experts.tolist()):
+            gu = w[f"experts.{e}.gate_up"].double() @ x[t]
+            h = torch.nn.functional.silu(gu[0::2]) * gu[1::2]
+            out[t] += p * (w[f"experts.{e}.down_proj"].double() @ h)
+    return out
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_block_equals_a_per_token_float64_loop(norm_topk):
+    g = torch.Generator().manual_seed(7)
+    E, H, F, N = 6, 16, 12, 9
+    w = {"router": torch.randn(E, H, generator=g)}
+    w["router"][5] = -50.0 * w["router"][5].abs()  # expert 5 (almost surely) gets no token
+    for e in range(E):
+        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
+        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
+    x = torch.randn(N, H, generator=g).abs()
+    routing = MoeRouting(top_k=2, norm_topk=norm_topk)
+    ref = reference_moe(x, w, 2, norm_topk)
+    for batch_shape in ((N,), (3, 3)):  # [N, H] and [B, S, H] give the same rows
+        got = moe_block(x.reshape(*batch_shape, H), w, routing, None).reshape(N, H)
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    # every expert's weights get a gradient, zero for the one without tokens
+    params = {k: v.clone().requires_grad_() for k, v in w.items()}
+    moe_block(x, params, routing, None).square().sum().backward()
+    assert params["experts.5.gate_up"].grad is not None
+    assert torch.count_nonzero(params["experts.5.gate_up"].grad) == 0
+    assert all(torch.count_nonzero(params[f"experts.{e}.down_proj"].grad) > 0
+               for e in range(5))
+
+
+def test_expert_specs_and_layer_keys():
+    cfg = config_from_hf(config_to_hf(config_from_hf(hf_config("mixtral").to_dict())).to_dict())
+    assert cfg.layer_keys[:5] == ("input_norm", "qkv", "o_proj", "post_norm", "router")
+    assert "gate_up" not in cfg.layer_keys and "experts.3.down_proj" in cfg.layer_keys
+    assert cfg.routing == MoeRouting(top_k=2, norm_topk=True)
+
+
+def test_refused_configs():
+    import transformers
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 must be an int in"):
+        LlamaConfig(**base, model_type="mixtral", num_experts=4, num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="num_experts=1 must be an int >= 2"):
+        LlamaConfig(**base, model_type="mixtral", num_experts=1)
+    with pytest.raises(ValueError, match=r"model_type='mixtral' cannot.*num_experts"):
+        LlamaConfig(**base, model_type="mixtral")  # a mixture without experts
+    with pytest.raises(ValueError, match=r"model_type='llama' cannot.*num_experts"):
+        LlamaConfig(**base, num_experts=4)
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        LlamaConfig(**base, model_type="mixtral", num_experts=4, norm_topk_prob=False)
+    for bad in (dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2)):
+        hf = transformers.Qwen3MoeConfig(**COMMON | dict(num_experts=4) | bad).to_dict()
+        with pytest.raises(ValueError, match="every layer must be a mixture of experts"):
+            config_from_hf(hf)
+    hf = transformers.MixtralConfig(**COMMON | dict(router_jitter_noise=0.1)).to_dict()
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        config_from_hf(hf)
+    moe = config_from_hf(hf_config("mixtral").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    with pytest.raises(ValueError, match=r"includes \['gate_proj', 'up_proj', 'down_proj'\].*"
+                                         r"4 experts, which take no adapters"):
+        ParallelLlama(moe, groups, lora=LoraConfig(rank=4, alpha=8))  # all-linear
+    with pytest.raises(ValueError, match="num_experts"):
+        transformer_config(moe, ParallelLayout(1, 1, 1))
+
+
+def test_lora_on_the_attention_of_a_mixture_of_experts():
+    """Adapters on q/k/v/o of a MoE model: B = 0 gives the base logits, and training moves
+    the adapters only."""
+    cfg = config_from_hf(hf_config("qwen3_moe").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    base = ParallelLlama(cfg, groups)
+    load_full_state_dict(base, init_full_state_dict(cfg, seed=3))
+    lora = ParallelLlama(cfg, groups, buffer=base.buffer,
+                         lora=LoraConfig(rank=4, alpha=8, target_modules=list(ATTENTION)))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lora.stage_forward(ids), base.stage_forward(ids))
+    frozen = {n: p.detach().clone() for n, p in lora.params.items()}
+    eng = TrainEngine(lora, OptimConfig(lr=1e-2))
+    for _ in range(2):
+        eng.train_step([{"input_ids": ids}], lambda o, mb: -o["log_probs"].mean(),
+                       temperature=1.0)
+    assert all(torch.equal(p, frozen[n]) for n, p in lora.params.items())
+    assert (lora.stage_forward(ids) - base.stage_forward(ids)).abs().max() > 1e-4
