@@ -111,10 +111,29 @@ def test_long_prompts_are_dropped_with_one_warning(example, capsys):
         fitting_prompts(rows, tok, lengths[0] - 1, "data.train_files")
 
 
+def moe_checkpoint(example: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """A 2-layer Qwen3-MoE (4 experts, top 2) with the example's tokenizer."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(example / "tokenizer"))
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=len(tok) + len(tok) % 2, hidden_size=32, intermediate_size=64,  # even: TP 2
+        moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
 def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     """GRPO, 2 iterations, 2 ranks, on the example's Qwen3-style checkpoint, chat JSONL and
     reward file: metrics with the reward's fields and the held-out evaluation, and an HF
-    export that transformers loads; a reward function that raises stops the run naming it."""
+    export that transformers loads; the same on a mixture of experts (Qwen3-MoE, TP 2); a
+    reward function that raises stops the run naming it."""
     import transformers
 
     bad = tmp_path / "bad_reward.py"
@@ -130,6 +149,9 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     spec = {"user": common + [f"data.val_files={example / 'val.jsonl'}", "log.run_name=user",
                               f"reward.function={REWARD}:compute_score"],
             "raises": common + ["log.run_name=raises", f"reward.function={bad}:compute_score"]}
+    moe = moe_checkpoint(example, tmp_path / "moe")
+    spec["moe"] = common + [f"actor.model.init_from={moe}", "actor.layout.tp=2",
+                            "log.run_name=moe", f"reward.function={REWARD}:compute_score"]
     out = launch(spec, tmp_path)
     assert "records" in out["user"], out["user"].get("traceback")
     recs = out["user"]["records"]
@@ -141,6 +163,13 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf))
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
     assert model.config.vocab_size >= len(tok) and model.config.model_type == "qwen3"
+    assert "records" in out["moe"], out["moe"].get("traceback")
+    assert [r["step"] for r in out["moe"]["records"]] == [0, 1]
+    assert all(0 <= r["actor/rollout_logprob_diff"] < 1e-4 for r in out["moe"]["records"]
+               if "actor/rollout_logprob_diff" in r)
+    moe_hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "runs" / "moe" / "hf" / "actor"))
+    assert type(moe_hf).__name__ == "Qwen3MoeForCausalLM"
     err = out["raises"]["error"]
     assert f"reward function {bad}:compute_score raised ZeroDivisionError: from the user at " \
            f"{bad}:2 on sample" in err, err
