@@ -147,11 +147,13 @@ def _tensor_files(folder: str) -> dict[str, str]:
 
 
 def _check_checkpoint(model: ParallelLlama, folder: str) -> None:
-    """ValueError unless ``folder`` holds ``model``'s architecture and a usable head."""
+    """ValueError unless ``folder`` holds ``model``'s architecture and a usable head (the
+    parameter dtype and the training's load-balancing weight may differ)."""
     hf = _read_json(folder)
     cfg = config_from_hf(hf, model.config.max_position_embeddings)
-    mine = {k: v for k, v in model.config.to_dict().items() if k != "dtype"}
-    theirs = {k: v for k, v in cfg.to_dict().items() if k != "dtype"}
+    free = ("dtype", "router_aux_loss_coef")
+    mine = {k: v for k, v in model.config.to_dict().items() if k not in free}
+    theirs = {k: v for k, v in cfg.to_dict().items() if k not in free}
     diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
     if diff:
         raise ValueError(f"checkpoint {folder} does not match the model config "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from typing import Protocol
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -457,18 +457,75 @@ class MoeRouting:
     norm_topk: bool
 
 
-def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights [N, k] in x's dtype, experts [N, k] int64)`` of the tokens ``x [N, H]``."""
+@dataclass
+class RouterLoss:
+    """The load-balancing loss of the mixture-of-experts layers of one training forward
+    (Switch Transformer's, per layer)::
+
+        loss_l = E * sum_e f_e * P_e     f_e: expert e's share of the (token, slot) pairs
+                                              (sum_e f_e = k), P_e: its mean probability,
+                                              both over the real tokens
+
+    Each layer appends its ``loss_l``; :meth:`weighted` is their sum times ``weight``, the
+    term added to the micro-batch's loss (``coef / (layers * micro-batches)``: the mean over
+    the model's layers, like the micro-batch loss a share of the step)."""
+
+    weight: float
+    token_mask: torch.Tensor | None = None
+    """``[N]`` bool over the flattened tokens, True = real (None: every token)."""
+    terms: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, probs: torch.Tensor, experts: torch.Tensor) -> None:
+        """One layer's term from its router's ``probs [N, E]`` (float32) and chosen
+        ``experts [N, k]``."""
+        n, num_experts = probs.shape
+        real = (torch.ones(n, device=probs.device) if self.token_mask is None
+                else self.token_mask.to(probs.device, torch.float32))
+        pairs = torch.zeros(num_experts, device=probs.device).index_add(
+            0, experts.flatten(), real.repeat_interleave(experts.shape[1]))
+        tokens = real.sum().clamp(min=1.0)
+        mean_prob = (probs * real[:, None]).sum(0) / tokens
+        self.terms.append(num_experts * (pairs / tokens * mean_prob).sum())
+
+    def weighted(self) -> torch.Tensor:
+        return torch.stack(self.terms).sum() * self.weight
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """``x`` unchanged forward; backward also sends gradient 1 into ``loss`` (a scalar in
+    ``x``'s graph), so a pipeline stage's backward of ``x`` trains the loss too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss)
+
+
+def add_loss_gradient(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``x``, through which backward also minimises ``loss`` (:class:`_AddLossGradient`)."""
+    return _AddLossGradient.apply(x, loss)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting,
+          router_loss: RouterLoss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [N, k] in x's dtype, experts [N, k] int64)`` of the tokens ``x [N, H]``
+    (and the layer's term of ``router_loss``)."""
     probs = torch.softmax(F.linear(x, router).float(), dim=-1)
     weights, experts = torch.topk(probs, routing.top_k, dim=-1)
+    if router_loss is not None:
+        router_loss.add(probs, experts)
     if routing.norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(x.dtype), experts
 
 
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
-              tp_group: Group | None) -> torch.Tensor:
+              tp_group: Group | None, router_loss: RouterLoss | None = None) -> torch.Tensor:
     """Dropless top-k mixture of SwiGLU experts: ``x [..., H]`` (replicated) -> ``[..., H]``.
 
     The (token, expert) pairs are sorted by expert so each expert runs one matmul pair over
@@ -477,10 +534,11 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     are all-reduced once for the layer.  The router is replicated and its inputs whole on
     every rank; the routing weights scale partial outputs, so their gradient is a partial
     sum: they enter through :func:`engine.tp_ops.copy_to_tp`, like the experts' inputs.
+    The layer's load-balancing term goes to ``router_loss`` where given (training).
     """
     shape, num_experts = x.shape, w["router"].shape[0]
     tokens = x.reshape(-1, shape[-1])
-    weights, experts = route(tokens, w["router"], routing)
+    weights, experts = route(tokens, w["router"], routing, router_loss)
     order = torch.argsort(experts.flatten(), stable=True)  # pairs grouped by expert
     counts = torch.bincount(experts.flatten(), minlength=num_experts).tolist()
     token_of = order // routing.top_k
@@ -496,12 +554,12 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
 
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None,
-              lora: LoraDeltas | None = None, routing: MoeRouting | None = None
-              ) -> torch.Tensor:
+              lora: LoraDeltas | None = None, routing: MoeRouting | None = None,
+              router_loss: RouterLoss | None = None) -> torch.Tensor:
     """The layer's MLP: :func:`moe_block` where ``routing`` is given, else
     :func:`swiglu_block` (with its LoRA deltas)."""
     if routing is not None:
-        return moe_block(x, w, routing, tp_group)
+        return moe_block(x, w, routing, tp_group, router_loss)
     return swiglu_block(x, w, tp_group, lora)
 
 
@@ -509,10 +567,12 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | PackedSeqs | None,
                   q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
                   kv_hook: KVHook | None = None, lora: LoraDeltas | None = None,
-                  routing: MoeRouting | None = None) -> torch.Tensor:
+                  routing: MoeRouting | None = None, router_loss: RouterLoss | None = None
+                  ) -> torch.Tensor:
     """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``
     (with the layer's LoRA adapters when ``lora`` is given; a mixture of experts routed by
-    ``routing`` when given)."""
+    ``routing`` when given, its load-balancing term into ``router_loss``)."""
     h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
                             head_dim, eps, tp_group, kv_hook, lora)
-    return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora, routing)
+    return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora, routing,
+                         router_loss)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.layers import RouterLoss
 from engine.micro_batches import PackedRows, pack_rows
 from engine.model import ParallelLlama, check_temperature
 from engine.pipeline import SCHEDULES, PipelineExecutor, make_schedule
@@ -344,14 +345,30 @@ class TrainEngine:
                           else torch.ones_like(mb["input_ids"])) for mb in micro_batches]
 
     def _forward_fn(self, micro_batches: list[dict], packings: list[PackedRows] | None,
-                    with_logits: bool, head_from: int, temperature: float):
-        model = self.model
+                    with_logits: bool, head_from: int, temperature: float,
+                    router_terms: list[torch.Tensor] | None = None):
+        """The pipeline's forward of micro-batch ``i``; with ``router_terms`` (training a
+        mixture of experts) each forward also trains the load-balancing loss and appends
+        this stage's sum of its layers' terms (detached)."""
+        model, cfg = self.model, self.model.config
+        weight = cfg.router_aux_loss_coef / (cfg.num_layers * len(micro_batches))
+
+        def router_loss(mask: torch.Tensor | None) -> RouterLoss | None:
+            if router_terms is None:
+                return None
+            return RouterLoss(weight, None if mask is None else mask.flatten().bool())
+
+        def keep(loss: RouterLoss | None) -> None:
+            if loss is not None and loss.terms:
+                router_terms.append(torch.stack(loss.terms).sum().detach())
 
         def padded(i: int, x: torch.Tensor | None):
             mb = micro_batches[i]
             inputs = mb["input_ids"] if model.is_first else x
+            loss = router_loss(mb.get("attention_mask"))
             hidden = model.stage_forward(inputs, mb.get("attention_mask"),
-                                         mb.get("position_ids"))
+                                         mb.get("position_ids"), router_loss=loss)
+            keep(loss)
             if not model.is_last:
                 return hidden
             return model.head_outputs(hidden, mb["input_ids"], with_logits, head_from,
@@ -361,8 +378,10 @@ class TrainEngine:
             mb, p = micro_batches[i], packings[i]
             inputs = p.pack(mb["input_ids"]) if model.is_first else x
             pos = mb.get("position_ids")
+            loss = router_loss(None)  # packed: every token real
             hidden = model.stage_forward(inputs, position_ids=None if pos is None
-                                         else p.pack(pos), packed=p.seqs)
+                                         else p.pack(pos), packed=p.seqs, router_loss=loss)
+            keep(loss)
             if not model.is_last:
                 return hidden
             return model.packed_head_outputs(hidden, mb["input_ids"], p, with_logits,
@@ -391,7 +410,11 @@ class TrainEngine:
 
         Returns:
             ``loss`` (each rank's mean over its micro-batches, averaged over DP ranks),
-            ``grad_norm`` (before clipping), ``lr``; identical on every rank.
+            ``grad_norm`` (before clipping), ``lr``; identical on every rank.  A mixture of
+            experts also minimises its load-balancing loss with weight
+            ``config.router_aux_loss_coef`` (:class:`engine.layers.RouterLoss`, the mean over
+            layers and micro-batches) and returns it as ``router_aux_loss`` (unweighted,
+            averaged over DP ranks).
         """
         if self.frozen:
             raise ValueError("train_step on a frozen TrainEngine (built with frozen=True for "
@@ -414,7 +437,9 @@ class TrainEngine:
             return loss / n
 
         actions = make_schedule(self.optim_cfg.schedule, model.layout.pp, model.stage, n)
-        forward = self._forward_fn(micro_batches, packings, False, head_from, temperature)
+        router_terms = [] if model.config.num_experts else None
+        forward = self._forward_fn(micro_batches, packings, False, head_from, temperature,
+                                   router_terms)
         self._executor(micro_batches, packings).run(actions, forward, loss_of)
         self._sync_tied_embedding()
         # this rank's mean, so that DP ranks with different micro-batch counts average right
@@ -436,7 +461,13 @@ class TrainEngine:
             loss = loss_sum.item() / dp.size
         else:
             loss = self._all_stages_mean(loss_sum)
-        return {"loss": loss, "grad_norm": grad_norm, "lr": self.optim_cfg.lr}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.optim_cfg.lr}
+        if router_terms is not None:  # every stage's layers: summed over PP, mean over DP
+            total = torch.stack(router_terms).sum() if router_terms else \
+                torch.zeros((), device=self.device)
+            metrics["router_aux_loss"] = self._all_stages_mean(
+                total.float() / (model.config.num_layers * n))
+        return metrics
 
     @torch.no_grad()
     def forward(self, micro_batches: list[dict], with_logits: bool = False,

@@ -17,6 +17,7 @@ critic's pool (or the actor's when there is no critic), one DP rank per pool ran
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -78,7 +79,11 @@ def check_run(cfg: Config, tokenizer) -> None:
             _check_model(cfg, role)
         except ValueError as e:
             raise ValueError(f"{role}: {e}") from None
-    vocab = cfg.actor.model.llama().vocab_size
+    actor = cfg.actor.model.llama()
+    if cfg.actor.router_aux_loss_coef is not None and not actor.num_experts:
+        raise ValueError(f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef} but the "
+                         f"actor ({actor.model_type}) has no experts")
+    vocab = actor.vocab_size
     builtin = isinstance(tokenizer, CharTokenizer)
     if tokenizer.vocab_size > vocab or (builtin and tokenizer.vocab_size != vocab):
         raise ValueError(f"the actor's vocab_size={vocab} but the tokenizer "
@@ -203,7 +208,11 @@ def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0,
     if own is None and role in ("reward_model", "cost_model"):
         init = None  # a reward model never starts from the policy checkpoint by accident
     lora = getattr(section, "lora", None) if adapters else None
-    return ModelSpec(config=cfg.model_of(role).llama(run_precision(cfg)), head=head,
+    config = cfg.model_of(role).llama(run_precision(cfg))
+    coef = getattr(section, "router_aux_loss_coef", None)
+    if coef is not None and config.num_experts:
+        config = dataclasses.replace(config, router_aux_loss_coef=float(coef))
+    return ModelSpec(config=config, head=head,
                      init_from=init,
                      seed=cfg.seed + seed_offset, fresh_head=role in VALUE_ROLES,
                      lora=lora.engine_config() if lora is not None else None,

@@ -282,9 +282,18 @@ class ActorConfig:
     lora: LoraSection = field(default_factory=LoraSection)
     """LoRA adapters (rank 0: off).  With adapters the reference policy is the actor's own
     base with the adapters off: no reference model is built."""
+    router_aux_loss_coef: float | None = None
+    """A mixture of experts: weight of the routers' load-balancing loss in every update
+    (engine.layers.RouterLoss, logged as actor/router_aux_loss); None = the checkpoint's
+    ``router_aux_loss_coef``.  A dense model refuses a value."""
 
     def __post_init__(self) -> None:
         check_token_budget("actor.", self.max_token_len_per_micro_batch)
+        coef = self.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float))
+                                 or not coef >= 0):
+            raise ValueError(f"actor.router_aux_loss_coef={coef!r} must be a number >= 0 (or "
+                             f"null: the checkpoint's)")
 
 
 @dataclass(frozen=True)

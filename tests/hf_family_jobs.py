@@ -86,7 +86,10 @@ def run_layouts(rank: int, world_size: int, layouts: dict, folder: str, ids: tor
         rollout.release()
         resharder.to_training()
         if step:
-            eng.train_step(train_batches(model.config.vocab_size), lm_loss, temperature=1.0)
+            step = eng.train_step(train_batches(model.config.vocab_size), lm_loss,
+                                  temperature=1.0)
+            if "router_aux_loss" in step:
+                r["router_aux_loss"] = step["router_aux_loss"]
             save_hf_checkpoint(model, os.path.join(out_root, name))
             out = eng.forward([{"input_ids": ids}], with_logits=True, temperature=1.0)
             if model.is_last:

@@ -45,6 +45,7 @@ LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq
 FAMILIES = ["llama3", "qwen2_tied", "qwen3", "mistral", "qwen3_moe", "mixtral"]
 # weights whose greedy continuations (hf_greedy) have no near-tie
 SEEDS = {"qwen3_moe": 9, "mixtral": 8}
+MOE = {"qwen3_moe", "mixtral"}
 # the families the C++ decode kernels run: no biases or q/k norms, or q/k/v biases only
 KERNEL_DECODE = {"llama3", "mistral", "qwen2_tied"}
 
@@ -59,7 +60,7 @@ def hf_config(name: str):
         "mistral": lambda: T.MistralConfig(**COMMON | dict(sliding_window=64)),
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON | dict(
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-            norm_topk_prob=False, router_aux_loss_coef=0.01)),
+            norm_topk_prob=False, router_aux_loss_coef=0.5)),
         "mixtral": lambda: T.MixtralConfig(**COMMON | dict(num_local_experts=4,
                                                            num_experts_per_tok=2)),
     }[name]()
@@ -157,7 +158,7 @@ def test_each_family_reads_its_switches(cases):
         "mixtral": ("mixtral", False, False, False, 8, None, False, False),
     }
     experts = {  # (num_experts, top k, renormalised, expert width, aux loss weight)
-        "qwen3_moe": (4, 2, False, 24, 0.01), "mixtral": (4, 2, True, 48, 0.001)}
+        "qwen3_moe": (4, 2, False, 24, 0.5), "mixtral": (4, 2, True, 48, 0.001)}
     for name, w in want.items():
         c = read_hf_config(cases(name)["folder"])
         assert (c.model_type, c.qkv_bias, c.o_proj_bias, c.qk_norm, c.head_dim, c.sliding_window,
@@ -301,6 +302,13 @@ def test_family_matches_transformers(pool2, cases, name, tmp_path):
                 (layout, r["paths"])
         if "logits_after" not in last[0]:
             continue
+        # a mixture of experts' load-balancing loss: every rank of every layout reports the
+        # single process's (summed over the stages, averaged over DP)
+        want = results["single"][0].get("router_aux_loss")
+        assert (want is not None) == (name in MOE), name
+        for r in ranks.values():
+            assert r.get("router_aux_loss") == (want if want is None else pytest.approx(
+                want, rel=1e-5)), (name, layout)
         folder = os.path.join(tmp_path, layout)
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
         assert type(hf) is type(case["hf"]) and hf.dtype == torch.float32

@@ -182,3 +182,54 @@ def test_lora_on_the_attention_of_a_mixture_of_experts():
                        temperature=1.0)
     assert all(torch.equal(p, frozen[n]) for n, p in lora.params.items())
     assert (lora.stage_forward(ids) - base.stage_forward(ids)).abs().max() > 1e-4
+
+
+# The load-balancing loss -----------------------------------------------------------------------
+def hf_layer_losses(hf, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """transformers' logits and its ``load_balancing_loss_func`` of each layer on its own."""
+    import importlib
+
+    family = importlib.import_module(type(hf).__module__)
+    out = hf(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    c = hf.config
+    return out.logits, [family.load_balancing_loss_func(
+        (logits,), c.num_experts if hasattr(c, "num_experts") else c.num_local_experts,
+        c.num_experts_per_tok, mask) for logits in out.router_logits]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_router_loss_and_its_gradient_match_transformers(tmp_path, name):
+    """Each layer's term equals transformers' load-balancing loss of that layer; the
+    gradient of ``log-prob loss + coef * mean over layers`` equals transformers' autograd of
+    the same sum (routers included)."""
+    import transformers
+
+    from engine.layers import RouterLoss
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(name)).float().eval()
+    randomize(hf, seed=6)
+    hf.save_pretrained(tmp_path)
+    model = single_model(str(tmp_path))
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    coef, layers = 0.5, model.config.num_layers
+    loss = RouterLoss(coef / layers, mask.flatten().bool())
+    out = model.head_outputs(model.stage_forward(ids, mask, router_loss=loss), ids,
+                             temperature=1.0)
+    logits, want = hf_layer_losses(hf, ids, mask)
+    assert len(loss.terms) == len(want) == layers
+    for got, ref in zip(loss.terms, want):
+        torch.testing.assert_close(got, ref.float(), atol=1e-6, rtol=1e-5)
+    m = (mask[:, 1:] * mask[:, :-1]).float()
+    ((out["log_probs"] * m).sum() / m.sum()).backward()
+    ref_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ((ref_lp * m).sum() / m.sum() + coef * torch.stack(want).mean()).backward()
+    params = dict(hf.named_parameters())
+    for spec in model.specs:
+        grad = model.params[spec.name].grad
+        parts = spec.fusion.split(grad) if spec.fusion is not None else (grad,)
+        for hf_name, part in zip(spec.hf_names, parts):
+            torch.testing.assert_close(part, hf_grad(params, hf_name), atol=1e-6, rtol=1e-4,
+                                       msg=lambda msg: f"{name} {hf_name}: {msg}")

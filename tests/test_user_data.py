@@ -89,6 +89,12 @@ def test_bad_inputs_fail_before_any_rank_starts(example, tmp_path):
     cfg = load_config(user + ["reward.kind=function", "reward.function=/nope.py:f"])
     with pytest.raises(ValueError, match="does not exist"):
         check_run(cfg, tokenizer_of(cfg))
+    cfg = load_config(user + ["actor.router_aux_loss_coef=0.01"])
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01 but the actor \(llama\) "
+                                         r"has no experts"):
+        check_run(cfg, tokenizer_of(cfg))
+    with pytest.raises(ValueError, match="router_aux_loss_coef=-1"):
+        load_config(user + ["actor.router_aux_loss_coef=-1"])
     cfg = load_config(user + ["data.val_files=/nope.jsonl"])
     with pytest.raises(ValueError, match=r"data.val_files: \['/nope.jsonl'\] do not exist"):
         check_run(cfg, tokenizer_of(cfg))
@@ -151,7 +157,8 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
             "raises": common + ["log.run_name=raises", f"reward.function={bad}:compute_score"]}
     moe = moe_checkpoint(example, tmp_path / "moe")
     spec["moe"] = common + [f"actor.model.init_from={moe}", "actor.layout.tp=2",
-                            "log.run_name=moe", f"reward.function={REWARD}:compute_score"]
+                            "actor.router_aux_loss_coef=0.01", "log.run_name=moe",
+                            f"reward.function={REWARD}:compute_score"]
     out = launch(spec, tmp_path)
     assert "records" in out["user"], out["user"].get("traceback")
     recs = out["user"]["records"]
@@ -165,6 +172,8 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     assert model.config.vocab_size >= len(tok) and model.config.model_type == "qwen3"
     assert "records" in out["moe"], out["moe"].get("traceback")
     assert [r["step"] for r in out["moe"]["records"]] == [0, 1]
+    # the load-balancing loss: E * sum f * P >= k = 2 (equality only if perfectly balanced)
+    assert all(r["actor/router_aux_loss"] >= 2 - 1e-5 for r in out["moe"]["records"])
     assert all(0 <= r["actor/rollout_logprob_diff"] < 1e-4 for r in out["moe"]["records"]
                if "actor/rollout_logprob_diff" in r)
     moe_hf = transformers.AutoModelForCausalLM.from_pretrained(

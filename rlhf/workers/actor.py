@@ -101,19 +101,22 @@ class PolicyWorker(CheckpointedWorker):
             records.append(detached(m))
             return total
 
-        grad_norms = []
+        steps = []
         u = s.update
         for _ in range(u.epochs):
             for mbs in update_micro_batches(data, u, self.groups.train_dp):
                 # one denominator for the whole mini-batch (all micro-batches, all DP ranks)
                 d = loss_denominator(mbs, loss.loss_agg_mode, self.groups.train_dp)
-                grad_norms.append(self.train.train_step(
+                steps.append(self.train.train_step(
                     mbs, functools.partial(loss_fn, denominator=d),
                     head_from=response_head_from(batch), temperature=self.spec.temperature,
-                    remove_padding=u.max_tokens is not None)["grad_norm"])
+                    remove_padding=u.max_tokens is not None))
         if not self.model.is_last:
             return None
-        records.append({"grad_norm": sum(grad_norms) / len(grad_norms)})
+        # the step's own figures: its gradient norm, a mixture of experts' load-balancing loss
+        for key in ("grad_norm", "router_aux_loss"):
+            if key in steps[0]:
+                records.append({key: sum(r[key] for r in steps) / len(steps)})
         return mean_row(host_records(records))
 
     @protocol(ONE_TO_ALL)
