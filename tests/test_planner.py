@@ -4,7 +4,9 @@ import itertools
 import math
 
 import pytest
+import torch
 
+from engine.llama_spec import LlamaConfig
 from rlhf.planner import Planner, Workload, build_dataflow, load_profile, model_shape
 from rlhf.planner import memory as mem
 from rlhf.planner import simulator as sim
@@ -57,6 +59,37 @@ def test_params_of_presets():
     assert abs(SEVEN.params - 6.74e9) / 6.74e9 < 0.01
     assert abs(model_shape("13b").params - 13.0e9) / 13.0e9 < 0.01
     assert abs(model_shape("70b").params - 69.0e9) / 69.0e9 < 0.02
+
+
+def test_params_equal_transformers_count_and_moe_active_params():
+    """Every parameter the planner counts equals transformers' model of the same config (on
+    the meta device, nothing allocated): Qwen3-30B-A3B (128 experts, q/k norms) and tiny
+    Qwen2 (q/k/v bias) / Qwen3 (o bias); a MoE token uses k of E experts."""
+    import dataclasses
+
+    import transformers
+
+    from engine.hf_interop import config_to_hf
+    from rlhf.planner.models import ModelShape
+
+    big = model_shape("qwen3-30b-a3b")
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                num_kv_heads=2, tie_word_embeddings=False)
+    shapes = [big,
+              ModelShape("q2", LlamaConfig(**tiny, qkv_bias=True, model_type="qwen2")),
+              ModelShape("q3", LlamaConfig(**tiny, qkv_bias=True, o_proj_bias=True,
+                                           qk_norm=True, head_dim=16, model_type="qwen3"))]
+    for shape in shapes:
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config_to_hf(shape.config))
+        assert shape.params == sum(p.numel() for p in hf.parameters()), shape.name
+    assert abs(big.params - 30.5e9) / 30.5e9 < 0.01  # the model card: 30.5B in total,
+    assert abs(big.active_params - 3.3e9) / 3.3e9 < 0.02  # 3.3B activated
+    dense = ModelShape("d", dataclasses.replace(big.config, num_experts=0, model_type="qwen3",
+                                                num_experts_per_tok=2))
+    assert dense.active_params == dense.params < big.active_params
+    # a token's matmuls read its k experts only
+    assert big.matmul_params < big.active_params < big.params
 
 
 def test_memory_matches_hand_computation():

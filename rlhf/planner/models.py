@@ -1,13 +1,20 @@
 """Model size descriptions for the planner: Llama shapes, parameter and FLOP counts, presets.
 
 Parameter count of a Llama decoder (``V`` vocab, ``H`` hidden, ``F`` SwiGLU width, ``L`` layers,
-``Q`` query heads, ``G`` KV heads, ``D = H / Q`` head dim)::
+``Q`` query heads, ``G`` KV heads, ``D`` head dim; a mixture of ``E`` experts, ``k`` per
+token)::
 
     embedding             V * H
     per layer             H * (Q + 2G) * D   (qkv)  +  Q * D * H  (o_proj)
                           + 3 * H * F        (gate, up, down)  +  2 * H  (norms)
+                          [+ (Q + 2G) * D  q/k/v bias, + H  o bias, + 2 * D  q/k norms]
+      mixture of experts  3 * H * F per expert: E of them stored, k of them active per token,
+                          + E * H  (the router)
     final norm            H
     head                  V * H   (lm head, untied)   or   H   (value head: critic, reward, cost)
+
+A token's matmuls (FLOPs) read the active parameters only; memory and transitions hold
+every parameter.
 
 Presets: ``llama-7b``, ``llama-13b``, ``llama-34b``, ``llama-70b`` (published Llama-2 /
 CodeLlama shapes) and ``tiny``, ``tiny-4l`` (this project's CPU models; ``tiny`` is the default
@@ -42,28 +49,56 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.config.head_dim
+
+    def _layer_params(self, experts: int) -> int:
+        """One decoder layer's parameters with ``experts`` SwiGLUs counted."""
+        c, h, d = self.config, self.hidden_size, self.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
+        attn = h * qkv_rows + self.num_heads * d * h
+        extras = (qkv_rows if c.qkv_bias else 0) + (h if c.o_proj_bias else 0) + \
+            (2 * d if c.qk_norm else 0)
+        router = c.num_experts * h
+        return attn + extras + experts * 3 * h * self.intermediate_size + router + 2 * h
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        return attn + 3 * h * self.intermediate_size + 2 * h
+        """Parameters of one decoder layer (every expert of a mixture)."""
+        return self._layer_params(self.config.num_experts or 1)
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters of one decoder layer a token uses (``k`` experts of a mixture)."""
+        c = self.config
+        return self._layer_params(c.num_experts_per_tok if c.num_experts else 1)
+
+    def _total(self, layer: int) -> int:
+        h = self.hidden_size
+        head = h if self.value_head else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
 
     @property
     def params(self) -> int:
-        """Total parameters."""
-        h = self.hidden_size
-        head = h if self.value_head else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * self.layer_params + h + head
+        """Total parameters (what memory and the transitions hold)."""
+        return self._total(self.layer_params)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (= :attr:`params` for a dense model)."""
+        return self._total(self.active_layer_params)
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (everything but embedding, norms)."""
+        """Parameters that take part in a matmul per token (the active ones but embedding,
+        norms and biases)."""
         h = self.hidden_size
         head = h if self.value_head else self.vocab_size * h
-        return self.num_layers * (self.layer_params - 2 * h) + head
+        layer = self._layer_params(self.config.num_experts_per_tok
+                                   if self.config.num_experts else 1)
+        c, d = self.config, self.head_dim
+        vectors = 2 * h + ((self.num_heads + 2 * self.num_kv_heads) * d if c.qkv_bias else 0) \
+            + (h if c.o_proj_bias else 0) + (2 * d if c.qk_norm else 0)
+        return self.num_layers * (layer - vectors) + head
 
     def kv_elems_per_token(self) -> int:
         """K and V elements cached per token over all layers: ``2 * L * G * D``."""
@@ -99,6 +134,12 @@ PRESETS: dict[str, ModelShape] = {
     "llama-70b": _shape("llama-70b", 32000, 8192, 28672, 80, 64, 8),
     "tiny": _shape("tiny", 24, 64, 128, 2, 4, 2),
     "tiny-4l": _shape("tiny-4l", 24, 128, 256, 4, 4, 2),
+    # Qwen3-30B-A3B's config.json: 128 experts of width 768, 8 per token
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", LlamaConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=768, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, tie_word_embeddings=False, qk_norm=True,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, model_type="qwen3_moe",
+        max_position_embeddings=40960, router_aux_loss_coef=0.001)),
 }
 
 
@@ -115,6 +156,4 @@ def model_shape(name: str) -> ModelShape:
 def shape_from_model_config(model, name: str = "model") -> ModelShape:
     """A :class:`ModelShape` from an :class:`rlhf.config.ModelConfig` (its resolved
     architecture: the checkpoint's or the built-in one)."""
-    c = model.llama()
-    return _shape(name, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers,
-                  c.num_heads, c.num_kv_heads)
+    return ModelShape(name, model.llama())
