@@ -13,10 +13,14 @@ from rlhf.config_checks import (MAX_COUNT, check_at_most, check_one_of, check_pa
                                 check_positive, check_token_budget)
 
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-               "num_kv_heads", "tie_word_embeddings")
-# The built-in task's tiny Llama: the architecture when a model has no init_from checkpoint.
+               "num_kv_heads", "tie_word_embeddings", "num_experts", "num_experts_per_tok")
+# The built-in task's tiny Llama: the architecture when a model has no init_from checkpoint
+# (with num_experts > 0 a Mixtral-style mixture of experts).
 BUILTIN_ARCH = dict(vocab_size=24, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=2, tie_word_embeddings=False, max_seq_len=64)
+                    num_heads=4, num_kv_heads=2, tie_word_embeddings=False, num_experts=0,
+                    num_experts_per_tok=2, max_seq_len=64)
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+               "num_kv_heads", "num_experts_per_tok", "max_seq_len")
 
 
 @dataclass(frozen=True)
@@ -42,17 +46,28 @@ class ModelConfig:
     """Key/value heads; divisible by tp (None: the checkpoint's, or 2)."""
     tie_word_embeddings: bool | None = None
     """Share the embedding with the LM head (None: the checkpoint's, or false)."""
+    num_experts: int | None = None
+    """Experts of every layer's MLP, each of width intermediate_size (None: the
+    checkpoint's, or 0: a dense MLP; the built-in model with experts is a Mixtral)."""
+    num_experts_per_tok: int | None = None
+    """Experts each token is routed to (None: the checkpoint's, or 2)."""
     max_seq_len: int | None = None
     """Longest prompt + response the run uses (None: the checkpoint's max_position_embeddings,
     or 64)."""
 
     def __post_init__(self) -> None:
         check_path("model.init_from", self.init_from)
-        for name in (*ARCH_FIELDS[:-1], "max_seq_len"):
+        for name in SIZE_FIELDS:
             v = getattr(self, name)
             if v is not None:
                 check_positive(**{name: v})
                 check_at_most(MAX_COUNT, **{name: v})
+        if self.num_experts is not None and (isinstance(self.num_experts, bool)
+                                             or not isinstance(self.num_experts, int)
+                                             or self.num_experts < 0):
+            raise ValueError(f"model.num_experts={self.num_experts!r} must be an int >= 0 (0 = "
+                             f"a dense MLP)")
+        check_at_most(MAX_COUNT, num_experts=self.num_experts)
 
     def llama(self, precision: str = "fp32"):
         """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
@@ -71,7 +86,8 @@ class ModelConfig:
         explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
         if self.init_from is None:
             arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit
-            return LlamaConfig(**arch, max_position_embeddings=self.seq_len, dtype=dtype)
+            return LlamaConfig(**arch, max_position_embeddings=self.seq_len, dtype=dtype,
+                               model_type="mixtral" if arch["num_experts"] else "llama")
         if not os.path.isfile(os.path.join(self.init_from, "config.json")):
             raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
                              f"config.json); create it with rlhf.sft / rlhf.train_rm or "

@@ -1,7 +1,7 @@
 """The main job (``make run``): warm start by SFT (cached), then GRPO on 4 ranks, judged on
 held-out problems.
 
-    python -m rlhf.main_job [--nproc 4] [key=value ...]     # extra overrides go to rlhf.train
+    python -m rlhf.main_job [--nproc 4] [--moe] [key=value ...]   # overrides go to rlhf.train
 
 1. The warm start, two ``rlhf.sft`` phases (cached in ``runs/cache``; later runs with the
    same settings reuse them): a 4-layer Llama learns addition from correct demonstrations
@@ -18,6 +18,10 @@ held-out problems.
    the folder is replaced by each run unless a ``checkpoint.resume=...`` override is given.
    ``device=`` and ``precision=`` among the overrides apply to the SFT phases too.
 3. Prints the held-out greedy accuracy of the SFT policy and of the final one, and the times.
+
+``--moe``: the same job on a mixture of experts (every layer's MLP 4 experts of the dense
+width, 2 per token: a Mixtral), its own warm start (``runs/cache/sft-*-moe``) and run
+(``runs/main_grpo_moe``).
 """
 
 from __future__ import annotations
@@ -51,19 +55,39 @@ RL_OVERRIDES = [
 """``rlhf.train`` overrides of the RL run (on top of the grpo recipe)."""
 
 
+MOE_MODEL = ["actor.model.num_experts=4", "actor.model.num_experts_per_tok=2"]
+"""``--moe``: the policy's MLPs as 4 experts, 2 per token."""
+
 DEVICE_KEYS = ("device=", "precision=")
 """Overrides that the SFT phases take too (the run config's top-level keys)."""
 
 
-def warm_start(overrides: list[str] = ()) -> str:
+def variant(args: list[str], moe: bool) -> list[str]:
+    """``args`` of the dense job, or of the ``--moe`` one: its own cache folders and run
+    name, the experts added to every model argument list."""
+    if not moe:
+        return list(args)
+    renamed = {SFT_BASE_DIR: SFT_BASE_DIR + "-moe", SFT_DIR: SFT_DIR + "-moe",
+               RUN_NAME: RUN_NAME + "_moe"}
+    out = []
+    for a in args:
+        for old, new in renamed.items():
+            if a == old or a.endswith("=" + old):
+                a = a[:len(a) - len(old)] + new
+        out.append(a)
+    return out + (MOE_MODEL if MODEL[0] in args else [])
+
+
+def warm_start(overrides: list[str] = (), moe: bool = False) -> str:
     """Both SFT phases (each reused when cached with the same settings), with the device and
-    precision of ``overrides``; the folder of the warm-start policy, :data:`SFT_DIR`."""
+    precision of ``overrides``; the folder of the warm-start policy (:data:`SFT_DIR`, or
+    its ``-moe`` sibling)."""
     device = [o for o in overrides if o.startswith(DEVICE_KEYS)]
     for args in (SFT_BASE_ARGS, SFT_ARGS):
-        args = [*args, *device]
+        args = [*variant(args, moe), *device]
         if sft.main(args) != 0:
             raise RuntimeError(f"rlhf.sft {' '.join(args)} failed")
-    return SFT_DIR
+    return variant([SFT_DIR], moe)[0]
 
 
 def held_out_accuracy(records: list[dict]) -> tuple[float, float]:
@@ -78,25 +102,28 @@ def held_out_accuracy(records: list[dict]) -> tuple[float, float]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks of the RL job")
+    p.add_argument("--moe", action="store_true", help="the policy as a mixture of experts")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for rlhf.train")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    warm_start(a.overrides)
+    warm_start(a.overrides, a.moe)
     t_sft = time.perf_counter() - t0
+    run_dir = os.path.join("runs", variant([RUN_NAME], a.moe)[0])
     if not any(o.startswith("checkpoint.resume=") for o in a.overrides):
-        shutil.rmtree(RUN_DIR, ignore_errors=True)  # a fresh run: no stale event files
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: no stale event files
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={a.nproc}", "-m", "rlhf.train", *RL_OVERRIDES, *a.overrides]
+           f"--nproc_per_node={a.nproc}", "-m", "rlhf.train", *variant(RL_OVERRIDES, a.moe),
+           *a.overrides]
     print("[main_job]", " ".join(cmd[2:]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     code = subprocess.run(cmd, env=env).returncode
     if code != 0:
         print(f"[main_job] RL job failed with exit code {code}", file=sys.stderr)
         return code
-    start, end = held_out_accuracy(read_metrics(os.path.join(RUN_DIR, "metrics.jsonl")))
+    start, end = held_out_accuracy(read_metrics(os.path.join(run_dir, "metrics.jsonl")))
     print(f"[main_job] held-out greedy accuracy: SFT {start:.3f} -> final {end:.3f} "
           f"({end - start:+.3f}); SFT {t_sft:.0f} s, total {time.perf_counter() - t0:.0f} s; "
-          f"plot {RUN_DIR}/metrics.png", flush=True)
+          f"plot {run_dir}/metrics.png", flush=True)
     return 0
 
 

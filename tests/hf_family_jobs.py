@@ -76,7 +76,8 @@ def run_layouts(rank: int, world_size: int, layouts: dict, folder: str, ids: tor
         if model.is_last:
             r["logits"] = out[0]["logits"]
         resharder = Resharder(model.specs, model.groups, buffer=model.buffer)
-        resharder.to_generation()
+        stats = resharder.to_generation()
+        r["reshard_bytes"] = (stats.received_bytes, resharder.minimum_received_bytes())
         rollout = GenerationEngine(model.config, model.groups)
         rollout.load_weights(resharder)
         o = rollout.generate(prompts, mask, SamplingParams(max_new_tokens=n_new,

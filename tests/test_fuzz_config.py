@@ -50,7 +50,8 @@ ZERO_OK = {"dp", "gen_pp", "gen_tp", "save_every", "keep_last", "eval_every", "s
            "lam", "kl_coef", "lagrange_init", "entropy_coeff", "weight_decay", "cost_limit",
            "model_weight", "val_size", "eval_pass_k", "overlong_buffer", "clip_cov_ratio",
            "kl_cov_ratio", "clip_cov_lb", "overlong_penalty_factor", "max_staleness",
-           "min_new_tokens", "rollouts_every", "rank", "dropout"}
+           "min_new_tokens", "rollouts_every", "rank", "dropout", "num_experts",
+           "router_aux_loss_coef"}
 """Leaf names for which 0 is a valid value (derive it, never, off, no term, ...)."""
 NEGATIVE_OK = {"cost_limit", "model_weight", "clip_cov_lb"}
 """Leaf names for which a negative number is a valid value."""

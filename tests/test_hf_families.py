@@ -296,6 +296,10 @@ def test_family_matches_transformers(pool2, cases, name, tmp_path):
         for rank, r in ranks.items():
             assert torch.equal(r["tokens"], case["tokens"]), (name, layout, rank, r["tokens"],
                                                               case["tokens"])
+            # the transition (experts included) receives the minimum, nothing twice
+            received, minimum = r["reshard_bytes"]
+            assert received == minimum and (received > 0) == (layout == "tp2"), \
+                (name, layout, rank, received, minimum)
             assert r["paths"][0] == "python", (layout, r["paths"])  # every prefill
             kernels = ("kernel_stage", "kernel_layers")
             assert r["paths"][1] in (kernels if name in KERNEL_DECODE else ("python",)), \
