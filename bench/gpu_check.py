@@ -20,13 +20,17 @@ Steps, in order (``--device cpu`` runs the same steps on CPU: the dry run CI kee
 ``bench_roofline``    ``bench/roofline.py --device D``: a training step and decode
                       steps at ``qwen2.5-0.5b`` against the card's measured bf16
                       matmul peak and copy bandwidth, one timed call each
+``bench_lm_head``     ``bench/lm_head.py --device D``: the LM head and log-softmax over
+                      4,096 tokens of ``qwen2.5-0.5b``'s vocabulary, whole logits
+                      against fused chunks: peak memory and time
 ``bench_e2e``         ``bench/e2e.py --device D``: GRPO iterations vs TRL's
                       GRPOTrainer at ``qwen2.5-0.5b``, 2 iterations (1 warm-up)
 ====================  ==============================================================
 
 The bench steps run the GPU's shape with fewer timed calls, not smaller shapes; ``--quick``
 (the CPU dry run) runs them at ``tiny`` with a handful of tokens.  Each bench writes its own
-JSON into the output folder (``generation.json``, ``roofline.json``, ``e2e.json``); its
+JSON into the output folder (``generation.json``, ``roofline.json``, ``lm_head.json``,
+``e2e.json``); its
 headline figures (:data:`BENCH_FIGURES`) are copied into the step's ``figures``.
 
 Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds``,
@@ -77,6 +81,7 @@ BENCH_FIGURES = {
                  "peak_matmul_flops", "memcpy_bytes_per_s", "read_bytes_per_s",
                  "decode_b1_limit_fraction", "decode_b32_limit_fraction",
                  "decode_b128_limit_fraction"),
+    "lm_head": ("device", "memory_ratio", "time_ratio"),
     "e2e": ("device", "ratio", "ours_tokens_per_s", "trl_tokens_per_s", "ours_phases_s",
             "trl_phases_s"),
 }
@@ -91,6 +96,8 @@ BENCH_ARGS = {
                  ["--shape", "tiny", "--no-reshard", "--repeat", "1", "--decode-tokens", "16",
                   "--sequences", "8"],
                  120),
+    "lm_head": (["--tokens", "4096", "--repeat", "3"],
+                ["--shape", "tiny", "--tokens", "16", "--repeat", "1"], 60),
     "e2e": (["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2", "--rounds", "1",
              "--micro-batch", "8"],
             ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),

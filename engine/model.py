@@ -27,7 +27,8 @@ from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.mod
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
 from engine.lora import LayerLora, LoraConfig, init_lora_state_dict, lora_shard_specs
 from engine.micro_batches import PackedRows
-from engine.tp_ops import column_linear, vocab_embedding, vocab_log_prob_entropy
+from engine.tp_ops import column_linear, linear_log_prob_entropy, vocab_embedding, \
+    vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import HybridGroups
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs, train_shard
@@ -244,12 +245,14 @@ class ParallelLlama(nn.Module):
             values = torch.matmul(hidden, self.params["value_head"].t()).squeeze(-1)
             return {"values": values.float()}
         targets = input_ids[:, start + 1:]
-        if with_logits:
-            logits = self.local_logits(hidden)  # [B, S-start, V/t]
-            extra = {"logits": logits}
-            logits = logits[:, :-1]
-        else:
-            logits, extra = self.local_logits(hidden[:, :-1]), {}  # [B, S-1-start, V/t]
+        if not with_logits:  # the head and the log-softmax fused, a chunk of tokens at a time
+            log_probs, entropy = linear_log_prob_entropy(
+                hidden[:, :-1], self.params[self.head_name], targets, self.tp_group,
+                temperature)
+            return {"log_probs": log_probs, "entropy": entropy}
+        logits = self.local_logits(hidden)  # [B, S-start, V/t]
+        extra = {"logits": logits}
+        logits = logits[:, :-1]
         if temperature != 1.0:  # a new tensor: the returned logits stay unscaled
             logits = logits.float() / temperature  # scaled in float32, as the log-softmax
         log_probs, entropy = vocab_log_prob_entropy(logits, targets, self.tp_group)
@@ -291,11 +294,13 @@ class ParallelLlama(nn.Module):
             logits = self.local_logits(hidden[:, keep])  # [1, n_keep, V/t]
             extra["logits"] = packing.scatter(logits[0], keep, start, seq - start)
             logits = logits[:, scored[keep]]
-        else:
-            logits = self.local_logits(hidden[:, scored])  # [1, n, V/t]
-        if temperature != 1.0:
-            logits = logits.float() / temperature  # scaled in float32, as the log-softmax
-        log_probs, entropy = vocab_log_prob_entropy(logits, targets[None], self.tp_group)
+            if temperature != 1.0:
+                logits = logits.float() / temperature  # scaled in float32, as the log-softmax
+            log_probs, entropy = vocab_log_prob_entropy(logits, targets[None], self.tp_group)
+        else:  # fused head and log-softmax, a chunk of tokens at a time
+            log_probs, entropy = linear_log_prob_entropy(
+                hidden[:, scored], self.params[self.head_name], targets[None], self.tp_group,
+                temperature)
         width = seq - 1 - start
         return {"log_probs": packing.scatter(log_probs[0], scored, start, width),
                 "entropy": packing.scatter(entropy[0], scored, start, width), **extra}

@@ -222,3 +222,112 @@ def vocab_log_prob_entropy(logits: torch.Tensor, targets: torch.Tensor,
     """
     start, _ = vocab_range(logits.shape[-1], group)
     return _VocabLogProbEntropy.apply(logits, targets, _pg(group), start)
+
+
+LOGITS_PER_CHUNK = 2 ** 24
+"""Logit elements one chunk of :func:`linear_log_prob_entropy` holds (64 MiB in float32)."""
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[rows, V/t]`` float32 logits of ``h`` (scaled in float32 as the padded head does)."""
+    z = onednn.linear(h, weight).float()
+    return z / temperature if temperature != 1.0 else z
+
+
+class _LinearLogProbEntropy(torch.autograd.Function):
+    """:func:`vocab_log_prob_entropy` of ``h @ weight.T / temperature`` computed ``rows``
+    tokens at a time: a chunk's ``[rows, V/t]`` logits exist only while it is processed, in
+    forward and again (recomputed) in backward.
+
+    Forward keeps per token this rank's max ``m``, ``s = sum exp(z - m)``, ``a = sum exp(z -
+    m) z`` and the target's logit; the ranks then agree on ``M = max m`` (one all-reduce) and
+    sum ``s exp(m - M)``, ``a exp(m - M)`` and the target logits (one all-reduce): the same two
+    collectives as the whole-logits path.  Backward: per chunk the logits again, their
+    gradient (:func:`_vocab_grad`), ``dh = dz W`` and ``dW += dz^T h``, accumulated by the
+    product itself in the weight's dtype (one rounding per chunk; one chunk: the whole path's
+    product), so nothing of the head's size is allocated beyond the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, pg, start, temperature, rows):
+        # h [T, H] (replicated over TP), weight [V/t, H], targets [T] global ids
+        local_t = targets - start
+        stats = []
+        for a in range(0, h.shape[0], rows):
+            z = _chunk_logits(h[a:a + rows], weight, temperature)
+            m = z.amax(dim=-1)
+            stats.append(torch.cat([m[None], _row_sums(z, m, local_t[a:a + rows])]))
+        m, s, ez, zt = torch.cat(stats, dim=1) if stats else torch.zeros(4, 0, device=h.device)
+        big = m.clone()
+        if pg is not None:
+            dist.all_reduce(big, op=dist.ReduceOp.MAX, group=pg)
+        scale = torch.exp(m - big)
+        sums = torch.stack([s * scale, ez * scale, zt])
+        if pg is not None:
+            dist.all_reduce(sums, group=pg)
+        lse = big + torch.log(sums[0])
+        logp = sums[2] - lse
+        entropy = lse - sums[1] / sums[0]
+        ctx.save_for_backward(h, weight, lse, entropy, local_t)
+        ctx.temperature, ctx.rows = temperature, rows
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, weight, lse, entropy, local_t = ctx.saved_tensors
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.float()
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float()
+        rows, temperature = ctx.rows, ctx.temperature
+        want_h, want_w = ctx.needs_input_grad[:2]  # a frozen head (LoRA) needs no dW
+        dh = torch.empty_like(h) if want_h else None
+        dw = None
+        for a in range(0, h.shape[0], rows):
+            b = a + rows
+            z = _chunk_logits(h[a:b], weight, temperature)
+            dz = _grad(z, lse[a:b], entropy[a:b], local_t[a:b], g_logp[a:b], g_ent[a:b])
+            if temperature != 1.0:
+                dz = dz / temperature
+            dz = dz.to(h.dtype)
+            if want_h:
+                dh[a:b] = dz @ weight
+            if want_w:
+                dw = dz.t() @ h[a:b] if dw is None else dw.addmm_(dz.t(), h[a:b])
+        return dh, dw, None, None, None, None, None
+
+
+def linear_log_prob_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                            group: Group | None, temperature: float = 1.0,
+                            chunk_elems: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_log_prob_entropy` of the vocab-parallel head's logits ``hidden @ weight.T /
+    temperature``, never holding more than ``chunk_elems`` logits: where the whole logits
+    would exceed them, the LM head and the log-softmax fused a chunk of tokens at a time
+    (:class:`_LinearLogProbEntropy`; at 151,936 columns the whole logits of a micro-batch take
+    about 10 bytes per element between forward and backward, the chunks recompute theirs in
+    backward instead); otherwise the whole logits, computed once.
+
+    Args:
+        hidden: ``[..., H]`` replicated over the TP group.
+        weight: ``[V/t, H]`` this rank's vocabulary rows.
+        targets: ``[...]`` global token ids.
+        group: TP group over which the vocabulary is split.
+        temperature: the logits are divided by it (in float32).
+        chunk_elems: logits per chunk (at least one token's row; default
+            :data:`LOGITS_PER_CHUNK`).
+
+    Returns:
+        ``(log_probs, entropy)``, both ``[...]`` float32, replicated over the group.
+    """
+    chunk_elems = LOGITS_PER_CHUNK if chunk_elems is None else chunk_elems
+    rows = max(1, chunk_elems // max(1, weight.shape[0]))
+    if hidden[..., 0].numel() <= rows:  # the whole logits fit one chunk: no recompute
+        logits = column_linear(hidden, weight, group)
+        if temperature != 1.0:
+            logits = logits.float() / temperature  # scaled in float32, as the log-softmax
+        return vocab_log_prob_entropy(logits, targets, group)
+    start, _ = vocab_range(weight.shape[0], group)
+    lead = hidden.shape[:-1]
+    h = copy_to_tp(hidden, group).reshape(-1, hidden.shape[-1])
+    logp, entropy = _LinearLogProbEntropy.apply(h, weight, targets.reshape(-1), _pg(group),
+                                                start, float(temperature), rows)
+    return logp.reshape(lead), entropy.reshape(lead)

@@ -12,7 +12,7 @@ from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint, read_h
 from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.pipeline import gpipe_schedule, one_f_one_b_schedule
-from engine.tp_ops import row_linear, vocab_log_prob_entropy
+from engine.tp_ops import linear_log_prob_entropy, row_linear, vocab_log_prob_entropy
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -96,6 +96,36 @@ def test_vocab_log_prob_entropy_matches_softmax_and_gradcheck():
     ((r.gather(-1, targets[..., None]).squeeze(-1) * w1.double())
      + (-(r.exp() * r).sum(-1)) * w2.double()).sum().backward()
     torch.testing.assert_close(z.grad.double(), zd.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_in_chunks_equals_a_float64_log_softmax(temperature):
+    """The LM head and log-softmax fused over chunks of 1 token, 4 tokens and all of them:
+    log-probs, entropy and both gradients against float64 autograd of ``log_softmax(h @ W.T
+    / T)``; a frozen head (LoRA) gets no gradient and the hidden states the same one."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(40, 16, generator=g, dtype=torch.float64) / 4
+    targets = torch.randint(0, 40, (3, 7), generator=g)
+    w1, w2 = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    hd, wd = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch.log_softmax(hd @ wd.t() / temperature, -1)
+    lp_ref = ref.gather(-1, targets[..., None]).squeeze(-1)
+    ent_ref = -(ref.exp() * ref).sum(-1)
+    (lp_ref * w1.double() + ent_ref * w2.double()).sum().backward()
+    for chunk_elems in (40, 160, 10 ** 6):
+        hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+        lp, ent = linear_log_prob_entropy(hf, wf, targets, None, temperature, chunk_elems)
+        assert lp.shape == ent.shape == (3, 7)
+        torch.testing.assert_close(lp.double(), lp_ref.detach(), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(ent.double(), ent_ref.detach(), atol=2e-5, rtol=1e-5)
+        (lp * w1 + ent * w2).sum().backward()
+        torch.testing.assert_close(hf.grad.double(), hd.grad, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(wf.grad.double(), wd.grad, atol=2e-5, rtol=1e-4)
+    hf = h.float().requires_grad_()
+    lp, ent = linear_log_prob_entropy(hf, w.float(), targets, None, temperature, 40)
+    (lp * w1 + ent * w2).sum().backward()
+    torch.testing.assert_close(hf.grad.double(), hd.grad, atol=2e-5, rtol=1e-4)
 
 
 def test_schedules():

@@ -162,6 +162,26 @@ def test_all_layouts_match_single_process(pool4, refs):
     assert counts[0] > 0 and counts[3] > 0
 
 
+def check_head_in_chunks(rank: int, world_size: int, layouts, ref: dict) -> int:
+    """:func:`check_variant` with the fused LM head forced into chunks of 3 tokens."""
+    from engine import tp_ops
+
+    before, tp_ops.LOGITS_PER_CHUNK = tp_ops.LOGITS_PER_CHUNK, 3 * CFG.vocab_size
+    try:
+        return check_variant(rank, world_size, layouts, "lm_1f1b", ref)
+    finally:
+        tp_ops.LOGITS_PER_CHUNK = before
+
+
+def test_head_in_chunks_matches_the_whole_logits(pool4, refs):
+    """Log-probs, entropy, every gradient and 3 steps with the head in chunks of 3 tokens
+    (recomputed in backward, the vocabulary split over TP) equal the single process's run
+    on the whole logits."""
+    layouts = [(1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)]
+    counts = pool4.run(check_head_in_chunks, layouts, refs["lm_1f1b"])
+    assert counts[0] > 0 and counts[3] > 0
+
+
 def test_tied_embeddings_gpipe_and_value_head(pool4, refs):
     tied = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 1), (1, 4, 1)]
     assert pool4.run(check_variant, tied, "tied_gpipe", refs["tied_gpipe"])[3] > 0
