@@ -511,21 +511,56 @@ def add_loss_gradient(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return _AddLossGradient.apply(x, loss)
 
 
+@dataclass
+class RouteTrace:
+    """The experts the mixture-of-experts layers of one forward route each token to, in layer
+    order: recorded (:attr:`chosen`) and, for router replay, imposed (:attr:`replay`).
+
+    With ``replay [N, L, k]`` the ``j``-th MoE layer of the forward sends token ``n`` to the
+    experts ``replay[n, j]`` (a negative entry: the router's own top k for that token) with
+    weights the router's current probabilities of those experts (renormalised where the
+    routing does): the experts of the rollout, the probabilities of the policy being trained.
+    """
+
+    replay: torch.Tensor | None = None
+    chosen: list[torch.Tensor] = field(default_factory=list)
+
+    def experts(self, own: torch.Tensor) -> torch.Tensor:
+        """This layer's ``[N, k]`` experts given the router's own ``own``; records them."""
+        experts = own
+        if self.replay is not None:
+            given = self.replay[:, len(self.chosen)].to(own.device, torch.int64)
+            experts = torch.where(given >= 0, given, own)
+        self.chosen.append(experts)
+        return experts
+
+    def recorded(self) -> torch.Tensor:
+        """``[N, L, k]`` of every layer so far."""
+        return torch.stack(self.chosen, dim=1)
+
+
 def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting,
-          router_loss: RouterLoss | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          router_loss: RouterLoss | None = None, trace: RouteTrace | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [N, k] in x's dtype, experts [N, k] int64)`` of the tokens ``x [N, H]``
-    (and the layer's term of ``router_loss``)."""
+    (and the layer's term of ``router_loss``, of the router's own choice; the experts
+    recorded in, or replayed from, ``trace``)."""
     probs = torch.softmax(F.linear(x, router).float(), dim=-1)
     weights, experts = torch.topk(probs, routing.top_k, dim=-1)
     if router_loss is not None:
         router_loss.add(probs, experts)
+    if trace is not None:
+        chosen = trace.experts(experts)
+        if chosen is not experts:
+            weights, experts = probs.gather(-1, chosen), chosen
     if routing.norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(x.dtype), experts
 
 
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
-              tp_group: Group | None, router_loss: RouterLoss | None = None) -> torch.Tensor:
+              tp_group: Group | None, router_loss: RouterLoss | None = None,
+              trace: RouteTrace | None = None) -> torch.Tensor:
     """Dropless top-k mixture of SwiGLU experts: ``x [..., H]`` (replicated) -> ``[..., H]``.
 
     The (token, expert) pairs are sorted by expert so each expert runs one matmul pair over
@@ -534,11 +569,12 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     are all-reduced once for the layer.  The router is replicated and its inputs whole on
     every rank; the routing weights scale partial outputs, so their gradient is a partial
     sum: they enter through :func:`engine.tp_ops.copy_to_tp`, like the experts' inputs.
-    The layer's load-balancing term goes to ``router_loss`` where given (training).
+    The layer's load-balancing term goes to ``router_loss`` where given (training), its
+    experts to (or from) ``trace`` (:class:`RouteTrace`).
     """
     shape, num_experts = x.shape, w["router"].shape[0]
     tokens = x.reshape(-1, shape[-1])
-    weights, experts = route(tokens, w["router"], routing, router_loss)
+    weights, experts = route(tokens, w["router"], routing, router_loss, trace)
     order = torch.argsort(experts.flatten(), stable=True)  # pairs grouped by expert
     counts = torch.bincount(experts.flatten(), minlength=num_experts).tolist()
     token_of = order // routing.top_k
@@ -555,11 +591,12 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
 
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None,
               lora: LoraDeltas | None = None, routing: MoeRouting | None = None,
-              router_loss: RouterLoss | None = None) -> torch.Tensor:
+              router_loss: RouterLoss | None = None, trace: RouteTrace | None = None
+              ) -> torch.Tensor:
     """The layer's MLP: :func:`moe_block` where ``routing`` is given, else
     :func:`swiglu_block` (with its LoRA deltas)."""
     if routing is not None:
-        return moe_block(x, w, routing, tp_group, router_loss)
+        return moe_block(x, w, routing, tp_group, router_loss, trace)
     return swiglu_block(x, w, tp_group, lora)
 
 
@@ -567,12 +604,13 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | PackedSeqs | None,
                   q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
                   kv_hook: KVHook | None = None, lora: LoraDeltas | None = None,
-                  routing: MoeRouting | None = None, router_loss: RouterLoss | None = None
-                  ) -> torch.Tensor:
+                  routing: MoeRouting | None = None, router_loss: RouterLoss | None = None,
+                  trace: RouteTrace | None = None) -> torch.Tensor:
     """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``
     (with the layer's LoRA adapters when ``lora`` is given; a mixture of experts routed by
-    ``routing`` when given, its load-balancing term into ``router_loss``)."""
+    ``routing`` when given, its load-balancing term into ``router_loss``, its experts into
+    or from ``trace``)."""
     h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
                             head_dim, eps, tp_group, kv_hook, lora)
     return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora, routing,
-                         router_loss)
+                         router_loss, trace)

@@ -21,8 +21,8 @@ import contextlib
 import torch
 from torch import nn
 
-from engine.layers import PackedSeqs, RouterLoss, add_loss_gradient, causal_mask, \
-    decoder_layer, position_ids_from_mask, rms_norm, rope_tables
+from engine.layers import PackedSeqs, RouteTrace, RouterLoss, add_loss_gradient, \
+    causal_mask, decoder_layer, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
 from engine.lora import LayerLora, LoraConfig, init_lora_state_dict, lora_shard_specs
@@ -162,7 +162,8 @@ class ParallelLlama(nn.Module):
     def stage_forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
                       position_ids: torch.Tensor | None = None,
                       packed: PackedSeqs | None = None,
-                      router_loss: RouterLoss | None = None) -> torch.Tensor:
+                      router_loss: RouterLoss | None = None,
+                      routes: RouteTrace | None = None) -> torch.Tensor:
         """Embedding (first stage), this stage's layers, final norm (last stage).
 
         Args:
@@ -173,6 +174,9 @@ class ParallelLlama(nn.Module):
             router_loss: a mixture of experts' load-balancing loss: each layer adds its
                 term, and backward through the returned hidden states also minimises
                 ``router_loss.weighted()`` (training; ignored by a dense model).
+            routes: a mixture of experts' routing of this stage's layers, recorded into it
+                and, where it holds ``replay [tokens, layers of this stage, k]`` (the tokens
+                flattened as ``inputs``), replayed (:class:`engine.layers.RouteTrace`).
             packed: the inputs are sequences packed on one row (``B = 1``, no
                 ``attention_mask``; :mod:`engine.micro_batches`): each attends only to itself
                 (one causal attention per sequence, :func:`engine.layers.attention`).
@@ -206,7 +210,7 @@ class ParallelLlama(nn.Module):
         for i in self.layer_ids:
             x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
                               c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
-                              routing=c.routing, router_loss=router_loss)
+                              routing=c.routing, router_loss=router_loss, trace=routes)
         if router_loss is not None and router_loss.terms and router_loss.weight:
             x = add_loss_gradient(x, router_loss.weighted())
         if self.is_last:

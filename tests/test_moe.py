@@ -86,13 +86,18 @@ def test_logits_and_every_gradient_match_transformers(tmp_path, name):
         len(s.hf_names) - 1 for s in model.specs)
 
 
-def reference_moe(x: torch.Tensor, w: dict, top_k: int, norm_topk: bool) -> torch.Tensor:
-    """One token at a time in float64: softmax over the router, its top k, each chosen
-    expert's SwiGLU (gate/up rows interleaved as in ``gate_up``) weighted and summed."""
+def reference_moe(x: torch.Tensor, w: dict, top_k: int, norm_topk: bool,
+                  given: torch.Tensor | None = None) -> torch.Tensor:
+    """One token at a time in float64: softmax over the router, its top k (or the ``given
+    [N, k]`` experts, where not negative), each chosen expert's SwiGLU (gate/up rows
+    interleaved as in ``gate_up``) weighted by its probability and summed."""
     x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         probs = torch.softmax(w["router"].double() @ x[t], -1)
         top, experts = torch.topk(probs, top_k)
+        if given is not None and bool((given[t] >= 0).all()):
+            experts = given[t]
+            top = probs[experts]
         if norm_topk:
             top = top / top.sum()
         for p, e in zip(top, experts.tolist()):
@@ -124,6 +129,56 @@ def test_block_equals_a_per_token_float64_loop(norm_topk):
     assert torch.count_nonzero(params["experts.5.gate_up"].grad) == 0
     assert all(torch.count_nonzero(params[f"experts.{e}.down_proj"].grad) > 0
                for e in range(5))
+
+
+def test_router_replay_imposes_the_recorded_experts():
+    """A forward records each layer's experts; replaying them gives the same output bit for
+    bit; after the router has changed, replay keeps the recorded experts (weights from the
+    new probabilities, as a float64 loop with those experts computes), and a negative entry
+    leaves that token to the router."""
+    from engine.layers import RouteTrace
+
+    g = torch.Generator().manual_seed(8)
+    E, H, F, N = 5, 16, 12, 10
+    w = {"router": torch.randn(E, H, generator=g)}
+    for e in range(E):
+        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
+        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
+    x = torch.randn(N, H, generator=g)
+    routing = MoeRouting(top_k=2, norm_topk=True)
+    first = RouteTrace()
+    out = moe_block(x, w, routing, None, trace=first)
+    recorded = first.recorded()  # [N, 1 layer, k]
+    assert recorded.shape == (N, 1, 2)
+    assert torch.equal(moe_block(x, w, routing, None, trace=RouteTrace(replay=recorded)), out)
+    moved = dict(w, router=w["router"] + torch.randn(E, H, generator=g))
+    own = RouteTrace()
+    moe_block(x, moved, routing, None, trace=own)
+    assert not torch.equal(own.recorded(), recorded)  # the new router picks other experts
+    replay = recorded.clone()
+    replay[0] = -1  # token 0: the router's own choice
+    trace = RouteTrace(replay=replay)
+    got = moe_block(x, moved, routing, None, trace=trace)
+    given = replay[:, 0].clone()
+    torch.testing.assert_close(got.double(), reference_moe(x, moved, 2, True, given),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(trace.recorded()[1:], recorded[1:])
+    assert torch.equal(trace.recorded()[0], own.recorded()[0])
+
+
+def test_model_records_and_replays_every_layer():
+    cfg = config_from_hf(hf_config("mixtral").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=4))
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    from engine.layers import RouteTrace
+
+    trace = RouteTrace()
+    out = model.stage_forward(ids, routes=trace)
+    assert trace.recorded().shape == (14, cfg.num_layers, cfg.num_experts_per_tok)
+    again = model.stage_forward(ids, routes=RouteTrace(replay=trace.recorded()))
+    assert torch.equal(again, out)
 
 
 def test_expert_specs_and_layer_keys():
