@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from engine.compiled_decode import CompiledDecodeLayers, compile_applies
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
@@ -83,6 +84,10 @@ class GenerationOutput:
     0 where masked (:mod:`engine.sampling`)."""
     prompt_length: int
     """P."""
+    routes: torch.Tensor | None = None
+    """A mixture of experts generating with ``record_routes``: ``[B, P + N, L, k]`` int16,
+    the experts every layer sent each token to (the routing router replay imposes on the
+    training passes); -1 at padding and at the last token, which is never fed."""
     stats: dict = field(default_factory=dict)
     """This rank's timing and memory: ``time_s``, ``new_tokens``, ``kv_cache_bytes``..."""
 
@@ -234,6 +239,8 @@ class GenerationEngine:
             (:mod:`engine.compiled_decode`: the elementwise chains fused); None: on for CUDA.
             Only where the steps are static and without TP; the same tokens up to float
             summation order.
+        record_routes: a mixture of experts records every token's experts in every layer
+            (:attr:`GenerationOutput.routes`).
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -246,7 +253,7 @@ class GenerationEngine:
                  fused_decode: bool | None = None, early_exit: bool = True,
                  greedy_loop: bool = True, device: torch.device | str = "cpu",
                  kv_layout: str | None = None, cuda_graphs: bool | None = None,
-                 compile_decode: bool | None = None) -> None:
+                 compile_decode: bool | None = None, record_routes: bool = False) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -280,6 +287,8 @@ class GenerationEngine:
         self.adapters: Mapping[str, torch.Tensor] | None = None
         self.lora: LoraConfig | None = None
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
+        self.route_log: list[torch.Tensor] | None = \
+            [] if record_routes and config.num_experts else None
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
                                        hidden_size=config.hidden_size, dtype=config.dtype,
@@ -318,7 +327,7 @@ class GenerationEngine:
                           for i in self.layer_ids),
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
             tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras,
-            routing=c.routing)
+            routing=c.routing, route_log=self.route_log)
         self.weights, self.weights_version = weights, version
         # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)
@@ -415,6 +424,12 @@ class GenerationEngine:
                   if self.static_decode else None)
         rows = RunningRows(limits, sampling.eos_token_id)
         out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
+        routes = None
+        if self.route_log is not None:
+            self.route_log.clear()
+            routes = torch.full((batch, plen + n_new, len(self.layer_ids),
+                                 self.config.num_experts_per_tok), -1, dtype=torch.int16,
+                                device=self.device)
         sample = functools.partial(self._sample, sampling=sampling,
                                    stream=SeedStream(sampling.seed), plan=plan)
         # 2. prefill: each distinct prompt once, its cache then copied to its sequences
@@ -423,6 +438,9 @@ class GenerationEngine:
                              functools.partial(sample, step=0), copies)
         if copies is not None:
             cache.keep_rows_(copies)
+        if routes is not None:  # the distinct prompts' routing, one row per sequence
+            prefilled = self.route_log.pop().unflatten(0, (-1, plen))
+            routes[:, :plen] = prefilled if copies is None else prefilled[copies]
         # 3. decode: record the step, stop, compact, next step; the finished rows are counted
         # (the loop's one device-to-host sync) every `every` steps (every step on the CPU)
         every = check_every(self.device)
@@ -445,14 +463,20 @@ class GenerationEngine:
             tok, lp = self._decode_step(plan.paths.decode, static, out.ids[rows.at, i:i + 1],
                                         cache, tables, plen + i + 1,
                                         functools.partial(sample, rows=rows.mask, step=i + 1))
+            if routes is not None:  # the routing of the token fed at position plen + i
+                routes[rows.at, plen + i] = self.route_log.pop().to(torch.int16)
         del cache, static  # the KV cache (and the graphs over it) live only for the call
         # 4. output
         new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
         elapsed = time.perf_counter() - t0
+        full_mask = torch.cat([mask, out.mask], dim=1)
+        if routes is not None:
+            routes = self._all_stages_routes(routes.masked_fill_(~full_mask.bool()[..., None, None],
+                                                                 -1))
         return GenerationOutput(
             input_ids=torch.cat([prompt, out.ids], dim=1),
-            attention_mask=torch.cat([mask, out.mask], dim=1), log_probs=out.log_probs,
-            prompt_length=plen,
+            attention_mask=full_mask, log_probs=out.log_probs,
+            prompt_length=plen, routes=routes,
             stats={"time_s": elapsed, "new_tokens": new_tokens, "forward_steps": rows.steps,
                    "prefill_rows": int(distinct.numel()), "row_steps": rows.row_steps,
                    "compactions": rows.compactions,
@@ -461,6 +485,16 @@ class GenerationEngine:
                    "kv_layout": self.kv_layout, "cuda_graphs": self.cuda_graphs,
                    "compile_decode": self.compile_decode,
                    "weights_version": self.weights_version})
+
+    def _all_stages_routes(self, routes: torch.Tensor) -> torch.Tensor:
+        """``routes [B, S, local layers, k]`` -> every layer's, stage after stage (one
+        all-gather over the generation pipeline; the TP ranks of a stage hold the same)."""
+        group = self.pp_group
+        if group is None or group.pg is None:
+            return routes
+        parts = [torch.empty_like(routes, dtype=torch.int32) for _ in range(group.size)]
+        dist.all_gather(parts, routes.to(torch.int32).contiguous(), group=group.pg)
+        return torch.cat(parts, dim=2).to(torch.int16)
 
     def _plan(self, batch: int, limits: torch.Tensor, sampling: SamplingParams) -> CallPlan:
         """:func:`engine.forward_paths.plan_call` for a call of ``batch`` rows."""

@@ -78,11 +78,11 @@ def run_layouts(rank: int, world_size: int, layouts: dict, folder: str, ids: tor
         resharder = Resharder(model.specs, model.groups, buffer=model.buffer)
         stats = resharder.to_generation()
         r["reshard_bytes"] = (stats.received_bytes, resharder.minimum_received_bytes())
-        rollout = GenerationEngine(model.config, model.groups)
+        rollout = GenerationEngine(model.config, model.groups, record_routes=True)
         rollout.load_weights(resharder)
         o = rollout.generate(prompts, mask, SamplingParams(max_new_tokens=n_new,
                                                            temperature=0.0))
-        r["tokens"] = o.responses
+        r["tokens"], r["routes"] = o.responses, o.routes  # routes: a mixture of experts
         r["paths"] = (rollout.paths.prefill.name, rollout.paths.decode.name)
         rollout.release()
         resharder.to_training()

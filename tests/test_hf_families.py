@@ -296,6 +296,11 @@ def test_family_matches_transformers(pool2, cases, name, tmp_path):
         for rank, r in ranks.items():
             assert torch.equal(r["tokens"], case["tokens"]), (name, layout, rank, r["tokens"],
                                                               case["tokens"])
+            # a mixture of experts: every layer's experts of every fed token, gathered over
+            # the generation stages, those of the single process
+            single = results["single"][0]["routes"]
+            assert (single is None) == (name not in MOE), name
+            assert single is None or torch.equal(r["routes"], single), (name, layout, rank)
             # the transition (experts included) receives the minimum, nothing twice
             received, minimum = r["reshard_bytes"]
             assert received == minimum and (received > 0) == (layout == "tp2"), \

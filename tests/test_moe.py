@@ -181,6 +181,53 @@ def test_model_records_and_replays_every_layer():
     assert torch.equal(again, out)
 
 
+def generation_routes(model, prompts, mask, n_new: int, eos: int, **engine_kw):
+    """Greedy generation of ``model``'s weights with routes recorded."""
+    from engine.generation import GenerationEngine
+    from engine.sampling import SamplingParams
+    from hybridflow_comm.reshard import Resharder
+
+    resharder = Resharder(model.specs, model.groups, buffer=model.buffer)
+    resharder.to_generation()
+    engine = GenerationEngine(model.config, model.groups, record_routes=True, **engine_kw)
+    engine.load_weights(resharder)
+    out = engine.generate(prompts, mask, SamplingParams(max_new_tokens=n_new, temperature=0.0,
+                                                        eos_token_id=eos))
+    engine.release()
+    resharder.to_training()
+    return out
+
+
+@pytest.mark.parametrize("early_exit", [True, False])
+def test_generation_records_the_routing_a_training_forward_takes(early_exit):
+    """The experts generation records for every fed token (shared prefill of identical
+    prompts, decode steps, rows leaving early) equal those of one training forward over the
+    finished sequences; padding and each row's last token are -1."""
+    from engine.layers import RouteTrace
+    from tests.test_hf_families import prompts as family_prompts
+
+    cfg = config_from_hf(hf_config("qwen3_moe").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=11, std=0.2))
+    ids, mask = family_prompts()
+    ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # a shared prompt
+    out = generation_routes(model, ids, mask, 12, eos=20, early_exit=early_exit)
+    routes = out.routes
+    assert routes.shape == (4, out.input_ids.shape[1], cfg.num_layers, 2)
+    trace = RouteTrace()
+    with torch.no_grad():
+        model.stage_forward(out.input_ids, out.attention_mask, routes=trace)
+    want = trace.recorded().view(routes.shape)
+    real = out.attention_mask.bool()
+    last = real.long().cumsum(1) == real.long().sum(1, keepdim=True)  # each row's last token
+    fed = real & ~(last & (torch.arange(real.shape[1]) >= out.prompt_length))
+    assert bool((routes[~real] == -1).all())
+    assert torch.equal(routes[fed].long(), want[fed])
+    decoded = int(fed[:, out.prompt_length:].sum())
+    assert decoded >= 20 and bool((out.response_mask == 0).any()), decoded  # some rows ended
+
+
 def test_expert_specs_and_layer_keys():
     cfg = config_from_hf(config_to_hf(config_from_hf(hf_config("mixtral").to_dict())).to_dict())
     assert cfg.layer_keys[:5] == ("input_norm", "qkv", "o_proj", "post_norm", "router")
