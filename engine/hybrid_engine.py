@@ -189,6 +189,8 @@ class HybridEngine:
             input_ids=_all_gather_rows(mine.input_ids, group)[:batch],
             attention_mask=_all_gather_rows(mine.attention_mask, group)[:batch],
             log_probs=_all_gather_rows(mine.log_probs, group)[:batch],
+            routes=None if mine.routes is None else
+            _all_gather_rows(mine.routes.to(torch.int32), group)[:batch].to(torch.int16),
             prompt_length=mine.prompt_length,
             stats={**mine.stats, "gather_time_s": time.perf_counter() - t0})
         return gathered

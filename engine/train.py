@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.layers import RouterLoss
+from engine.layers import RouteTrace, RouterLoss
 from engine.micro_batches import PackedRows, pack_rows
 from engine.model import ParallelLlama, check_temperature
 from engine.pipeline import SCHEDULES, PipelineExecutor, make_schedule
@@ -349,9 +349,23 @@ class TrainEngine:
                     router_terms: list[torch.Tensor] | None = None):
         """The pipeline's forward of micro-batch ``i``; with ``router_terms`` (training a
         mixture of experts) each forward also trains the load-balancing loss and appends
-        this stage's sum of its layers' terms (detached)."""
+        this stage's sum of its layers' terms (detached).  A micro-batch with ``routes [B, S,
+        layers, k]`` (router replay) routes this stage's layers as they say."""
         model, cfg = self.model, self.model.config
         weight = cfg.router_aux_loss_coef / (cfg.num_layers * len(micro_batches))
+
+        def replayed(mb: dict, packing: PackedRows | None = None) -> RouteTrace | None:
+            routes = mb.get("routes")
+            if routes is None or not cfg.num_experts:
+                return None
+            if tuple(routes.shape[2:]) != (cfg.num_layers, cfg.num_experts_per_tok):
+                raise ValueError(f"routes {tuple(routes.shape)} are not [B, S, num_layers="
+                                 f"{cfg.num_layers}, num_experts_per_tok="
+                                 f"{cfg.num_experts_per_tok}]")
+            if packing is not None:
+                routes = packing.pack(routes)
+            local = routes[:, :, model.layer_ids[0]:model.layer_ids[-1] + 1]
+            return RouteTrace(replay=local.flatten(0, 1))
 
         def router_loss(mask: torch.Tensor | None) -> RouterLoss | None:
             if router_terms is None:
@@ -367,7 +381,8 @@ class TrainEngine:
             inputs = mb["input_ids"] if model.is_first else x
             loss = router_loss(mb.get("attention_mask"))
             hidden = model.stage_forward(inputs, mb.get("attention_mask"),
-                                         mb.get("position_ids"), router_loss=loss)
+                                         mb.get("position_ids"), router_loss=loss,
+                                         routes=replayed(mb))
             keep(loss)
             if not model.is_last:
                 return hidden
@@ -380,7 +395,8 @@ class TrainEngine:
             pos = mb.get("position_ids")
             loss = router_loss(None)  # packed: every token real
             hidden = model.stage_forward(inputs, position_ids=None if pos is None
-                                         else p.pack(pos), packed=p.seqs, router_loss=loss)
+                                         else p.pack(pos), packed=p.seqs, router_loss=loss,
+                                         routes=replayed(mb, p))
             keep(loss)
             if not model.is_last:
                 return hidden

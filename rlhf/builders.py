@@ -83,6 +83,12 @@ def check_run(cfg: Config, tokenizer) -> None:
     if cfg.actor.router_aux_loss_coef is not None and not actor.num_experts:
         raise ValueError(f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef} but the "
                          f"actor ({actor.model_type}) has no experts")
+    if cfg.actor.router_replay and not actor.num_experts:
+        raise ValueError(f"actor.router_replay=true but the actor ({actor.model_type}) has no "
+                         f"experts")
+    if cfg.actor.router_replay and cfg.rollout.engine != "native":
+        raise ValueError(f"actor.router_replay=true needs rollout.engine=native (the engine that "
+                         f"records the routing), got rollout.engine={cfg.rollout.engine!r}")
     vocab = actor.vocab_size
     builtin = isinstance(tokenizer, CharTokenizer)
     if tokenizer.vocab_size > vocab or (builtin and tokenizer.vocab_size != vocab):
@@ -238,7 +244,7 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
                      loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
                      kl_loss=KLLossTerm.of(a), temperature=cfg.data.temperature,
                      offload_during_generation=cfg.actor.offload_during_generation,
-                     rollout=cfg.rollout)
+                     rollout=cfg.rollout, router_replay=cfg.actor.router_replay)
 
 
 def reference_spec(cfg: Config) -> ReferenceSpec:
@@ -340,7 +346,8 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
                       args=(RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)),
                                         sync=sync, rollout=cfg.rollout,
                                         init_from=cfg.actor.model.init_from, seed=cfg.seed,
-                                        lora=cfg.actor.lora.engine_config()),),
+                                        lora=cfg.actor.lora.engine_config(),
+                                        record_routes=cfg.actor.router_replay),),
                       values_in_replies=True)
     for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective
         call.wait()

@@ -302,6 +302,10 @@ class ActorConfig:
     """A mixture of experts: weight of the routers' load-balancing loss in every update
     (engine.layers.RouterLoss, logged as actor/router_aux_loss); None = the checkpoint's
     ``router_aux_loss_coef``.  A dense model refuses a value."""
+    router_replay: bool = False
+    """A mixture of experts: generation records the experts every layer sent each token to,
+    and the log-prob passes, the reference and the update replay them (engine.layers.
+    RouteTrace): the experts of the rollout, the current router's probabilities of them."""
 
     def __post_init__(self) -> None:
         check_token_budget("actor.", self.max_token_len_per_micro_batch)

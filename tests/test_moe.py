@@ -228,6 +228,47 @@ def test_generation_records_the_routing_a_training_forward_takes(early_exit):
     assert decoded >= 20 and bool((out.response_mask == 0).any()), decoded  # some rows ended
 
 
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_train_engine_replays_a_micro_batchs_routes(remove_padding):
+    """A micro-batch's ``routes`` steer every layer of the training engine's forward (padded
+    and packed): imposed experts give the model's own forward with that replay, its own
+    recorded routes give its plain forward."""
+    from engine.layers import RouteTrace
+
+    cfg = config_from_hf(hf_config("mixtral").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=4, std=0.2))
+    eng = TrainEngine(model, frozen=True)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    own = RouteTrace()
+    with torch.no_grad():
+        model.stage_forward(ids, mask, routes=own)
+    recorded = own.recorded().view(2, 9, cfg.num_layers, 2)
+    forced = torch.zeros_like(recorded)
+    forced[..., 1] = 1  # every token to experts 0 and 1
+    forced[~mask.bool()] = -1
+
+    def log_probs(routes=None):
+        mb = {"input_ids": ids, "attention_mask": mask}
+        if routes is not None:
+            mb["routes"] = routes.to(torch.int16)
+        return eng.forward([mb], temperature=1.0, remove_padding=remove_padding)[0]["log_probs"]
+
+    real = (mask[:, 1:] * mask[:, :-1]).bool()
+    plain = log_probs()
+    torch.testing.assert_close(log_probs(recorded)[real], plain[real], atol=1e-6, rtol=0)
+    want = model.head_outputs(model.stage_forward(ids, mask, routes=RouteTrace(
+        replay=forced.flatten(0, 1))), ids, temperature=1.0)["log_probs"]
+    got = log_probs(forced)
+    torch.testing.assert_close(got[real], want.detach()[real], atol=1e-5, rtol=0)
+    assert (got[real] - plain[real]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="routes .* are not"):
+        log_probs(recorded[:, :, :1])
+
+
 def test_expert_specs_and_layer_keys():
     cfg = config_from_hf(config_to_hf(config_from_hf(hf_config("mixtral").to_dict())).to_dict())
     assert cfg.layer_keys[:5] == ("input_norm", "qkv", "o_proj", "post_norm", "router")

@@ -89,6 +89,10 @@ def test_bad_inputs_fail_before_any_rank_starts(example, tmp_path):
     cfg = load_config(user + ["reward.kind=function", "reward.function=/nope.py:f"])
     with pytest.raises(ValueError, match="does not exist"):
         check_run(cfg, tokenizer_of(cfg))
+    cfg = load_config(user + ["actor.router_replay=true"])
+    with pytest.raises(ValueError, match=r"router_replay=true but the actor \(llama\) has no "
+                                         r"experts"):
+        check_run(cfg, tokenizer_of(cfg))
     cfg = load_config(user + ["actor.router_aux_loss_coef=0.01"])
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01 but the actor \(llama\) "
                                          r"has no experts"):
@@ -159,6 +163,10 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     spec["moe"] = common + [f"actor.model.init_from={moe}", "actor.layout.tp=2",
                             "actor.router_aux_loss_coef=0.01", "log.run_name=moe",
                             f"reward.function={REWARD}:compute_score"]
+    # router replay, generating at TP 1 from a TP 2 actor with 2 generation replicas
+    spec["moe_replay"] = spec["moe"][:-2] + ["actor.router_replay=true", "actor.layout.gen_tp=1",
+                                             "log.run_name=moe_replay",
+                                             f"reward.function={REWARD}:compute_score"]
     out = launch(spec, tmp_path)
     assert "records" in out["user"], out["user"].get("traceback")
     recs = out["user"]["records"]
@@ -170,8 +178,15 @@ def test_grpo_end_to_end_on_a_users_model_data_and_reward(example, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf))
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
     assert model.config.vocab_size >= len(tok) and model.config.model_type == "qwen3"
-    assert "records" in out["moe"], out["moe"].get("traceback")
-    assert [r["step"] for r in out["moe"]["records"]] == [0, 1]
+    for run in ("moe", "moe_replay"):
+        assert "records" in out[run], out[run].get("traceback")
+        assert [r["step"] for r in out[run]["records"]] == [0, 1]
+        # the rollouts' log-probs are the training engine's (rounding apart)
+        assert all(r["actor/rollout_logprob_diff"] < 1e-4 for r in out[run]["records"])
+    # every real token but each row's last (never fed to the model) had its experts replayed
+    for r in out["moe_replay"]["records"]:
+        assert 0.8 < r["actor/router_replay_fraction"] < 1.0, r
+    assert "actor/router_replay_fraction" not in out["moe"]["records"][0]
     # the load-balancing loss: E * sum f * P >= k = 2 (equality only if perfectly balanced)
     assert all(r["actor/router_aux_loss"] >= 2 - 1e-5 for r in out["moe"]["records"])
     assert all(0 <= r["actor/rollout_logprob_diff"] < 1e-4 for r in out["moe"]["records"]

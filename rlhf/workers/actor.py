@@ -30,7 +30,7 @@ from rlhf.programs import algorithm
 from rlhf.workers.common import (CheckpointedWorker, ShardCheckpoint, build_model,
                                  forward_outputs, loss_denominator, mean_row, response_head_from,
                                  response_outputs, update_micro_batches)
-from rlhf.workers.rollout_engine import build_rollout
+from rlhf.workers.rollout_engine import build_rollout, routes_field
 from rlhf.workers.specs import ActorSpec, ReferenceSpec
 
 
@@ -60,7 +60,7 @@ class PolicyWorker(CheckpointedWorker):
         at the sampling temperature (what the rollout's own log-probs are)."""
         out = forward_outputs(self.train, batch, self.spec.update.max_tokens,
                               temperature=self.spec.temperature,
-                              micro_rows=self.spec.update.micro_batch_size)
+                              micro_rows=self.spec.update.micro_batch_size, replay=True)
         if out is None:
             return None  # not the last pipeline stage: not collected
         return Batch({"old_log_probs": response_outputs(out["log_probs"], batch),
@@ -76,7 +76,7 @@ class PolicyWorker(CheckpointedWorker):
         with self.model.adapters_disabled():
             out = forward_outputs(self.train, batch, self.spec.update.max_tokens,
                                   temperature=self.spec.temperature,
-                                  micro_rows=self.spec.update.micro_batch_size)
+                                  micro_rows=self.spec.update.micro_batch_size, replay=True)
         if out is None:
             return None
         return Batch({"ref_log_probs": response_outputs(out["log_probs"], batch)})
@@ -88,6 +88,8 @@ class PolicyWorker(CheckpointedWorker):
         fields = ["input_ids", "attention_mask", "response_mask", "old_log_probs", "advantages"]
         if s.kl_loss is not None:
             fields.append("ref_log_probs")
+        if "routes" in batch.keys():  # router replay: the rollout's experts
+            fields.append("routes")
         data = batch.select(fields)
         records: list[dict[str, torch.Tensor | float]] = []
 
@@ -117,6 +119,10 @@ class PolicyWorker(CheckpointedWorker):
         for key in ("grad_norm", "router_aux_loss"):
             if key in steps[0]:
                 records.append({key: sum(r[key] for r in steps) / len(steps)})
+        if "routes" in data.keys():  # router replay: the share of real tokens it routed
+            real = batch["attention_mask"].bool()
+            replayed = (data["routes"][..., 0, 0] >= 0) & real
+            records.append({"router_replay_fraction": float(replayed.sum() / real.sum())})
         return mean_row(host_records(records))
 
     @protocol(ONE_TO_ALL)
@@ -145,7 +151,8 @@ class ActorWorker(PolicyWorker):
         super().__init__(spec)
         rollout = build_rollout(spec.rollout, self.model.config, self.groups, self.device,
                                 init_from=spec.model.init_from, seed=spec.model.seed,
-                                sleep_between_phases=True, lora=spec.model.lora)
+                                sleep_between_phases=True, lora=spec.model.lora,
+                                record_routes=spec.router_replay)
         self.engine = HybridEngine(self.model, train=self.train, rollout=rollout,
                                    offload_during_generation=spec.offload_during_generation)
 
@@ -179,7 +186,7 @@ class ActorWorker(PolicyWorker):
         plen = out.prompt_length
         return Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                       "response_mask": out.response_mask,
-                      "rollout_log_probs": out.log_probs},
+                      "rollout_log_probs": out.log_probs, **routes_field(out)},
                      dict(prompts.non_tensors),
                      {"reshard_s": reshard_s, "reshard_bytes": reshard_bytes,
                       "gen_s": time.perf_counter() - t0, "prompt_len": plen})
@@ -208,7 +215,7 @@ class ReferenceWorker(CheckpointedWorker):
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         out = forward_outputs(self.engine, batch, self.spec.max_tokens,
                               temperature=self.spec.temperature,
-                              micro_rows=self.spec.micro_batch_size)
+                              micro_rows=self.spec.micro_batch_size, replay=True)
         if out is None:
             return None
         return Batch({"ref_log_probs": response_outputs(out["log_probs"], batch)})

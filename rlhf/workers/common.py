@@ -61,8 +61,11 @@ def response_outputs(t: torch.Tensor, batch: Batch) -> torch.Tensor:
     return t[:, :batch["response_mask"].shape[1]]
 
 
-def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+def model_inputs(batch: Batch, replay: bool = False) -> dict[str, torch.Tensor]:
+    """What a forward reads: ids, mask and, with ``replay`` where the rollout recorded them
+    (router replay: the policy's passes and its reference), its ``routes``."""
+    extra = {"routes": batch["routes"]} if replay and "routes" in batch.keys() else {}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **extra}
 
 
 def split_micro(batch: Batch, micro: int) -> list[Batch]:
@@ -111,7 +114,7 @@ positions, vocab / tp]``: about 6 GiB as bf16 logits plus their float32 copy).""
 
 
 def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *,
-                    temperature: float, micro_rows: int | None = None
+                    temperature: float, micro_rows: int | None = None, replay: bool = False
                     ) -> dict[str, torch.Tensor] | None:
     """The head outputs of every row of ``batch`` from :func:`response_head_from` (in row
     order; None off the last pipeline stage): padded micro-batches of at least
@@ -119,8 +122,9 @@ def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *
     :data:`LOGITS_PER_FORWARD` (a log-prob pass at 151,936 columns runs a few rows at a
     time, a small model's whole batch at once), or with ``max_tokens`` micro-batches by token
     budget with the padding removed (zeros where the padded path predicts or holds padding).
-    Only one micro-batch's activations and logits exist at a time."""
-    inputs, head_from = model_inputs(batch), response_head_from(batch)
+    Only one micro-batch's activations and logits exist at a time.  ``replay``: the
+    rollout's routing is replayed (:func:`model_inputs`)."""
+    inputs, head_from = model_inputs(batch, replay), response_head_from(batch)
     if max_tokens is None:
         rows, seq = batch["input_ids"].shape
         m = engine.model

@@ -46,7 +46,7 @@ from hybridflow_comm.sync_plan import SyncLayout
 from rlhf.config import RolloutConfig
 from rlhf.controller import ONE_TO_ALL, THREE_D_PROTO, Batch, Worker, protocol
 from rlhf.workers.actor import PolicyWorker
-from rlhf.workers.rollout_engine import build_rollout
+from rlhf.workers.rollout_engine import build_rollout, routes_field
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,8 @@ class RolloutSpec:
     lora: LoraConfig | None
     """The actor's LoRA adapters (None: none): the frozen base comes with the first push
     only, the adapters with every push, applied unmerged by the native engine."""
+    record_routes: bool = False
+    """actor.router_replay: the rollouts carry the experts each token was routed to."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class RolloutWorker(Worker):
         self.engine = build_rollout(spec.rollout, spec.config, self.groups, self.device,
                                     init_from=spec.init_from, seed=spec.seed,
                                     sleep_between_phases=False,  # this pool never trains
-                                    lora=spec.lora)
+                                    lora=spec.lora, record_routes=spec.record_routes)
         self.sync: WeightSync | None = None
         self.adapter_sync: WeightSync | None = None
 
@@ -201,6 +203,6 @@ class RolloutWorker(Worker):
                              device=out.input_ids.device)
         return Batch({"input_ids": out.input_ids, "attention_mask": out.attention_mask,
                       "response_mask": out.response_mask, "rollout_log_probs": out.log_probs,
-                      "weights_version": version},
+                      "weights_version": version, **routes_field(out)},
                      dict(prompts.non_tensors),
                      {"gen_s": time.perf_counter() - t0, "prompt_len": out.prompt_length})

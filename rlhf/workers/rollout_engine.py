@@ -53,6 +53,12 @@ def _summed(values: list):
     return values[0]
 
 
+def routes_field(out: GenerationOutput) -> dict[str, torch.Tensor]:
+    """``{"routes": ...}`` of a rollout that recorded its routing, else ``{}``: the batch
+    field the replaying passes read."""
+    return {} if out.routes is None else {"routes": out.routes}
+
+
 def join_outputs(outs: list[GenerationOutput]) -> GenerationOutput:
     """The waves' outputs as one call's: rows in wave order, counts summed, the KV cache's
     peak, the weights version of the call."""
@@ -65,6 +71,7 @@ def join_outputs(outs: list[GenerationOutput]) -> GenerationOutput:
         input_ids=torch.cat([o.input_ids for o in outs]),
         attention_mask=torch.cat([o.attention_mask for o in outs]),
         log_probs=torch.cat([o.log_probs for o in outs]),
+        routes=None if outs[0].routes is None else torch.cat([o.routes for o in outs]),
         prompt_length=outs[0].prompt_length, stats=stats)
 
 
@@ -131,7 +138,8 @@ def vllm_model_dir(config: LlamaConfig, init_from: str | None) -> str:
 
 def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGroups,
                   device: torch.device, init_from: str | None, seed: int,
-                  sleep_between_phases: bool, lora: LoraConfig | None = None):
+                  sleep_between_phases: bool, lora: LoraConfig | None = None,
+                  record_routes: bool = False):
     """This rank's generation backend for ``settings.engine``.
 
     Args:
@@ -144,9 +152,12 @@ def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGr
         sleep_between_phases: vLLM sleeps outside generation (the actor, which trains on the
             same GPUs); the rollout pool keeps it awake.
         lora: the actor's LoRA adapters (vLLM is built with LoRA enabled at their rank).
+        record_routes: the native engine records a mixture of experts' routing
+            (``actor.router_replay``).
     """
     if settings.engine == "native":
-        return WavedGeneration(GenerationEngine(config, groups, device=device),
+        return WavedGeneration(GenerationEngine(config, groups, device=device,
+                                                record_routes=record_routes),
                                settings.max_num_seqs, settings.gpu_memory_utilization)
     from engine.vllm_rollout import VLLMRollout, build_llm
 

@@ -75,6 +75,8 @@ class ActorSpec:
     rollout: RolloutConfig
     """The generation engine and its limits (:func:`rlhf.workers.rollout_engine.
     build_rollout`)."""
+    router_replay: bool = False
+    """actor.router_replay: rollouts carry their ``routes``, the passes replay them."""
 
 
 @dataclass(frozen=True)
