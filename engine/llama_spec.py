@@ -21,8 +21,9 @@ Parameter names are global (the same on every rank) and use global layer indices
     value_head                   [1, H]            replicated                       last
 
 (V vocab, H hidden, F intermediate (an expert's width in a mixture of experts), Q query heads,
-G KV heads, D head dim; layers are split evenly over the ``pp`` stages; ``*``: only where the config switch of the same name is on,
-``qk_norm`` for the norms, see :mod:`engine.hf_families` for the families that use them.)
+G KV heads, D head dim; layers are split evenly over the ``pp`` stages; ``*``: only where the
+config switch of the same name is on, ``qk_norm`` for the norms, see :mod:`engine.hf_families`
+for the families that use them.)
 With tied embeddings the LM head *is* ``embed_tokens``: for ``pp == 1`` there is no
 ``lm_head`` spec; for ``pp > 1`` the last stage keeps a copy named ``lm_head`` whose gradient
 is summed with the embedding's every step (see :mod:`engine.train`).
@@ -92,8 +93,9 @@ class LlamaConfig:
     num_experts: int = 0
     """Experts of every layer's MLP (a mixture of experts: Qwen3-MoE, Mixtral), each a SwiGLU
     of width ``intermediate_size``; 0 = one dense SwiGLU MLP."""
-    num_experts_per_tok: int = 2
-    """Experts each token is routed to: the top k of the router's softmax (MoE only)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to: the top k of the router's softmax (a mixture of
+    experts: 1 to num_experts; a dense model: unused)."""
     norm_topk_prob: bool = True
     """The k routing weights are renormalised to sum to one (Mixtral always; Qwen3-MoE's
     switch); else they are the softmax's own probabilities."""

@@ -86,6 +86,8 @@ class ModelConfig:
         explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
         if self.init_from is None:
             arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit
+            if not arch["num_experts"] and "num_experts_per_tok" not in explicit:
+                del arch["num_experts_per_tok"]  # a dense model routes nothing
             return LlamaConfig(**arch, max_position_embeddings=self.seq_len, dtype=dtype,
                                model_type="mixtral" if arch["num_experts"] else "llama")
         if not os.path.isfile(os.path.join(self.init_from, "config.json")):

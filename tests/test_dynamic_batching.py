@@ -328,7 +328,8 @@ def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: 
             loss=PolicyLossConfig(loss_agg_mode="token-mean", entropy_coeff=0.01),
             update=update, algo="grpo",
             kl_loss=KLLossTerm(coef=0.1, estimator="k3", log_ratio_clamp=20.0, k3_clamp=10.0),
-            temperature=0.9, offload_during_generation=False, rollout=RolloutConfig())
+            temperature=0.9, offload_during_generation=False, rollout=RolloutConfig(),
+            router_replay=False)
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=model, optim=optim,

@@ -232,7 +232,7 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
             optim=optim,
             loss=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, clip_ratio_c=3.0),
             update=update, algo="grpo", kl_loss=KL, temperature=1.0,
-            offload_during_generation=False, rollout=RolloutConfig())
+            offload_during_generation=False, rollout=RolloutConfig(), router_replay=False)
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=ModelSpec(config=config, head="value", init_from=None, seed=0,

@@ -288,9 +288,10 @@ def test_refused_configs():
     with pytest.raises(ValueError, match=r"model_type='mixtral' cannot.*num_experts"):
         LlamaConfig(**base, model_type="mixtral")  # a mixture without experts
     with pytest.raises(ValueError, match=r"model_type='llama' cannot.*num_experts"):
-        LlamaConfig(**base, num_experts=4)
+        LlamaConfig(**base, num_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="norm_topk_prob"):
-        LlamaConfig(**base, model_type="mixtral", num_experts=4, norm_topk_prob=False)
+        LlamaConfig(**base, model_type="mixtral", num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=False)
     for bad in (dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2)):
         hf = transformers.Qwen3MoeConfig(**COMMON | dict(num_experts=4) | bad).to_dict()
         with pytest.raises(ValueError, match="every layer must be a mixture of experts"):

@@ -82,8 +82,10 @@ def code_defaults(path: pathlib.Path) -> list[tuple[str, int, str]]:
 NOT_THE_SAME_QUANTITY = {"seed", "device", "engine"}
 # Engine switches whose default is "off" (HF's and vLLM's too), so that direct engine users
 # need not name them; the runtime always passes the config's value (builders.sampling_of,
-# builders.actor_spec).
-ENGINE_OFF_SWITCHES = {"min_new_tokens", "offload_during_generation"}
+# builders.actor_spec; a model's experts: the checkpoint's config.json or the config's
+# actor.model / actor.router_aux_loss_coef, 0 = a dense model, no load-balancing term).
+ENGINE_OFF_SWITCHES = {"min_new_tokens", "offload_during_generation", "num_experts",
+                       "num_experts_per_tok", "router_aux_loss_coef"}
 
 
 def test_no_config_default_is_restated_in_code():

@@ -600,7 +600,7 @@ def actor_worker(rollout: RolloutConfig) -> ActorWorker:
                         lora=None, lora_init_from=None),
         optim=OptimConfig(max_grad_norm=None), loss=PolicyLossConfig(),
         update=UpdateSpec(1, 4, 4, None), algo="grpo", kl_loss=None, temperature=1.0,
-        offload_during_generation=False, rollout=rollout)
+        offload_during_generation=False, rollout=rollout, router_replay=False)
     w = ActorWorker.__new__(ActorWorker)
     w.groups = groups
     w.__init__(spec)

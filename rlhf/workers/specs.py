@@ -75,7 +75,7 @@ class ActorSpec:
     rollout: RolloutConfig
     """The generation engine and its limits (:func:`rlhf.workers.rollout_engine.
     build_rollout`)."""
-    router_replay: bool = False
+    router_replay: bool
     """actor.router_replay: rollouts carry their ``routes``, the passes replay them."""
 
 
