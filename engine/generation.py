@@ -52,7 +52,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from engine.compiled_decode import CompiledDecodeLayers, compile_applies
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
@@ -67,6 +66,7 @@ from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import same_device
 from engine.sampling import SamplingParams, SeedStream, sample_next
 from engine.tp_ops import column_linear, vocab_embedding
+from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import HybridGroups
 
 
@@ -489,12 +489,10 @@ class GenerationEngine:
     def _all_stages_routes(self, routes: torch.Tensor) -> torch.Tensor:
         """``routes [B, S, local layers, k]`` -> every layer's, stage after stage (one
         all-gather over the generation pipeline; the TP ranks of a stage hold the same)."""
-        group = self.pp_group
-        if group is None or group.pg is None:
+        if self.pp_group.size == 1:
             return routes
-        parts = [torch.empty_like(routes, dtype=torch.int32) for _ in range(group.size)]
-        dist.all_gather(parts, routes.to(torch.int32).contiguous(), group=group.pg)
-        return torch.cat(parts, dim=2).to(torch.int16)
+        stages = all_gather_tensor(routes.to(torch.int32), self.pp_group)  # [pp_g, B, S, l, k]
+        return stages.permute(1, 2, 0, 3, 4).flatten(2, 3).to(torch.int16)
 
     def _plan(self, batch: int, limits: torch.Tensor, sampling: SamplingParams) -> CallPlan:
         """:func:`engine.forward_paths.plan_call` for a call of ``batch`` rows."""

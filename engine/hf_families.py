@@ -145,9 +145,9 @@ class HFFamily:
         if self.moe is None:
             return {}
         m = self.moe
-        bad = {k: hf[k] for k in ("mlp_only_layers",) if hf.get(k)}
-        bad |= {k: hf[k] for k in ("decoder_sparse_step",) if hf.get(k, 1) != 1}
-        bad |= {k: hf[k] for k in ("router_jitter_noise",) if hf.get(k)}
+        bad = {k: hf[k] for k in ("mlp_only_layers", "router_jitter_noise") if hf.get(k)}
+        if hf.get("decoder_sparse_step", 1) != 1:
+            bad["decoder_sparse_step"] = hf["decoder_sparse_step"]
         if bad:
             raise ValueError(f"unsupported {self.model_type} config values: {bad} (every "
                              f"layer must be a mixture of experts, without router noise)")

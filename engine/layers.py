@@ -466,8 +466,8 @@ class RouterLoss:
                                               (sum_e f_e = k), P_e: its mean probability,
                                               both over the real tokens
 
-    Each layer appends its ``loss_l``; :meth:`weighted` is their sum times ``weight``, the
-    term added to the micro-batch's loss (``coef / (layers * micro-batches)``: the mean over
+    Each layer appends its ``loss_l``; :meth:`total` is their sum and :meth:`weighted` that
+    sum times ``weight``, the term added to the micro-batch's loss (``coef / (layers * micro-batches)``: the mean over
     the model's layers, like the micro-batch loss a share of the step)."""
 
     weight: float
@@ -487,8 +487,11 @@ class RouterLoss:
         mean_prob = (probs * real[:, None]).sum(0) / tokens
         self.terms.append(num_experts * (pairs / tokens * mean_prob).sum())
 
+    def total(self) -> torch.Tensor:
+        return torch.stack(self.terms).sum()
+
     def weighted(self) -> torch.Tensor:
-        return torch.stack(self.terms).sum() * self.weight
+        return self.total() * self.weight
 
 
 class _AddLossGradient(torch.autograd.Function):

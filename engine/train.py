@@ -374,7 +374,7 @@ class TrainEngine:
 
         def keep(loss: RouterLoss | None) -> None:
             if loss is not None and loss.terms:
-                router_terms.append(torch.stack(loss.terms).sum().detach())
+                router_terms.append(loss.total().detach())
 
         def padded(i: int, x: torch.Tensor | None):
             mb = micro_batches[i]

@@ -51,15 +51,19 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.config.head_dim
 
-    def _layer_params(self, experts: int) -> int:
-        """One decoder layer's parameters with ``experts`` SwiGLUs counted."""
+    def _layer_vectors(self) -> int:
+        """One decoder layer's parameters outside any matmul: norms and biases."""
         c, h, d = self.config, self.hidden_size, self.head_dim
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * d
-        attn = h * qkv_rows + self.num_heads * d * h
-        extras = (qkv_rows if c.qkv_bias else 0) + (h if c.o_proj_bias else 0) + \
+        return 2 * h + (qkv_rows if c.qkv_bias else 0) + (h if c.o_proj_bias else 0) + \
             (2 * d if c.qk_norm else 0)
-        router = c.num_experts * h
-        return attn + extras + experts * 3 * h * self.intermediate_size + router + 2 * h
+
+    def _layer_params(self, experts: int) -> int:
+        """One decoder layer's parameters with ``experts`` SwiGLUs counted."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        router = self.config.num_experts * h
+        return attn + experts * 3 * h * self.intermediate_size + router + self._layer_vectors()
 
     @property
     def layer_params(self) -> int:
@@ -93,12 +97,7 @@ class ModelShape:
         norms and biases)."""
         h = self.hidden_size
         head = h if self.value_head else self.vocab_size * h
-        layer = self._layer_params(self.config.num_experts_per_tok
-                                   if self.config.num_experts else 1)
-        c, d = self.config, self.head_dim
-        vectors = 2 * h + ((self.num_heads + 2 * self.num_kv_heads) * d if c.qkv_bias else 0) \
-            + (h if c.o_proj_bias else 0) + (2 * d if c.qk_norm else 0)
-        return self.num_layers * (layer - vectors) + head
+        return self.num_layers * (self.active_layer_params - self._layer_vectors()) + head
 
     def kv_elems_per_token(self) -> int:
         """K and V elements cached per token over all layers: ``2 * L * G * D``."""

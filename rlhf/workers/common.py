@@ -109,8 +109,9 @@ def update_micro_batches(batch: Batch, update: UpdateSpec, dp: Group) -> list[li
 
 
 LOGITS_PER_FORWARD = 1 << 30
-"""Logit elements one padded forward of :func:`forward_outputs` may hold (``[rows x
-positions, vocab / tp]``: about 6 GiB as bf16 logits plus their float32 copy)."""
+"""Logit elements one padded forward of :func:`forward_outputs` may span (``[rows x
+positions, vocab / tp]``), which bounds its rows beyond ``micro_rows``; the head itself holds
+at most :data:`engine.tp_ops.LOGITS_PER_CHUNK` of them at a time."""
 
 
 def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *,
