@@ -102,6 +102,8 @@ class ShardSpec:
         stage: training pipeline stage that holds the parameter.
         fusion: fused layout along dim 0, or None.
         hf_names: Hugging Face names; one per fused part (q, k, v or gate, up), else one.
+        expert: index of the expert this tensor belongs to within its layer (a mixture of
+            experts' expert weights, see :mod:`hybridflow_comm.expert_layout`); None otherwise.
     """
 
     name: str
@@ -111,6 +113,7 @@ class ShardSpec:
     stage: int = 0
     fusion: Fusion | None = None
     hf_names: tuple[str, ...] = ()
+    expert: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -127,6 +130,8 @@ class ShardSpec:
                                  f"{type(self.fusion).__name__} units")
         if self.stage < 0:
             raise ValueError(f"{self.name}: stage={self.stage} must be >= 0")
+        if self.expert is not None and self.expert < 0:
+            raise ValueError(f"{self.name}: expert={self.expert} must be >= 0")
 
     @property
     def units(self) -> int:

@@ -28,7 +28,7 @@ from hybridflow_comm import _C
 from hybridflow_comm import comm
 from hybridflow_comm.comm import CommLedger
 from hybridflow_comm.flat_buffer import FlatParamBuffer
-from hybridflow_comm.groups import HybridGroups
+from hybridflow_comm.groups import Group, HybridGroups
 from hybridflow_comm.shard_spec import (ShardSpec, check_specs, hf_named, slot_specs,
                                         stacked_to_logical)
 
@@ -134,17 +134,7 @@ class HybridWeights:
                          for s in self.specs]
 
     def _exchange_specs(self) -> None:
-        desc = self._describe()
-        digest = hashlib.sha256(repr(desc).encode()).digest()[:8]
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
-                            device=self.buffer.device)
-        world = self.groups.world
-        everyone = comm.all_gather_tensor(mine, world, self.ledger, "meta")
-        if bool((everyone == mine).all()):
-            return
-        # Slow path, only on mismatch: find and name the first difference, on every rank.
-        descs = comm.all_gather_object(desc, world, self.ledger, "meta")
-        raise ValueError(f"shard specs differ across ranks: {_first_difference(descs, world.ranks)}")
+        agree_on_specs(self._describe(), self.groups.world, self.ledger, self.buffer.device)
 
     # Mode and version ------------------------------------------------------------------------
     def enter_generation(self, fill_generation_slots: Callable[[], int]) -> TransitionStats:
@@ -246,6 +236,21 @@ class HybridWeights:
             spec = self.spec(s.name)
             logical = stacked_to_logical(self.buffer.gen_view(s.name), spec)
             yield from hf_named(s.name, logical, spec.hf_names if hf_names else (), spec.fusion)
+
+
+def agree_on_specs(desc: list[tuple], world: Group, ledger: CommLedger,
+                   device: torch.device) -> None:
+    """Collective over ``world``: ValueError on every rank, naming the first difference,
+    unless every rank passed the same ``desc`` (one 8-byte digest each when they agree)."""
+    digest = hashlib.sha256(repr(desc).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=device)
+    everyone = comm.all_gather_tensor(mine, world, ledger, "meta")
+    if bool((everyone == mine).all()):
+        return
+    # Slow path, only on mismatch: find and name the first difference, on every rank.
+    descs = comm.all_gather_object(desc, world, ledger, "meta")
+    raise ValueError(f"shard specs differ across ranks: {_first_difference(descs, world.ranks)}")
 
 
 def check_bucket_bytes(bucket_bytes: int) -> None:

@@ -12,6 +12,7 @@ tests/test_examples_reshard.py.
 import pytest
 
 from tests import test_api as api
+from tests import test_expert_reshard_multirank as experts
 from tests import test_interop_fsdp as fsdp
 from tests import test_interop_megatron as megatron
 from tests import test_interop_state as state
@@ -23,6 +24,7 @@ CHECKS = [(4, check) for check in (
     reshard.test_reshard_bit_exact_and_paper_bytes,
     reshard.test_all_gather_views_in_place,
     reshard.test_verify_names_corrupted_parameter_everywhere,
+    experts.test_expert_transitions_bit_exact_at_the_formula,
     sync.test_weight_sync_bit_exact_2_plus_2,
     sync.test_verify_catches_corruption_and_stale_shards,
     fsdp.test_fsdp_state_dicts_reshard_bit_exact_with_minimum_bytes,

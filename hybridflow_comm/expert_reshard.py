@@ -1,0 +1,276 @@
+"""The training -> generation transition of a mixture of experts' expert weights under expert
+parallelism (``ep > 1``; see :mod:`hybridflow_comm.expert_layout` for who holds and needs what).
+
+:func:`plan_expert_transfers` is pure: from the expert specs, an :class:`ExpertLayout` and a
+rank it lists the pieces the rank needs and holds (generation views of its training tensors,
+no copy), the pieces it receives and from whom, and the pieces it sends and to whom.  Every
+needed piece is held or received exactly once, so the bytes received are the layout's
+minimum.  :class:`ExpertResharder` runs that plan with point-to-point messages, one batch per
+bucket of consecutive specs (all ranks cut the same buckets, so messages match in order)::
+
+    training tensors (whole experts)      generation experts
+    rank 1: e2 e3                         e0 e1 (received, one flat storage) | e2 e3 (views)
+
+Pieces are contiguous slices of a training tensor (whole experts, or rows of a dim-0 split)
+and are sent straight from it; a piece along another dim (``down_proj``'s columns under gen
+TP) is copied to a contiguous send tensor first, which the stats report as
+``redundant_bytes`` (at most one bucket's).  Received pieces land in place, each a
+contiguous tensor of its piece's shape.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from hybridflow_comm import comm
+from hybridflow_comm.comm import CommLedger
+from hybridflow_comm.expert_layout import WHOLE, ExpertLayout, Piece
+from hybridflow_comm.groups import Group
+from hybridflow_comm.shard_spec import ShardSpec
+from hybridflow_comm.transition import (BUCKET_BYTES, LABEL, TransitionStats, agree_on_specs,
+                                        check_bucket_bytes)
+
+__all__ = ["ExpertPlan", "ExpertResharder", "plan_expert_transfers", "piece_of"]
+
+
+class ExpertPlan(NamedTuple):
+    """One rank's part of an expert transition, every list in spec order.
+
+    Attributes:
+        views: ``(name, piece)`` needed and held: views of the training tensor.
+        recvs: ``(name, piece, source rank)`` needed and not held.
+        sends: ``(name, piece, destination rank)`` held and needed elsewhere.
+    """
+
+    views: list[tuple[str, Piece]]
+    recvs: list[tuple[str, Piece, int]]
+    sends: list[tuple[str, Piece, int]]
+
+
+def piece_of(tensor: torch.Tensor, spec: ShardSpec, piece: Piece) -> torch.Tensor:
+    """``piece`` of a whole expert tensor along its partition dim (a view)."""
+    if piece.count == 1:
+        return tensor
+    size = spec.shape[spec.partition_dim] // piece.count
+    return tensor.narrow(spec.partition_dim, piece.index * size, size)
+
+
+def piece_shape(spec: ShardSpec, piece: Piece) -> tuple[int, ...]:
+    if piece.count == 1:
+        return spec.shape
+    return spec.shard_shape(piece.count)
+
+
+def check_expert_specs(specs: list[ShardSpec], layout: ExpertLayout) -> None:
+    """ValueError for a spec ``layout`` cannot place (before any collective)."""
+    if layout.ep == 1:
+        raise ValueError("ep=1: the experts are split over tp like the dense MLP and move with "
+                         "it (hybridflow_comm.reshard)")
+    train = layout.hybrid.train
+    for s in specs:
+        if s.expert is None:
+            raise ValueError(f"{s.name}: not an expert tensor (ShardSpec.expert is None)")
+        if s.expert >= layout.num_experts:
+            raise ValueError(f"{s.name}: expert={s.expert} but the layout has "
+                             f"num_experts={layout.num_experts}")
+        if s.stage >= train.pp:
+            raise ValueError(f"{s.name}: stage={s.stage} but the layout has pp={train.pp}")
+        if layout.gen_etp > 1 and s.partition_dim is not None and s.units % layout.gen_etp:
+            raise ValueError(f"{s.name}: {s.units} units along dim {s.partition_dim} cannot be "
+                             f"split over tp_g={layout.gen_etp}")
+
+
+def plan_expert_transfers(specs: list[ShardSpec], layout: ExpertLayout, rank: int) -> ExpertPlan:
+    """``rank``'s views, receives and sends (pure; see :class:`ExpertPlan`)."""
+    check_expert_specs(specs, layout)
+    h = layout.hybrid
+    world = range(h.world_size)
+    stage = [h.train.coords(r).pp for r in world]
+    gen_stage = [h.gen_coords(r).pp_g for r in world]
+    held = [layout.train_experts(r) for r in world]
+    needed = [layout.gen_experts(r) for r in world]
+    pieces = [layout.gen_piece(r) for r in world]
+    views, recvs, sends = [], [], []
+    for s in specs:
+        for r in world:
+            if s.stage // h.micro_pp != gen_stage[r] or s.expert not in needed[r]:
+                continue
+            piece = pieces[r] if s.partition_dim is not None else WHOLE
+            if stage[r] == s.stage and s.expert in held[r]:
+                if r == rank:
+                    views.append((s.name, piece))
+                continue
+            src = layout.source(r, s.stage, s.expert)
+            if r == rank:
+                recvs.append((s.name, piece, src))
+            elif src == rank:
+                sends.append((s.name, piece, r))
+    return ExpertPlan(views, recvs, sends)
+
+
+class ExpertResharder:
+    """Moves the expert weights between their training and generation layouts.
+
+    Args:
+        specs: every expert tensor of the model (``ShardSpec.expert`` set), the same list on
+            every rank.
+        layout: the experts' layout (``ep > 1``).
+        world: the group of every rank of the layout (group rank = layout rank).
+        train: this rank's training tensors by name, whole experts (the ones
+            ``layout.train_experts`` gives it on its stage); never copied.
+        bucket_bytes: per rank, about the bytes of one batch of messages.
+        ledger: where bytes are recorded (a new one by default).
+
+    Construction is collective over ``world``: the ranks agree on the specs and layout, and
+    raise ValueError on every rank when one differs.
+    """
+
+    method = "hybridflow"
+
+    def __init__(self, specs: list[ShardSpec], layout: ExpertLayout, world: Group,
+                 train: Mapping[str, torch.Tensor], *, bucket_bytes: int = BUCKET_BYTES,
+                 ledger: CommLedger | None = None) -> None:
+        check_bucket_bytes(bucket_bytes)
+        if world.size != layout.hybrid.world_size:
+            raise ValueError(f"world group of {world.size} ranks for a layout of "
+                             f"{layout.hybrid.world_size}")
+        self.specs = list(specs)
+        self.layout = layout
+        self.world = world
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.plan = plan_expert_transfers(self.specs, layout, world.rank)
+        self._spec = {s.name: s for s in self.specs}
+        self.train = self._check_train(dict(train))
+        self.device = next(iter(self.train.values())).device if self.train else torch.device("cpu")
+        self._buckets = self._cut_buckets(bucket_bytes * world.size)
+        self._offsets, self._storage_numel = self._recv_layout()
+        self._storage: dict[torch.dtype, torch.Tensor] = {}
+        self.version, self.mode = 0, "training"
+        self._last: TransitionStats | None = None
+        t, h = layout.hybrid.train, layout.hybrid
+        head = ("experts", t.pp, t.tp, t.dp, h.pp_g, h.tp_g, layout.num_experts, layout.ep,
+                layout.gen_ep)
+        agree_on_specs([head] + [(s.name, s.shape, str(s.dtype), s.partition_dim, s.stage,
+                                  s.expert) for s in self.specs], world, self.ledger, self.device)
+
+    # Set-up (no collective) ------------------------------------------------------------------
+    def _check_train(self, train: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rank, h = self.world.rank, self.layout.hybrid
+        mine = {s.name for s in self.specs if s.stage == h.train.coords(rank).pp
+                and s.expert in self.layout.train_experts(rank)}
+        if set(train) != mine:
+            missing, extra = sorted(mine - set(train)), sorted(set(train) - mine)
+            raise ValueError(f"rank {rank}: training expert tensors missing {missing[:3]}, "
+                             f"not held by this rank {extra[:3]}")
+        for name, t in train.items():
+            s = self._spec[name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise ValueError(f"{name}: training tensor {tuple(t.shape)} {t.dtype}, spec "
+                                 f"{s.shape} {s.dtype}")
+        if len({t.device for t in train.values()}) > 1:
+            raise ValueError(f"rank {rank}: training expert tensors on several devices")
+        return train
+
+    def _cut_buckets(self, bucket_bytes: int) -> list[tuple[list, list]]:
+        """Sends and receives per bucket of consecutive specs (the same cuts on every rank)."""
+        index = {s.name: i for i, s in enumerate(self.specs)}
+        cuts, total = [], 0
+        for i, s in enumerate(self.specs):
+            if total and total + s.nbytes > bucket_bytes:
+                cuts.append(i)
+                total = 0
+            total += s.nbytes
+        buckets = [([], []) for _ in range(len(cuts) + 1)]
+        for item in self.plan.sends:
+            buckets[bisect.bisect_right(cuts, index[item[0]])][0].append(item)
+        for item in self.plan.recvs:
+            buckets[bisect.bisect_right(cuts, index[item[0]])][1].append(item)
+        return [b for b in buckets if b[0] or b[1]]
+
+    def _recv_layout(self) -> tuple[dict[str, int], dict[torch.dtype, int]]:
+        offsets, numel = {}, {}
+        for name, piece, _ in self.plan.recvs:
+            s = self._spec[name]
+            offsets[name] = numel.get(s.dtype, 0)
+            numel[s.dtype] = offsets[name] + math.prod(piece_shape(s, piece))
+        return offsets, numel
+
+    # Transition --------------------------------------------------------------------------------
+    def to_generation(self) -> TransitionStats:
+        """Receive every missing expert piece; returns this rank's stats."""
+        if self.mode != "training":
+            raise RuntimeError(f"to_generation() called in {self.mode} mode")
+        sent0, recv0, calls0 = self.ledger.snapshot(LABEL)
+        t0 = time.perf_counter()
+        self._storage = {dt: torch.empty(n, dtype=dt, device=self.device)
+                         for dt, n in self._storage_numel.items()}
+        staged_peak = 0
+        for sends, recvs in self._buckets:
+            out, staged = [], 0
+            for name, piece, dst in sends:
+                view = piece_of(self.train[name], self._spec[name], piece)
+                if not view.is_contiguous():
+                    view = view.contiguous()
+                    staged += view.nbytes
+                out.append((view, dst))
+            into = [(self._received(name, piece), src) for name, piece, src in recvs]
+            staged_peak = max(staged_peak, staged)
+            for work in comm.exchange_(out, into, self.world, self.ledger, LABEL):
+                work.wait()
+        elapsed = time.perf_counter() - t0
+        self.version += 1
+        self.mode = "generation"
+        sent1, recv1, calls1 = self.ledger.snapshot(LABEL)
+        self._last = TransitionStats(
+            method=self.method, version=self.version, sent_bytes=sent1 - sent0,
+            received_bytes=recv1 - recv0, calls=calls1 - calls0,
+            peak_weight_bytes=self.gen_nbytes() + staged_peak, redundant_bytes=staged_peak,
+            time_s=elapsed)
+        return self._last
+
+    def to_training(self, release: bool = True) -> int:
+        """Back to training; returns the bytes of received pieces released."""
+        if self.mode != "generation":
+            raise RuntimeError(f"to_training() called in {self.mode} mode")
+        self.mode = "training"
+        if not release:
+            return 0
+        freed = sum(t.nbytes for t in self._storage.values())
+        self._storage = {}
+        return freed
+
+    def accounting(self) -> TransitionStats | None:
+        """Stats of the last :meth:`to_generation` (None before the first)."""
+        return self._last
+
+    def minimum_received_bytes(self) -> int:
+        """This rank's generation experts minus the part it holds from training."""
+        return sum(math.prod(piece_shape(self._spec[n], p)) * self._spec[n].dtype.itemsize
+                   for n, p, _ in self.plan.recvs)
+
+    def gen_nbytes(self) -> int:
+        """Bytes of this rank's generation experts (views of training tensors included)."""
+        return self.minimum_received_bytes() + sum(
+            math.prod(piece_shape(self._spec[n], p)) * self._spec[n].dtype.itemsize
+            for n, p in self.plan.views)
+
+    def generation_experts(self) -> dict[str, torch.Tensor]:
+        """This rank's generation expert tensors by name: views of its training tensors
+        (a column piece is a strided view) and the received pieces."""
+        if self.mode != "generation":
+            raise RuntimeError("generation_experts() needs generation mode")
+        out = {n: piece_of(self.train[n], self._spec[n], p) for n, p in self.plan.views}
+        out.update((n, self._received(n, p)) for n, p, _ in self.plan.recvs)
+        return {s.name: out[s.name] for s in self.specs if s.name in out}
+
+    def _received(self, name: str, piece: Piece) -> torch.Tensor:
+        s = self._spec[name]
+        shape = piece_shape(s, piece)
+        off = self._offsets[name]
+        return self._storage[s.dtype][off:off + math.prod(shape)].view(shape)

@@ -1,0 +1,205 @@
+"""Expert layouts and their transfer plans, for every layout of up to 16 ranks (pure, no
+processes).
+
+References are brute force: which rank holds and needs which piece comes from loops over the
+coordinates written here, and the bytes received from the formula of the module docstring.
+"""
+
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+
+from hybridflow_comm.expert_layout import ExpertLayout, Piece, main
+from hybridflow_comm.expert_reshard import check_expert_specs, plan_expert_transfers
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec
+
+NUM_EXPERTS = 16
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def all_expert_layouts(max_world=16):
+    for world in range(2, max_world + 1):
+        for pp in _divisors(world):
+            for tp in _divisors(world // pp):
+                dp = world // (pp * tp)
+                for pp_g in _divisors(pp):
+                    for tp_g in _divisors(tp):
+                        hl = HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
+                        for ep in _divisors(tp * dp):
+                            if ep == 1 or NUM_EXPERTS % ep:
+                                continue
+                            for gen_ep in _divisors(ep):
+                                yield ExpertLayout(hl, NUM_EXPERTS, ep=ep, gen_ep=gen_ep)
+
+
+LAYOUTS = list(all_expert_layouts())
+PLAN_LAYOUTS = [el for el in LAYOUTS if el.hybrid.world_size <= 8] + LAYOUTS[::16]
+"""Every layout of up to 8 ranks, and a sample of the larger ones, for the plan's checks."""
+
+
+def _id(el):
+    t, h = el.hybrid.train, el.hybrid
+    return f"{t.pp}-{t.tp}-{t.dp}_{h.pp_g}-{h.tp_g}_ep{el.ep}-{el.gen_ep}"
+
+
+def expert_specs(pp, layers_per_stage=2, hidden=8, ffn=16):
+    """Two tensors per expert and layer: gate_up split on dim 0, down_proj on dim 1."""
+    specs = []
+    for layer in range(pp * layers_per_stage):
+        for e in range(NUM_EXPERTS):
+            p = f"layers.{layer}.experts.{e}."
+            specs += [ShardSpec(p + "gate_up", (2 * ffn, hidden), dtype=torch.bfloat16,
+                                partition_dim=0, stage=layer // layers_per_stage,
+                                fusion=GateUpFusion(), expert=e),
+                      ShardSpec(p + "down_proj", (hidden, ffn), dtype=torch.bfloat16,
+                                partition_dim=1, stage=layer // layers_per_stage, expert=e)]
+    return specs
+
+
+def test_enumeration_is_large():
+    assert len(LAYOUTS) > 1000 and len(PLAN_LAYOUTS) > 300
+
+
+@pytest.mark.parametrize("el", LAYOUTS, ids=_id)
+def test_coordinates_and_groups(el):
+    t, h = el.hybrid.train, el.hybrid
+    world = h.world_size
+    for r in range(world):
+        c, tc = el.coords(r), t.coords(r)
+        assert el.rank(stage=tc.pp, ep=c.ep, etp=c.etp, edp=c.edp) == r
+        j = tc.dp * t.tp + tc.tp  # the rank's index in its stage, ep consecutive per group
+        assert (c.ep, c.edp) == (j % el.ep, j // el.ep)
+    # Every expert of a stage is held whole by exactly edp = tp * dp / ep ranks of it.
+    for stage in range(t.pp):
+        for e in range(NUM_EXPERTS):
+            holders = [r for r in range(world) if t.coords(r).pp == stage
+                       and e in el.train_experts(r)]
+            assert len(holders) == t.tp * t.dp // el.ep
+    for groups, size in ((el.ep_groups(), el.ep), (el.expert_dp_groups(), el.edp),
+                         (el.gen_ep_groups(), el.gen_ep)):
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups)
+    for g in el.ep_groups():  # one stage, every expert once
+        assert len({t.coords(r).pp for r in g}) == 1
+        assert sorted(e for r in g for e in el.train_experts(r)) == list(range(NUM_EXPERTS))
+    for g in el.gen_ep_groups():  # together one generation copy of every expert
+        assert sorted(e for r in g for e in el.gen_experts(r)) == list(range(NUM_EXPERTS))
+    for r in range(world):  # a rank's training experts are a block of its generation ones
+        assert set(el.train_experts(r)) <= set(el.gen_experts(r))
+
+
+def _needs(el, specs, r):
+    """Brute force: ``{name: piece}`` rank ``r`` needs in generation."""
+    h = el.hybrid
+    g = h.gen_coords(r)
+    per = NUM_EXPERTS // el.gen_ep
+    block = el.train_experts(r).start // per  # the generation block holding its own experts
+    out = {}
+    for s in specs:
+        if s.stage // h.micro_pp != g.pp_g:
+            continue
+        if el.gen_ep > 1 and s.expert // per != block:
+            continue
+        out[s.name] = Piece(g.tp_g, h.tp_g) if el.gen_ep == 1 else Piece(0, 1)
+    return out
+
+
+def _bytes(spec, piece):
+    return spec.nbytes // piece.count
+
+
+@pytest.mark.parametrize("el", PLAN_LAYOUTS, ids=_id)
+def test_plan_covers_every_need_once_at_the_formula(el):
+    t = el.hybrid.train
+    specs = expert_specs(t.pp, ffn=4 * t.tp)  # splits over every tp_g | tp
+    by_name = {s.name: s for s in specs}
+    plans = [plan_expert_transfers(specs, el, r) for r in range(el.hybrid.world_size)]
+    expert_bytes = sum(s.nbytes for s in specs)
+    for r, plan in enumerate(plans):
+        got = [(n, p) for n, p in plan.views] + [(n, p) for n, p, _ in plan.recvs]
+        assert sorted(got) == sorted(_needs(el, specs, r).items())  # each need once
+        for name, _ in plan.views:  # a view is of a tensor this rank holds
+            assert by_name[name].stage == t.coords(r).pp
+            assert by_name[name].expert in el.train_experts(r)
+        for name, piece, src in plan.recvs:  # the source holds it, and sends it, in order
+            s = by_name[name]
+            assert src != r and t.coords(src).pp == s.stage and s.expert in el.train_experts(src)
+            assert el.coords(src).edp == el.coords(r).edp
+        received = sum(_bytes(by_name[n], p) for n, p, _ in plan.recvs)
+        assert Fraction(received, expert_bytes) == el.received_fraction()
+    for src, plan in enumerate(plans):  # sends mirror receives, message order included
+        for dst in range(el.hybrid.world_size):
+            sent = [(n, p) for n, p, d in plan.sends if d == dst]
+            wanted = [(n, p) for n, p, s in plans[dst].recvs if s == src]
+            assert sent == wanted
+
+
+def test_issue_layouts_volume():
+    # EP 4 -> gen EP 2 on 4 ranks: each receives a quarter of every expert's bytes.
+    hl = HybridLayout(ParallelLayout(pp=1, tp=1, dp=4), pp_g=1, tp_g=1)
+    assert ExpertLayout(hl, 8, ep=4, gen_ep=2).received_fraction() == Fraction(1, 4)
+    # EP 4 (over tp 2 x dp 2) -> gen TP 2: half of every expert, an eighth already held.
+    hl = HybridLayout(ParallelLayout(pp=1, tp=2, dp=2), pp_g=1, tp_g=2)
+    assert ExpertLayout(hl, 8, ep=4, gen_ep=1).received_fraction() == Fraction(3, 8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(train=(1, 2, 2), ep=3), "ep=3 must divide the tp x dp = 4"),
+    (dict(train=(1, 1, 4), ep=4, num_experts=6), "ep=4 must divide num_experts=6"),
+    (dict(train=(1, 1, 4), ep=1, gen_ep=2), "gen_ep=2 needs a training ep"),
+    (dict(train=(1, 1, 4), ep=4, gen_ep=3), "gen_ep=3 must divide num_experts=8"),
+    (dict(train=(1, 1, 4), ep=0), "ep must be a positive int"),
+])
+def test_bad_sizes(kwargs, match):
+    hl = HybridLayout(ParallelLayout(*kwargs.pop("train")), pp_g=1, tp_g=1)
+    with pytest.raises(ValueError, match=match):
+        ExpertLayout(hl, kwargs.pop("num_experts", 8), **kwargs)
+
+
+def test_bad_specs():
+    hl = HybridLayout(ParallelLayout(pp=1, tp=2, dp=2), pp_g=1, tp_g=2)
+    el = ExpertLayout(hl, NUM_EXPERTS, ep=4)
+    dense = ShardSpec("layers.0.qkv", (8, 8), partition_dim=0)
+    with pytest.raises(ValueError, match="not an expert tensor"):
+        check_expert_specs([dense], el)
+    odd = ShardSpec("layers.0.experts.0.down_proj", (8, 3), partition_dim=1, expert=0)
+    with pytest.raises(ValueError, match="3 units along dim 1 cannot be split over tp_g=2"):
+        check_expert_specs([odd], el)
+    with pytest.raises(ValueError, match="expert=99"):
+        check_expert_specs([ShardSpec("x", (4, 4), partition_dim=0, expert=99)], el)
+    with pytest.raises(ValueError, match="ep=1: the experts are split over tp"):
+        check_expert_specs(expert_specs(1), ExpertLayout(hl, NUM_EXPERTS, ep=1))
+    with pytest.raises(ValueError, match="expert=-1 must be >= 0"):
+        ShardSpec("x", (4, 4), expert=-1)
+
+
+def test_cli(capsys):
+    assert main(["--train", "1,1,4", "--gen", "1,1", "--experts", "8", "--ep", "4",
+                 "--gen-ep", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gen_ep_groups"] == [[0, 2], [1, 3]]
+    assert out["gen_experts"] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert main(["--train", "1,1,4", "--gen", "1,1", "--experts", "8", "--ep", "3"]) == 2
+    assert "ep=3 must divide" in capsys.readouterr().err
+
+
+def test_formula_matches_brute_force_overlap():
+    """received_fraction against gen shard minus held overlap, counted element by element."""
+    for el in LAYOUTS[::7]:
+        h, t = el.hybrid, el.hybrid.train
+        layers, units = 2 * t.pp, 4 * t.tp  # an expert as 4 tp units along its partition dim
+        total = layers * NUM_EXPERTS * units
+        for r in range(h.world_size):
+            g, c = h.gen_coords(r), t.coords(r)
+            need = {(layer, e, u) for layer in range(layers) for e in el.gen_experts(r)
+                    for u in range(units) if (layer // 2) // h.micro_pp == g.pp_g
+                    and (el.gen_ep > 1 or u // (units // h.tp_g) == g.tp_g)}
+            held = {(layer, e, u) for layer in range(layers) for e in el.train_experts(r)
+                    for u in range(units) if layer // 2 == c.pp}
+            assert Fraction(len(need - held), total) == el.received_fraction(), _id(el)

@@ -1,0 +1,133 @@
+"""Expert transitions on 4 gloo ranks: generation experts bit-exact against slices of the global
+tensors, bytes received equal to the layout's formula, own experts as views (storage identity),
+and bad input refused on every rank before a message moves."""
+
+import zlib
+
+import torch
+
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.expert_reshard import ExpertResharder
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec
+
+NUM_EXPERTS, HIDDEN, FFN = 8, 8, 12
+
+# (train pp, tp, dp), (gen pp_g, tp_g), ep, gen_ep: the issue's two layouts first.
+CASES = [((1, 1, 4), (1, 1), 4, 2), ((1, 2, 2), (1, 2), 4, 1), ((1, 4, 1), (1, 2), 4, 1),
+         ((2, 1, 2), (1, 1), 2, 2), ((2, 2, 1), (1, 1), 2, 1), ((1, 1, 4), (1, 1), 2, 1),
+         ((1, 1, 4), (1, 1), 4, 4), ((2, 2, 1), (2, 2), 2, 1)]
+
+
+def specs_for(pp, layers=4):
+    out = []
+    for layer in range(layers):
+        stage = layer * pp // layers
+        for e in range(NUM_EXPERTS):
+            p = f"layers.{layer}.experts.{e}."
+            out += [ShardSpec(p + "gate_up", (2 * FFN, HIDDEN), dtype=torch.bfloat16,
+                              partition_dim=0, stage=stage, fusion=GateUpFusion(), expert=e),
+                    ShardSpec(p + "down_proj", (HIDDEN, FFN), dtype=torch.bfloat16,
+                              partition_dim=1, stage=stage, expert=e)]
+    return out
+
+
+def full_tensor(spec, version):
+    seed = zlib.crc32(f"{spec.name}:{version}".encode())
+    return torch.randn(spec.shape, generator=torch.Generator().manual_seed(seed)).to(spec.dtype)
+
+
+def expected_gen(full, spec, el, rank):
+    """Reference: the generation piece of ``full``, or None when ``rank`` does not need it."""
+    h = el.hybrid
+    g = h.gen_coords(rank)
+    if spec.stage // h.micro_pp != g.pp_g or spec.expert not in el.gen_experts(rank):
+        return None
+    if el.gen_ep > 1:
+        return full
+    return full.chunk(h.tp_g, dim=spec.partition_dim)[g.tp_g]
+
+
+def _layout(case):
+    train, gen, ep, gen_ep = case
+    hl = HybridLayout(ParallelLayout(*train), pp_g=gen[0], tp_g=gen[1])
+    return ExpertLayout(hl, NUM_EXPERTS, ep=ep, gen_ep=gen_ep)
+
+
+def _train_tensors(specs, el, rank, version):
+    stage = el.hybrid.train.coords(rank).pp
+    return {s.name: full_tensor(s, version) for s in specs
+            if s.stage == stage and s.expert in el.train_experts(rank)}
+
+
+def check_transitions(rank, world, cases):
+    out = []
+    for case in cases:
+        el = _layout(case)
+        groups = build_hybrid_groups(el.hybrid)
+        specs = specs_for(el.hybrid.train.pp)
+        train = _train_tensors(specs, el, rank, version=0)
+        rs = ExpertResharder(specs, el, groups.world, train, bucket_bytes=4096)
+        for version in (0, 1):
+            if version:  # new training weights, written in place
+                for name, t in train.items():
+                    t.copy_(full_tensor(rs._spec[name], version))
+            stats = rs.to_generation()
+            gen = rs.generation_experts()
+            want = {s.name: expected_gen(full_tensor(s, version), s, el, rank) for s in specs}
+            want = {n: t for n, t in want.items() if t is not None}
+            assert sorted(gen) == sorted(want), case
+            for name, t in want.items():
+                assert torch.equal(gen[name], t), (case, name)
+                if name in train:  # held in training: a view, never a copy
+                    assert gen[name].untyped_storage().data_ptr() == \
+                        train[name].untyped_storage().data_ptr()
+            expert_bytes = sum(s.nbytes for s in specs)
+            assert stats.received_bytes == rs.minimum_received_bytes() == \
+                el.received_fraction() * expert_bytes, case
+            # Only down_proj's column pieces (experts under gen TP) are staged to be sent,
+            # at most one bucket's specs at a time.
+            bound = 4096 * world + max(s.nbytes for s in specs) if el.gen_etp > 1 else 0
+            assert stats.redundant_bytes <= bound, case
+            assert stats.version == version + 1
+            released = rs.to_training()
+            assert released == rs.minimum_received_bytes()
+        out.append((case, stats.received_bytes, stats.redundant_bytes))
+    return out
+
+
+def test_expert_transitions_bit_exact_at_the_formula(pool4):
+    results = pool4.run(check_transitions, CASES)
+    for case, received, redundant in results[0]:
+        if case[3] > 1:  # whole experts: nothing staged, nothing held twice
+            assert redundant == 0
+
+
+def check_bad_input(rank, world):
+    el = _layout(CASES[0])
+    groups = build_hybrid_groups(el.hybrid)
+    specs = specs_for(1)
+    train = _train_tensors(specs, el, rank, 0)
+    errors = []
+    missing = dict(train)
+    missing.pop(next(iter(missing)))  # a local error: raised before any collective
+    try:
+        ExpertResharder(specs, el, groups.world, missing)
+    except ValueError as exc:
+        errors.append(str(exc))
+    mine = specs if rank else specs[:-1] + [ShardSpec(specs[-1].name, (HIDDEN, FFN),
+                                                      dtype=torch.float32, partition_dim=1,
+                                                      expert=specs[-1].expert)]
+    train = {n: t.float() if n == specs[-1].name and not rank else t for n, t in train.items()}
+    try:
+        ExpertResharder(mine, el, groups.world, train)
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
+
+
+def test_bad_input_raises_on_every_rank(pool4):
+    for rank, errors in enumerate(pool4.run(check_bad_input)):
+        assert f"rank {rank}: training expert tensors missing" in errors[0]
+        assert "shard specs differ across ranks" in errors[1] and "torch.float32" in errors[1]
