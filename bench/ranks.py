@@ -47,3 +47,15 @@ def launch(body, nproc: int, cfg: dict, timeout_s: float = 60.0):
     mp.start_processes(_entry, args=(body, nproc, _free_port(), cfg, queue), nprocs=nproc,
                        join=True, start_method="spawn")
     return queue.get(timeout=timeout_s)
+
+
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -159,9 +159,10 @@ def get_shape(name: str, rl: bool = False) -> BenchShape:
 
 
 def add_shape_argument(parser: argparse.ArgumentParser, default: str = "tiny",
-                       rl: bool = False) -> None:
-    """``--shape`` with the table's names (only the RL-sized ones when ``rl``)."""
-    names = sorted(n for n, s in SHAPES.items() if s.rl or not rl)
+                       rl: bool = False, extra: tuple[str, ...] = ()) -> None:
+    """``--shape`` with the table's names (only the RL-sized ones when ``rl``) and a bench's
+    own ``extra`` names."""
+    names = sorted([n for n, s in SHAPES.items() if s.rl or not rl] + list(extra))
     parser.add_argument("--shape", choices=names, default=default,
                         help="sizes from bench/shapes.py (default %(default)s)")
 

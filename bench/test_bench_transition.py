@@ -7,7 +7,7 @@ are checked against the paper's formula (Table 2); times are reported, never ass
 
 import pytest
 
-from bench import transition_fsdp
+from bench import transition_ep, transition_fsdp
 from bench.transition import llama_like_specs, run
 
 CASES = [((1, 4, 1), (1, 2)), ((1, 2, 2), (1, 1)), ((2, 2, 1), (1, 1))]
@@ -52,3 +52,18 @@ def test_transition_fsdp(benchmark, gen):
     for key in ("ratio_vs_full_gather", "ratio_vs_raw", "bytes_vs_minimum"):
         benchmark.extra_info[key] = result[key]
     assert result["bytes_vs_minimum"] == 1.0
+
+
+@pytest.mark.slow
+def test_transition_qwen3_moe_layers(benchmark):
+    """Qwen3-30B-A3B's layers (as many as fit) on 4 ranks: EP 4 -> gen EP 2 and -> gen TP 2."""
+    result = benchmark.pedantic(transition_ep.run, args=("qwen3-30b-a3b-layers",),
+                                kwargs=dict(repeat=3), rounds=1, iterations=1)
+    benchmark.extra_info["layers"] = result["shape"]["layers"]
+    for r in result["runs"]:
+        c = r["config"]
+        key = f"ep{c['ep']}_to_{'ep' if c['gen_ep'] > 1 else 'tp'}{max(c['gen_ep'], c['gen'][1])}"
+        for name in ("ratio_vs_full_gather", "ratio_vs_raw", "redundant_bytes"):
+            benchmark.extra_info[f"{key}_{name}"] = r[name]
+        assert r["bytes_vs_formula"] == 1.0
+

@@ -48,8 +48,8 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import transition_fsdp  # noqa: E402
-from bench.ranks import launch, max_over_ranks  # noqa: E402
+from bench import transition_ep, transition_fsdp  # noqa: E402
+from bench.ranks import launch, max_over_ranks, mem_available  # noqa: E402
 from bench.shapes import BenchShape, add_shape_argument, get_shape, widest_tp  # noqa: E402
 from engine.llama_spec import llama_shard_specs  # noqa: E402
 from hybridflow_comm import comm  # noqa: E402
@@ -259,22 +259,10 @@ def _train_bytes(specs: list[ShardSpec], hl: HybridLayout) -> int:
                    for s in specs if s.stage == stage) for stage in range(t.pp))
 
 
-def _mem_available() -> int:
-    """MemAvailable of /proc/meminfo in bytes (0 where unknown: nothing is skipped)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _too_big(hl: HybridLayout, nproc: int, specs: list[ShardSpec]) -> dict[str, str]:
     """Methods whose weights over all ranks (generation shard, plus a whole-model copy for the
     gathering baselines) would not fit in 80% of the memory available now."""
-    avail = _mem_available()
+    avail = mem_available()
     if not avail:
         return {}
     model = sum(s.nbytes for s in specs)
@@ -375,6 +363,20 @@ def _layout(text: str) -> tuple[tuple[int, int, int], tuple[int, int]]:
     return parse_sizes(train, ("pp", "tp", "dp")), parse_sizes(gen, ("pp_g", "tp_g"))
 
 
+def _main_experts(a: argparse.Namespace, command: list[str]) -> int:
+    """``--shape`` of a mixture of experts: :mod:`bench.transition_ep`'s layouts."""
+    try:
+        result = transition_ep.run(a.shape, a.layers, a.repeat, a.bucket_mb, argv=command)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    transition_ep.print_table(result)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=NPROC)
@@ -382,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", default=None, help="PP_G,TP_G (default: default_layout)")
     p.add_argument("--layouts", nargs="+", default=None, metavar="PP,TP,DP:PP_G,TP_G",
                    help="several layouts in one invocation (instead of --train/--gen)")
-    add_shape_argument(p, default=None)
+    add_shape_argument(p, default=None, extra=tuple(transition_ep.SHAPES))
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of a mixture-of-experts shape (default: as many as fit)")
     p.add_argument("--size-mb", type=float, default=SIZE_MB,
                    help="size of the synthetic parameter set when no --shape is given")
     p.add_argument("--repeat", type=int, default=5)
@@ -394,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="specs: training layout --train from shard specs; fsdp: an FSDP2 model")
     a = p.parse_args(argv)
     command = [sys.argv[0]] + (list(argv) if argv is not None else sys.argv[1:])
+    if a.shape in transition_ep.SHAPES:
+        return _main_experts(a, command)
     try:
         train = parse_sizes(a.train, ("pp", "tp", "dp")) if a.train else None
         train, gen = default_layout(a.shape, a.size_mb, a.nproc, train)

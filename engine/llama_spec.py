@@ -283,10 +283,10 @@ def _mlp_specs(c: LlamaConfig, i: int, stage: int, hf: str) -> list[ShardSpec]:
     for e in range(c.num_experts):
         p = f"layers.{i}.experts.{e}."
         specs += [ShardSpec(p + "gate_up", (2 * F, H), dtype=dt, partition_dim=0, stage=stage,
-                            fusion=GateUpFusion(),
+                            fusion=GateUpFusion(), expert=e,
                             hf_names=(moe.expert(hf, e, "gate"), moe.expert(hf, e, "up"))),
                   ShardSpec(p + "down_proj", (H, F), dtype=dt, partition_dim=1, stage=stage,
-                            fusion=None, hf_names=(moe.expert(hf, e, "down"),))]
+                            fusion=None, expert=e, hf_names=(moe.expert(hf, e, "down"),))]
     return specs
 
 

@@ -124,7 +124,8 @@ class ExpertResharder:
         world: the group of every rank of the layout (group rank = layout rank).
         train: this rank's training tensors by name, whole experts (the ones
             ``layout.train_experts`` gives it on its stage); never copied.
-        bucket_bytes: per rank, about the bytes of one batch of messages.
+        bucket_bytes: the bytes of consecutive specs whose messages go out as one batch
+            (bounds what one batch stages, see the module docstring).
         ledger: where bytes are recorded (a new one by default).
 
     Construction is collective over ``world``: the ranks agree on the specs and layout, and
@@ -148,7 +149,7 @@ class ExpertResharder:
         self._spec = {s.name: s for s in self.specs}
         self.train = self._check_train(dict(train))
         self.device = next(iter(self.train.values())).device if self.train else torch.device("cpu")
-        self._buckets = self._cut_buckets(bucket_bytes * world.size)
+        self._buckets = self._cut_buckets(bucket_bytes)
         self._offsets, self._storage_numel = self._recv_layout()
         self._storage: dict[torch.dtype, torch.Tensor] = {}
         self.version, self.mode = 0, "training"
