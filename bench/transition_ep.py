@@ -12,7 +12,7 @@ memory available now; the JSON records the number).  Two layouts on 4 ranks (:da
 EP 4 -> gen EP 2 (training 1,1,4 -> generation 1,1) and EP 4 -> gen TP 2 (1,2,2 -> 1,2).
 
 Per layout, interleaved round by round after one warm-up (slowest rank, median over
-``repeat``):
+``repeat``; peak resident set per rank in ``peak_rss_bytes``):
 
 * ``hybridflow``: the experts' :class:`~hybridflow_comm.expert_reshard.ExpertResharder` (the
   attention, norms and routers move by the dense :class:`~hybridflow_comm.reshard.Resharder`,
@@ -30,6 +30,7 @@ bytes, the largest over ranks), ``redundant_bytes``, the methods' details and ``
 from __future__ import annotations
 
 import dataclasses
+import resource
 import statistics
 import time
 import zlib
@@ -60,10 +61,11 @@ SHAPES = {
 LAYOUTS = [((1, 1, 4), (1, 1), 4, 2), ((1, 2, 2), (1, 2), 4, 1)]
 """``(train PP,TP,DP, gen PP_G,TP_G, ep, gen_ep)``: EP 4 -> gen EP 2, EP 4 -> gen TP 2."""
 
-RAW_CHUNK_BYTES = 256 * 2**20
-MEMORY_SHARE = 0.6
-"""Share of MemAvailable the default ``--layers`` may fill (the ranks' Python runtimes and
-gloo's copies take part of the rest)."""
+RAW_CHUNK_BYTES = 64 * 2**20
+MEMORY_SHARE = 0.7
+"""Share of MemAvailable the default ``--layers`` may fill."""
+RANK_BASE_BYTES = 512 * 2**20
+"""A rank's Python and torch runtime (its resident set before any weight)."""
 
 
 def layer_config(shape: str, layers: int):
@@ -81,18 +83,21 @@ def layer_specs(shape: str, layers: int) -> list[ShardSpec]:
 
 def layers_that_fit(shape: str, nproc: int, avail: int) -> int:
     """Layers whose transitions fit in :data:`MEMORY_SHARE` of ``avail`` bytes over ``nproc``
-    ranks: per rank its training experts, plus the larger of the generation experts it
-    receives and the full gather of one layer (with gloo's staged copy of it)."""
+    ranks.  Per rank: the runtime (:data:`RANK_BASE_BYTES`), its training experts, and the
+    largest of what the methods add: hybridflow's received experts, the full gather of one
+    layer (with gloo's staged copy of it), the raw all-gather's output and staged chunks."""
     one = sum(s.nbytes for s in layer_specs(shape, 1) if s.expert is not None)
     experts = layer_config(shape, 1).num_experts
-    most = max(ExpertLayout(HybridLayout(ParallelLayout(*t), *g), experts, ep, gen_ep)
-               .received_fraction() for t, g, ep, gen_ep in LAYOUTS)
+    most = float(max(ExpertLayout(HybridLayout(ParallelLayout(*t), *g), experts, ep, gen_ep)
+                     .received_fraction() for t, g, ep, gen_ep in LAYOUTS))
     for layers in range(SHAPES[shape].num_layers, 0, -1):
-        per_rank = layers * one / 4 + max(layers * one * float(most), 2 * one)
+        received = layers * one * most
+        raw = received * nproc / (nproc - 1) + nproc * min(RAW_CHUNK_BYTES, received)
+        per_rank = RANK_BASE_BYTES + layers * one / 4 + max(received, 2 * one, raw)
         if nproc * per_rank <= MEMORY_SHARE * avail:
             return layers
-    raise ValueError(f"one layer of {shape} needs about {nproc * 2.25 * one / 2**30:.1f} GiB; "
-                     f"{avail / 2**30:.1f} GiB are available")
+    raise ValueError(f"one layer of {shape} does not fit in {MEMORY_SHARE:.0%} of the "
+                     f"{avail / 2**30:.1f} GiB available over {nproc} ranks")
 
 
 def _fill(t: torch.Tensor, name: str) -> None:
@@ -107,23 +112,24 @@ def _timed(fn) -> float:
     return max_over_ranks(time.perf_counter() - t0)
 
 
-def _train_experts(specs, el: ExpertLayout, rank: int) -> tuple[dict, list[torch.Tensor]]:
-    """This rank's whole experts: one contiguous block per layer (expert after expert), each
-    tensor a view of it."""
-    mine = [s for s in specs if s.expert in el.train_experts(rank)]
-    layers: dict[str, list[ShardSpec]] = {}
-    for s in mine:
-        layers.setdefault(s.name.split(".experts.")[0], []).append(s)
-    tensors, blocks = {}, []
-    for group in layers.values():
-        block = torch.empty(sum(s.numel for s in group), dtype=group[0].dtype)
-        off = 0
-        for s in group:
-            tensors[s.name] = block[off:off + s.numel].view(s.shape)
-            _fill(tensors[s.name], s.name)
-            off += s.numel
-        blocks.append(block)
-    return tensors, blocks
+def _layer_blocks(ours: ExpertResharder, experts: list[ShardSpec]) -> list[torch.Tensor]:
+    """Each layer's training experts, filled with :func:`_fill`, as one contiguous block of
+    the expert buffer (what the full gather sends)."""
+    buf, train = ours.buffer, ours.buffer.train_views()
+    layers: dict[str, list[str]] = {}
+    for s in experts:
+        if s.name in train:
+            _fill(train[s.name], s.name)
+            layers.setdefault(s.name.split(".experts.")[0], []).append(s.name)
+    blocks = []
+    for names in layers.values():
+        dtype = train[names[0]].dtype
+        lo = buf.byte_offset(names[0]) // dtype.itemsize
+        numel = sum(train[n].numel() for n in names)
+        assert buf.byte_offset(names[-1]) // dtype.itemsize + train[names[-1]].numel() == \
+            lo + numel, "expert regions padded apart"
+        blocks.append(buf.storage(dtype)[lo:lo + numel])
+    return blocks
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:
@@ -134,9 +140,8 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     experts = [s for s in specs if s.expert is not None]
     el = ExpertLayout(hl, layer_config(cfg["shape"], 1).num_experts, ep=ep, gen_ep=gen_ep)
     dense = Resharder([s for s in specs if s.expert is None], groups)
-    train, blocks = _train_experts(experts, el, rank)
-    ours = ExpertResharder(experts, el, groups.world, train,
-                           bucket_bytes=cfg["bucket_mb"] << 20)
+    ours = ExpertResharder(experts, el, groups.world, bucket_bytes=cfg["bucket_mb"] << 20)
+    blocks = _layer_blocks(ours, experts)
     ep_group = next(g for g in el.ep_groups() if rank in g)
     ep_pgs = [dist.new_group(g) for g in el.ep_groups()]  # every rank, every group, one order
     ep_pg = ep_pgs[el.ep_groups().index(ep_group)]
@@ -186,6 +191,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
         "formula_bytes_per_rank": float(el.received_fraction() * expert_bytes),
         "full_gather_bytes_per_rank": expert_bytes * (len(ep_group) - 1) // len(ep_group) // pp,
         "raw_bytes_per_rank": (world - 1) * piece, "calls": stats.calls,
+        "peak_rss_bytes": max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
     }
 
 

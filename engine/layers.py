@@ -561,6 +561,12 @@ def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting,
     return weights.to(x.dtype), experts
 
 
+def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> torch.Tensor:
+    """Expert ``e``'s SwiGLU of ``rows [n, H]`` (of its TP shard: a partial sum, unreduced)."""
+    gu = column_linear(rows, w[f"experts.{e}.gate_up"], None)
+    return row_linear(swiglu(gu.unflatten(-1, (-1, 2))), w[f"experts.{e}.down_proj"], None)
+
+
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
               tp_group: Group | None, router_loss: RouterLoss | None = None,
               trace: RouteTrace | None = None) -> torch.Tensor:
@@ -584,22 +590,29 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     inputs = copy_to_tp(tokens, tp_group)[token_of]  # [N*k, H], expert after expert
     outs = []
     for e, rows in enumerate(inputs.split(counts)):  # an expert without tokens: 0 rows
-        gu = column_linear(rows, w[f"experts.{e}.gate_up"], None)
-        outs.append(row_linear(swiglu(gu.unflatten(-1, (-1, 2))), w[f"experts.{e}.down_proj"],
-                               None))
+        outs.append(expert_ffn(rows, w, e))
     scale = copy_to_tp(weights, tp_group).flatten()[order]
     out = torch.zeros_like(tokens).index_add(0, token_of, torch.cat(outs) * scale[:, None])
     return reduce_from_tp(out, tp_group).reshape(shape)
 
 
+class MoeFn(Protocol):
+    """A mixture-of-experts block with :func:`moe_block`'s signature (e.g.
+    :class:`engine.expert_parallel.ExpertParallel`'s, over the rank's EP group)."""
+
+    def __call__(self, x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
+                 tp_group: Group | None, router_loss: RouterLoss | None = None,
+                 trace: RouteTrace | None = None) -> torch.Tensor: ...
+
+
 def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], tp_group: Group | None,
               lora: LoraDeltas | None = None, routing: MoeRouting | None = None,
-              router_loss: RouterLoss | None = None, trace: RouteTrace | None = None
-              ) -> torch.Tensor:
-    """The layer's MLP: :func:`moe_block` where ``routing`` is given, else
-    :func:`swiglu_block` (with its LoRA deltas)."""
+              router_loss: RouterLoss | None = None, trace: RouteTrace | None = None,
+              moe: MoeFn | None = None) -> torch.Tensor:
+    """The layer's MLP: where ``routing`` is given ``moe`` (default :func:`moe_block`: every
+    expert on this rank), else :func:`swiglu_block` (with its LoRA deltas)."""
     if routing is not None:
-        return moe_block(x, w, routing, tp_group, router_loss, trace)
+        return (moe or moe_block)(x, w, routing, tp_group, router_loss, trace)
     return swiglu_block(x, w, tp_group, lora)
 
 
@@ -608,12 +621,12 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
                   kv_hook: KVHook | None = None, lora: LoraDeltas | None = None,
                   routing: MoeRouting | None = None, router_loss: RouterLoss | None = None,
-                  trace: RouteTrace | None = None) -> torch.Tensor:
+                  trace: RouteTrace | None = None, moe: MoeFn | None = None) -> torch.Tensor:
     """One pre-norm Llama layer: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; ``[B, S, H]``
     (with the layer's LoRA adapters when ``lora`` is given; a mixture of experts routed by
-    ``routing`` when given, its load-balancing term into ``router_loss``, its experts into
-    or from ``trace``)."""
+    ``routing`` when given, by ``moe``, its load-balancing term into ``router_loss``, its
+    experts into or from ``trace``)."""
     h = x + attention_block(rms_norm(x, w["input_norm"], eps), w, rope, mask, q_per_group,
                             head_dim, eps, tp_group, kv_hook, lora)
     return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, tp_group, lora, routing,
-                         router_loss, trace)
+                         router_loss, trace, moe)

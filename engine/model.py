@@ -21,6 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
+from engine.expert_parallel import ExpertParallel
 from engine.layers import PackedSeqs, RouteTrace, RouterLoss, add_loss_gradient, \
     causal_mask, decoder_layer, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
@@ -30,7 +31,8 @@ from engine.micro_batches import PackedRows
 from engine.tp_ops import column_linear, linear_log_prob_entropy, vocab_embedding, \
     vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
-from hybridflow_comm.groups import HybridGroups
+from hybridflow_comm.expert_reshard import expert_slot_specs
+from hybridflow_comm.groups import ExpertGroups, HybridGroups
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs, train_shard
 
 
@@ -50,12 +52,18 @@ class ParallelLlama(nn.Module):
             fresh from :func:`engine.lora.init_lora_state_dict` until loaded), the base
             parameters are frozen (``requires_grad=False``) and :meth:`trainable_params` are
             the adapters (and a value head).  :meth:`adapters_disabled` runs the base model.
+        experts: a mixture of experts' expert groups; with ``ep > 1`` the rank trains the
+            whole experts of its EP block (:mod:`hybridflow_comm.expert_layout`), which live
+            in a flat buffer of their own (:attr:`expert_buffer`, from
+            :func:`hybridflow_comm.expert_reshard.expert_slot_specs`; the other weights stay
+            in ``buffer``), and its MoE layers exchange tokens over the EP group
+            (:mod:`engine.expert_parallel`).
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
                  buffer: FlatParamBuffer | None = None,
                  device: torch.device | str | None = None,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, experts: ExpertGroups | None = None) -> None:
         super().__init__()
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
@@ -64,8 +72,10 @@ class ParallelLlama(nn.Module):
         self.layout = train
         self.coords = train.coords(groups.rank)
         self.specs: list[ShardSpec] = llama_shard_specs(config, train.pp, head)
+        self.experts = _check_experts(experts, config, groups)
+        dense = [s for s in self.specs if self.experts is None or s.expert is None]
         if buffer is None:
-            buffer = FlatParamBuffer(slot_specs(self.specs, groups.layout, groups.rank),
+            buffer = FlatParamBuffer(slot_specs(dense, groups.layout, groups.rank),
                                      device="cpu" if device is None else device)
         elif device is not None and not same_device(buffer.device, torch.device(device)):
             raise ValueError(f"device={device} but the given buffer lives on {buffer.device}")
@@ -76,9 +86,18 @@ class ParallelLlama(nn.Module):
         per_stage = config.num_layers // train.pp
         self.layer_ids = list(range(self.stage * per_stage, (self.stage + 1) * per_stage))
         self.head_name = head_weight_name(config, train.pp, head)
+        self.expert_buffer: FlatParamBuffer | None = None
+        self.moe: ExpertParallel | None = None
+        if self.experts is not None:  # whole experts of this rank's EP block, in their buffer
+            self.expert_buffer = FlatParamBuffer(expert_slot_specs(
+                [s for s in self.specs if s.expert is not None], self.experts.layout,
+                groups.rank), device=buffer.device)
+            self.moe = ExpertParallel(self.experts.ep, config.num_experts)
         self.params: dict[str, nn.Parameter] = {}
         for spec in self.local_specs:
-            p = nn.Parameter(buffer.train_view(spec.name))  # shares the buffer's storage
+            home = buffer if self.expert_buffer is None or spec.expert is None \
+                else self.expert_buffer
+            p = nn.Parameter(home.train_view(spec.name))  # shares the buffer's storage
             self.params[spec.name] = p
             self.register_parameter(spec.name.replace(".", "_"), p)
         self.lora = lora
@@ -100,8 +119,19 @@ class ParallelLlama(nn.Module):
 
     @property
     def local_specs(self) -> list[ShardSpec]:
-        """Specs of the parameters this rank trains (its stage)."""
-        return [s for s in self.specs if s.stage == self.stage]
+        """Specs of the parameters this rank trains (its stage; under expert parallelism,
+        of the experts only its EP block's)."""
+        held = None if self.experts is None else \
+            self.experts.layout.train_experts(self.groups.rank)
+        return [s for s in self.specs if s.stage == self.stage
+                and (held is None or s.expert is None or s.expert in held)]
+
+    def train_shard(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """This rank's training shard of the global tensor ``full`` of ``spec`` (a whole
+        expert under expert parallelism)."""
+        if self.experts is not None and spec.expert is not None:
+            return full
+        return train_shard(full, spec, self.layout, self.groups.rank)
 
     @property
     def local_adapter_specs(self) -> list[ShardSpec]:
@@ -156,7 +186,9 @@ class ParallelLlama(nn.Module):
         return self.groups.train_tp
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        return {k: self.params[f"layers.{layer}.{k}"] for k in self.layer_keys}
+        """The layer's weights by key (of the experts, this rank's)."""
+        return {k: self.params[f"layers.{layer}.{k}"] for k in self.layer_keys
+                if f"layers.{layer}.{k}" in self.params}
 
     # Forward --------------------------------------------------------------------------------
     def stage_forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -210,7 +242,8 @@ class ParallelLlama(nn.Module):
         for i in self.layer_ids:
             x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
                               c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
-                              routing=c.routing, router_loss=router_loss, trace=routes)
+                              routing=c.routing, router_loss=router_loss, trace=routes,
+                              moe=self.moe)
         if router_loss is not None and router_loss.terms and router_loss.weight:
             x = add_loss_gradient(x, router_loss.weighted())
         if self.is_last:
@@ -310,6 +343,24 @@ class ParallelLlama(nn.Module):
                 "entropy": packing.scatter(entropy[0], scored, start, width), **extra}
 
 
+def _check_experts(experts: ExpertGroups | None, config: LlamaConfig,
+                   groups: HybridGroups) -> ExpertGroups | None:
+    """``experts`` where they split the experts (``ep > 1``), else None; ValueError for a
+    layout of another model or layout (before any collective)."""
+    if experts is None or experts.layout.ep == 1:
+        return None
+    if not config.num_experts:
+        raise ValueError(f"expert parallelism ep={experts.layout.ep} for a dense model "
+                         f"(num_experts=0)")
+    if experts.layout.num_experts != config.num_experts:
+        raise ValueError(f"expert layout of {experts.layout.num_experts} experts for a model "
+                         f"of num_experts={config.num_experts}")
+    if experts.layout.hybrid != groups.layout:
+        raise ValueError(f"expert layout over {experts.layout.hybrid}, model groups over "
+                         f"{groups.layout}")
+    return experts
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether ``a`` and ``b`` name one device (``cuda`` without an index matches any GPU)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
@@ -340,9 +391,8 @@ def load_full_state_dict(model: ParallelLlama, full: dict[str, torch.Tensor]) ->
         if tuple(full[name].shape) != spec.shape:
             raise ValueError(f"{name}: full tensor shape {tuple(full[name].shape)} != spec "
                              f"shape {spec.shape}")
-        shard = train_shard(full[name], spec, model.layout, model.groups.rank)
         with torch.no_grad():
-            model.params[spec.name].copy_(shard)
+            model.params[spec.name].copy_(model.train_shard(full[name], spec))
 
 
 def load_adapter_state_dict(model: ParallelLlama, full: dict[str, torch.Tensor]) -> None:

@@ -9,7 +9,8 @@ Gradients live in one flat buffer per dtype holding this rank's training paramet
     |<-- bucket 0 (bucket_numel) -->|<-- bucket 1 -->|<-- ...   -->|<- last ->|
 
 After the last backward of a step every bucket is all-reduced over the DP group (async, one
-collective per bucket, never one per tensor), then divided by ``dp``.
+collective per bucket, never one per tensor), then divided by ``dp``.  Under expert
+parallelism the experts' gradients live in a second buffer, reduced over the expert-DP group.
 
 Mixed precision.  When the model's parameters are 16-bit (bf16), the optimizer trains
 float32 master weights and the parameters are their low-precision copies::
@@ -232,6 +233,13 @@ def _add_grad_into(main_grad: torch.Tensor) -> Callable[[torch.Tensor], None]:
     return hook
 
 
+def _all_reduce_over(t: torch.Tensor, *groups) -> None:
+    """Sum ``t`` in place over each group in turn (groups of one rank skipped)."""
+    for group in groups:
+        if group.pg is not None:
+            dist.all_reduce(t, group=group.pg)
+
+
 def _check_micro_batches(micro_batches: list[dict]) -> None:
     if not micro_batches:
         raise ValueError("train_step needs at least one micro-batch, got 0")
@@ -275,7 +283,7 @@ class TrainEngine:
         self.step_count = 0
         self.offloaded: OffloadedState | None = None
         if frozen:
-            self.masters = self.grads = self.optimizer = None
+            self.masters = self.grads = self.expert_grads = self.optimizer = None
             self.train_params = {}
             return
         # what is trained: every parameter, or the LoRA adapters of a frozen base
@@ -283,7 +291,12 @@ class TrainEngine:
         low = any(p.dtype.itemsize < 4 for p in trained.values())  # bf16/fp16 params
         self.masters = MasterWeights(trained) if low else None
         self.train_params = trained if self.masters is None else self.masters.params
-        self.grads = GradBuffer(self.train_params)
+        # under expert parallelism the experts' gradients reduce over another group
+        experts = [s.name for s in model.trainable_specs() if s.expert is not None] \
+            if model.experts is not None else []  # in spec order: the same layout on every rank
+        self.grads = GradBuffer({n: p for n, p in self.train_params.items() if n not in experts})
+        self.expert_grads = GradBuffer({n: self.train_params[n] for n in experts}) \
+            if experts else None
         if self.masters is not None:
             for name, p in trained.items():
                 p.register_post_accumulate_grad_hook(
@@ -313,8 +326,8 @@ class TrainEngine:
         kept = list(self.masters.flat.values()) if self.masters is not None else []
         kept += [v for state in self.optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor)]  # exp_avg, exp_avg_sq, step (fused: tensors)
-        self.offloaded = OffloadedState(kept, list(self.grads.flat.values()),
-                                        pin=self.device.type == "cuda")
+        grads = [t for buf in self._grad_buffers() for t in buf.flat.values()]
+        self.offloaded = OffloadedState(kept, grads, pin=self.device.type == "cuda")
         return self.offloaded.device_nbytes
 
     def reload_train_state(self) -> None:
@@ -442,7 +455,8 @@ class TrainEngine:
         check_temperature(temperature)
         packings = self._packings(micro_batches, remove_padding)  # before any collective
         model, n = self.model, len(micro_batches)
-        self.grads.zero_()
+        for buf in self._grad_buffers():
+            buf.zero_()
         losses: list[torch.Tensor] = []
 
         def loss_of(i: int, outputs: dict) -> torch.Tensor:
@@ -526,29 +540,47 @@ class TrainEngine:
                             device=self.device)
         dist.all_reduce(g, group=self.groups.train_pp.pg)
 
+    def _grad_buffers(self) -> list[GradBuffer]:
+        return [self.grads] + ([self.expert_grads] if self.expert_grads is not None else [])
+
     def _reduce_dp(self) -> None:
+        """Sum the gradients over the DP group (an expert's over its expert-DP group: the
+        owners of the same experts, which together saw every DP rank's tokens), then divide
+        by ``dp``: the mean over every DP rank's micro-batches."""
         dp = self.groups.train_dp
-        if dp.pg is None:
-            return
-        works = [dist.all_reduce(b, group=dp.pg, async_op=True)
-                 for b in self.grads.buckets(self.optim_cfg.bucket_numel)]
+        reductions = [(self.grads, dp)]
+        if self.expert_grads is not None:
+            reductions.append((self.expert_grads, self.model.experts.edp))
+        works = [dist.all_reduce(b, group=group.pg, async_op=True)
+                 for buf, group in reductions if group.pg is not None
+                 for b in buf.buckets(self.optim_cfg.bucket_numel)]
         for w in works:
             w.wait()
-        for t in self.grads.flat.values():
-            t.div_(dp.size)
+        if dp.size > 1:
+            for buf in self._grad_buffers():
+                for t in buf.flat.values():
+                    t.div_(dp.size)
 
     def global_grad_norm(self) -> float:
         """L2 norm of all gradients of the model, each global element counted once."""
         m = self.model
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for spec in m.trainable_specs():
+            grad_sq = self.train_params[spec.name].grad.double().pow(2).sum()
+            if m.experts is not None and spec.expert is not None:
+                if m.experts.edp.rank == 0:  # one holder of each expert counts it
+                    expert_sq += grad_sq
+                continue
             replicated = spec.partition_dim is None and m.coords.tp != 0
             tied_copy = spec.name == "lm_head" and m.config.tie_word_embeddings
             if not (replicated or tied_copy):
-                sq += self.train_params[spec.name].grad.double().pow(2).sum()
-        for group in (self.groups.train_tp, self.groups.train_pp):
-            if group.pg is not None:
-                dist.all_reduce(sq, group=group.pg)
+                sq += grad_sq
+        _all_reduce_over(sq, self.groups.train_tp)
+        if m.experts is not None:  # the stage's experts, known on each of its ranks
+            _all_reduce_over(expert_sq, m.experts.ep, m.experts.edp)
+            sq += expert_sq
+        _all_reduce_over(sq, self.groups.train_pp)
         return math.sqrt(sq.item())  # the norm is a host number (clip coefficient, metrics)
 
     def _clip(self) -> float:
@@ -557,8 +589,9 @@ class TrainEngine:
         if max_norm is not None:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                for t in self.grads.flat.values():
-                    t.mul_(coef)
+                for buf in self._grad_buffers():
+                    for t in buf.flat.values():
+                        t.mul_(coef)
         return norm
 
     def _all_stages_mean(self, loss_mean: torch.Tensor) -> float:

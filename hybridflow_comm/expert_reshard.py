@@ -6,10 +6,13 @@ rank it lists the pieces the rank needs and holds (generation views of its train
 no copy), the pieces it receives and from whom, and the pieces it sends and to whom.  Every
 needed piece is held or received exactly once, so the bytes received are the layout's
 minimum.  :class:`ExpertResharder` runs that plan with point-to-point messages, one batch per
-bucket of consecutive specs (all ranks cut the same buckets, so messages match in order)::
+bucket of consecutive specs (all ranks cut the same buckets, so messages match in order),
+inside one :class:`~hybridflow_comm.flat_buffer.FlatParamBuffer` of
+:func:`expert_slot_specs` (rank 1 of the module docstring's example)::
 
-    training tensors (whole experts)      generation experts
-    rank 1: e2 e3                         e0 e1 (received, one flat storage) | e2 e3 (views)
+    FlatParamBuffer   | e0 (gen only) | e1 (gen only) | e2 (own) | e3 (own) |
+    training          |                               |  e2 e3 whole        |
+    generation        | e0 e1 received, released by to_training() | views   |
 
 Pieces are contiguous slices of a training tensor (whole experts, or rows of a dim-0 split)
 and are sent straight from it; a piece along another dim (``down_proj``'s columns under gen
@@ -23,7 +26,6 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -31,12 +33,14 @@ import torch
 from hybridflow_comm import comm
 from hybridflow_comm.comm import CommLedger
 from hybridflow_comm.expert_layout import WHOLE, ExpertLayout, Piece
+from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec
 from hybridflow_comm.groups import Group
 from hybridflow_comm.shard_spec import ShardSpec
 from hybridflow_comm.transition import (BUCKET_BYTES, LABEL, TransitionStats, agree_on_specs,
                                         check_bucket_bytes)
 
-__all__ = ["ExpertPlan", "ExpertResharder", "plan_expert_transfers", "piece_of"]
+__all__ = ["ExpertPlan", "ExpertResharder", "expert_slot_specs", "plan_expert_transfers",
+           "piece_of"]
 
 
 class ExpertPlan(NamedTuple):
@@ -114,6 +118,19 @@ def plan_expert_transfers(specs: list[ShardSpec], layout: ExpertLayout, rank: in
     return ExpertPlan(views, recvs, sends)
 
 
+def expert_slot_specs(specs: list[ShardSpec], layout: ExpertLayout, rank: int) -> list[SlotSpec]:
+    """The flat-buffer regions of ``rank``'s experts: each expert it holds in training (whole,
+    its own slot), then each piece it receives for generation (no training slot)."""
+    plan = plan_expert_transfers(specs, layout, rank)
+    by_name = {s.name: s for s in specs}
+    c = layout.hybrid.train.coords(rank)
+    own = [SlotSpec(s.name, s.dtype, s.shape) for s in specs
+           if s.stage == c.pp and s.expert in layout.train_experts(rank)]
+    received = [SlotSpec(n, by_name[n].dtype, piece_shape(by_name[n], p), 1, None)
+                for n, p, _ in plan.recvs]
+    return own + received
+
+
 class ExpertResharder:
     """Moves the expert weights between their training and generation layouts.
 
@@ -122,8 +139,10 @@ class ExpertResharder:
             every rank.
         layout: the experts' layout (``ep > 1``).
         world: the group of every rank of the layout (group rank = layout rank).
-        train: this rank's training tensors by name, whole experts (the ones
-            ``layout.train_experts`` gives it on its stage); never copied.
+        buffer: this rank's experts, built from ``expert_slot_specs(specs, layout, rank)``
+            (a new one, zeroed, on ``device`` by default); the training views are the whole
+            experts the rank trains, never copied.
+        device: where a new buffer lives (default cpu).
         bucket_bytes: the bytes of consecutive specs whose messages go out as one batch
             (bounds what one batch stages, see the module docstring).
         ledger: where bytes are recorded (a new one by default).
@@ -134,8 +153,9 @@ class ExpertResharder:
 
     method = "hybridflow"
 
-    def __init__(self, specs: list[ShardSpec], layout: ExpertLayout, world: Group,
-                 train: Mapping[str, torch.Tensor], *, bucket_bytes: int = BUCKET_BYTES,
+    def __init__(self, specs: list[ShardSpec], layout: ExpertLayout, world: Group, *,
+                 buffer: FlatParamBuffer | None = None,
+                 device: torch.device | str | None = None, bucket_bytes: int = BUCKET_BYTES,
                  ledger: CommLedger | None = None) -> None:
         check_bucket_bytes(bucket_bytes)
         if world.size != layout.hybrid.world_size:
@@ -147,11 +167,15 @@ class ExpertResharder:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.plan = plan_expert_transfers(self.specs, layout, world.rank)
         self._spec = {s.name: s for s in self.specs}
-        self.train = self._check_train(dict(train))
-        self.device = next(iter(self.train.values())).device if self.train else torch.device("cpu")
+        mine = expert_slot_specs(self.specs, layout, world.rank)
+        if buffer is None:
+            buffer = FlatParamBuffer(mine, device=device or "cpu")
+        elif buffer.specs != mine:
+            raise ValueError(f"rank {world.rank}: the expert buffer was not built from "
+                             f"expert_slot_specs(specs, layout, rank)")
+        self.buffer = buffer
+        self.device = buffer.device
         self._buckets = self._cut_buckets(bucket_bytes)
-        self._offsets, self._storage_numel = self._recv_layout()
-        self._storage: dict[torch.dtype, torch.Tensor] = {}
         self.version, self.mode = 0, "training"
         self._last: TransitionStats | None = None
         t, h = layout.hybrid.train, layout.hybrid
@@ -161,23 +185,6 @@ class ExpertResharder:
                                   s.expert) for s in self.specs], world, self.ledger, self.device)
 
     # Set-up (no collective) ------------------------------------------------------------------
-    def _check_train(self, train: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        rank, h = self.world.rank, self.layout.hybrid
-        mine = {s.name for s in self.specs if s.stage == h.train.coords(rank).pp
-                and s.expert in self.layout.train_experts(rank)}
-        if set(train) != mine:
-            missing, extra = sorted(mine - set(train)), sorted(set(train) - mine)
-            raise ValueError(f"rank {rank}: training expert tensors missing {missing[:3]}, "
-                             f"not held by this rank {extra[:3]}")
-        for name, t in train.items():
-            s = self._spec[name]
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                raise ValueError(f"{name}: training tensor {tuple(t.shape)} {t.dtype}, spec "
-                                 f"{s.shape} {s.dtype}")
-        if len({t.device for t in train.values()}) > 1:
-            raise ValueError(f"rank {rank}: training expert tensors on several devices")
-        return train
-
     def _cut_buckets(self, bucket_bytes: int) -> list[tuple[list, list]]:
         """Sends and receives per bucket of consecutive specs (the same cuts on every rank)."""
         index = {s.name: i for i, s in enumerate(self.specs)}
@@ -194,14 +201,6 @@ class ExpertResharder:
             buckets[bisect.bisect_right(cuts, index[item[0]])][1].append(item)
         return [b for b in buckets if b[0] or b[1]]
 
-    def _recv_layout(self) -> tuple[dict[str, int], dict[torch.dtype, int]]:
-        offsets, numel = {}, {}
-        for name, piece, _ in self.plan.recvs:
-            s = self._spec[name]
-            offsets[name] = numel.get(s.dtype, 0)
-            numel[s.dtype] = offsets[name] + math.prod(piece_shape(s, piece))
-        return offsets, numel
-
     # Transition --------------------------------------------------------------------------------
     def to_generation(self) -> TransitionStats:
         """Receive every missing expert piece; returns this rank's stats."""
@@ -209,18 +208,16 @@ class ExpertResharder:
             raise RuntimeError(f"to_generation() called in {self.mode} mode")
         sent0, recv0, calls0 = self.ledger.snapshot(LABEL)
         t0 = time.perf_counter()
-        self._storage = {dt: torch.empty(n, dtype=dt, device=self.device)
-                         for dt, n in self._storage_numel.items()}
         staged_peak = 0
         for sends, recvs in self._buckets:
             out, staged = [], 0
             for name, piece, dst in sends:
-                view = piece_of(self.train[name], self._spec[name], piece)
+                view = piece_of(self.buffer.train_view(name), self._spec[name], piece)
                 if not view.is_contiguous():
                     view = view.contiguous()
                     staged += view.nbytes
                 out.append((view, dst))
-            into = [(self._received(name, piece), src) for name, piece, src in recvs]
+            into = [(self.buffer.slot_view(name, 0), src) for name, _, src in recvs]
             staged_peak = max(staged_peak, staged)
             for work in comm.exchange_(out, into, self.world, self.ledger, LABEL):
                 work.wait()
@@ -236,15 +233,11 @@ class ExpertResharder:
         return self._last
 
     def to_training(self, release: bool = True) -> int:
-        """Back to training; returns the bytes of received pieces released."""
+        """Back to training; returns the bytes of the received pieces' pages released."""
         if self.mode != "generation":
             raise RuntimeError(f"to_training() called in {self.mode} mode")
         self.mode = "training"
-        if not release:
-            return 0
-        freed = sum(t.nbytes for t in self._storage.values())
-        self._storage = {}
-        return freed
+        return self.buffer.release_generation_slots() if release else 0
 
     def accounting(self) -> TransitionStats | None:
         """Stats of the last :meth:`to_generation` (None before the first)."""
@@ -266,12 +259,6 @@ class ExpertResharder:
         (a column piece is a strided view) and the received pieces."""
         if self.mode != "generation":
             raise RuntimeError("generation_experts() needs generation mode")
-        out = {n: piece_of(self.train[n], self._spec[n], p) for n, p in self.plan.views}
-        out.update((n, self._received(n, p)) for n, p, _ in self.plan.recvs)
+        out = {n: piece_of(self.buffer.train_view(n), self._spec[n], p) for n, p in self.plan.views}
+        out.update((n, self.buffer.slot_view(n, 0)) for n, _, _ in self.plan.recvs)
         return {s.name: out[s.name] for s in self.specs if s.name in out}
-
-    def _received(self, name: str, piece: Piece) -> torch.Tensor:
-        s = self._spec[name]
-        shape = piece_shape(s, piece)
-        off = self._offsets[name]
-        return self._storage[s.dtype][off:off + math.prod(shape)].view(shape)

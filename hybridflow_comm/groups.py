@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.layout import FAMILIES, HybridLayout
 
 # FAMILIES fixes the creation order: changing it changes which ProcessGroup every rank gets.
@@ -95,6 +96,45 @@ def build_hybrid_groups(layout: HybridLayout, pool: list[int] | None = None,
 
     Must be called by every process of the job, in the same order.
     """
+    pool, my_global, mine = _new_groups(
+        layout, [(f, layout.family_groups(f)) for f in FAMILIES], pool, timeout_s)
+    if my_global not in pool:
+        return None
+    return HybridGroups(layout=layout, pool=pool, rank=pool.index(my_global), **mine)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This process's groups for one :class:`~hybridflow_comm.expert_layout.ExpertLayout`."""
+
+    layout: ExpertLayout
+    ep: Group  # training EP group: the all-to-all of tokens (member k holds expert block k)
+    edp: Group  # training expert-DP group: the ranks holding the same experts
+    gen_ep: Group  # generation EP group
+
+
+EXPERT_FAMILIES = ("ep", "edp", "gen_ep")
+"""The expert group families, in the fixed order in which their groups are created."""
+
+
+def build_expert_groups(layout: ExpertLayout, pool: list[int] | None = None,
+                        timeout_s: float | None = None) -> ExpertGroups | None:
+    """Create every expert group of ``layout`` and return this process's (None if not in the
+    pool); called like :func:`build_hybrid_groups`, by every process, in one order."""
+    families = {"ep": layout.ep_groups, "edp": layout.expert_dp_groups,
+                "gen_ep": layout.gen_ep_groups}
+    pool, my_global, mine = _new_groups(
+        layout.hybrid, [(f, families[f]()) for f in EXPERT_FAMILIES], pool, timeout_s)
+    if my_global not in pool:
+        return None
+    return ExpertGroups(layout=layout, **mine)
+
+
+def _new_groups(layout: HybridLayout, families: list[tuple[str, list[list[int]]]],
+                pool: list[int] | None, timeout_s: float | None
+                ) -> tuple[tuple[int, ...], int, dict[str, Group]]:
+    """Every group of every family (``dist.new_group`` on every process, in the given order):
+    the checked pool, this process's global rank and its group of each family."""
     initialized = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size() if initialized else 1
     my_global = dist.get_rank() if initialized else 0
@@ -103,12 +143,10 @@ def build_hybrid_groups(layout: HybridLayout, pool: list[int] | None = None,
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     mine: dict[str, Group] = {}
-    for family in FAMILIES:
-        for group in layout.family_groups(family):
+    for family, groups in families:
+        for group in groups:
             ranks = tuple(pool[r] for r in sorted(group))
             pg = dist.new_group(list(ranks), **kwargs) if len(ranks) > 1 else None
             if my_global in ranks:
                 mine[family] = Group(ranks=ranks, rank=ranks.index(my_global), pg=pg)
-    if my_global not in pool:
-        return None
-    return HybridGroups(layout=layout, pool=pool, rank=pool.index(my_global), **mine)
+    return pool, my_global, mine

@@ -7,7 +7,8 @@ import zlib
 import torch
 
 from hybridflow_comm.expert_layout import ExpertLayout
-from hybridflow_comm.expert_reshard import ExpertResharder
+from hybridflow_comm.expert_reshard import ExpertResharder, expert_slot_specs
+from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec
@@ -67,12 +68,12 @@ def check_transitions(rank, world, cases):
         el = _layout(case)
         groups = build_hybrid_groups(el.hybrid)
         specs = specs_for(el.hybrid.train.pp)
-        train = _train_tensors(specs, el, rank, version=0)
-        rs = ExpertResharder(specs, el, groups.world, train, bucket_bytes=4096)
+        rs = ExpertResharder(specs, el, groups.world, bucket_bytes=4096)
+        train = rs.buffer.train_views()
+        assert sorted(train) == sorted(_train_tensors(specs, el, rank, 0))
         for version in (0, 1):
-            if version:  # new training weights, written in place
-                for name, t in train.items():
-                    t.copy_(full_tensor(rs._spec[name], version))
+            for name, t in _train_tensors(specs, el, rank, version).items():
+                train[name].copy_(t)  # (new) training weights, written in place
             stats = rs.to_generation()
             gen = rs.generation_experts()
             want = {s.name: expected_gen(full_tensor(s, version), s, el, rank) for s in specs}
@@ -91,8 +92,8 @@ def check_transitions(rank, world, cases):
             bound = 4096 + max(s.nbytes for s in specs) if el.gen_etp > 1 else 0
             assert stats.redundant_bytes <= bound, case
             assert stats.version == version + 1
-            released = rs.to_training()
-            assert released == rs.minimum_received_bytes()
+            rs.to_training()
+            assert rs.buffer.released
         out.append((case, stats.received_bytes, stats.redundant_bytes))
     return out
 
@@ -108,20 +109,18 @@ def check_bad_input(rank, world):
     el = _layout(CASES[0])
     groups = build_hybrid_groups(el.hybrid)
     specs = specs_for(1)
-    train = _train_tensors(specs, el, rank, 0)
     errors = []
-    missing = dict(train)
-    missing.pop(next(iter(missing)))  # a local error: raised before any collective
-    try:
-        ExpertResharder(specs, el, groups.world, missing)
+    other = FlatParamBuffer(expert_slot_specs(specs, ExpertLayout(el.hybrid, NUM_EXPERTS, 4, 4),
+                                              rank))
+    try:  # a local error: raised before any collective
+        ExpertResharder(specs, el, groups.world, buffer=other)
     except ValueError as exc:
         errors.append(str(exc))
     mine = specs if rank else specs[:-1] + [ShardSpec(specs[-1].name, (HIDDEN, FFN),
                                                       dtype=torch.float32, partition_dim=1,
                                                       expert=specs[-1].expert)]
-    train = {n: t.float() if n == specs[-1].name and not rank else t for n, t in train.items()}
     try:
-        ExpertResharder(mine, el, groups.world, train)
+        ExpertResharder(mine, el, groups.world)
     except ValueError as exc:
         errors.append(str(exc))
     return errors
@@ -129,5 +128,5 @@ def check_bad_input(rank, world):
 
 def test_bad_input_raises_on_every_rank(pool4):
     for rank, errors in enumerate(pool4.run(check_bad_input)):
-        assert f"rank {rank}: training expert tensors missing" in errors[0]
+        assert f"rank {rank}: the expert buffer was not built from" in errors[0]
         assert "shard specs differ across ranks" in errors[1] and "torch.float32" in errors[1]

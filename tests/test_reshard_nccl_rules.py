@@ -1,4 +1,5 @@
-"""The resharding suite again, under NCCL's rules (tests/nccl_rules.py in every rank).
+"""The resharding suite again, under NCCL's rules (tests/nccl_rules.py in every rank), and the
+expert-parallel layer's all-to-alls.
 
 Every multi-rank resharding test (the transitions of every layout and method, WeightSync,
 FSDP2, DTensor, megatron, plain state dicts, the public entries) runs here with its own
@@ -12,6 +13,7 @@ tests/test_examples_reshard.py.
 import pytest
 
 from tests import test_api as api
+from tests import test_expert_parallel as expert_parallel
 from tests import test_expert_reshard_multirank as experts
 from tests import test_interop_fsdp as fsdp
 from tests import test_interop_megatron as megatron
@@ -25,6 +27,7 @@ CHECKS = [(4, check) for check in (
     reshard.test_all_gather_views_in_place,
     reshard.test_verify_names_corrupted_parameter_everywhere,
     experts.test_expert_transitions_bit_exact_at_the_formula,
+    expert_parallel.test_expert_parallel_layer_equals_the_unsplit_layer,
     sync.test_weight_sync_bit_exact_2_plus_2,
     sync.test_verify_catches_corruption_and_stale_shards,
     fsdp.test_fsdp_state_dicts_reshard_bit_exact_with_minimum_bytes,

@@ -1,0 +1,190 @@
+"""Expert parallelism on 4 gloo ranks against one process.
+
+The MoE layer (engine.expert_parallel): outputs, the load-balancing loss, and the gradients of
+the inputs, the router and every expert (owners' gradients summed over their expert-DP group)
+for ep 2 and 4, folded over DP, over TP, and over both.  The training engine: loss, grad norm,
+load-balancing loss, every gradient of step 1 and the weights after 3 AdamW steps at ep 2 and
+4 beside tp, pp and dp, equal to the single process's (fp32, atol 1e-5), with storage identity
+of the experts' parameters and gradients."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.expert_parallel import moe_block_ep
+from engine.layers import MoeRouting, RouterLoss, moe_block
+from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.model import ParallelLlama, load_full_state_dict
+from engine.train import OptimConfig, TrainEngine
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.groups import Group, build_expert_groups, build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from tests import test_engine_parallel as ep_ref
+
+E, H, F, TOKENS = 8, 12, 10, 9
+ROUTING = MoeRouting(top_k=2, norm_topk=True)
+CASES = [(1, 4, 4), (1, 4, 2), (2, 2, 4), (2, 2, 2), (4, 1, 4), (4, 1, 2)]  # (tp, dp, ep)
+
+
+def full_weights():
+    g = torch.Generator().manual_seed(0)
+    w = {"router": torch.randn(E, H, generator=g, dtype=torch.float64)}
+    for e in range(E):
+        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g, dtype=torch.float64) / 3
+        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g, dtype=torch.float64) / 3
+    return w
+
+
+def tokens_of(dp_rank):
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    x = torch.randn(1, TOKENS, H, generator=g, dtype=torch.float64)
+    return x, torch.randn(1, TOKENS, H, generator=g, dtype=torch.float64)
+
+
+def reference(dp):
+    """Every DP rank's tokens through the unsplit layer: outputs, x grads, summed weight
+    grads (loss = sum over DP ranks of <out, g> + the load-balancing terms)."""
+    w = {k: v.clone().requires_grad_() for k, v in full_weights().items()}
+    outs, xgrads, aux = [], [], []
+    for d in range(dp):
+        x, g = tokens_of(d)
+        x.requires_grad_()
+        loss = RouterLoss(weight=0.1)
+        out = moe_block(x, w, ROUTING, None, loss)
+        ((out * g).sum() + loss.weighted()).backward()
+        outs.append(out.detach())
+        xgrads.append(x.grad)
+        aux.append(loss.total().item())
+    return outs, xgrads, {k: v.grad for k, v in w.items()}, aux
+
+
+def _group(families, rank, name):
+    for ranks, pg in families[name]:
+        if rank in ranks:
+            return Group(ranks=tuple(ranks), rank=ranks.index(rank), pg=pg if len(ranks) > 1 else None)
+    raise AssertionError(name)
+
+
+def check_ep_layer(rank, world, cases):
+    results = []
+    for tp, dp, ep in cases:
+        hl = HybridLayout(ParallelLayout(pp=1, tp=tp, dp=dp), pp_g=1, tp_g=1)
+        el = ExpertLayout(hl, E, ep=ep)
+        families = {}  # every rank creates every group, in one order
+        for name, groups in (("tp", hl.train.tp_groups()), ("dp", hl.train.dp_groups()),
+                             ("ep", el.ep_groups()), ("edp", el.expert_dp_groups())):
+            families[name] = [(g, dist.new_group(g)) for g in groups]
+        tp_group, dp_group = _group(families, rank, "tp"), _group(families, rank, "dp")
+        ep_group, edp_group = _group(families, rank, "ep"), _group(families, rank, "edp")
+        assert [ep_group.ranks.index(r) for r in ep_group.ranks] == \
+            [el.coords(r).ep for r in ep_group.ranks]  # member k holds the k-th block
+        full = full_weights()
+        mine = ["router"] + [f"experts.{e}.{p}" for e in el.train_experts(rank)
+                             for p in ("gate_up", "down_proj")]
+        w = {k: full[k].clone().requires_grad_() for k in mine}
+        d = hl.train.coords(rank).dp
+        x, g = tokens_of(d)
+        x.requires_grad_()
+        loss = RouterLoss(weight=0.1)
+        out = moe_block_ep(x, w, ROUTING, E, ep_group, tp_group if tp > 1 else None, loss)
+        ((out * g).sum() + loss.weighted()).backward()
+        router = w["router"].grad.clone()
+        dist.all_reduce(router, group=dp_group.pg) if dp_group.pg is not None else None
+        experts = {}
+        for k in mine[1:]:
+            grad = w[k].grad.clone()
+            if edp_group.pg is not None:
+                dist.all_reduce(grad, group=edp_group.pg)
+            experts[k] = grad
+        results.append(((tp, dp, ep), d, out.detach(), x.grad, router, experts,
+                        loss.total().item()))
+    return results
+
+
+@pytest.mark.parametrize("chunk", [CASES[:3], CASES[3:]], ids=["a", "b"])
+def test_expert_parallel_layer_equals_the_unsplit_layer(pool4, chunk=CASES):
+    refs = {dp: reference(dp) for dp in {c[1] for c in chunk}}
+    for rank_results in pool4.run(check_ep_layer, chunk):
+        for case, d, out, xgrad, router, experts, aux in rank_results:
+            outs, xgrads, wgrads, auxs = refs[case[1]]
+            torch.testing.assert_close(out, outs[d], rtol=1e-6, atol=1e-9, msg=str(case))
+            torch.testing.assert_close(xgrad, xgrads[d], rtol=1e-6, atol=1e-9, msg=str(case))
+            torch.testing.assert_close(router, wgrads["router"], rtol=1e-6, atol=1e-9)
+            assert aux == pytest.approx(auxs[d], rel=1e-12)
+            assert len(experts) == 2 * E // case[2]
+            for k, grad in experts.items():
+                torch.testing.assert_close(grad, wgrads[k], rtol=1e-6, atol=1e-9,
+                                           msg=f"{case} {k}")
+
+
+# The training engine under expert parallelism against the single process ---------------------
+
+MOE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2,
+                  num_heads=8, num_kv_heads=4, tie_word_embeddings=False, num_experts=E,
+                  num_experts_per_tok=2, model_type="mixtral", router_aux_loss_coef=0.01)
+ENGINE_LAYOUTS = [(1, 1, 4, 4), (1, 1, 4, 2), (1, 2, 2, 4), (1, 2, 2, 2), (1, 4, 1, 2),
+                  (2, 1, 2, 2), (2, 2, 1, 2)]  # (pp, tp, dp, ep)
+STEPS, ATOL = 3, 1e-5
+
+
+def build_engine(pp, tp, dp, ep):
+    hl = HybridLayout(ParallelLayout(pp, tp, dp), 1, 1)
+    pool = list(range(hl.world_size))
+    groups = build_hybrid_groups(hl, pool=pool)
+    experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool)
+    model = ParallelLlama(MOE, groups, experts=experts)
+    return model, TrainEngine(model, OptimConfig(**ep_ref.ADAM, max_grad_norm=0.05))
+
+
+def engine_reference():
+    full = init_full_state_dict(MOE, seed=3)
+    model, eng = build_engine(1, 1, 1, 1)
+    load_full_state_dict(model, full)
+    mbs = ep_ref.make_micro_batches()
+    ref = {"full": full, "metrics": []}
+    for step in range(STEPS):
+        ref["metrics"].append(eng.train_step(mbs, ep_ref.policy_loss, temperature=1.0))
+        if step == 0:
+            ref["grads"] = {n: p.grad.clone() for n, p in model.params.items()}
+    ref["weights"] = {n: p.detach().clone() for n, p in model.params.items()}
+    return ref
+
+
+def check_engine(rank, world, layouts, ref):
+    checks = 0
+    for layout in layouts:
+        model, eng = build_engine(*layout)
+        load_full_state_dict(model, ref["full"])
+        held = model.experts.layout.train_experts(rank)
+        experts = {n for n in model.params if ".experts." in n}
+        assert experts == {s.name for s in model.specs if s.expert in held
+                           and s.stage == model.stage}  # whole experts of its block only
+        per_dp = ep_ref.N_MICRO // layout[2]
+        d = model.coords.dp
+        mine = ep_ref.make_micro_batches()[d * per_dp:(d + 1) * per_dp]
+        for step in range(STEPS):
+            metrics = eng.train_step(mine, ep_ref.policy_loss, temperature=1.0)
+            exp = ref["metrics"][step]
+            for key in ("loss", "grad_norm", "router_aux_loss"):
+                assert abs(metrics[key] - exp[key]) < ATOL, (layout, step, key, metrics, exp)
+            if step == 0:
+                for name, p in model.params.items():
+                    spec = next(s for s in model.specs if s.name == name)
+                    torch.testing.assert_close(p.grad, model.train_shard(ref["grads"][name], spec),
+                                               atol=ATOL, rtol=0, msg=f"{layout} grad {name}")
+        for name, p in model.params.items():
+            spec = next(s for s in model.specs if s.name == name)
+            torch.testing.assert_close(p.detach(), model.train_shard(ref["weights"][name], spec),
+                                       atol=ATOL, rtol=0, msg=f"{layout} weight {name}")
+            home = model.expert_buffer if name in experts else model.buffer
+            assert p.data_ptr() == home.train_view(name).data_ptr()
+            grads = eng.expert_grads if name in experts else eng.grads
+            assert (p.grad.untyped_storage().data_ptr()
+                    == grads.flat[p.dtype].untyped_storage().data_ptr())
+        checks += 1
+    return checks
+
+
+def test_training_with_expert_parallelism_equals_one_process(pool4):
+    ref = engine_reference()
+    assert sum(pool4.run(check_engine, ENGINE_LAYOUTS, ref)) == 4 * len(ENGINE_LAYOUTS)
