@@ -18,10 +18,13 @@ _EXPORTS = {
     "reshard_from_state_dict": "api", "from_dtensor": "api", "from_megatron": "api",
     "from_fsdp": "interop.fsdp",
     "Resharder": "reshard", "Transition": "transition", "TransitionStats": "transition",
+    "ExpertLayout": "expert_layout", "ExpertResharder": "expert_reshard",
+    "MoeResharder": "expert_reshard",
     "ShardSpec": "shard_spec", "QKVFusion": "shard_spec", "GateUpFusion": "shard_spec",
     "load_local_tensors": "interop.state_dict",
     "FlatParamBuffer": "flat_buffer", "SlotSpec": "flat_buffer",
     "Group": "groups", "HybridGroups": "groups", "build_hybrid_groups": "groups",
+    "ExpertGroups": "groups", "build_expert_groups": "groups",
     "HybridLayout": "layout", "ParallelLayout": "layout",
 }
 __all__ = list(_EXPORTS)

@@ -3,6 +3,7 @@
 ::
 
     reshard_from_state_dict(local, specs, layout)   plain local shards + explicit ShardSpecs
+                                                    (experts=ExpertLayout: expert parallelism)
     from_dtensor(state_dict, layout)                torch DTensor TP state dict (Shard/Replicate)
     from_megatron(model, layout)                    megatron-core parallel layers
     from_fsdp(params, gen)                          FSDP2 (x TP) DTensors; defined in
@@ -48,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.expert_reshard import MoeResharder
 from hybridflow_comm.groups import HybridGroups, build_hybrid_groups, check_pool
 from hybridflow_comm.interop import dtensor as _dtensor
 from hybridflow_comm.interop import megatron as _megatron
@@ -63,28 +66,43 @@ __all__ = ["from_dtensor", "from_megatron", "reshard_from_state_dict"]
 
 
 def reshard_from_state_dict(local: Mapping[str, torch.Tensor], specs: Sequence[ShardSpec],
-                            layout: HybridLayout, *, groups: HybridGroups | None = None,
-                            bucket_bytes: int = BUCKET_BYTES) -> Resharder:
+                            layout: HybridLayout, *, experts: ExpertLayout | None = None,
+                            groups: HybridGroups | None = None,
+                            bucket_bytes: int = BUCKET_BYTES) -> Resharder | MoeResharder:
     """A Transition over this rank's plain training shards, described by explicit specs.
 
     Args:
         local: this rank's training shard of every parameter of its pipeline stage, by spec
-            name (shape ``spec.shard_shape(tp)``, dtype ``spec.dtype``).
-        specs: every parameter of the model; the same list on every rank.
+            name (shape ``spec.shard_shape(tp)``, dtype ``spec.dtype``); under expert
+            parallelism the whole experts of its EP block only.
+        specs: every parameter of the model; the same list on every rank (a mixture of
+            experts' expert tensors with ``ShardSpec.expert`` set).
         layout: training and generation layout; covers every rank of the job unless
             ``groups`` is given.
+        experts: the experts' layout over ``layout`` (expert parallelism ``ep > 1``: the
+            experts move by :class:`~hybridflow_comm.expert_reshard.ExpertResharder`).
         groups: groups already built for ``layout`` (e.g. on a resource pool).
         bucket_bytes: bucket size of the coalesced collectives.
 
     Returns:
-        The Resharder (a Transition) in training mode, holding a copy of ``local``.
+        The Resharder, or with ``ep > 1`` the
+        :class:`~hybridflow_comm.expert_reshard.MoeResharder` (either a Transition), in
+        training mode, holding a copy of ``local``.
 
     Collective over the layout's ranks; every input is checked locally first.
     """
     rank = _layout_rank(layout, groups, bucket_bytes)
-    check_local_tensors(specs, local, layout.train, rank)
+    if experts is not None and experts.hybrid != layout:
+        raise ValueError(f"experts are laid out over {experts.hybrid}, not {layout}")
+    check_local_tensors(specs, local, layout.train, rank, experts)
     groups = build_hybrid_groups(layout) if groups is None else groups
-    return _loaded(list(specs), groups, local, bucket_bytes)
+    if experts is None or experts.ep == 1:
+        return _loaded(list(specs), groups, local, bucket_bytes)
+    rs = MoeResharder(list(specs), groups, experts, bucket_bytes=bucket_bytes,
+                      device=_device_of(local))
+    for name, t in local.items():
+        rs.train_view(name).copy_(t)
+    return rs
 
 
 def from_dtensor(state_dict: Mapping[str, torch.Tensor], layout: HybridLayout, *,

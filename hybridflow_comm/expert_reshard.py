@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -34,13 +35,14 @@ from hybridflow_comm import comm
 from hybridflow_comm.comm import CommLedger
 from hybridflow_comm.expert_layout import WHOLE, ExpertLayout, Piece
 from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec
-from hybridflow_comm.groups import Group
-from hybridflow_comm.shard_spec import ShardSpec
+from hybridflow_comm.groups import Group, HybridGroups
+from hybridflow_comm.reshard import Resharder
+from hybridflow_comm.shard_spec import ShardSpec, hf_named
 from hybridflow_comm.transition import (BUCKET_BYTES, LABEL, TransitionStats, agree_on_specs,
                                         check_bucket_bytes)
 
-__all__ = ["ExpertPlan", "ExpertResharder", "expert_slot_specs", "plan_expert_transfers",
-           "piece_of"]
+__all__ = ["ExpertPlan", "ExpertResharder", "MoeResharder", "expert_slot_specs",
+           "plan_expert_transfers", "piece_of"]
 
 
 class ExpertPlan(NamedTuple):
@@ -262,3 +264,71 @@ class ExpertResharder:
         out = {n: piece_of(self.buffer.train_view(n), self._spec[n], p) for n, p in self.plan.views}
         out.update((n, self.buffer.slot_view(n, 0)) for n, _, _ in self.plan.recvs)
         return {s.name: out[s.name] for s in self.specs if s.name in out}
+
+
+class MoeResharder:
+    """A mixture of experts' whole transition (a :class:`~hybridflow_comm.transition.Transition`):
+    the :class:`~hybridflow_comm.reshard.Resharder` for every weight but the experts, the
+    :class:`ExpertResharder` for the experts, one ledger and one set of stats.
+
+    Args:
+        specs: every parameter of the model, experts included (``ShardSpec.expert`` set).
+        groups: this rank's groups for ``experts.hybrid``.
+        experts: the experts' layout (``ep > 1``).
+        bucket_bytes / ledger / device: as for both transitions.
+
+    Collective over the layout's ranks (both transitions agree on their specs).
+    """
+
+    method = "hybridflow"
+
+    def __init__(self, specs: list[ShardSpec], groups: HybridGroups, experts: ExpertLayout, *,
+                 bucket_bytes: int = BUCKET_BYTES, ledger: CommLedger | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if experts.hybrid != groups.layout:
+            raise ValueError(f"expert layout over {experts.hybrid}, groups over {groups.layout}")
+        check_expert_specs([s for s in specs if s.expert is not None], experts)  # local first
+        self.dense = Resharder([s for s in specs if s.expert is None], groups,
+                               bucket_bytes=bucket_bytes, ledger=ledger, device=device)
+        self.weights = self.dense.weights
+        expert_specs = [s for s in specs if s.expert is not None]
+        self.experts = ExpertResharder(expert_specs, experts, groups.world,
+                                       device=self.dense.buffer.device,
+                                       bucket_bytes=bucket_bytes, ledger=self.weights.ledger)
+        self._spec = {s.name: s for s in expert_specs}
+        self._last: TransitionStats | None = None
+
+    def train_view(self, name: str) -> torch.Tensor:
+        """This rank's training tensor ``name`` (a whole expert, or a dense training shard)."""
+        home = self.experts.buffer if name in self._spec else self.dense.buffer
+        return home.train_view(name)
+
+    def to_generation(self) -> TransitionStats:
+        """Both transitions; the stats add up (time: the whole call's)."""
+        t0 = time.perf_counter()
+        a, b = self.dense.to_generation(), self.experts.to_generation()
+        self._last = TransitionStats(
+            method=self.method, version=a.version, sent_bytes=a.sent_bytes + b.sent_bytes,
+            received_bytes=a.received_bytes + b.received_bytes, calls=a.calls + b.calls,
+            peak_weight_bytes=a.peak_weight_bytes + b.peak_weight_bytes,
+            redundant_bytes=a.redundant_bytes + b.redundant_bytes,
+            time_s=time.perf_counter() - t0)
+        return self._last
+
+    def to_training(self, release: bool = True) -> int:
+        return self.dense.to_training(release) + self.experts.to_training(release)
+
+    def accounting(self) -> TransitionStats | None:
+        return self._last
+
+    def minimum_received_bytes(self) -> int:
+        return self.dense.minimum_received_bytes() + self.experts.minimum_received_bytes()
+
+    def named_generation_weights(self, hf_names: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's generation weights, the dense ones' then its experts' (fused experts
+        split into their Hugging Face parts, as :meth:`HybridWeights.named_generation_weights`)."""
+        yield from self.dense.named_generation_weights(hf_names)
+        for name, t in self.experts.generation_experts().items():
+            spec = self._spec[name]
+            yield from hf_named(name, t, spec.hf_names if hf_names else (), spec.fusion)
+

@@ -1,17 +1,19 @@
 """Expert transitions on 4 gloo ranks: generation experts bit-exact against slices of the global
 tensors, bytes received equal to the layout's formula, own experts as views (storage identity),
-and bad input refused on every rank before a message moves."""
+and bad input refused on every rank before a message moves; the public entry
+(``reshard_from_state_dict(..., experts=)``) on a whole mixture of experts."""
 
 import zlib
 
 import torch
 
+from engine.llama_spec import LlamaConfig, llama_shard_specs
 from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.expert_reshard import ExpertResharder, expert_slot_specs
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec
+from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec, gen_shard, train_shard
 
 NUM_EXPERTS, HIDDEN, FFN = 8, 8, 12
 
@@ -130,3 +132,71 @@ def test_bad_input_raises_on_every_rank(pool4):
     for rank, errors in enumerate(pool4.run(check_bad_input)):
         assert f"rank {rank}: the expert buffer was not built from" in errors[0]
         assert "shard specs differ across ranks" in errors[1] and "torch.float32" in errors[1]
+
+
+# The public entry: a whole mixture of experts from plain local tensors ----------------------
+
+MOE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2,
+                  num_heads=8, num_kv_heads=4, tie_word_embeddings=False, num_experts=8,
+                  num_experts_per_tok=2, model_type="mixtral")
+ENTRY_CASES = [((1, 2, 2), (1, 1), 4, 1), ((1, 4, 1), (1, 2), 2, 2), ((2, 1, 2), (1, 1), 2, 2)]
+
+
+def check_public_entry(rank, world, cases):
+    import hybridflow_comm as hc
+
+    out = []
+    for train, gen, ep, gen_ep in cases:
+        hl = HybridLayout(ParallelLayout(*train), pp_g=gen[0], tp_g=gen[1])
+        el = ExpertLayout(hl, MOE.num_experts, ep=ep, gen_ep=gen_ep)
+        specs = llama_shard_specs(MOE, train[0])
+        full = {s.name: full_tensor(s, 0) for s in specs}
+        stage = hl.train.coords(rank).pp
+        local = {s.name: full[s.name] if s.expert is not None
+                 else train_shard(full[s.name], s, hl.train, rank) for s in specs
+                 if s.stage == stage and (s.expert is None or s.expert in el.train_experts(rank))}
+        t = hc.reshard_from_state_dict(local, specs, hl, experts=el)
+        assert isinstance(t, hc.MoeResharder) and isinstance(t, hc.Transition)
+        stats = t.to_generation()
+        got = dict(t.named_generation_weights(hf_names=False))
+        for s in specs:
+            want = expected_gen(full[s.name], s, el, rank) if s.expert is not None \
+                else gen_shard(full[s.name], s, hl, rank)
+            if want is None:
+                assert s.name not in got
+            else:
+                assert torch.equal(got[s.name], want), (train, gen, ep, gen_ep, s.name)
+        expert_bytes = sum(s.nbytes for s in specs if s.expert is not None)
+        dense_min = t.dense.minimum_received_bytes()
+        assert stats.received_bytes == t.minimum_received_bytes() == \
+            dense_min + el.received_fraction() * expert_bytes
+        hf = dict(t.named_generation_weights())  # Hugging Face names, experts' split
+        assert all(".experts." not in n or n.endswith((".w1.weight", ".w2.weight", ".w3.weight"))
+                   for n in hf), sorted(hf)[:4]
+        t.to_training()
+        out.append(stats.received_bytes)
+    return out
+
+
+def test_public_entry_reshards_a_mixture_of_experts(pool4):
+    for received in pool4.run(check_public_entry, ENTRY_CASES):
+        assert all(r > 0 for r in received)
+
+
+def check_public_entry_refuses(rank, world):
+    import hybridflow_comm as hc
+
+    hl = HybridLayout(ParallelLayout(1, 1, 4), pp_g=1, tp_g=1)
+    el = ExpertLayout(hl, MOE.num_experts, ep=4, gen_ep=2)
+    specs = llama_shard_specs(MOE, 1)
+    full = {s.name: full_tensor(s, 0) for s in specs}
+    local = {s.name: full[s.name] for s in specs}  # every expert: not this rank's alone
+    try:
+        hc.reshard_from_state_dict(local, specs, hl, experts=el)
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_public_entry_refuses_experts_of_another_block(pool4):
+    for rank, msg in enumerate(pool4.run(check_public_entry_refuses)):
+        assert f"rank {rank}: " in msg and "held by the ranks of another EP block" in msg

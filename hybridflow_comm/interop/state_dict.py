@@ -19,6 +19,7 @@ import torch
 
 from hybridflow_comm import comm
 from hybridflow_comm.comm import CommLedger
+from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.groups import Group
 from hybridflow_comm.layout import ParallelLayout
@@ -26,20 +27,26 @@ from hybridflow_comm.shard_spec import ShardSpec, check_specs
 
 
 def check_local_tensors(specs: Sequence[ShardSpec], local: Mapping[str, torch.Tensor],
-                        train: ParallelLayout, rank: int) -> None:
+                        train: ParallelLayout, rank: int,
+                        experts: ExpertLayout | None = None) -> None:
     """Raise ValueError unless ``local`` holds exactly this rank's training shards.
 
     Every spec of this rank's training stage must be present with shape
-    ``spec.shard_shape(train.tp)`` and dtype ``spec.dtype``; names of other stages or unknown
-    names are errors.  Local only: call it before any collective.
+    ``spec.shard_shape(train.tp)`` and dtype ``spec.dtype``; under expert parallelism
+    (``experts`` with ``ep > 1``) an expert's tensors only on the ranks of its EP block, whole.
+    Names of other stages or experts, and unknown names, are errors.  Local only: call it
+    before any collective.
     """
     check_specs(list(specs), train)
     stage = train.coords(rank).pp
     by_name = {s.name: s for s in specs}
+    held = experts.train_experts(rank) if experts is not None and experts.ep > 1 else None
+    mine = {s.name for s in specs if s.stage == stage
+            and (held is None or s.expert is None or s.expert in held)}
     unknown = sorted(set(local) - set(by_name))
     if unknown:
         raise ValueError(f"rank {rank}: tensors {unknown} have no shard spec")
-    missing = sorted(s.name for s in specs if s.stage == stage and s.name not in local)
+    missing = sorted(mine - set(local))
     if missing:
         raise ValueError(f"rank {rank} (stage {stage}): no local tensor for {missing}")
     for name, t in local.items():
@@ -47,9 +54,13 @@ def check_local_tensors(specs: Sequence[ShardSpec], local: Mapping[str, torch.Te
         if s.stage != stage:
             raise ValueError(f"rank {rank}: {name!r} belongs to stage {s.stage}, "
                              f"but this rank holds stage {stage}")
+        if name not in mine:
+            raise ValueError(f"rank {rank}: {name!r} is expert {s.expert}, held by the ranks "
+                             f"of another EP block (this rank trains experts {list(held)})")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name!r}: expected a torch.Tensor, got {type(t).__name__}")
-        want = s.shard_shape(train.tp)
+        want = s.shape if held is not None and s.expert is not None else \
+            s.shard_shape(train.tp)
         if tuple(t.shape) != want:
             raise ValueError(f"{name!r}: local shape {tuple(t.shape)} != training shard shape "
                              f"{want} (global {s.shape}, partition_dim={s.partition_dim}, "
