@@ -66,4 +66,3 @@ def test_transition_qwen3_moe_layers(benchmark):
         for name in ("ratio_vs_full_gather", "ratio_vs_raw", "redundant_bytes"):
             benchmark.extra_info[f"{key}_{name}"] = r[name]
         assert r["bytes_vs_formula"] == 1.0
-

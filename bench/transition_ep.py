@@ -15,8 +15,8 @@ Per layout, interleaved round by round after one warm-up (slowest rank, median o
 ``repeat``; peak resident set per rank in ``peak_rss_bytes``):
 
 * ``hybridflow``: the experts' :class:`~hybridflow_comm.expert_reshard.ExpertResharder` (the
-  attention, norms and routers move by the dense :class:`~hybridflow_comm.reshard.Resharder`,
-  reported as ``dense``);
+  attention, norms and routers move by the dense :class:`~hybridflow_comm.reshard.Resharder`
+  just before, timed apart as ``dense_time_s``);
 * ``full_gather``: every rank all-gathers its stage's whole expert set in its EP group, one
   layer at a time (what streaming full tensors per parameter amounts to);
 * ``raw``: ``all_gather_into_tensor`` over the 4 ranks that brings each rank exactly
@@ -85,8 +85,7 @@ def layers_that_fit(shape: str, nproc: int, avail: int) -> int:
     """Layers whose transitions fit in :data:`MEMORY_SHARE` of ``avail`` bytes over ``nproc``
     ranks.  Per rank: the runtime (:data:`RANK_BASE_BYTES`), its training experts,
     hybridflow's received experts, and the larger of the full gather of one layer (with gloo's
-    staged copy of it) and the raw all-gather's output and staged chunks (the sum matches the
-    peak resident sets measured at 1 and 3 layers)."""
+    staged copy of it) and the raw all-gather's output and staged chunks."""
     one = sum(s.nbytes for s in layer_specs(shape, 1) if s.expert is not None)
     experts = layer_config(shape, 1).num_experts
     most = float(max(ExpertLayout(HybridLayout(ParallelLayout(*t), *g), experts, ep, gen_ep)
@@ -150,7 +149,6 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     piece = -(-received // (world - 1))  # raw: every rank receives ``received`` bytes (rounded up)
 
     def hybridflow():
-        dense.to_generation()
         ours.to_generation()
 
     def full_gather():
@@ -166,9 +164,10 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
             n = min(RAW_CHUNK_BYTES, piece - lo)
             dist.all_gather_into_tensor(out[world * lo:world * (lo + n)], mine[lo:lo + n])
 
-    times = {"hybridflow": [], "full_gather": [], "raw": []}
+    times = {"hybridflow": [], "dense": [], "full_gather": [], "raw": []}
     stats = dense_stats = None
     for it in range(cfg["repeat"] + 1):
+        times["dense"].append(_timed(dense.to_generation))
         times["hybridflow"].append(_timed(hybridflow))
         stats, dense_stats = ours.accounting(), dense.accounting()
         if it == 0:
@@ -208,7 +207,7 @@ def run_layout(shape: str, layout, layers: int, repeat: int = 3, bucket_mb: int 
                        "gen_ep": gen_ep, "layers": layers, "repeat": repeat,
                        "bucket_mb": bucket_mb},
             "time_s": t["hybridflow"], "full_gather_time_s": t["full_gather"],
-            "raw_time_s": t["raw"],
+            "raw_time_s": t["raw"], "dense_time_s": t["dense"],
             "ratio_vs_full_gather": t["hybridflow"] / t["full_gather"],
             "ratio_vs_raw": t["hybridflow"] / t["raw"],
             "bytes_vs_formula": out["received_bytes_per_rank"] / out["formula_bytes_per_rank"],

@@ -98,22 +98,22 @@ def moe_block_ep(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRou
     token_of = order // routing.top_k  # [pairs], index into ``mine``
     send = torch.bincount(chosen, minlength=num_experts).view(ep, per)
     recv = exchange_counts(send, ep_group)  # [source, my expert]
-    send_counts, recv_counts = send.sum(1).tolist(), recv.sum(1).tolist()
+    table = torch.cat([send, recv]).tolist()  # the layer's one wait for the host
+    send_counts, recv_counts = [sum(r) for r in table[:ep]], [sum(r) for r in table[ep:]]
     rows = copy_to_tp(tokens, tp_group)[mine][token_of]
     arrived = all_to_all_rows(rows, send_counts, recv_counts, ep_group)
     # 4. group by expert, each expert once, back to arrival order.
     expert_of = torch.arange(per, device=x.device).repeat(ep).repeat_interleave(recv.flatten())
     by_expert = torch.argsort(expert_of, stable=True)
+    per_expert = [sum(col) for col in zip(*table[ep:])]
     outs = [expert_ffn(r, w, first + i)
-            for i, r in enumerate(arrived[by_expert].split(recv.sum(0).tolist()))]
+            for i, r in enumerate(arrived[by_expert].split(per_expert))]
     done = torch.empty_like(by_expert)
     done[by_expert] = torch.arange(by_expert.numel(), device=x.device)
     # 5. back to this rank, weighted, summed per token, joined over TP.
     back = all_to_all_rows(torch.cat(outs)[done], recv_counts, send_counts, ep_group)
     scale = copy_to_tp(weights, tp_group)[mine].flatten()[order]
-    out_mine = torch.zeros(mine.numel(), shape[-1], dtype=x.dtype, device=x.device).index_add(
-        0, token_of, back * scale[:, None])
-    out = torch.zeros_like(tokens).index_add(0, mine, out_mine)
+    out = torch.zeros_like(tokens).index_add(0, mine[token_of], back * scale[:, None])
     return reduce_from_tp(out, tp_group).reshape(shape)
 
 

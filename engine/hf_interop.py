@@ -38,7 +38,7 @@ from engine.hf_families import family, family_of_hf
 from engine.hf_shards import hf_reads, hf_shapes, shard_parts
 from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig
-from engine.model import ParallelLlama
+from engine.model import ParallelLlama, refuse_expert_parallel
 from hybridflow_comm.shard_spec import ShardSpec
 
 SINGLE_FILE = "model.safetensors"
@@ -175,6 +175,7 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
     the folder's architecture differs from ``model.config`` or a tensor has another shape
     (checked before anything is copied).
     """
+    refuse_expert_parallel(model, "load_hf_checkpoint")
     _check_checkpoint(model, folder)
     files = _tensor_files(folder)
     plan = []
@@ -221,6 +222,7 @@ def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] 
     Collective over the DP-rank-0 replica (other DP ranks return at once).  The tied
     ``lm_head`` copy of a pp > 1 model is left out (it equals ``embed_tokens``).
     """
+    refuse_expert_parallel(model, "gather_full_state_dict")
     g, c = model.groups, model.coords
     if c.dp != 0:
         return None

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from engine.generation import GenerationEngine, GenerationOutput, check_prompts
-from engine.model import ParallelLlama
+from engine.model import ParallelLlama, refuse_expert_parallel
 from engine.sampling import SamplingParams, derive_seed
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.comm import all_gather_tensor
@@ -81,6 +81,7 @@ class HybridEngine:
         if train is not None and (optim is not None or train.model is not model):
             raise ValueError("HybridEngine(train=...) takes the training engine of this model "
                              "and no optim (the engine has its own)")
+        refuse_expert_parallel(model, "HybridEngine")
         self.model = model
         self.groups = model.groups
         self.layout = model.groups.layout

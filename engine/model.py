@@ -92,6 +92,7 @@ class ParallelLlama(nn.Module):
             self.expert_buffer = FlatParamBuffer(expert_slot_specs(
                 [s for s in self.specs if s.expert is not None], self.experts.layout,
                 groups.rank), device=buffer.device)
+            self.expert_buffer.release_generation_slots()  # generation-only until a transition
             self.moe = ExpertParallel(self.experts.ep, config.num_experts)
         self.params: dict[str, nn.Parameter] = {}
         for spec in self.local_specs:
@@ -346,19 +347,26 @@ class ParallelLlama(nn.Module):
 def _check_experts(experts: ExpertGroups | None, config: LlamaConfig,
                    groups: HybridGroups) -> ExpertGroups | None:
     """``experts`` where they split the experts (``ep > 1``), else None; ValueError for a
-    layout of another model or layout (before any collective)."""
-    if experts is None or experts.layout.ep == 1:
+    layout of another model, layout or pool (before any collective)."""
+    if experts is None:
         return None
-    if not config.num_experts:
-        raise ValueError(f"expert parallelism ep={experts.layout.ep} for a dense model "
-                         f"(num_experts=0)")
     if experts.layout.num_experts != config.num_experts:
         raise ValueError(f"expert layout of {experts.layout.num_experts} experts for a model "
                          f"of num_experts={config.num_experts}")
     if experts.layout.hybrid != groups.layout:
         raise ValueError(f"expert layout over {experts.layout.hybrid}, model groups over "
                          f"{groups.layout}")
-    return experts
+    if experts.ep.ranks[experts.ep.rank] != groups.world.ranks[groups.rank]:
+        raise ValueError("the expert groups and the model's groups were built on other pools")
+    return experts if experts.layout.ep > 1 else None
+
+
+def refuse_expert_parallel(model: ParallelLlama, what: str) -> None:
+    """ValueError (before any collective) where ``what`` does not support expert parallelism
+    yet."""
+    if model.experts is not None:
+        raise ValueError(f"{what} does not support expert parallelism yet (ep="
+                         f"{model.experts.layout.ep}); train with ep=1")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

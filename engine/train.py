@@ -294,7 +294,8 @@ class TrainEngine:
         # under expert parallelism the experts' gradients reduce over another group
         experts = [s.name for s in model.trainable_specs() if s.expert is not None] \
             if model.experts is not None else []  # in spec order: the same layout on every rank
-        self.grads = GradBuffer({n: p for n, p in self.train_params.items() if n not in experts})
+        dense = {n: p for n, p in self.train_params.items() if n not in frozenset(experts)}
+        self.grads = GradBuffer(dense)
         self.expert_grads = GradBuffer({n: self.train_params[n] for n in experts}) \
             if experts else None
         if self.masters is not None:
@@ -454,6 +455,7 @@ class TrainEngine:
         _check_micro_batches(micro_batches)
         check_temperature(temperature)
         packings = self._packings(micro_batches, remove_padding)  # before any collective
+        self._check_expert_parallel_counts(len(micro_batches))
         model, n = self.model, len(micro_batches)
         for buf in self._grad_buffers():
             buf.zero_()
@@ -519,10 +521,25 @@ class TrainEngine:
         check_temperature(temperature)
         packings = self._packings(micro_batches, remove_padding)
         n = len(micro_batches)
+        self._check_expert_parallel_counts(n)
         out = self._executor(micro_batches, packings).run(
             [("F", i) for i in range(n)],
             self._forward_fn(micro_batches, packings, with_logits, head_from, temperature))
         return [out[i] for i in range(n)] if self.model.is_last else None
+
+    def _check_expert_parallel_counts(self, n: int) -> None:
+        """Under expert parallelism every MoE layer is a collective over the EP group, whose
+        ranks may be different DP ranks: ValueError on each of them unless they all run
+        ``n`` micro-batches (a mismatch would hang in the first all-to-all)."""
+        group = None if self.model.experts is None else self.model.experts.ep
+        if group is None or group.pg is None:
+            return
+        t = torch.tensor([n, -n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(f"the ranks {list(group.ranks)} of an EP group run from "
+                             f"{-int(t[1])} to {int(t[0])} micro-batches; under expert "
+                             f"parallelism they must run the same number")
 
     # Gradients -------------------------------------------------------------------------------
     def _sync_tied_embedding(self) -> None:

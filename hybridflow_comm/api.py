@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow_comm.expert_layout import ExpertLayout
-from hybridflow_comm.expert_reshard import MoeResharder
+from hybridflow_comm.expert_reshard import MoeResharder, check_expert_specs
 from hybridflow_comm.groups import HybridGroups, build_hybrid_groups, check_pool
 from hybridflow_comm.interop import dtensor as _dtensor
 from hybridflow_comm.interop import megatron as _megatron
@@ -94,6 +94,8 @@ def reshard_from_state_dict(local: Mapping[str, torch.Tensor], specs: Sequence[S
     rank = _layout_rank(layout, groups, bucket_bytes)
     if experts is not None and experts.hybrid != layout:
         raise ValueError(f"experts are laid out over {experts.hybrid}, not {layout}")
+    if experts is not None and experts.ep > 1:
+        check_expert_specs([s for s in specs if s.expert is not None], experts)
     check_local_tensors(specs, local, layout.train, rank, experts)
     groups = build_hybrid_groups(layout) if groups is None else groups
     if experts is None or experts.ep == 1:

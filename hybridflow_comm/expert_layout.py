@@ -197,7 +197,11 @@ class ExpertLayout:
     # Volume ----------------------------------------------------------------------------------
     def received_fraction(self) -> Fraction:
         """Bytes each rank receives in a transition over the bytes of every expert of every
-        layer (the module docstring's formula; ``ep > 1``)."""
+        layer (the module docstring's formula; ValueError for ``ep == 1``, whose experts
+        move with the dense weights)."""
+        if self.ep == 1:
+            raise ValueError("ep=1: the experts are split over tp like the dense MLP and move "
+                             "with it (hybridflow_comm.reshard)")
         t, h = self.hybrid.train, self.hybrid
         return Fraction(t.pp * self.ep - h.pp_g * self.gen_ep,
                         t.pp * self.ep * h.pp_g * self.gen_ep * self.gen_etp)

@@ -120,10 +120,12 @@ def plan_expert_transfers(specs: list[ShardSpec], layout: ExpertLayout, rank: in
     return ExpertPlan(views, recvs, sends)
 
 
-def expert_slot_specs(specs: list[ShardSpec], layout: ExpertLayout, rank: int) -> list[SlotSpec]:
+def expert_slot_specs(specs: list[ShardSpec], layout: ExpertLayout, rank: int,
+                      plan: ExpertPlan | None = None) -> list[SlotSpec]:
     """The flat-buffer regions of ``rank``'s experts: each expert it holds in training (whole,
-    its own slot), then each piece it receives for generation (no training slot)."""
-    plan = plan_expert_transfers(specs, layout, rank)
+    its own slot), then each piece it receives for generation (no training slot); ``plan``:
+    ``plan_expert_transfers(specs, layout, rank)`` when the caller has it."""
+    plan = plan or plan_expert_transfers(specs, layout, rank)
     by_name = {s.name: s for s in specs}
     c = layout.hybrid.train.coords(rank)
     own = [SlotSpec(s.name, s.dtype, s.shape) for s in specs
@@ -169,7 +171,7 @@ class ExpertResharder:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.plan = plan_expert_transfers(self.specs, layout, world.rank)
         self._spec = {s.name: s for s in self.specs}
-        mine = expert_slot_specs(self.specs, layout, world.rank)
+        mine = expert_slot_specs(self.specs, layout, world.rank, self.plan)
         if buffer is None:
             buffer = FlatParamBuffer(mine, device=device or "cpu")
         elif buffer.specs != mine:
@@ -182,9 +184,10 @@ class ExpertResharder:
         self._last: TransitionStats | None = None
         t, h = layout.hybrid.train, layout.hybrid
         head = ("experts", t.pp, t.tp, t.dp, h.pp_g, h.tp_g, layout.num_experts, layout.ep,
-                layout.gen_ep)
+                layout.gen_ep, bucket_bytes)  # (equal buckets: messages match in order)
         agree_on_specs([head] + [(s.name, s.shape, str(s.dtype), s.partition_dim, s.stage,
-                                  s.expert) for s in self.specs], world, self.ledger, self.device)
+                                  repr(s.fusion), s.expert) for s in self.specs], world,
+                       self.ledger, self.device)
 
     # Set-up (no collective) ------------------------------------------------------------------
     def _cut_buckets(self, bucket_bytes: int) -> list[tuple[list, list]]:
@@ -269,7 +272,9 @@ class ExpertResharder:
 class MoeResharder:
     """A mixture of experts' whole transition (a :class:`~hybridflow_comm.transition.Transition`):
     the :class:`~hybridflow_comm.reshard.Resharder` for every weight but the experts, the
-    :class:`ExpertResharder` for the experts, one ledger and one set of stats.
+    :class:`ExpertResharder` for the experts, one ledger and one set of stats.  ``weights``
+    are the dense transition's (:class:`~hybridflow_comm.transition.HybridWeights`, without
+    the experts); :meth:`named_generation_weights` yields both.
 
     Args:
         specs: every parameter of the model, experts included (``ShardSpec.expert`` set).
@@ -297,6 +302,10 @@ class MoeResharder:
                                        bucket_bytes=bucket_bytes, ledger=self.weights.ledger)
         self._spec = {s.name: s for s in expert_specs}
         self._last: TransitionStats | None = None
+
+    @property
+    def version(self) -> int:
+        return self.dense.version
 
     def train_view(self, name: str) -> torch.Tensor:
         """This rank's training tensor ``name`` (a whole expert, or a dense training shard)."""

@@ -140,7 +140,7 @@ def test_plan_covers_every_need_once_at_the_formula(el):
             assert sent == wanted
 
 
-def test_issue_layouts_volume():
+def test_volume_of_ep4_to_gen_ep2_and_to_gen_tp2():
     # EP 4 -> gen EP 2 on 4 ranks: each receives a quarter of every expert's bytes.
     hl = HybridLayout(ParallelLayout(pp=1, tp=1, dp=4), pp_g=1, tp_g=1)
     assert ExpertLayout(hl, 8, ep=4, gen_ep=2).received_fraction() == Fraction(1, 4)

@@ -102,9 +102,14 @@ def check_ep_layer(rank, world, cases):
 
 
 @pytest.mark.parametrize("chunk", [CASES[:3], CASES[3:]], ids=["a", "b"])
-def test_expert_parallel_layer_equals_the_unsplit_layer(pool4, chunk=CASES):
+def test_expert_parallel_layer_equals_the_unsplit_layer(pool4, chunk):
+    compare_layer_cases(pool4, chunk)
+
+
+def compare_layer_cases(pool, chunk=CASES):
+    """Every case of ``chunk`` on the pool's 4 ranks against :func:`reference`."""
     refs = {dp: reference(dp) for dp in {c[1] for c in chunk}}
-    for rank_results in pool4.run(check_ep_layer, chunk):
+    for rank_results in pool.run(check_ep_layer, chunk):
         for case, d, out, xgrad, router, experts, aux in rank_results:
             outs, xgrads, wgrads, auxs = refs[case[1]]
             torch.testing.assert_close(out, outs[d], rtol=1e-6, atol=1e-9, msg=str(case))

@@ -17,7 +17,7 @@ from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec, gen_shard, train
 
 NUM_EXPERTS, HIDDEN, FFN = 8, 8, 12
 
-# (train pp, tp, dp), (gen pp_g, tp_g), ep, gen_ep: the two layouts first.
+# (train pp, tp, dp), (gen pp_g, tp_g), ep, gen_ep: EP 4 -> gen EP 2 and -> gen TP 2 first.
 CASES = [((1, 1, 4), (1, 1), 4, 2), ((1, 2, 2), (1, 2), 4, 1), ((1, 4, 1), (1, 2), 4, 1),
          ((2, 1, 2), (1, 1), 2, 2), ((2, 2, 1), (1, 1), 2, 1), ((1, 1, 4), (1, 1), 2, 1),
          ((1, 1, 4), (1, 1), 4, 4), ((2, 2, 1), (2, 2), 2, 1)]

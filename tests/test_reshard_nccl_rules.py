@@ -27,7 +27,7 @@ CHECKS = [(4, check) for check in (
     reshard.test_all_gather_views_in_place,
     reshard.test_verify_names_corrupted_parameter_everywhere,
     experts.test_expert_transitions_bit_exact_at_the_formula,
-    expert_parallel.test_expert_parallel_layer_equals_the_unsplit_layer,
+    expert_parallel.compare_layer_cases,
     sync.test_weight_sync_bit_exact_2_plus_2,
     sync.test_verify_catches_corruption_and_stale_shards,
     fsdp.test_fsdp_state_dicts_reshard_bit_exact_with_minimum_bytes,

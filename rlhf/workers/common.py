@@ -25,7 +25,8 @@ from engine.hf_shards import hf_reads, shard_parts
 from engine.llama_spec import init_full_state_dict
 from engine.micro_batches import count_micro_batches, partition_by_tokens
 from engine.lora import init_lora_state_dict
-from engine.model import ParallelLlama, load_adapter_state_dict, load_full_state_dict
+from engine.model import (ParallelLlama, load_adapter_state_dict, load_full_state_dict,
+                          refuse_expert_parallel)
 from engine.peft_interop import read_peft_adapter
 from engine.train import TrainEngine
 from hybridflow_comm.groups import Group, HybridGroups
@@ -215,6 +216,7 @@ def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: 
     :func:`engine.hf_shards.hf_reads` reads for this rank; a tied LM-head copy (pp > 1) names
     the embedding's boxes, so DCP keeps one of the two.
     """
+    refuse_expert_parallel(model, "sharded checkpoints")
     out = {}
     for spec in (model.local_specs if specs is None else specs):
         parts = shard_parts(spec, shards[spec.name].detach())
