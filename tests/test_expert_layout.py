@@ -32,10 +32,10 @@ def all_expert_layouts(max_world=16):
                     for tp_g in _divisors(tp):
                         hl = HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
                         for ep in _divisors(tp * dp):
-                            if ep == 1 or NUM_EXPERTS % ep:
+                            if ep == 1:
                                 continue
-                            for gen_ep in _divisors(ep):
-                                yield ExpertLayout(hl, NUM_EXPERTS, ep=ep, gen_ep=gen_ep)
+                            for gen_ep in _divisors(ep):  # 2 experts per EP rank
+                                yield ExpertLayout(hl, 2 * ep, ep=ep, gen_ep=gen_ep)
 
 
 LAYOUTS = list(all_expert_layouts())
@@ -48,11 +48,11 @@ def _id(el):
     return f"{t.pp}-{t.tp}-{t.dp}_{h.pp_g}-{h.tp_g}_ep{el.ep}-{el.gen_ep}"
 
 
-def expert_specs(pp, layers_per_stage=2, hidden=8, ffn=16):
+def expert_specs(pp, layers_per_stage=2, hidden=8, ffn=16, num_experts=NUM_EXPERTS):
     """Two tensors per expert and layer: gate_up split on dim 0, down_proj on dim 1."""
     specs = []
     for layer in range(pp * layers_per_stage):
-        for e in range(NUM_EXPERTS):
+        for e in range(num_experts):
             p = f"layers.{layer}.experts.{e}."
             specs += [ShardSpec(p + "gate_up", (2 * ffn, hidden), dtype=torch.bfloat16,
                                 partition_dim=0, stage=layer // layers_per_stage,
@@ -77,7 +77,7 @@ def test_coordinates_and_groups(el):
         assert (c.ep, c.edp) == (j % el.ep, j // el.ep)
     # Every expert of a stage is held whole by exactly edp = tp * dp / ep ranks of it.
     for stage in range(t.pp):
-        for e in range(NUM_EXPERTS):
+        for e in range(el.num_experts):
             holders = [r for r in range(world) if t.coords(r).pp == stage
                        and e in el.train_experts(r)]
             assert len(holders) == t.tp * t.dp // el.ep
@@ -87,9 +87,9 @@ def test_coordinates_and_groups(el):
         assert all(len(g) == size for g in groups)
     for g in el.ep_groups():  # one stage, every expert once
         assert len({t.coords(r).pp for r in g}) == 1
-        assert sorted(e for r in g for e in el.train_experts(r)) == list(range(NUM_EXPERTS))
+        assert sorted(e for r in g for e in el.train_experts(r)) == list(range(el.num_experts))
     for g in el.gen_ep_groups():  # together one generation copy of every expert
-        assert sorted(e for r in g for e in el.gen_experts(r)) == list(range(NUM_EXPERTS))
+        assert sorted(e for r in g for e in el.gen_experts(r)) == list(range(el.num_experts))
     for r in range(world):  # a rank's training experts are a block of its generation ones
         assert set(el.train_experts(r)) <= set(el.gen_experts(r))
 
@@ -98,7 +98,7 @@ def _needs(el, specs, r):
     """Brute force: ``{name: piece}`` rank ``r`` needs in generation."""
     h = el.hybrid
     g = h.gen_coords(r)
-    per = NUM_EXPERTS // el.gen_ep
+    per = el.num_experts // el.gen_ep
     block = el.train_experts(r).start // per  # the generation block holding its own experts
     out = {}
     for s in specs:
@@ -117,7 +117,7 @@ def _bytes(spec, piece):
 @pytest.mark.parametrize("el", PLAN_LAYOUTS, ids=_id)
 def test_plan_covers_every_need_once_at_the_formula(el):
     t = el.hybrid.train
-    specs = expert_specs(t.pp, ffn=4 * t.tp)  # splits over every tp_g | tp
+    specs = expert_specs(t.pp, ffn=4 * t.tp, num_experts=el.num_experts)  # any tp_g | tp
     by_name = {s.name: s for s in specs}
     plans = [plan_expert_transfers(specs, el, r) for r in range(el.hybrid.world_size)]
     expert_bytes = sum(s.nbytes for s in specs)
@@ -194,7 +194,7 @@ def test_formula_matches_brute_force_overlap():
     for el in LAYOUTS[::7]:
         h, t = el.hybrid, el.hybrid.train
         layers, units = 2 * t.pp, 4 * t.tp  # an expert as 4 tp units along its partition dim
-        total = layers * NUM_EXPERTS * units
+        total = layers * el.num_experts * units
         for r in range(h.world_size):
             g, c = h.gen_coords(r), t.coords(r)
             need = {(layer, e, u) for layer in range(layers) for e in el.gen_experts(r)
