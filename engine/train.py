@@ -264,6 +264,8 @@ class TrainEngine:
 
     Every rank of the layout calls the same methods with its own DP share of the
     micro-batches (all ranks of one TP x PP replica pass the same micro-batches).
+    Construction is collective over the PP group (one tiny all-reduce before the pipeline's
+    first point-to-point message).
 
     Attributes:
         masters: float32 master weights when the parameters are 16-bit (bf16), else None.
@@ -282,6 +284,9 @@ class TrainEngine:
         self.frozen = frozen
         self.step_count = 0
         self.offloaded: OffloadedState | None = None
+        pp = self.groups.train_pp
+        if pp.pg is not None:  # NCCL wants a collective on a group before its first send
+            dist.all_reduce(torch.zeros(1, device=self.device), group=pp.pg)
         if frozen:
             self.masters = self.grads = self.expert_grads = self.optimizer = None
             self.train_params = {}
