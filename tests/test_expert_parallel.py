@@ -193,3 +193,29 @@ def check_engine(rank, world, layouts, ref):
 def test_training_with_expert_parallelism_equals_one_process(pool4):
     ref = engine_reference()
     assert sum(pool4.run(check_engine, ENGINE_LAYOUTS, ref)) == 4 * len(ENGINE_LAYOUTS)
+
+
+def check_unwired_paths_refuse(rank, world):
+    from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint
+    from engine.hybrid_engine import HybridEngine
+    from rlhf.workers.common import model_blocks
+
+    model, _ = build_engine(1, 1, 4, 4)
+    calls = {"HybridEngine": lambda: HybridEngine(model, OptimConfig()),
+             "gather_full_state_dict": lambda: gather_full_state_dict(model),
+             "load_hf_checkpoint": lambda: load_hf_checkpoint(model, "/nonexistent"),
+             "sharded checkpoints": lambda: model_blocks(model, dict(model.params))}
+    out = {}
+    for what, call in calls.items():
+        try:
+            call()
+        except ValueError as exc:
+            out[what] = str(exc)
+    return out
+
+
+def test_paths_not_wired_for_expert_parallelism_refuse_before_any_collective(pool4):
+    for msgs in pool4.run(check_unwired_paths_refuse):
+        for what in ("HybridEngine", "gather_full_state_dict", "load_hf_checkpoint",
+                     "sharded checkpoints"):
+            assert msgs[what].startswith(f"{what} does not support expert parallelism yet"), msgs
