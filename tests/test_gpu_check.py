@@ -87,7 +87,7 @@ def test_gpu_bench_commands_are_the_gpu_shape_and_parse(tmp_path):
 def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
     proc = subprocess.run([PY, "-m", "bench.gpu_check", "--device", "cpu", "--quick",
                            "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=400, cwd=gpu_check.ROOT)
+                          timeout=900, cwd=gpu_check.ROOT)
     names, recs = _records(tmp_path)
     want = [s.name for s in gpu_check.plan("cpu", True, str(tmp_path))]
     assert names == [f"{i:02d}_{n}.json" for i, n in enumerate(want)], proc.stdout[-2000:]
