@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,14 @@ def max_over_ranks(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def timed_over_ranks(fn) -> float:
+    """``fn()`` after a barrier: the slowest rank's seconds."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return max_over_ranks(time.perf_counter() - t0)
 
 
 def _free_port() -> int:

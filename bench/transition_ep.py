@@ -32,13 +32,12 @@ from __future__ import annotations
 import dataclasses
 import resource
 import statistics
-import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
-from bench.ranks import launch, max_over_ranks, mem_available
+from bench.ranks import launch, max_over_ranks, mem_available, timed_over_ranks
 from engine.llama_spec import LlamaConfig, llama_shard_specs
 from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.expert_reshard import ExpertResharder
@@ -105,13 +104,6 @@ def _fill(t: torch.Tensor, name: str) -> None:
     t.fill_(zlib.crc32(name.encode()) % 251 - 125)
 
 
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return max_over_ranks(time.perf_counter() - t0)
-
-
 def _layer_blocks(ours: ExpertResharder, experts: list[ShardSpec]) -> list[torch.Tensor]:
     """Each layer's training experts, filled with :func:`_fill`, as one contiguous block of
     the expert buffer (what the full gather sends)."""
@@ -148,9 +140,6 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     received = ours.minimum_received_bytes()
     piece = -(-received // (world - 1))  # raw: every rank receives ``received`` bytes (rounded up)
 
-    def hybridflow():
-        ours.to_generation()
-
     def full_gather():
         for block in blocks:  # one layer at a time, dropped after use
             out = torch.empty(block.numel() * len(ep_group), dtype=block.dtype)
@@ -167,8 +156,8 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     times = {"hybridflow": [], "dense": [], "full_gather": [], "raw": []}
     stats = dense_stats = None
     for it in range(cfg["repeat"] + 1):
-        times["dense"].append(_timed(dense.to_generation))
-        times["hybridflow"].append(_timed(hybridflow))
+        times["dense"].append(timed_over_ranks(dense.to_generation))
+        times["hybridflow"].append(timed_over_ranks(ours.to_generation))
         stats, dense_stats = ours.accounting(), dense.accounting()
         if it == 0:
             for name, t in ours.generation_experts().items():
@@ -176,8 +165,8 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
                 assert float(t.flatten()[0]) == want == float(t.flatten()[-1]), name
         ours.to_training()
         dense.to_training()
-        times["full_gather"].append(_timed(full_gather))
-        times["raw"].append(_timed(raw))
+        times["full_gather"].append(timed_over_ranks(full_gather))
+        times["raw"].append(timed_over_ranks(raw))
     expert_bytes = sum(s.nbytes for s in experts)
     return {
         "times": {k: statistics.median(v[1:]) for k, v in times.items()},

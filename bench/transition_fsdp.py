@@ -19,13 +19,12 @@ JSON keys: ``ratio_vs_full_gather`` and ``ratio_vs_raw`` (time ratios), ``bytes_
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.ranks import launch, max_over_ranks
+from bench.ranks import launch, max_over_ranks, timed_over_ranks
 from hybridflow_comm.interop.fsdp import from_fsdp
 from hybridflow_comm.shard_spec import ShardSpec
 
@@ -39,13 +38,6 @@ def _model(specs: list[ShardSpec]) -> nn.Module:
         model.params[s.name.replace(".", "_")] = nn.Parameter(
             torch.randn(s.shape, generator=g).to(s.dtype))
     return model
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return max_over_ranks(time.perf_counter() - t0)
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:
@@ -81,7 +73,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for it in range(cfg["repeat"] + 1):
         for name, fn in fns.items():
-            t = _timed(fn)
+            t = timed_over_ranks(fn)
             if it:
                 times[name].append(t)
     # Correctness once: the generation shards against the gathered full state dict.

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
-from hybridflow_comm.layout import (Groups, HybridLayout, ParallelLayout, _check_sizes,
-                                    _divisors, _sorted, parse_sizes)
+from hybridflow_comm.layout import (Groups, HybridLayout, _check_sizes, _divisors, _sorted,
+                                    add_layout_arguments, layout_from_arguments)
 
 
 class ExpertCoords(NamedTuple):
@@ -218,17 +218,14 @@ class ExpertLayout:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridflow_comm.expert_layout",
                                      description="Print the expert groups of a layout.")
-    parser.add_argument("--train", required=True, help="PP,TP,DP of the training layout")
-    parser.add_argument("--gen", required=True, help="PP_G,TP_G of the generation layout")
+    add_layout_arguments(parser)
     parser.add_argument("--experts", type=int, required=True, help="experts per layer")
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--gen-ep", type=int, default=1)
     args = parser.parse_args(argv)
     try:
-        pp, tp, dp = parse_sizes(args.train, ("pp", "tp", "dp"))
-        pp_g, tp_g = parse_sizes(args.gen, ("pp_g", "tp_g"))
-        hl = HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
-        layout = ExpertLayout(hl, args.experts, ep=args.ep, gen_ep=args.gen_ep)
+        layout = ExpertLayout(layout_from_arguments(args), args.experts, ep=args.ep,
+                              gen_ep=args.gen_ep)
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from hybridflow_comm.groups import Group, HybridGroups
 from hybridflow_comm.reshard import Resharder
 from hybridflow_comm.shard_spec import ShardSpec, hf_named
 from hybridflow_comm.transition import (BUCKET_BYTES, LABEL, TransitionStats, agree_on_specs,
-                                        check_bucket_bytes)
+                                        check_bucket_bytes, measured_transition)
 
 __all__ = ["ExpertPlan", "ExpertResharder", "MoeResharder", "expert_slot_specs",
            "plan_expert_transfers", "piece_of"]
@@ -211,8 +211,14 @@ class ExpertResharder:
         """Receive every missing expert piece; returns this rank's stats."""
         if self.mode != "training":
             raise RuntimeError(f"to_generation() called in {self.mode} mode")
-        sent0, recv0, calls0 = self.ledger.snapshot(LABEL)
-        t0 = time.perf_counter()
+        self._last = measured_transition(self.ledger, self.method, self.version + 1,
+                                         self.gen_nbytes(), self._exchange_pieces)
+        self.version += 1
+        self.mode = "generation"
+        return self._last
+
+    def _exchange_pieces(self) -> int:
+        """Every bucket's messages; returns the most bytes one bucket staged."""
         staged_peak = 0
         for sends, recvs in self._buckets:
             out, staged = [], 0
@@ -226,16 +232,7 @@ class ExpertResharder:
             staged_peak = max(staged_peak, staged)
             for work in comm.exchange_(out, into, self.world, self.ledger, LABEL):
                 work.wait()
-        elapsed = time.perf_counter() - t0
-        self.version += 1
-        self.mode = "generation"
-        sent1, recv1, calls1 = self.ledger.snapshot(LABEL)
-        self._last = TransitionStats(
-            method=self.method, version=self.version, sent_bytes=sent1 - sent0,
-            received_bytes=recv1 - recv0, calls=calls1 - calls0,
-            peak_weight_bytes=self.gen_nbytes() + staged_peak, redundant_bytes=staged_peak,
-            time_s=elapsed)
-        return self._last
+        return staged_peak
 
     def to_training(self, release: bool = True) -> int:
         """Back to training; returns the bytes of the received pieces' pages released."""

@@ -303,16 +303,26 @@ def parse_sizes(text: str, names: tuple[str, ...]) -> tuple[int, ...]:
         raise ValueError(f"expected {','.join(names).upper()} as ints, got {text!r}") from None
 
 
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--train PP,TP,DP`` and ``--gen PP_G,TP_G`` (read by :func:`layout_from_arguments`)."""
+    parser.add_argument("--train", required=True, help="PP,TP,DP of the training layout")
+    parser.add_argument("--gen", required=True, help="PP_G,TP_G of the generation layout")
+
+
+def layout_from_arguments(args: argparse.Namespace) -> HybridLayout:
+    """The HybridLayout of ``--train`` and ``--gen``; ValueError/TypeError naming a bad size."""
+    pp, tp, dp = parse_sizes(args.train, ("pp", "tp", "dp"))
+    pp_g, tp_g = parse_sizes(args.gen, ("pp_g", "tp_g"))
+    return HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridflow_comm.layout",
                                      description="Print the training and generation groups.")
-    parser.add_argument("--train", required=True, help="PP,TP,DP of the training layout")
-    parser.add_argument("--gen", required=True, help="PP_G,TP_G of the generation layout")
+    add_layout_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        pp, tp, dp = parse_sizes(args.train, ("pp", "tp", "dp"))
-        pp_g, tp_g = parse_sizes(args.gen, ("pp_g", "tp_g"))
-        layout = HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
+        layout = layout_from_arguments(args)
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

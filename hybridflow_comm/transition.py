@@ -149,17 +149,10 @@ class HybridWeights:
         """
         if self.mode != "training":
             raise RuntimeError(f"to_generation() called in {self.mode} mode")
-        sent0, recv0, calls0 = self.ledger.snapshot(LABEL)
-        t0 = time.perf_counter()
-        peak = self.buffer.gen_nbytes + fill_generation_slots()
-        elapsed = time.perf_counter() - t0
+        stats = measured_transition(self.ledger, self.method, self.version + 1,
+                                    self.buffer.gen_nbytes, fill_generation_slots)
         self.version += 1
         self.mode = "generation"
-        sent1, recv1, calls1 = self.ledger.snapshot(LABEL)
-        stats = TransitionStats(
-            method=self.method, version=self.version, sent_bytes=sent1 - sent0,
-            received_bytes=recv1 - recv0, calls=calls1 - calls0, peak_weight_bytes=peak,
-            redundant_bytes=peak - self.buffer.gen_nbytes, time_s=elapsed)
         if self.verify_every:
             self.verify()
         return stats
@@ -236,6 +229,22 @@ class HybridWeights:
             spec = self.spec(s.name)
             logical = stacked_to_logical(self.buffer.gen_view(s.name), spec)
             yield from hf_named(s.name, logical, spec.hf_names if hf_names else (), spec.fusion)
+
+
+def measured_transition(ledger: CommLedger, method: str, version: int, gen_nbytes: int,
+                        fill: Callable[[], int]) -> TransitionStats:
+    """Run ``fill`` (it moves bytes under :data:`LABEL` of ``ledger`` and returns the scratch
+    bytes it held at its peak) and return this rank's stats of it, the generation weights
+    being ``gen_nbytes`` and the new weight version ``version``."""
+    sent0, recv0, calls0 = ledger.snapshot(LABEL)
+    t0 = time.perf_counter()
+    peak = gen_nbytes + fill()
+    elapsed = time.perf_counter() - t0
+    sent1, recv1, calls1 = ledger.snapshot(LABEL)
+    return TransitionStats(
+        method=method, version=version, sent_bytes=sent1 - sent0,
+        received_bytes=recv1 - recv0, calls=calls1 - calls0, peak_weight_bytes=peak,
+        redundant_bytes=peak - gen_nbytes, time_s=elapsed)
 
 
 def agree_on_specs(desc: list[tuple], world: Group, ledger: CommLedger,

@@ -15,27 +15,17 @@ from hybridflow_comm.expert_layout import ExpertLayout, Piece, main
 from hybridflow_comm.expert_reshard import check_expert_specs, plan_expert_transfers
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec
+from tests.test_layout import _divisors, all_hybrid_layouts
 
 NUM_EXPERTS = 16
 
 
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def all_expert_layouts(max_world=16):
-    for world in range(2, max_world + 1):
-        for pp in _divisors(world):
-            for tp in _divisors(world // pp):
-                dp = world // (pp * tp)
-                for pp_g in _divisors(pp):
-                    for tp_g in _divisors(tp):
-                        hl = HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
-                        for ep in _divisors(tp * dp):
-                            if ep == 1:
-                                continue
-                            for gen_ep in _divisors(ep):  # 2 experts per EP rank
-                                yield ExpertLayout(hl, 2 * ep, ep=ep, gen_ep=gen_ep)
+    """Every hybrid layout of tests/test_layout.py with every ep > 1 and gen_ep | ep."""
+    for hl in all_hybrid_layouts(max_world):
+        for ep in _divisors(hl.train.tp * hl.train.dp)[1:]:
+            for gen_ep in _divisors(ep):  # 2 experts per EP rank
+                yield ExpertLayout(hl, 2 * ep, ep=ep, gen_ep=gen_ep)
 
 
 LAYOUTS = list(all_expert_layouts())
