@@ -83,8 +83,10 @@ at::Tensor alloc_paged(int64_t nbytes) {
   const int64_t page = page_size();
   const int64_t len = std::max<int64_t>(page, (nbytes + page - 1) / page * page);
 #ifdef HYBRIDFLOW_HAVE_MMAP
-  // Large buffers are 2 MiB aligned and ask for transparent huge pages: re-creating released
-  // slots at a transition then faults 2 MiB at a time instead of 4 KiB.
+  // Large buffers are 2 MiB aligned, so a kernel that backs memory with transparent huge pages
+  // by default can.  They do not advise MADV_HUGEPAGE: under the common defrag=madvise setting
+  // an advised fault compacts memory synchronously, and the generation-only pages are released
+  // and faulted in again at every transition, after other large allocations.
   constexpr int64_t kHuge = 2 << 20;
   const bool huge = len >= kHuge;
   const int64_t map_len = huge ? len + kHuge : len;
@@ -95,9 +97,6 @@ at::Tensor alloc_paged(int64_t nbytes) {
   if (huge) {
     const auto addr = reinterpret_cast<uintptr_t>(base);
     ptr = reinterpret_cast<void*>((addr + kHuge - 1) / kHuge * kHuge);
-#ifdef MADV_HUGEPAGE
-    madvise(ptr, static_cast<size_t>(len), MADV_HUGEPAGE);  // a hint: failure is harmless
-#endif
   }
   auto deleter = [base, map_len](void*) { munmap(base, static_cast<size_t>(map_len)); };
 #else
