@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.hf_families import family, family_of_hf
-from engine.hf_shards import hf_reads, hf_shapes, shard_parts
+from engine.hf_shards import hf_shapes, shard_parts
 from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig
 from engine.model import ParallelLlama, refuse_expert_parallel
@@ -175,12 +175,11 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
     the folder's architecture differs from ``model.config`` or a tensor has another shape
     (checked before anything is copied).
     """
-    refuse_expert_parallel(model, "load_hf_checkpoint")
     _check_checkpoint(model, folder)
     files = _tensor_files(folder)
     plan = []
     for spec in model.local_specs:
-        reads = hf_reads(spec, model.layout, model.groups.rank)
+        reads = model.hf_reads(spec)
         if spec.name == "value_head" and (not load_head or reads[0].hf_name not in files):
             continue  # a causal-LM checkpoint has no value head: keep the initialised one
         missing = [r.hf_name for r in reads if r.hf_name not in files]
@@ -311,9 +310,14 @@ def global_on_rank0(model: ParallelLlama, spec: ShardSpec,
                     params: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The global tensor of ``spec`` on layout rank 0 (None elsewhere): gathered to TP rank 0
     of its stage, then sent to rank 0 from another stage.  Collective over the DP-rank-0
-    replica; every member calls it for every spec, in the same order.  ``params``: where
-    the shards are (default the model's parameters; its adapters for an adapter spec)."""
+    replica (under expert parallelism over every rank: an expert's holder may be in any
+    replica); every rank calls it for every spec, in the same order.  ``params``: where the
+    shards are (default the model's parameters; its adapters for an adapter spec)."""
     g, c = model.groups, model.coords
+    if model.experts is not None and spec.expert is not None:
+        return _expert_on_rank0(model, spec, params)
+    if c.dp != 0:
+        return None
     if spec.stage != c.pp:
         if c.pp == 0 and c.tp == 0:
             t = torch.empty(spec.shape, dtype=spec.dtype, device=model.buffer.device)
@@ -336,6 +340,25 @@ def global_on_rank0(model: ParallelLlama, spec: ShardSpec,
     return full
 
 
+def _expert_on_rank0(model: ParallelLlama, spec: ShardSpec,
+                     params: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+    """A whole expert of an expert-parallel model on layout rank 0: its holder at expert-DP
+    rank 0 sends it over the layout's world group."""
+    layout, world, me = model.experts.layout, model.groups.world, model.groups.rank
+    src = layout.rank(stage=spec.stage, ep=spec.expert // (layout.num_experts // layout.ep),
+                      etp=0, edp=0)
+    if me == src:
+        full = (model.params if params is None else params)[spec.name].detach()
+        if me == 0:
+            return full
+        dist.send(full.contiguous(), dst=world.ranks[0], group=world.pg)
+    elif me == 0:
+        t = torch.empty(spec.shape, dtype=spec.dtype, device=model.buffer.device)
+        dist.recv(t, src=world.ranks[src], group=world.pg)
+        return t
+    return None
+
+
 def stream_hf_checkpoint(model: ParallelLlama, folder: str,
                          delta: Callable[[str], torch.Tensor | None] | None = None) -> None:
     """:func:`save_hf_checkpoint` with bounded memory (collective; layout rank 0 writes).
@@ -347,12 +370,12 @@ def stream_hf_checkpoint(model: ParallelLlama, folder: str,
     merged LoRA adapters (:func:`engine.peft_interop.save_merged`); added in float32.
     """
     c = model.coords
-    if c.dp != 0:
+    if c.dp != 0 and model.experts is None:
         return
     specs = _exported_specs(model)
     with contextlib.ExitStack() as stack:
         out = None
-        if c.pp == 0 and c.tp == 0:
+        if c.pp == 0 and c.tp == 0 and c.dp == 0:
             os.makedirs(folder, exist_ok=True)
             config_to_hf(model.config, model.head).save_pretrained(folder)
             out = stack.enter_context(open(os.path.join(folder, SINGLE_FILE), "wb"))

@@ -29,10 +29,11 @@ from typing import Protocol
 import torch
 
 from engine.generation import GenerationEngine, GenerationOutput, check_prompts
-from engine.model import ParallelLlama, refuse_expert_parallel
+from engine.model import ParallelLlama
 from engine.sampling import SamplingParams, derive_seed
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.comm import all_gather_tensor
+from hybridflow_comm.expert_reshard import MoeResharder
 from hybridflow_comm.reshard import Resharder, TransitionStats
 
 
@@ -81,13 +82,15 @@ class HybridEngine:
         if train is not None and (optim is not None or train.model is not model):
             raise ValueError("HybridEngine(train=...) takes the training engine of this model "
                              "and no optim (the engine has its own)")
-        refuse_expert_parallel(model, "HybridEngine")
+        _check_expert_generation(model)
         self.model = model
         self.groups = model.groups
         self.layout = model.groups.layout
         self.train = train if train is not None else TrainEngine(model, optim)
         self.resharder = Resharder(model.specs, model.groups, verify_every=verify,
-                                   buffer=model.buffer)
+                                   buffer=model.buffer) if model.experts is None else \
+            MoeResharder(model.specs, model.groups, model.experts.layout, verify_every=verify,
+                         buffer=model.buffer, expert_buffer=model.expert_buffer)
         # LoRA: the frozen base moves once and its generation slots are kept; the adapters
         # (a flat buffer of their own) move at every transition
         self.adapter_resharder = (Resharder(model.adapter_specs, model.groups,
@@ -195,6 +198,22 @@ class HybridEngine:
             prompt_length=mine.prompt_length,
             stats={**mine.stats, "gather_time_s": time.perf_counter() - t0})
         return gathered
+
+
+def _check_expert_generation(model: ParallelLlama) -> None:
+    """ValueError (before any collective) for an expert-parallel model whose generation
+    layout splits the experts over generation EP ranks, or with LoRA adapters: generation
+    runs every expert of a layer on each generation TP group (``gen_ep = 1``)."""
+    if model.experts is None:
+        return
+    lay = model.experts.layout
+    if lay.gen_ep > 1:
+        raise ValueError(f"HybridEngine: generation with expert parallelism (gen_ep="
+                         f"{lay.gen_ep}) is not supported yet; set gen_ep=1 (the experts are "
+                         f"then split over the generation TP ranks)")
+    if model.lora is not None:
+        raise ValueError(f"HybridEngine: LoRA adapters with expert parallelism (ep={lay.ep}) "
+                         f"are not supported; train with ep=1")
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:

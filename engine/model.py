@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.expert_parallel import ExpertParallel
+from engine.hf_shards import HFRead, hf_reads
 from engine.layers import PackedSeqs, RouteTrace, RouterLoss, add_loss_gradient, \
     causal_mask, decoder_layer, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
@@ -33,6 +34,7 @@ from engine.tp_ops import column_linear, linear_log_prob_entropy, vocab_embeddin
 from hybridflow_comm.flat_buffer import FlatParamBuffer
 from hybridflow_comm.expert_reshard import expert_slot_specs
 from hybridflow_comm.groups import ExpertGroups, HybridGroups
+from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs, train_shard
 
 
@@ -126,6 +128,14 @@ class ParallelLlama(nn.Module):
             self.experts.layout.train_experts(self.groups.rank)
         return [s for s in self.specs if s.stage == self.stage
                 and (held is None or s.expert is None or s.expert in held)]
+
+    def hf_reads(self, spec: ShardSpec) -> list[HFRead] | None:
+        """The HF blocks this rank reads for its training tensor of ``spec`` (None: another
+        stage's); a whole expert under expert parallelism is one whole block per HF tensor
+        (:func:`engine.hf_shards.hf_reads`)."""
+        if self.experts is not None and spec.expert is not None:  # as one rank of its stage
+            return hf_reads(spec, ParallelLayout(self.layout.pp, 1, 1), self.stage)
+        return hf_reads(spec, self.layout, self.groups.rank)
 
     def train_shard(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         """This rank's training shard of the global tensor ``full`` of ``spec`` (a whole

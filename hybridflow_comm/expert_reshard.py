@@ -278,6 +278,10 @@ class MoeResharder:
         groups: this rank's groups for ``experts.hybrid``.
         experts: the experts' layout (``ep > 1``).
         bucket_bytes / ledger / device: as for both transitions.
+        buffer: the dense weights' flat buffer (e.g. the training model's; default a new one).
+        expert_buffer: the experts' (built from :func:`expert_slot_specs`; default a new one).
+        verify_every: checksum-verify the dense generation weights after every transition
+            (:class:`~hybridflow_comm.reshard.Resharder`).
 
     Collective over the layout's ranks (both transitions agree on their specs).
     """
@@ -286,15 +290,19 @@ class MoeResharder:
 
     def __init__(self, specs: list[ShardSpec], groups: HybridGroups, experts: ExpertLayout, *,
                  bucket_bytes: int = BUCKET_BYTES, ledger: CommLedger | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 buffer: FlatParamBuffer | None = None,
+                 expert_buffer: FlatParamBuffer | None = None,
+                 verify_every: bool = False) -> None:
         if experts.hybrid != groups.layout:
             raise ValueError(f"expert layout over {experts.hybrid}, groups over {groups.layout}")
         check_expert_specs([s for s in specs if s.expert is not None], experts)  # local first
         self.dense = Resharder([s for s in specs if s.expert is None], groups,
-                               bucket_bytes=bucket_bytes, ledger=ledger, device=device)
+                               bucket_bytes=bucket_bytes, ledger=ledger, device=device,
+                               buffer=buffer, verify_every=verify_every)
         self.weights = self.dense.weights
         expert_specs = [s for s in specs if s.expert is not None]
-        self.experts = ExpertResharder(expert_specs, experts, groups.world,
+        self.experts = ExpertResharder(expert_specs, experts, groups.world, buffer=expert_buffer,
                                        device=self.dense.buffer.device,
                                        bucket_bytes=bucket_bytes, ledger=self.weights.ledger)
         self._spec = {s.name: s for s in expert_specs}
@@ -304,13 +312,22 @@ class MoeResharder:
     def version(self) -> int:
         return self.dense.version
 
+    @property
+    def mode(self) -> str:
+        return self.dense.mode
+
     def train_view(self, name: str) -> torch.Tensor:
         """This rank's training tensor ``name`` (a whole expert, or a dense training shard)."""
         home = self.experts.buffer if name in self._spec else self.dense.buffer
         return home.train_view(name)
 
-    def to_generation(self) -> TransitionStats:
-        """Both transitions; the stats add up (time: the whole call's)."""
+    def to_generation(self, refill: bool = True) -> TransitionStats:
+        """Both transitions; the stats add up (time: the whole call's).  ``refill=False``
+        (the weights have not changed since the last transition) is refused: the experts'
+        received pieces are always released on the way back to training."""
+        if not refill:
+            raise ValueError("MoeResharder.to_generation(refill=False): the experts move at "
+                             "every transition")
         t0 = time.perf_counter()
         a, b = self.dense.to_generation(), self.experts.to_generation()
         self._last = TransitionStats(
@@ -329,6 +346,11 @@ class MoeResharder:
 
     def minimum_received_bytes(self) -> int:
         return self.dense.minimum_received_bytes() + self.experts.minimum_received_bytes()
+
+    def generation_params(self) -> dict[str, torch.Tensor]:
+        """This rank's generation tensors by spec name: the dense ones' (views of the
+        generation layout, :meth:`HybridWeights.generation_params`) and its experts'."""
+        return {**self.dense.generation_params(), **self.experts.generation_experts()}
 
     def named_generation_weights(self, hf_names: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's generation weights, the dense ones' then its experts' (fused experts
