@@ -288,8 +288,9 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
 
     def group(role: str, cls: type, *args) -> WorkerGroup:
         # the programs read every output: values come with the replies (no fetch round trip)
+        experts = p[role].experts(cfg.model_of(role).llama().num_experts)
         return ctl.group(cls, p[role].layout, pool=list(p[role].pool), name=role, args=args,
-                         values_in_replies=True)
+                         values_in_replies=True, experts=experts)
 
     actor = group("actor", ActorWorker if plan.rollout is None else PushingActorWorker,
                   actor_spec(cfg, plan))

@@ -133,15 +133,21 @@ class LayoutConfig:
     """Generation pipeline stages (actor only); 0 = pp.  Must divide pp."""
     gen_tp: int = 0
     """Generation tensor shards (actor only); 0 = tp.  Must divide tp."""
+    ep: int = 1
+    """Expert-parallel ranks of a mixture of experts: each trains ``num_experts / ep`` whole
+    experts, folded over the ``tp x dp`` ranks of its stage (tokens move by all-to-all)."""
+    gen_ep: int = 1
+    """Generation expert-parallel ranks (actor only; must divide ep).  1: every generation
+    TP group holds every expert, split over gen_tp (the only value supported yet)."""
 
     def __post_init__(self) -> None:
-        check_positive(pp=self.pp, tp=self.tp)
+        check_positive(pp=self.pp, tp=self.tp, ep=self.ep, gen_ep=self.gen_ep)
         for name in ("dp", "gen_pp", "gen_tp"):
             v = getattr(self, name)
             if isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name}={v!r} must be >= 0 (0 = derive it)")
         check_at_most(MAX_COUNT, pp=self.pp, tp=self.tp, dp=self.dp, gen_pp=self.gen_pp,
-                      gen_tp=self.gen_tp)
+                      gen_tp=self.gen_tp, ep=self.ep, gen_ep=self.gen_ep)
 
 
 @dataclass(frozen=True)

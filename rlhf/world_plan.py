@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow_comm.expert_layout import ExpertLayout
 from rlhf.config import Config
 from rlhf.config_checks import divisors
 from rlhf.programs import algorithm
@@ -43,6 +44,10 @@ class RolePlan:
     grad_accum: int
     """Micro-batches per optimizer step on one DP rank (trained roles with fixed micro-batches;
     0 otherwise: none, or set per mini-batch by the token budget with use_dynamic_bsz)."""
+    ep: int = 1
+    """Expert-parallel ranks of a mixture of experts (1: none)."""
+    gen_ep: int = 1
+    """Generation expert-parallel ranks."""
 
     @property
     def layout(self):
@@ -50,6 +55,13 @@ class RolePlan:
         from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
         return HybridLayout(ParallelLayout(self.pp, self.tp, self.dp), self.gen_pp, self.gen_tp)
+
+    def experts(self, num_experts: int) -> ExpertLayout | None:
+        """The role's :class:`hybridflow_comm.expert_layout.ExpertLayout` for a mixture of
+        ``num_experts`` experts when it splits them over EP ranks (``ep > 1``), else None."""
+        if self.ep == 1:
+            return None
+        return ExpertLayout(self.layout, num_experts, ep=self.ep, gen_ep=self.gen_ep)
 
     @property
     def dp_g(self) -> int:
@@ -141,6 +153,7 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
             raise ValueError(f"{role}.layout: {e}") from None
         if role == "actor" and "rollout" in pools:  # the rollout pool generates: the actor
             gen_pp, gen_tp = lay.pp, lay.tp           # holds training state only (no gen slots)
+        ep, gen_ep = _check_experts(config, role, dp, gen_pp, gen_tp)
         accum = 0
         if role in TRAINED_ROLES and config.role(role).use_dynamic_bsz:
             if d.mini_batch_size % dp:  # micro-batches by tokens: only the rows must split
@@ -157,7 +170,8 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
             accum = d.mini_batch_size // per_step
         _check_rollout_split(config, dp, role, f"dp={dp} replicas")
         plans[role] = RolePlan(pool=pools[of_role[role]], pp=lay.pp, tp=lay.tp, dp=dp,
-                               gen_pp=gen_pp, gen_tp=gen_tp, grad_accum=accum)
+                               gen_pp=gen_pp, gen_tp=gen_tp, grad_accum=accum, ep=ep,
+                               gen_ep=gen_ep)
     rollout = _rollout_plan(config, pools["rollout"]) if "rollout" in pools else None
     if rollout is None:  # the actor generates: its own generation replicas take the batch
         _check_generation_split(config, plans["actor"].dp_g)
@@ -167,6 +181,41 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
             raise ValueError(f"{role}: model max_seq_len={config.model_of(role).seq_len} < "
                              f"max_prompt_len + max_response_len = {need}")
     return WorldPlan(world_size, pools, plans, rollout)
+
+
+def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
+                   ) -> tuple[int, int]:
+    """``(ep, gen_ep)`` of the role, checked against its model and layout (ValueError naming
+    the values): a mixture of experts whose experts ``ep`` splits evenly, over ranks its
+    ``tp x dp`` folds, with what is wired for expert parallelism."""
+    lay = config.role(role).layout
+    if lay.gen_ep != 1 and role != "actor":
+        raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep}: only the actor generates; "
+                         f"leave it at 1")
+    if lay.ep == 1 and lay.gen_ep == 1:
+        return 1, 1
+    experts = config.model_of(role).llama().num_experts
+    if not experts:
+        raise ValueError(f"{role}.layout.ep={lay.ep}, gen_ep={lay.gen_ep} but the model has no "
+                         f"experts (num_experts=0); leave them at 1")
+    if lay.gen_ep > 1:
+        raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep}: generation with expert "
+                         f"parallelism is not supported yet; set gen_ep=1 (each generation TP "
+                         f"group then holds every expert, split over gen_tp)")
+    unsupported = {"placement.mode=disaggregated": config.placement.mode == "disaggregated",
+                   f"{role}.lora.rank > 0": role == "actor" and bool(config.actor.lora.rank),
+                   "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
+    for what, on in unsupported.items():
+        if on:
+            raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
+                             f"set ep=1")
+    try:
+        hybrid = RolePlan(pool=(), pp=lay.pp, tp=lay.tp, dp=dp, gen_pp=gen_pp, gen_tp=gen_tp,
+                          grad_accum=0).layout
+        ExpertLayout(hybrid, experts, ep=lay.ep, gen_ep=lay.gen_ep)
+    except ValueError as e:
+        raise ValueError(f"{role}.layout: {e}") from None
+    return lay.ep, lay.gen_ep
 
 
 def _generation_layout(config: Config, role: str) -> tuple[int, int]:

@@ -133,6 +133,36 @@ def test_layout_errors():
         validate_for_world(load_config([]), 0)
 
 
+def test_expert_parallel_layouts():
+    moe = ["actor.model.num_experts=4", "algo=grpo", "actor.layout.tp=1"]
+    plan = validate_for_world(load_config(moe + ["actor.layout.ep=2", "reference.layout.ep=4",
+                                                 "reference.layout.tp=1"]), 4)
+    actor, ref = plan.roles["actor"], plan.roles["reference"]
+    assert (actor.ep, actor.gen_ep, ref.ep) == (2, 1, 4)
+    lay = actor.experts(4)
+    assert (lay.hybrid, lay.ep, lay.gen_ep) == (actor.layout, 2, 1)
+    assert validate_for_world(load_config(moe), 4).roles["actor"].experts(4) is None
+    refused = {"actor.layout.ep=2, gen_ep=1 but the model has no experts":
+               ["algo=grpo", "actor.layout.ep=2"],
+               "actor.layout: ep=3 must divide the tp x dp = 4 ranks":
+               moe + ["actor.layout.ep=3"],
+               "actor.layout: ep=8 must divide the tp x dp = 4 ranks": moe + ["actor.layout.ep=8"],
+               "actor.layout.gen_ep=2: generation with expert parallelism is not supported yet":
+               moe + ["actor.layout.ep=2", "actor.layout.gen_ep=2"],
+               "reference.layout.gen_ep=2: only the actor generates":
+               moe + ["reference.layout.gen_ep=2"],
+               r"actor.layout.ep=2 with actor.lora.rank > 0 is not supported yet":
+               moe + ["actor.layout.ep=2", "actor.lora.rank=4"],
+               "actor.layout.ep=2 with placement.mode=disaggregated is not supported yet":
+               moe + ["actor.layout.ep=2", "placement.mode=disaggregated",
+                      "placement.pool_sizes={actor: 2, rollout: 2}"]}
+    for message, overrides in refused.items():
+        with pytest.raises(ValueError, match=message):
+            validate_for_world(load_config(overrides), 4)
+    with pytest.raises(ValueError, match="ep=0 must be > 0"):
+        load_config(moe + ["actor.layout.ep=0"])
+
+
 def test_placements():
     cfg = load_config(["placement.mode=split", "placement.pool_sizes={actor: 2, critic: 2}"])
     plan = validate_for_world(cfg, 4)

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.layout import HybridLayout
 from rlhf.controller import wire
 from rlhf.controller.calls import CallState
@@ -215,11 +216,12 @@ class Controller:
     def group(self, worker_cls: type, layout: HybridLayout, pool: list[int] | None = None,
               name: str | None = None, args: tuple = (), kwargs: dict | None = None,
               collective_timeout_s: float | None = None,
-              values_in_replies: bool = False) -> WorkerGroup:
+              values_in_replies: bool = False, experts: ExpertLayout | None = None
+              ) -> WorkerGroup:
         """Create a worker group (see :class:`rlhf.controller.worker_group.WorkerGroup`)."""
         return WorkerGroup(self, worker_cls, layout, pool=pool, name=name, args=args,
                            kwargs=kwargs or {}, collective_timeout_s=collective_timeout_s,
-                           values_in_replies=values_in_replies)
+                           values_in_replies=values_in_replies, experts=experts)
 
     # Memory -------------------------------------------------------------------------------
     def take_memory(self) -> dict[str, dict[str, int]]:

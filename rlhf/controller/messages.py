@@ -170,6 +170,9 @@ class Create:
     """Keyword arguments of the worker's ``__init__``."""
     collective_timeout_s: float | None
     """Timeout of the role's process groups (None: the job's)."""
+    experts: tuple[int, int, int] | None = None
+    """``(num_experts, ep, gen_ep)`` of a role that splits a mixture's experts over EP ranks
+    (:class:`hybridflow_comm.expert_layout.ExpertLayout`); None: no expert groups."""
 
 
 @message

@@ -43,7 +43,9 @@ import torch
 import torch.distributed as dist
 
 from hybridflow_comm.devices import use_device
-from hybridflow_comm.groups import HybridGroups, build_hybrid_groups
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.groups import (ExpertGroups, HybridGroups, build_expert_groups,
+                                    build_hybrid_groups)
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.controller import wire
 from rlhf.controller.batch import Batch
@@ -64,6 +66,8 @@ class Worker:
         pool: global ranks of the role's resource pool (layout rank i = ``pool[i]``).
         rank: this worker's layout rank.
         groups: this worker's process groups for ``layout`` (training and generation side).
+        experts: its expert groups when the role splits a mixture's experts over EP ranks
+            (``ep > 1``), else None.
         device: the device this rank computes on (``run(device=...)``): build models and
             create tensors on it; the call arguments arrive on it.  A worker built outside
             the runtime (a test, a script) computes on the CPU.
@@ -74,6 +78,7 @@ class Worker:
     pool: tuple[int, ...]
     rank: int
     groups: HybridGroups
+    experts: ExpertGroups | None = None
     device: torch.device = torch.device("cpu")
 
     @property
@@ -192,14 +197,16 @@ class WorkerRuntime:
     # Commands ---------------------------------------------------------------------------------
     def _create(self, msg: Create) -> Done:
         layout = HybridLayout(ParallelLayout(*msg.train), *msg.gen)
-        groups = build_hybrid_groups(layout, list(msg.pool),
-                                     timeout_s=msg.collective_timeout_s
-                                     or self.collective_timeout_s)
+        timeout_s = msg.collective_timeout_s or self.collective_timeout_s
+        groups = build_hybrid_groups(layout, list(msg.pool), timeout_s=timeout_s)
+        experts = None if msg.experts is None else build_expert_groups(
+            ExpertLayout(layout, *msg.experts), list(msg.pool), timeout_s=timeout_s)
         if groups is not None:
             cls = import_worker(msg.worker)
             worker = cls.__new__(cls)
             worker.role, worker.layout, worker.pool = msg.role, layout, tuple(msg.pool)
             worker.rank, worker.groups, worker.device = groups.rank, groups, self.device
+            worker.experts = experts
             worker.__init__(*msg.args, **msg.kwargs)
             self.workers[msg.gid] = worker
         return Done(msg.cid, self.rank, None, False, None)

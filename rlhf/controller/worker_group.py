@@ -30,6 +30,7 @@ from collections import defaultdict
 from typing import Any, Callable, Generic, TypeVar
 
 from hybridflow_comm import _C
+from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.groups import check_pool
 from hybridflow_comm.layout import HybridLayout
 from rlhf.controller.batch import PAD_KEY, Batch
@@ -57,17 +58,21 @@ class WorkerGroup(Generic[W]):
             still keep it for later calls), so :meth:`Future.get` needs no fetch round trip;
             for programs that read every output (the RLHF programs).  Default: outputs stay
             on the workers until asked for.
+        experts: a mixture's expert layout over ``layout`` when the role splits its experts
+            over EP ranks: every rank also builds its expert groups (``Worker.experts``).
     """
 
     def __init__(self, controller: CallIssuer, worker_cls: type[W], layout: HybridLayout,
                  pool: list[int] | None = None, name: str | None = None, args: tuple = (),
                  kwargs: dict | None = None, collective_timeout_s: float | None = None,
-                 values_in_replies: bool = False) -> None:
+                 values_in_replies: bool = False, experts: ExpertLayout | None = None) -> None:
         if collective_timeout_s is not None and not collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
         path = worker_path(worker_cls)  # TypeError unless an importable Worker subclass
         if not isinstance(layout, HybridLayout):
             raise TypeError(f"layout must be a HybridLayout, got {layout!r}")
+        if experts is not None and experts.hybrid != layout:
+            raise ValueError(f"expert layout over {experts.hybrid}, role layout {layout}")
         self.pool = check_pool(layout, pool, controller.world_size)
         self._ctl = controller
         self.worker_cls = worker_cls
@@ -80,7 +85,9 @@ class WorkerGroup(Generic[W]):
         create = Create(cid=cid, gid=self.gid, worker=path, role=self.name, pool=self.pool,
                         train=(layout.train.pp, layout.train.tp, layout.train.dp),
                         gen=(layout.pp_g, layout.tp_g), args=tuple(args), kwargs=dict(kwargs or {}),
-                        collective_timeout_s=collective_timeout_s)
+                        collective_timeout_s=collective_timeout_s,
+                        experts=None if experts is None else
+                        (experts.num_experts, experts.ep, experts.gen_ep))
         msgs = dict.fromkeys(range(controller.world_size), create)
         controller.wait(controller.issue(f"{self.name}.__init__", msgs))
 

@@ -42,7 +42,7 @@ class PolicyWorker(CheckpointedWorker):
 
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
-        self.model = build_model(spec.model, self.groups, self.device)
+        self.model = build_model(spec.model, self.groups, self.device, self.experts)
         self.train = TrainEngine(self.model, spec.optim)
         # actor.loss.mode, else the algorithm's own registered policy loss
         self.pg_loss = get_policy_loss(spec.loss.mode or algorithm(spec.algo).policy_loss)
@@ -51,8 +51,10 @@ class PolicyWorker(CheckpointedWorker):
     @protocol(ONE_TO_ALL)
     def weight_bytes(self) -> int:
         """Bytes of weights this rank's flat buffer holds: its training shard plus, on an
-        actor that generates, the other slots of its generation shard."""
-        return self.model.buffer.gen_nbytes
+        actor that generates, the other slots of its generation shard (and of its experts'
+        buffer under expert parallelism)."""
+        experts = self.model.expert_buffer
+        return self.model.buffer.gen_nbytes + (0 if experts is None else experts.gen_nbytes)
 
     @protocol(THREE_D_PROTO, phase="log_probs")
     def compute_log_prob(self, batch: Batch) -> Batch | None:
@@ -207,7 +209,7 @@ class ReferenceWorker(CheckpointedWorker):
 
     def __init__(self, spec: ReferenceSpec) -> None:
         self.spec = spec
-        self.model = build_model(spec.model, self.groups, self.device)
+        self.model = build_model(spec.model, self.groups, self.device, self.experts)
         self.engine = TrainEngine(self.model, frozen=True)
         self.checkpoint = ShardCheckpoint(self.model)
 

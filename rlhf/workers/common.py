@@ -21,26 +21,27 @@ import torch
 import torch.distributed as dist
 
 from engine.hf_interop import load_hf_checkpoint
-from engine.hf_shards import hf_reads, shard_parts
+from engine.hf_shards import shard_parts
 from engine.llama_spec import init_full_state_dict
 from engine.micro_batches import count_micro_batches, partition_by_tokens
 from engine.lora import init_lora_state_dict
-from engine.model import (ParallelLlama, load_adapter_state_dict, load_full_state_dict,
-                          refuse_expert_parallel)
+from engine.model import ParallelLlama, load_adapter_state_dict, load_full_state_dict
 from engine.peft_interop import read_peft_adapter
 from engine.train import TrainEngine
-from hybridflow_comm.groups import Group, HybridGroups
+from hybridflow_comm.groups import ExpertGroups, Group, HybridGroups
 from rlhf.algos import agg_count, agg_denominator
 from rlhf.checkpoint import MOMENTS, OPTIM_STEP, Block, ShardedSave, load_blocks, moment_key
 from rlhf.controller import ONE_TO_ALL, Batch, Worker, protocol
 from rlhf.workers.specs import ModelSpec, UpdateSpec
 
 
-def build_model(args: ModelSpec, groups: HybridGroups,
-                device: torch.device | None = None) -> ParallelLlama:
+def build_model(args: ModelSpec, groups: HybridGroups, device: torch.device | None = None,
+                experts: ExpertGroups | None = None) -> ParallelLlama:
     """This rank's :class:`ParallelLlama` on ``device`` (default cpu), initialised from
-    ``args`` (deterministic: the initial weights are drawn on the host, then copied)."""
-    model = ParallelLlama(args.config, groups, head=args.head, device=device, lora=args.lora)
+    ``args`` (deterministic: the initial weights are drawn on the host, then copied);
+    ``experts``: its expert groups when the role splits the experts over EP ranks."""
+    model = ParallelLlama(args.config, groups, head=args.head, device=device, lora=args.lora,
+                          experts=experts)
     load_full_state_dict(model, init_full_state_dict(args.config, args.seed, args.head))
     if args.init_from:
         load_hf_checkpoint(model, args.init_from, load_head=not args.fresh_head)
@@ -216,11 +217,10 @@ def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: 
     :func:`engine.hf_shards.hf_reads` reads for this rank; a tied LM-head copy (pp > 1) names
     the embedding's boxes, so DCP keeps one of the two.
     """
-    refuse_expert_parallel(model, "sharded checkpoints")
     out = {}
     for spec in (model.local_specs if specs is None else specs):
         parts = shard_parts(spec, shards[spec.name].detach())
-        for r in hf_reads(spec, model.layout, model.groups.rank):
+        for r in model.hf_reads(spec):
             sizes = tuple(s.stop - s.start for s in r.index)
             part = parts[r.part]
             try:

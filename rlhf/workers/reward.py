@@ -41,7 +41,8 @@ class _ScoreWorker(CheckpointedWorker):
         self.args = args
         self.tokenizer = load_tokenizer(args.tokenizer)
         self.function = FunctionReward(args.function) if args.function else None
-        self.model = build_model(args.model, self.groups, self.device) if args.model else None
+        self.model = build_model(args.model, self.groups, self.device, self.experts) \
+            if args.model else None
         self.engine = TrainEngine(self.model, frozen=True) if self.model is not None else None
         self.checkpoint = ShardCheckpoint(self.model)  # no model: nothing to save
         self.rules = CompositeReward.from_weights(args.rule_weights) \
