@@ -23,7 +23,8 @@ from rlhf.planner.report import format_best, format_table, mapping_to_dict
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlhf.plan", description=__doc__.split("\n")[0])
     p.add_argument("--algo", default="ppo", choices=DATAFLOWS)
-    p.add_argument("--model", default="7b", help="actor preset: 7b, 13b, 34b, 70b, tiny, tiny-4l")
+    p.add_argument("--model", default="7b",
+                   help="actor preset: 7b, 13b, 34b, 70b, tiny, tiny-4l, qwen3-30b-a3b")
     p.add_argument("--critic", default=None, help="critic preset (default: the actor's)")
     p.add_argument("--reward", default=None, help="reward/cost preset (default: the critic's)")
     p.add_argument("--devices", type=int, required=True, help="number of devices N")

@@ -183,6 +183,15 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
     return WorldPlan(world_size, pools, plans, rollout)
 
 
+def expert_parallel_blockers(config: Config, role: str) -> list[str]:
+    """The settings of ``config`` that expert parallelism of ``role`` is not built for
+    (empty: ``ep > 1`` can run)."""
+    unsupported = {"placement.mode=disaggregated": config.placement.mode == "disaggregated",
+                   f"{role}.lora.rank > 0": role == "actor" and bool(config.actor.lora.rank),
+                   "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
+    return [what for what, on in unsupported.items() if on]
+
+
 def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
                    ) -> tuple[int, int]:
     """``(ep, gen_ep)`` of the role, checked against its model and layout (ValueError naming
@@ -202,13 +211,9 @@ def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
         raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep}: generation with expert "
                          f"parallelism is not supported yet; set gen_ep=1 (each generation TP "
                          f"group then holds every expert, split over gen_tp)")
-    unsupported = {"placement.mode=disaggregated": config.placement.mode == "disaggregated",
-                   f"{role}.lora.rank > 0": role == "actor" and bool(config.actor.lora.rank),
-                   "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
-    for what, on in unsupported.items():
-        if on:
-            raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
-                             f"set ep=1")
+    for what in expert_parallel_blockers(config, role):
+        raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
+                         f"set ep=1")
     try:
         hybrid = RolePlan(pool=(), pp=lay.pp, tp=lay.tp, dp=dp, gen_pp=gen_pp, gen_tp=gen_tp,
                           grad_accum=0).layout

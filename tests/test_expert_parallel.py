@@ -126,6 +126,66 @@ def compare_layer_cases(pool, chunk=CASES):
                                            msg=f"{case} {k}")
 
 
+def check_all_to_all_bytes(rank, world, cases):
+    """Bytes this rank sends to other EP members (all-to-alls of rows, forward and backward)
+    for one layer over a balanced routing replayed on the TP group's ``tp * E`` tokens: token
+    ``n``'s slot ``j`` goes to expert ``(n // tp * k + j) % E``, so every rank's share sends
+    ``k`` rows to each expert."""
+    from engine.layers import RouteTrace
+
+    sent, real = [], dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+        if input_split_sizes is not None:  # rows, not the count table
+            me = dist.get_rank(group=group)
+            row = input[0].numel() * input.element_size() if input.numel() else 0
+            sent[-1] += sum(n for i, n in enumerate(input_split_sizes) if i != me) * row
+        return real(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    dist.all_to_all_single = counting
+    try:
+        for tp, dp, ep in cases:
+            hl = HybridLayout(ParallelLayout(pp=1, tp=tp, dp=dp), pp_g=1, tp_g=1)
+            el = ExpertLayout(hl, E, ep=ep)
+            families = {name: [(g, dist.new_group(g)) for g in groups]
+                        for name, groups in (("tp", hl.train.tp_groups()),
+                                             ("ep", el.ep_groups()))}
+            tp_group, ep_group = _group(families, rank, "tp"), _group(families, rank, "ep")
+            full = full_weights()
+            w = {k: full[k].clone().requires_grad_() for k in
+                 ["router"] + [f"experts.{e}.{p}" for e in el.train_experts(rank)
+                               for p in ("gate_up", "down_proj")]}
+            n, k = tp * E, ROUTING.top_k
+            x = torch.randn(1, n, H, dtype=torch.float64, generator=torch.Generator()
+                            .manual_seed(7)).requires_grad_()
+            token = torch.arange(n)[:, None] // tp * k + torch.arange(k)
+            trace = RouteTrace(replay=(token % E)[:, None, :])
+            sent.append(0)
+            out = moe_block_ep(x, w, ROUTING, E, ep_group, tp_group if tp > 1 else None,
+                               trace=trace)
+            out.sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    return sent
+
+
+def test_planner_all_to_all_bytes_equal_what_the_layer_sends(pool4):
+    """The planner's per-layer all-to-all bytes (rlhf.planner.simulator.all_to_all_bytes),
+    four times (dispatch and return, forward and backward), are the bytes every rank sends."""
+    from rlhf.planner import simulator as sim
+    from rlhf.planner.models import ModelShape
+    from rlhf.planner.strategy import Strategy
+
+    shape = ModelShape("moe", LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=F,
+                                          num_layers=1, num_heads=2, num_kv_heads=2,
+                                          num_experts=E, num_experts_per_tok=ROUTING.top_k,
+                                          tie_word_embeddings=False, model_type="mixtral"))
+    for sent in pool4.run(check_all_to_all_bytes, CASES):
+        for (tp, dp, ep), got in zip(CASES, sent, strict=True):
+            want = 4 * sim.all_to_all_bytes(shape, tp * E, Strategy(1, tp, dp, 1, tp, ep), 8)
+            assert got == want > 0, ((tp, dp, ep), got, want)
+
+
 # The training engine under expert parallelism against the single process ---------------------
 
 MOE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2,
@@ -197,6 +257,30 @@ def check_engine(rank, world, layouts, ref):
 def test_training_with_expert_parallelism_equals_one_process(pool4):
     ref = engine_reference()
     assert sum(pool4.run(check_engine, ENGINE_LAYOUTS, ref)) == 4 * len(ENGINE_LAYOUTS)
+
+
+def held_expert_elements(rank, world, layouts):
+    """Expert elements this rank's model allocates at each layout, and at ep=1."""
+    return [[sum(p.numel() for n, p in build_engine(*lay[:3], ep)[0].params.items()
+                 if ".experts." in n) for ep in (lay[3], 1)] for lay in layouts]
+
+
+def test_planner_counts_the_experts_a_rank_holds(pool4):
+    """The planner's share of the experts per training rank (whole experts ``E / ep`` under
+    ep, each cut ``tp`` ways without), and the difference ep makes to its
+    :func:`rlhf.planner.memory.train_shard_params`, are what the engine allocates."""
+    from rlhf.planner import memory as mem
+    from rlhf.planner.models import ModelShape
+    from rlhf.planner.strategy import Strategy
+
+    shape = ModelShape("moe", MOE)
+    for held in pool4.run(held_expert_elements, ENGINE_LAYOUTS):
+        for (pp, tp, dp, ep), (got, got_1) in zip(ENGINE_LAYOUTS, held, strict=True):
+            s, s_1 = Strategy(pp, tp, dp, pp, tp, ep), Strategy(pp, tp, dp, pp, tp)
+            stage = MOE.num_layers // pp * shape.expert_layer_params
+            assert (got, got_1) == (stage / s.expert_split, stage / s_1.expert_split)
+            assert got - got_1 == pytest.approx(
+                mem.train_shard_params(shape, s) - mem.train_shard_params(shape, s_1), rel=1e-12)
 
 
 HYBRID_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 1), 2), ((2, 1, 2), (1, 1), 2),

@@ -138,6 +138,72 @@ def test_transition_formula_matches_toolkit_and_paper():
                                 formula_bytes("hybridflow", hl, int(1e9)))
 
 
+QWEN3_MOE = model_shape("qwen3-30b-a3b")
+
+
+def test_expert_transition_formula_matches_the_expert_layout():
+    """The planner's expert bytes are :class:`ExpertLayout`'s volume (which the multi-rank
+    tests hold the ExpertResharder to); the dense rest keeps the paper's formula."""
+    from hybridflow_comm.expert_layout import ExpertLayout
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+    moe = QWEN3_MOE.config
+    seen = 0
+    for n in (2, 4, 8):
+        for s in enumerate_strategies(QWEN3_MOE, n, generates=True):
+            hl = HybridLayout(ParallelLayout(s.pp, s.tp, s.dp), s.pp_g, s.tp_g)
+            if s.ep == 1:
+                continue
+            seen += 1
+            m_e = QWEN3_MOE.num_layers * QWEN3_MOE.expert_layer_params * 2
+            want = ExpertLayout(hl, moe.num_experts, ep=s.ep).received_fraction() * m_e
+            assert sim.expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, m_e) == \
+                pytest.approx(float(want), rel=1e-12)
+            dense = sim.transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g,
+                                         QWEN3_MOE.params * 2 - m_e)
+            assert sim.model_transition_bytes(QWEN3_MOE, s, 2) == \
+                pytest.approx(dense + float(want), rel=1e-12)
+    assert seen > 20
+
+
+def test_expert_parallel_strategies_memory_and_all_to_all():
+    """ep enumerates the divisors of tp*dp that divide E; a rank holds E/ep whole experts per
+    layer; the all-to-all term grows with ep's remote share and vanishes at ep=1."""
+    moe = QWEN3_MOE.config
+    strategies = list(enumerate_strategies(QWEN3_MOE, 8, generates=False))
+    assert {s.ep for s in strategies if (s.pp, s.tp) == (1, 1)} == {1, 2, 4, 8}
+    assert {s.ep for s in strategies if (s.pp, s.tp) == (1, 2)} == {1, 2, 4, 8}
+    assert {s.ep for s in enumerate_strategies(SEVEN, 8, False)} == {1}
+    h, f, e, k = moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.num_experts_per_tok
+    base, ep8 = Strategy(1, 2, 4, 1, 2), Strategy(1, 2, 4, 1, 2, ep=8)
+    experts = moe.num_layers * e * 3 * h * f
+    dense = QWEN3_MOE.params - experts
+    assert mem.train_shard_params(QWEN3_MOE, base) == pytest.approx(QWEN3_MOE.params / 2)
+    assert mem.train_shard_params(QWEN3_MOE, ep8) == pytest.approx(dense / 2 + experts / 8)
+    assert (ep8.expert_split, ep8.expert_dp, base.expert_split, base.expert_dp) == (8, 1, 2, 4)
+    # 1,000 tokens of a TP group of 2: 500 per rank, k rows each, 7/8 of them remote
+    assert sim.all_to_all_bytes(QWEN3_MOE, 1000, ep8, 2) == pytest.approx(500 * k * h * 2 * 7 / 8)
+    assert sim.all_to_all_bytes(QWEN3_MOE, 1000, base, 2) == 0
+    assert sim.all_to_all_bytes(SEVEN, 1000, Strategy(1, 1, 2, 1, 1, ep=2), 2) == 0
+    work = Workload(prompts=64, prompt_len=256, response_len=256, mini_batch=32)
+    actor = RoleSpec("actor", QWEN3_MOE, trained=True, generations=1)
+    volume = sim.all_to_all_volume(actor, ep8, work, A100)
+    b, m = mem.micro_batch(work, ep8.dp)
+    per_step = 4 * moe.num_layers * m * sim.all_to_all_bytes(QWEN3_MOE, b * work.seq_len, ep8,
+                                                             A100.act_bytes)
+    m_all = math.ceil(math.ceil(work.sequences / ep8.dp) / b)
+    prep = 2 * moe.num_layers * m_all * sim.all_to_all_bytes(QWEN3_MOE, b * work.seq_len, ep8,
+                                                             A100.act_bytes)
+    assert volume == pytest.approx(work.optimizer_steps * per_step + prep)
+    assert sim.all_to_all_volume(actor, base, work, A100) == 0
+    # a training pass differs from ep=1's by its all-to-alls alone
+    extra = sim.forward_pass_time(actor, ep8, work, A100, True, 32) - \
+        sim.forward_pass_time(actor, base, work, A100, True, 32)
+    one = sim.all_to_all_bytes(QWEN3_MOE, b * work.seq_len, ep8, A100.act_bytes)
+    assert extra == pytest.approx(4 * moe.num_layers * m * sim.all_to_all_time(one, 8, 8, A100)
+                                  * A100.slowdown(8))
+
+
 def _role_stage_times(role, n, work, prof):
     return [min(sim.train_time(role, s, work, prof) + sim.infer_time(role, s, work, prof)
                 for s in enumerate_strategies(role.shape, n, False, prof.per_node))

@@ -7,6 +7,7 @@ import pytest
 from rlhf import plan as plan_cli
 from rlhf.config import load_config
 from rlhf.planner.config_bridge import plan_for_config, predict_config, resolve_config
+from rlhf.planner.profile import load_profile
 from rlhf.planner.report import placement_kind
 from rlhf.world_plan import validate_for_world
 
@@ -22,9 +23,37 @@ def test_plan_for_config_is_runnable(algo, world):
     assert resolved.placement.mode == plan.overrides["placement.mode"] != "auto"
     for role, rp in wp.roles.items():
         s = plan.mapping.set_of(role).strategies[role]
-        assert (rp.pp, rp.tp, rp.dp, rp.gen_pp, rp.gen_tp) == (s.pp, s.tp, s.dp, s.pp_g, s.tp_g)
+        assert (rp.pp, rp.tp, rp.dp, rp.gen_pp, rp.gen_tp, rp.ep) == \
+            (s.pp, s.tp, s.dp, s.pp_g, s.tp_g, s.ep)
     assert all(placement_kind(m.placement) != "mixed" or "reference" not in cfg.roles
                for m in plan.candidates)
+
+
+MOE = ["algo=grpo", "placement.mode=auto", "actor.model.num_experts=4",
+       "actor.model.num_experts_per_tok=2"]
+
+
+def test_planner_chooses_expert_parallelism_the_runtime_accepts():
+    """Where memory is short, a mixture of experts' plan trains its actor with ep > 1: the
+    overrides name it, the world plan accepts it, predict_config prices it the same and counts
+    its all-to-all bytes; with LoRA (not wired for ep) no candidate uses ep."""
+    prof = load_profile("cpu")
+    chosen = []
+    for gb in (0.005, 0.003, 0.0015):
+        cfg = load_config(MOE)
+        plan = plan_for_config(cfg, 4, prof.with_memory(gb))
+        s = plan.mapping.set_of("actor").strategies["actor"]
+        assert plan.overrides["actor.layout.ep"] == s.ep
+        resolved = resolve_config(cfg, 4, prof.with_memory(gb))
+        assert validate_for_world(resolved, 4).roles["actor"].ep == s.ep
+        again = predict_config(resolved, 4, prof.with_memory(gb))
+        assert again.total == pytest.approx(plan.mapping.total, rel=1e-12)
+        a2a = again.set_of("actor").all_to_all_bytes["actor"]
+        assert (a2a > 0) == (s.ep > 1)
+        chosen.append(s.ep)
+        lora = plan_for_config(load_config(MOE + ["actor.lora.rank=4"]), 4, prof.with_memory(gb))
+        assert all(m.set_of("actor").strategies["actor"].ep == 1 for m in lora.candidates)
+    assert max(chosen) > 1, chosen
 
 
 def test_auto_must_be_resolved_and_predict_matches():

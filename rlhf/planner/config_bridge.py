@@ -20,6 +20,7 @@ from rlhf.planner.report import placement_kind
 from rlhf.planner.search import Mapping, Planner
 from rlhf.planner.strategy import Strategy
 from rlhf.programs import algorithm
+from rlhf.world_plan import expert_parallel_blockers
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ def _batch_filter(cfg):
     def ok(role: RoleSpec, s: Strategy) -> bool:
         if d.rollout_batch_size % s.dp:
             return False
+        if s.ep > 1 and expert_parallel_blockers(cfg, role.name):
+            return False
         if role.trained and d.mini_batch_size % (s.dp * d.micro_batch_size):
             return False
         if role.generations:
@@ -78,7 +81,8 @@ def mapping_overrides(mapping: Mapping, roles: tuple[str, ...]) -> dict:
                "placement.pool_sizes": {"actor": actor.devices, "critic": other.devices}}
     for r in roles:
         s = mapping.set_of(r).strategies[r]
-        out.update({f"{r}.layout.pp": s.pp, f"{r}.layout.tp": s.tp, f"{r}.layout.dp": s.dp})
+        out.update({f"{r}.layout.pp": s.pp, f"{r}.layout.tp": s.tp, f"{r}.layout.dp": s.dp,
+                    f"{r}.layout.ep": s.ep})
         if r == "actor":
             out.update({"actor.layout.gen_pp": s.pp_g, "actor.layout.gen_tp": s.tp_g})
     return out
@@ -142,7 +146,8 @@ def predict_config(cfg, world_size: int, profile: DeviceProfile | str = "cpu",
     for r in cfg.roles:
         pools.setdefault(plan.roles[r].pool, []).append(r)
     sets = [(tuple(rs), {r: Strategy(plan.roles[r].pp, plan.roles[r].tp, plan.roles[r].dp,
-                                     plan.roles[r].gen_pp, plan.roles[r].gen_tp) for r in rs})
+                                     plan.roles[r].gen_pp, plan.roles[r].gen_tp, plan.roles[r].ep)
+                         for r in rs})
             for rs in pools.values()]
     planner = Planner(flow, work, world_size, prof, counts=list(range(1, world_size + 1)),
                       concurrent=concurrent)

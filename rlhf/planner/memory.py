@@ -4,7 +4,7 @@ Two kinds of memory per model and device::
 
     resident   lives for the whole run: weights (param_bytes), and for trained models
                gradients (grad_bytes) and optimizer states (optim_bytes) -- one pipeline
-               stage's parameters cut tp ways
+               stage's parameters cut tp ways (its experts ep ways under expert parallelism)
     transient  lives during one stage only, and only one model of a colocated set runs at a
                time: training activations (1F1B keeps min(pp, micro-batches) in flight),
                forward activations + fp32 logits, or during generation the extra generation
@@ -38,6 +38,13 @@ def stage_params(shape: ModelShape, pp: int) -> int:
     return (shape.num_layers // pp) * shape.layer_params + ends
 
 
+def train_shard_params(shape: ModelShape, s: Strategy) -> float:
+    """Parameters one training device holds: its stage's dense weights cut ``tp`` ways and
+    its stage's experts cut :attr:`Strategy.expert_split` ways (whole experts under ``ep``)."""
+    experts = (shape.num_layers // s.pp) * shape.expert_layer_params
+    return (stage_params(shape, s.pp) - experts) / s.tp + experts / s.expert_split
+
+
 def bytes_per_param(role: RoleSpec, prof: DeviceProfile) -> int:
     if role.trained:
         return prof.param_bytes + prof.grad_bytes + prof.optim_bytes
@@ -46,7 +53,7 @@ def bytes_per_param(role: RoleSpec, prof: DeviceProfile) -> int:
 
 def resident_bytes(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> float:
     """Weights (+ gradients + optimizer states if trained) of one device's shard."""
-    return stage_params(role.shape, s.pp) / s.tp * bytes_per_param(role, prof)
+    return train_shard_params(role.shape, s) * bytes_per_param(role, prof)
 
 
 def micro_batch(work: Workload, dp: int) -> tuple[int, int]:
@@ -84,10 +91,10 @@ def infer_activation_bytes(role: RoleSpec, s: Strategy, work: Workload,
 
 
 def gen_weight_extra_bytes(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> float:
-    """Generation weights beyond the training shard (the 3D-HybridEngine's gathered slots)."""
+    """Generation weights beyond the training shard (the 3D-HybridEngine's gathered slots;
+    generation holds every expert cut ``tp_g`` ways)."""
     gen = stage_params(role.shape, s.pp_g) / s.tp_g
-    train = stage_params(role.shape, s.pp) / s.tp
-    return (gen - train) * prof.param_bytes
+    return (gen - train_shard_params(role.shape, s)) * prof.param_bytes
 
 
 def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, work: Workload,

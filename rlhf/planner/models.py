@@ -71,6 +71,12 @@ class ModelShape:
         return self._layer_params(self.config.num_experts or 1)
 
     @property
+    def expert_layer_params(self) -> int:
+        """Parameters of one decoder layer's experts (``E * 3 * H * F``; 0 for a dense model):
+        what expert parallelism splits into whole experts."""
+        return self.config.num_experts * 3 * self.hidden_size * self.intermediate_size
+
+    @property
     def active_layer_params(self) -> int:
         """Parameters of one decoder layer a token uses (``k`` experts of a mixture)."""
         c = self.config

@@ -31,9 +31,10 @@ def mapping_to_dict(m: Mapping) -> dict:
             "devices": s.devices,
             "peak_gib": s.peak_bytes / GIB,
             "strategies": {r: {"pp": st.pp, "tp": st.tp, "dp": st.dp, "pp_g": st.pp_g,
-                               "tp_g": st.tp_g, "dp_g": st.dp_g}
+                               "tp_g": st.tp_g, "dp_g": st.dp_g, "ep": st.ep}
                            for r, st in s.strategies.items()},
             "times_s": s.times,
+            "all_to_all_gib": {r: b / GIB for r, b in s.all_to_all_bytes.items()},
         } for s in m.sets],
     }
 
@@ -48,7 +49,10 @@ def format_best(m: Mapping) -> str:
         for r, st in s.strategies.items():
             gen = f"  generation (pp_g, tp_g) = ({st.pp_g}, {st.tp_g}), dp_g = {st.dp_g}" \
                 if s.times[r]["generation"] else ""
-            lines.append(f"    {r:<12} training (pp, tp, dp) = ({st.pp}, {st.tp}, {st.dp}){gen}")
+            ep = f", ep = {st.ep} (all-to-all {s.all_to_all_bytes.get(r, 0.0) / GIB:.3g} " \
+                f"GiB/device per iteration)" if st.ep > 1 else ""
+            lines.append(f"    {r:<12} training (pp, tp, dp) = ({st.pp}, {st.tp}, {st.dp}){ep}"
+                         f"{gen}")
     return "\n".join(lines)
 
 

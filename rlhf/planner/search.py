@@ -61,6 +61,9 @@ class SetPlan:
     """Model -> stage -> seconds."""
     peak_bytes: float
     """Peak memory per device: resident of all models + the largest transient (KV included)."""
+    all_to_all_bytes: dict[str, float] = field(default_factory=dict)
+    """Model -> bytes one device sends by expert-parallel all-to-alls per iteration (0 without
+    ``ep``; :func:`rlhf.planner.simulator.all_to_all_volume`)."""
 
     def stage_time(self, stage: str) -> float:
         """Costs of colocated models add (they take turns on the same devices)."""
@@ -234,8 +237,10 @@ class Planner:
                            int((usable - resident - extra) // kv))
                 peak = max(peak, resident + extra + wave * kv)
             times[r.name] = {"generation": gen, "preparation": c.prep, "training": c.train}
+        a2a = {r.name: sim.all_to_all_volume(r, c.strategy, self.work, p)
+               for r, c in zip(roles, choice)}
         return SetPlan(models, n, {r.name: c.strategy for r, c in zip(roles, choice)}, times,
-                       peak)
+                       peak, a2a)
 
     def evaluate(self, sets: list[tuple[tuple[str, ...], dict[str, Strategy]]]) -> Mapping:
         """Predicted times of a given mapping: ``[(models, {model: strategy}), ...]``."""

@@ -13,7 +13,15 @@ Per device, with ``n = pp * tp * dp`` devices and the profile's constants:
   overlap), so pp_g saves memory but not time.  Sequences run in waves that fit ``kv_budget``.
 * transition (before generation): the micro-DP all-gather of the 3D-HybridEngine, receiving
   ``(tp p - t_g p_g) / (t_g p_g t p) M`` bytes per device (paper Table 2,
-  :mod:`hybridflow_comm.reshard`), over the link its micro-DP group spans.
+  :mod:`hybridflow_comm.reshard`), over the link its micro-DP group spans.  Under expert
+  parallelism the experts' ``M_e`` bytes move by their own formula (generation EP 1,
+  :mod:`hybridflow_comm.expert_layout`): ``(p ep - p_g) / (p ep p_g t_g) M_e``.
+* expert parallelism (``ep > 1``, a mixture of ``E`` experts, ``k`` per token): each MoE layer
+  of a pass sends every device's share of its TP group's tokens to the experts' owners by one
+  all-to-all and gets the outputs back by another; with balanced routing a device sends
+  ``tokens / tp * k * H * act_bytes * (ep - 1) / ep`` bytes in each
+  (:func:`all_to_all_bytes`), and a backward pass does both again.  The experts' gradients
+  all-reduce over the ``tp dp / ep`` ranks holding the same experts.
 
 ``n_busy`` counts only DP replicas that get sequences, so devices beyond the batch add nothing.
 CPU ranks that share fewer cores than ranks run slower by :meth:`DeviceProfile.slowdown`.
@@ -24,7 +32,8 @@ from __future__ import annotations
 import math
 
 from rlhf.planner.dataflow import RoleSpec, Workload
-from rlhf.planner.memory import kv_bytes_per_sequence, micro_batch, stage_params
+from rlhf.planner.memory import kv_bytes_per_sequence, micro_batch, train_shard_params
+from rlhf.planner.models import ModelShape
 from rlhf.planner.profile import DeviceProfile
 from rlhf.planner.strategy import Strategy
 
@@ -36,6 +45,69 @@ def transition_bytes(pp: int, tp: int, pp_g: int, tp_g: int, model_bytes: float)
     if mp % mp_g:
         raise ValueError(f"tp_g*pp_g={mp_g} must divide tp*pp={mp}")
     return (mp - mp_g) / (mp_g * mp) * model_bytes
+
+
+def expert_transition_bytes(pp: int, ep: int, pp_g: int, tp_g: int, expert_bytes: float
+                            ) -> float:
+    """Bytes each device receives of the experts' ``expert_bytes`` in the train -> generation
+    reshard from ``ep > 1`` to generation EP 1 (experts under ``tp_g``):
+    ``(p ep - p_g) / (p ep p_g t_g) M_e``."""
+    return (pp * ep - pp_g) / (pp * ep * pp_g * tp_g) * expert_bytes
+
+
+def model_transition_bytes(shape: ModelShape, s: Strategy, param_bytes: float) -> float:
+    """Bytes each device receives in the train -> generation reshard of ``shape`` under
+    ``s``: the dense weights by the paper's formula, the experts (``ep > 1``) by theirs."""
+    total = shape.params * param_bytes
+    if s.ep == 1:
+        return transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, total)
+    experts = shape.num_layers * shape.expert_layer_params * param_bytes
+    return transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, total - experts) + \
+        expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, experts)
+
+
+def all_to_all_bytes(shape: ModelShape, tokens: float, s: Strategy, act_bytes: float) -> float:
+    """Bytes one device sends to the other members of its EP group in one MoE layer's token
+    dispatch (and again in the outputs' return) for ``tokens`` tokens of its TP group: its
+    ``tokens / tp`` share's ``k`` rows each of ``H`` activations, the ``(ep - 1) / ep`` of
+    them whose expert another member holds when routing is balanced (0 without ``ep``)."""
+    if s.ep == 1 or not shape.config.num_experts:
+        return 0.0
+    k = shape.config.num_experts_per_tok
+    return tokens / s.tp * k * shape.hidden_size * act_bytes * (s.ep - 1) / s.ep
+
+
+def all_to_all_time(nbytes: float, size: int, span: int, prof: DeviceProfile) -> float:
+    """An all-to-all in which each of ``size`` devices (spread over ``span``) sends
+    ``nbytes`` to the others."""
+    if size <= 1:
+        return 0.0
+    bw, lat = prof.link(span)
+    return lat * (size - 1) + nbytes / bw
+
+
+def _pass_all_to_all_bytes(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceProfile,
+                           backward: bool, sequences: int) -> tuple[float, float]:
+    """``(bytes of one all-to-all, all-to-alls)`` of one device in one pass over
+    ``sequences`` sequences: two per MoE layer and micro-batch, four with backward."""
+    b, _ = micro_batch(work, s.dp)
+    m = math.ceil(math.ceil(sequences / s.dp) / b)
+    layers = role.shape.num_layers // s.pp
+    one = all_to_all_bytes(role.shape, b * work.seq_len, s, prof.act_bytes)
+    return one, (4 if backward else 2) * layers * m * (one > 0)
+
+
+def all_to_all_volume(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceProfile
+                      ) -> float:
+    """Bytes one device sends by the EP all-to-alls in one iteration: the preparation
+    stage's forwards and, for a trained model, every optimizer step's forward and backward."""
+    one, count = _pass_all_to_all_bytes(role, s, work, prof, False, work.sequences)
+    total = role.forwards * one * count
+    if role.trained:
+        one, count = _pass_all_to_all_bytes(role, s, work, prof, True,
+                                            work.mini_batch or work.sequences)
+        total += work.optimizer_steps * one * count
+    return total
 
 
 def allreduce_time(nbytes: float, size: int, span: int, prof: DeviceProfile) -> float:
@@ -72,7 +144,9 @@ def forward_pass_time(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceP
     overhead = mult * layers * slots * prof.layer_overhead_s
     pp_comm = (2 if backward else 1) * slots * _p2p_time(act / s.tp, s.pp * s.tp, prof) \
         if s.pp > 1 else 0.0
-    return (compute + tp_comm + overhead + pp_comm) * prof.slowdown(s.devices)
+    one, count = _pass_all_to_all_bytes(role, s, work, prof, backward, sequences)
+    ep_comm = count * all_to_all_time(one, s.ep, s.ep, prof)
+    return (compute + tp_comm + overhead + pp_comm + ep_comm) * prof.slowdown(s.devices)
 
 
 def train_time(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceProfile) -> float:
@@ -80,8 +154,13 @@ def train_time(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceProfile)
     steps = work.optimizer_steps
     per_step = work.mini_batch or work.sequences
     t = steps * forward_pass_time(role, s, work, prof, True, per_step)
-    shard = stage_params(role.shape, s.pp) / s.tp
-    grads = allreduce_time(shard * prof.grad_bytes, s.dp, s.devices, prof)
+    shard = train_shard_params(role.shape, s)
+    if s.ep > 1:  # the experts' gradients reduce over the ranks holding the same experts
+        experts = (role.shape.num_layers // s.pp) * role.shape.expert_layer_params / s.ep
+        grads = allreduce_time((shard - experts) * prof.grad_bytes, s.dp, s.devices, prof) + \
+            allreduce_time(experts * prof.grad_bytes, s.expert_dp, s.devices, prof)
+    else:
+        grads = allreduce_time(shard * prof.grad_bytes, s.dp, s.devices, prof)
     sweep = shard * 2 * (prof.param_bytes + prof.grad_bytes + prof.optim_bytes) \
         / (prof.mem_bw * prof.mem_bw_eff)
     return t + steps * (grads + sweep) + prof.call_overhead_s
@@ -95,7 +174,7 @@ def infer_time(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceProfile)
 
 def transition_time(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> float:
     """Train -> generation reshard of the 3D-HybridEngine (0 when the layouts are equal)."""
-    nbytes = transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, role.shape.params * prof.param_bytes)
+    nbytes = model_transition_bytes(role.shape, s, prof.param_bytes)
     if nbytes == 0:
         return 0.0
     bw, lat = prof.link(s.pp * s.tp)

@@ -3,7 +3,10 @@
 On ``n`` devices a model runs ``pp * tp * dp = n``; a generating model (the actor) also picks
 ``pp_g | pp`` and ``tp_g | tp`` (the 3D-HybridEngine's requirement), giving
 ``dp_g = n / (pp_g * tp_g)`` generation replicas.  Models that do not generate keep
-``pp_g = pp``, ``tp_g = tp``.
+``pp_g = pp``, ``tp_g = tp``.  A mixture of experts also picks its expert parallelism
+``ep | tp * dp`` (and ``ep | E``; :mod:`hybridflow_comm.expert_layout`): ``ep > 1`` trains
+``E / ep`` whole experts per rank, and generation holds every expert split over ``tp_g``
+(generation EP is 1).
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ class Strategy:
     dp: int
     pp_g: int
     tp_g: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.pp, self.tp, self.dp, self.pp_g, self.tp_g) < 1:
+        if min(self.pp, self.tp, self.dp, self.pp_g, self.tp_g, self.ep) < 1:
             raise ValueError(f"every size of {self} must be >= 1")
         if self.pp % self.pp_g or self.tp % self.tp_g:
             raise ValueError(f"{self}: pp_g={self.pp_g} must divide pp={self.pp} and "
                              f"tp_g={self.tp_g} must divide tp={self.tp}")
+        if (self.tp * self.dp) % self.ep:
+            raise ValueError(f"{self}: ep={self.ep} must divide tp*dp={self.tp * self.dp}")
 
     @property
     def devices(self) -> int:
@@ -45,8 +51,19 @@ class Strategy:
         """Generation replicas per training replica (the micro-DP group size)."""
         return (self.pp * self.tp) // (self.pp_g * self.tp_g)
 
+    @property
+    def expert_split(self) -> int:
+        """Training ranks one stage's experts are divided over: ``ep`` whole-expert blocks,
+        or with ``ep = 1`` every expert cut ``tp`` ways like the dense MLP."""
+        return self.ep if self.ep > 1 else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Training ranks holding the same expert shard (the experts' gradient all-reduce)."""
+        return self.tp * self.dp // self.ep if self.ep > 1 else self.dp
+
     def short(self) -> str:
-        train = f"{self.pp}-{self.tp}-{self.dp}"
+        train = f"{self.pp}-{self.tp}-{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
         if (self.pp_g, self.tp_g) == (self.pp, self.tp):
             return train
         return f"{train} -> {self.pp_g}-{self.tp_g}"
@@ -65,15 +82,19 @@ def enumerate_strategies(shape: ModelShape, n: int, generates: bool,
         n: devices of the model's set.
         generates: also enumerate ``(pp_g, tp_g)``; otherwise they equal ``(pp, tp)``.
         max_tp: largest tensor-parallel size (a node's device count; None = no limit).
+
+    A mixture of experts also enumerates ``ep``: the divisors of ``tp * dp`` that divide its
+    expert count.
     """
+    experts = shape.config.num_experts
     for pp in _divisors(n):
         for tp in _divisors(n // pp):
             if (max_tp and tp > max_tp) or not shape.check_parallel(pp, tp):
                 continue
             dp = n // (pp * tp)
-            if not generates:
-                yield Strategy(pp, tp, dp, pp, tp)
-                continue
-            for pp_g in _divisors(pp):
-                for tp_g in _divisors(tp):
-                    yield Strategy(pp, tp, dp, pp_g, tp_g)
+            eps = [e for e in _divisors(tp * dp) if experts % e == 0] if experts else [1]
+            gens = [(pp_g, tp_g) for pp_g in _divisors(pp) for tp_g in _divisors(tp)] \
+                if generates else [(pp, tp)]
+            for ep in eps:
+                for pp_g, tp_g in gens:
+                    yield Strategy(pp, tp, dp, pp_g, tp_g, ep)
