@@ -51,7 +51,7 @@ test-cpp: setup
 	cmake --build build/cmake -j2 >> build/cmake.log
 	ctest --test-dir build/cmake --output-on-failure
 
-# The benches compare against peers (TRL, Ray) pinned in requirements-dev.txt.  `make bench`
+# The benches compare against peers: TRL (requirements.txt) and Ray (requirements-dev.txt).  `make bench`
 # runs every bench, the `small` / `llama-1b` ones (marked slow) included;
 # `make bench BENCH_MARKS="not slow"` runs the quick ones only.
 BENCH_MARKS ?= slow or not slow
