@@ -340,10 +340,13 @@ class GenerationEngine:
     def set_adapters(self, adapters: Mapping[str, torch.Tensor] | None,
                      lora: LoraConfig | None = None) -> None:
         """LoRA adapters for the next :meth:`set_weights` (this rank's generation shards of
-        the adapter tensors by spec name, e.g. an adapter resharder's generation views, held
-        not copied; None: none), applied unmerged on the Python layers."""
+        the adapter tensors by spec name, held not copied, or the adapter resharder holding
+        them, as :class:`engine.hybrid_engine.Rollout` passes it: its ``generation_params()``;
+        None: none), applied unmerged on the Python layers."""
         if (adapters is None) != (lora is None):
             raise ValueError("set_adapters takes the adapter tensors and their LoraConfig")
+        if adapters is not None and not isinstance(adapters, Mapping):
+            adapters = adapters.generation_params()
         self.adapters, self.lora = adapters, lora
 
     def _layer_loras(self) -> tuple[LayerLora, ...]:

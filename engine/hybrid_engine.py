@@ -202,8 +202,8 @@ class HybridEngine:
 
 def _check_expert_generation(model: ParallelLlama) -> None:
     """ValueError (before any collective) for an expert-parallel model whose generation
-    layout splits the experts over generation EP ranks, or with LoRA adapters: generation
-    runs every expert of a layer on each generation TP group (``gen_ep = 1``)."""
+    layout splits the experts over generation EP ranks: generation runs every expert of a
+    layer on each generation TP group (``gen_ep = 1``)."""
     if model.experts is None:
         return
     lay = model.experts.layout
@@ -211,9 +211,6 @@ def _check_expert_generation(model: ParallelLlama) -> None:
         raise ValueError(f"HybridEngine: generation with expert parallelism (gen_ep="
                          f"{lay.gen_ep}) is not supported yet; set gen_ep=1 (the experts are "
                          f"then split over the generation TP ranks)")
-    if model.lora is not None:
-        raise ValueError(f"HybridEngine: LoRA adapters with expert parallelism (ep={lay.ep}) "
-                         f"are not supported; train with ep=1")
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:

@@ -181,6 +181,7 @@ class ExpertResharder:
         self.device = buffer.device
         self._buckets = self._cut_buckets(bucket_bytes)
         self.version, self.mode = 0, "training"
+        self._pieces_kept = False
         self._last: TransitionStats | None = None
         t, h = layout.hybrid.train, layout.hybrid
         head = ("experts", t.pp, t.tp, t.dp, h.pp_g, h.tp_g, layout.num_experts, layout.ep,
@@ -207,12 +208,21 @@ class ExpertResharder:
         return [b for b in buckets if b[0] or b[1]]
 
     # Transition --------------------------------------------------------------------------------
-    def to_generation(self) -> TransitionStats:
-        """Receive every missing expert piece; returns this rank's stats."""
+    def to_generation(self, refill: bool = True) -> TransitionStats:
+        """Receive every missing expert piece; returns this rank's stats.
+
+        ``refill=False`` moves nothing: the received pieces are still those of the last
+        transition (kept by ``to_training(release=False)``, the experts unchanged since: a
+        frozen base under LoRA).  RuntimeError when they were released or never received.
+        """
         if self.mode != "training":
             raise RuntimeError(f"to_generation() called in {self.mode} mode")
+        if not refill and not self._pieces_kept:
+            raise RuntimeError("to_generation(refill=False) but the received expert pieces "
+                               "were released or never received")
         self._last = measured_transition(self.ledger, self.method, self.version + 1,
-                                         self.gen_nbytes(), self._exchange_pieces)
+                                         self.gen_nbytes(),
+                                         self._exchange_pieces if refill else lambda: 0)
         self.version += 1
         self.mode = "generation"
         return self._last
@@ -235,10 +245,12 @@ class ExpertResharder:
         return staged_peak
 
     def to_training(self, release: bool = True) -> int:
-        """Back to training; returns the bytes of the received pieces' pages released."""
+        """Back to training; returns the bytes of the received pieces' pages released
+        (``release=False`` keeps them, for a later ``to_generation(refill=False)``)."""
         if self.mode != "generation":
             raise RuntimeError(f"to_training() called in {self.mode} mode")
         self.mode = "training"
+        self._pieces_kept = not release
         return self.buffer.release_generation_slots() if release else 0
 
     def accounting(self) -> TransitionStats | None:
@@ -322,14 +334,11 @@ class MoeResharder:
         return home.train_view(name)
 
     def to_generation(self, refill: bool = True) -> TransitionStats:
-        """Both transitions; the stats add up (time: the whole call's).  ``refill=False``
-        (the weights have not changed since the last transition) is refused: the experts'
-        received pieces are always released on the way back to training."""
-        if not refill:
-            raise ValueError("MoeResharder.to_generation(refill=False): the experts move at "
-                             "every transition")
+        """Both transitions; the stats add up (time: the whole call's).  ``refill=False``:
+        neither moves anything (both kept their generation pieces, see
+        :meth:`Resharder.to_generation`)."""
         t0 = time.perf_counter()
-        a, b = self.dense.to_generation(), self.experts.to_generation()
+        a, b = self.dense.to_generation(refill), self.experts.to_generation(refill)
         self._last = TransitionStats(
             method=self.method, version=a.version, sent_bytes=a.sent_bytes + b.sent_bytes,
             received_bytes=a.received_bytes + b.received_bytes, calls=a.calls + b.calls,

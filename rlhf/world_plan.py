@@ -187,7 +187,6 @@ def expert_parallel_blockers(config: Config, role: str) -> list[str]:
     """The settings of ``config`` that expert parallelism of ``role`` is not built for
     (empty: ``ep > 1`` can run)."""
     unsupported = {"placement.mode=disaggregated": config.placement.mode == "disaggregated",
-                   f"{role}.lora.rank > 0": role == "actor" and bool(config.actor.lora.rank),
                    "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
     return [what for what, on in unsupported.items() if on]
 

@@ -151,8 +151,8 @@ def test_expert_parallel_layouts():
                moe + ["actor.layout.ep=2", "actor.layout.gen_ep=2"],
                "reference.layout.gen_ep=2: only the actor generates":
                moe + ["reference.layout.gen_ep=2"],
-               r"actor.layout.ep=2 with actor.lora.rank > 0 is not supported yet":
-               moe + ["actor.layout.ep=2", "actor.lora.rank=4"],
+               "actor.layout.ep=2 with rollout.engine=vllm is not supported yet":
+               moe + ["actor.layout.ep=2", "rollout.engine=vllm"],
                "actor.layout.ep=2 with placement.mode=disaggregated is not supported yet":
                moe + ["actor.layout.ep=2", "placement.mode=disaggregated",
                       "placement.pool_sizes={actor: 2, rollout: 2}"]}
@@ -161,6 +161,8 @@ def test_expert_parallel_layouts():
             validate_for_world(load_config(overrides), 4)
     with pytest.raises(ValueError, match="ep=0 must be > 0"):
         load_config(moe + ["actor.layout.ep=0"])
+    lora = validate_for_world(load_config(moe + ["actor.layout.ep=2", "actor.lora.rank=4"]), 4)
+    assert lora.roles["actor"].ep == 2  # LoRA on the attention of an expert-parallel model
 
 
 def test_placements():

@@ -348,6 +348,60 @@ def test_hybrid_engine_with_expert_parallelism_equals_ep_1(pool4):
     assert sum(pool4.run(check_hybrid_engine, HYBRID_LAYOUTS, full)) == 4 * len(HYBRID_LAYOUTS)
 
 
+LORA_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 2), 2)]  # (p-t-d, p_g-t_g, ep)
+
+
+def build_lora_hybrid(train, gen, ep, full, adapters):
+    from engine.lora import LoraConfig
+    from engine.model import load_adapter_state_dict
+
+    hl = HybridLayout(ParallelLayout(*train), *gen)
+    pool = list(range(hl.world_size))
+    groups = build_hybrid_groups(hl, pool=pool)
+    experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool) if ep > 1 else None
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj"))
+    model = ParallelLlama(MOE, groups, experts=experts, lora=lora)
+    load_full_state_dict(model, full)
+    load_adapter_state_dict(model, adapters)
+    return HybridEngine(model, OptimConfig(**ep_ref.ADAM))
+
+
+def check_lora_hybrid_engine(rank, world, layouts, full, adapters):
+    """LoRA on the attention of an expert-parallel model: two iterations equal ep=1's; the
+    frozen base (experts included) moves at the first transition only, the adapters at each."""
+    checks = 0
+    for train, gen, ep in layouts:
+        ours = build_lora_hybrid(train, gen, ep, full, adapters)
+        ref = build_lora_hybrid(train, gen, 1, full, adapters)
+        assert ours.train.expert_grads is None  # the experts are frozen
+        adapter_bytes = ours.adapter_resharder.minimum_received_bytes()
+        for it in range(2):
+            (v, out, stats, m), (rv, rout, _, rm) = one_iteration(ours), one_iteration(ref)
+            assert v.keys() == rv.keys()
+            for name, t in v.items():
+                assert torch.equal(t, rv[name]), (train, gen, ep, it, name)  # frozen: moved
+            assert torch.equal(out.input_ids, rout.input_ids), (train, gen, ep, it)
+            torch.testing.assert_close(out.log_probs, rout.log_probs, atol=ATOL, rtol=0)
+            assert abs(m["loss"] - rm["loss"]) < ATOL, (train, gen, ep, it, m, rm)
+            base = ours.resharder.minimum_received_bytes()
+            assert stats.received_bytes == (base if it == 0 else 0) + adapter_bytes
+            assert not ours.model.expert_buffer.released  # the received experts are kept
+        checks += 1
+    return checks
+
+
+def test_lora_with_expert_parallelism_equals_ep_1(pool4):
+    from engine.lora import LoraConfig, init_lora_state_dict
+
+    full = init_full_state_dict(MOE, seed=4)
+    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj"))
+    g = torch.Generator().manual_seed(9)
+    adapters = {k: torch.randn(v.shape, generator=g) / 4
+                for k, v in init_lora_state_dict(MOE, lora).items()}  # B != 0: deltas count
+    assert sum(pool4.run(check_lora_hybrid_engine, LORA_LAYOUTS, full, adapters)) == \
+        4 * len(LORA_LAYOUTS)
+
+
 def moe_checkpoint(folder):
     """A tiny Qwen3-MoE (4 experts, top 2, 2 layers) saved by transformers."""
     import transformers

@@ -36,7 +36,7 @@ MOE = ["algo=grpo", "placement.mode=auto", "actor.model.num_experts=4",
 def test_planner_chooses_expert_parallelism_the_runtime_accepts():
     """Where memory is short, a mixture of experts' plan trains its actor with ep > 1: the
     overrides name it, the world plan accepts it, predict_config prices it the same and counts
-    its all-to-all bytes; with LoRA (not wired for ep) no candidate uses ep."""
+    its all-to-all bytes; with vLLM rollouts (not wired for ep) no candidate uses ep."""
     prof = load_profile("cpu")
     chosen = []
     for gb in (0.005, 0.003, 0.0015):
@@ -51,8 +51,8 @@ def test_planner_chooses_expert_parallelism_the_runtime_accepts():
         a2a = again.set_of("actor").all_to_all_bytes["actor"]
         assert (a2a > 0) == (s.ep > 1)
         chosen.append(s.ep)
-        lora = plan_for_config(load_config(MOE + ["actor.lora.rank=4"]), 4, prof.with_memory(gb))
-        assert all(m.set_of("actor").strategies["actor"].ep == 1 for m in lora.candidates)
+        vllm = plan_for_config(load_config(MOE + ["rollout.engine=vllm"]), 4, prof.with_memory(gb))
+        assert all(m.set_of("actor").strategies["actor"].ep == 1 for m in vllm.candidates)
     assert max(chosen) > 1, chosen
 
 

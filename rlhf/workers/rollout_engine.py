@@ -93,7 +93,7 @@ class WavedGeneration:
         self.engine.load_weights(source)
 
     def set_adapters(self, source, lora) -> None:
-        self.engine.set_adapters(source.generation_params(), lora)
+        self.engine.set_adapters(source, lora)
 
     def set_weights(self, weights: Mapping[str, torch.Tensor], version: int | None = None
                     ) -> None:
