@@ -28,6 +28,8 @@ MOE = ["algo=grpo", "iterations=2", "actor.model.num_experts=4",
        "data.mini_batch_size=8", "data.micro_batch_size=2", "checkpoint.save_every=2",
        "checkpoint.keep_last=0", "checkpoint.resume=never"]
 EP2 = ["actor.layout.ep=2", "reference.layout.ep=2"]
+LORA = ["actor.lora.rank=4", "actor.lora.alpha=8",
+        "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "actor.optim.lr=1e-3"]
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/router_aux_loss",
             "actor/entropy", "actor/router_replay_fraction")
 
@@ -36,8 +38,11 @@ COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/router_aux
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_runs")
     common = MOE + [f"log.runs_dir={tmp / 'runs'}"]
+    lora = [o for o in common if not o.startswith("reference.")] + LORA
     out = launch({"ep1": common + ["log.run_name=ep1"],
-                  "ep2": common + EP2 + ["log.run_name=ep2"]}, tmp)
+                  "ep2": common + EP2 + ["log.run_name=ep2"],
+                  "lora_ep1": lora + ["log.run_name=lora_ep1"],
+                  "lora_ep2": lora + ["actor.layout.ep=2", "log.run_name=lora_ep2"]}, tmp)
     return tmp, out
 
 
@@ -61,6 +66,19 @@ def test_expert_parallel_run_equals_ep_1(runs):
     assert hf["ep1"].keys() == hf["ep2"].keys()
     for k, v in hf["ep1"].items():
         torch.testing.assert_close(hf["ep2"][k], v, atol=1e-5, rtol=0, msg=k)
+
+
+def test_lora_run_with_expert_parallelism_equals_ep_1(runs):
+    """LoRA adapters on the attention of the expert-parallel actor (the reference is the actor
+    with its adapters off): both iterations' figures equal the ep=1 run's."""
+    _, out = runs
+    for name in ("lora_ep1", "lora_ep2"):
+        assert "records" in out[name], out[name].get("traceback")
+    a, b = out["lora_ep1"]["records"], out["lora_ep2"]["records"]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
+    for ra, rb in zip(a, b):
+        for key in COMPARED + ("actor/kl",):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
 
 
 def _latest(folder):
