@@ -38,7 +38,7 @@ from engine.hf_families import family, family_of_hf
 from engine.hf_shards import hf_shapes, shard_parts
 from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig
-from engine.model import ParallelLlama, refuse_expert_parallel
+from engine.model import ParallelLlama
 from hybridflow_comm.shard_spec import ShardSpec
 
 SINGLE_FILE = "model.safetensors"
@@ -218,18 +218,26 @@ def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] 
         local: tensors shaped like this rank's training shards, by spec name, all of one
             dtype (e.g. Adam moments, master weights); default the model's parameters.
 
-    Collective over the DP-rank-0 replica (other DP ranks return at once).  The tied
+    Collective over the DP-rank-0 replica (other DP ranks return at once; under expert
+    parallelism every rank takes part: an expert's holder may be in any replica).  The tied
     ``lm_head`` copy of a pp > 1 model is left out (it equals ``embed_tokens``).
     """
-    refuse_expert_parallel(model, "gather_full_state_dict")
     g, c = model.groups, model.coords
-    if c.dp != 0:
+    experts = model.experts is not None
+    if c.dp != 0 and not experts:
         return None
     tensors = model.params if local is None else local
     dtype = next(iter(tensors.values())).dtype  # fp32 masters or moments of a bf16 model
     out: dict[str, torch.Tensor] = {}
     for spec in model.specs:
         if spec.name == "lm_head" and model.config.tie_word_embeddings:
+            continue
+        if experts and spec.expert is not None:
+            t = _expert_on_rank0(model, spec, tensors, dtype)
+            if t is not None:
+                out[spec.name] = t.clone()
+            continue
+        if c.dp != 0:
             continue
         if spec.stage != c.pp:
             if c.pp == 0 and c.tp == 0:  # receive another stage's tensor on rank 0
@@ -248,7 +256,7 @@ def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] 
                 out[spec.name] = full.clone()
             else:
                 dist.send(full.contiguous(), dst=g.train_pp.ranks[0], group=g.train_pp.pg)
-    return out if (c.pp == 0 and c.tp == 0) else None
+    return out if (c.pp == 0 and c.tp == 0 and c.dp == 0) else None
 
 
 def full_to_hf_state_dict(full: dict[str, torch.Tensor], specs: list[ShardSpec]
@@ -315,7 +323,8 @@ def global_on_rank0(model: ParallelLlama, spec: ShardSpec,
     shards are (default the model's parameters; its adapters for an adapter spec)."""
     g, c = model.groups, model.coords
     if model.experts is not None and spec.expert is not None:
-        return _expert_on_rank0(model, spec, params)
+        return _expert_on_rank0(model, spec, model.params if params is None else params,
+                                spec.dtype)
     if c.dp != 0:
         return None
     if spec.stage != c.pp:
@@ -340,20 +349,21 @@ def global_on_rank0(model: ParallelLlama, spec: ShardSpec,
     return full
 
 
-def _expert_on_rank0(model: ParallelLlama, spec: ShardSpec,
-                     params: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
-    """A whole expert of an expert-parallel model on layout rank 0: its holder at expert-DP
-    rank 0 sends it over the layout's world group."""
+def _expert_on_rank0(model: ParallelLlama, spec: ShardSpec, tensors: dict[str, torch.Tensor],
+                     dtype: torch.dtype) -> torch.Tensor | None:
+    """A whole expert of an expert-parallel model on layout rank 0 (None elsewhere): its
+    holder at expert-DP rank 0 sends its tensor of ``tensors`` (``dtype``: theirs) over the
+    layout's world group."""
     layout, world, me = model.experts.layout, model.groups.world, model.groups.rank
     src = layout.rank(stage=spec.stage, ep=spec.expert // (layout.num_experts // layout.ep),
                       etp=0, edp=0)
     if me == src:
-        full = (model.params if params is None else params)[spec.name].detach()
+        full = tensors[spec.name].detach()
         if me == 0:
             return full
         dist.send(full.contiguous(), dst=world.ranks[0], group=world.pg)
     elif me == 0:
-        t = torch.empty(spec.shape, dtype=spec.dtype, device=model.buffer.device)
+        t = torch.empty(spec.shape, dtype=dtype, device=model.buffer.device)
         dist.recv(t, src=world.ranks[src], group=world.pg)
         return t
     return None

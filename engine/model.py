@@ -371,14 +371,6 @@ def _check_experts(experts: ExpertGroups | None, config: LlamaConfig,
     return experts if experts.layout.ep > 1 else None
 
 
-def refuse_expert_parallel(model: ParallelLlama, what: str) -> None:
-    """ValueError (before any collective) where ``what`` does not support expert parallelism
-    yet."""
-    if model.experts is not None:
-        raise ValueError(f"{what} does not support expert parallelism yet (ep="
-                         f"{model.experts.layout.ep}); train with ep=1")
-
-
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Whether ``a`` and ``b`` name one device (``cuda`` without an index matches any GPU)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

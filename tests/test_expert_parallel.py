@@ -419,8 +419,10 @@ HF_LAYOUTS = [((1, 1, 4), 4), ((1, 2, 2), 2), ((2, 1, 2), 2), ((2, 2, 1), 2)]  #
 
 
 def check_hf_round_trip(rank, world, folder, out_root, layouts):
-    """Load the HF checkpoint at each expert-parallel layout and export it again."""
-    from engine.hf_interop import load_hf_checkpoint, read_hf_config, stream_hf_checkpoint
+    """Load the HF checkpoint at each expert-parallel layout and export it again, streamed
+    and gathered."""
+    from engine.hf_interop import (load_hf_checkpoint, read_hf_config, save_hf_checkpoint,
+                                   stream_hf_checkpoint)
 
     cfg = read_hf_config(folder)
     for i, (train, ep) in enumerate(layouts):
@@ -433,6 +435,7 @@ def check_hf_round_trip(rank, world, folder, out_root, layouts):
         assert len([n for n in model.params if ".experts." in n]) == \
             2 * cfg.num_experts // ep * cfg.num_layers // train[0]  # whole experts of its block
         stream_hf_checkpoint(model, f"{out_root}/{i}")
+        save_hf_checkpoint(model, f"{out_root}/gathered{i}")
         dist.barrier()
     return True
 
@@ -446,33 +449,26 @@ def test_hf_load_and_export_under_expert_parallelism(pool4, tmp_path):
     assert all(pool4.run(check_hf_round_trip, str(folder), str(tmp_path / "out"), HF_LAYOUTS))
     want = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
     for i in range(len(HF_LAYOUTS)):
-        got = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tmp_path / "out" / str(i))).state_dict()
-        assert got.keys() == want.keys()
-        for k, v in want.items():
-            assert torch.equal(got[k], v), (HF_LAYOUTS[i], k)
+        for out in (str(i), f"gathered{i}"):
+            got = transformers.AutoModelForCausalLM.from_pretrained(
+                str(tmp_path / "out" / out)).state_dict()
+            assert got.keys() == want.keys()
+            for k, v in want.items():
+                assert torch.equal(got[k], v), (HF_LAYOUTS[i], out, k)
 
 
 def check_unwired_paths_refuse(rank, world):
-    from engine.hf_interop import gather_full_state_dict
-
     hl = HybridLayout(ParallelLayout(1, 1, 4), 1, 1)
     experts = build_expert_groups(ExpertLayout(hl, E, ep=4, gen_ep=2), pool=list(range(4)))
     model = ParallelLlama(MOE, build_hybrid_groups(hl, pool=list(range(4))), experts=experts)
-    calls = {"HybridEngine": lambda: HybridEngine(model, OptimConfig()),
-             "gather_full_state_dict": lambda: gather_full_state_dict(model)}
-    out = {}
-    for what, call in calls.items():
-        try:
-            call()
-        except ValueError as exc:
-            out[what] = str(exc)
-    return out
+    try:
+        HybridEngine(model, OptimConfig())
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def test_paths_not_wired_for_expert_parallelism_refuse_before_any_collective(pool4):
-    for msgs in pool4.run(check_unwired_paths_refuse):
-        assert msgs["HybridEngine"].startswith("HybridEngine: generation with expert "
-                                               "parallelism (gen_ep=2) is not supported yet")
-        assert msgs["gather_full_state_dict"].startswith(
-            "gather_full_state_dict does not support expert parallelism yet"), msgs
+    for msg in pool4.run(check_unwired_paths_refuse):
+        assert msg.startswith("HybridEngine: generation with expert parallelism (gen_ep=2) is "
+                              "not supported yet"), msg
