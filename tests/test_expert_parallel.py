@@ -260,27 +260,37 @@ def test_training_with_expert_parallelism_equals_one_process(pool4):
 
 
 def held_expert_elements(rank, world, layouts):
-    """Expert elements this rank's model allocates at each layout, and at ep=1."""
-    return [[sum(p.numel() for n, p in build_engine(*lay[:3], ep)[0].params.items()
-                 if ".experts." in n) for ep in (lay[3], 1)] for lay in layouts]
+    """Expert elements this rank's model allocates at each layout (and at ep=1), and those
+    its expert buffer adds for generation (the pieces it receives)."""
+    out = []
+    for lay in layouts:
+        models = [build_engine(*lay[:3], ep)[0] for ep in (lay[3], 1)]
+        held = [sum(p.numel() for n, p in m.params.items() if ".experts." in n) for m in models]
+        buf = models[0].expert_buffer
+        out.append((*held, (buf.gen_nbytes - buf.train_nbytes) // MOE.dtype.itemsize))
+    return out
 
 
 def test_planner_counts_the_experts_a_rank_holds(pool4):
     """The planner's share of the experts per training rank (whole experts ``E / ep`` under
-    ep, each cut ``tp`` ways without), and the difference ep makes to its
-    :func:`rlhf.planner.memory.train_shard_params`, are what the engine allocates."""
+    ep, each cut ``tp`` ways without), the difference ep makes to its
+    :func:`rlhf.planner.memory.train_shard_params`, and the experts' part of its generation
+    memory beyond the training shard, are what the engine allocates."""
     from rlhf.planner import memory as mem
     from rlhf.planner.models import ModelShape
     from rlhf.planner.strategy import Strategy
 
     shape = ModelShape("moe", MOE)
     for held in pool4.run(held_expert_elements, ENGINE_LAYOUTS):
-        for (pp, tp, dp, ep), (got, got_1) in zip(ENGINE_LAYOUTS, held, strict=True):
-            s, s_1 = Strategy(pp, tp, dp, pp, tp, ep), Strategy(pp, tp, dp, pp, tp)
+        for (pp, tp, dp, ep), (got, got_1, extra) in zip(ENGINE_LAYOUTS, held, strict=True):
+            s, s_1 = Strategy(pp, tp, dp, 1, 1, ep), Strategy(pp, tp, dp, 1, 1)
             stage = MOE.num_layers // pp * shape.expert_layer_params
             assert (got, got_1) == (stage / s.expert_split, stage / s_1.expert_split)
             assert got - got_1 == pytest.approx(
                 mem.train_shard_params(shape, s) - mem.train_shard_params(shape, s_1), rel=1e-12)
+            assert extra == pytest.approx(mem.expert_transition_bytes(
+                pp, ep, 1, 1, MOE.num_layers * shape.expert_layer_params), rel=1e-12), \
+                ((pp, tp, dp, ep), extra)
 
 
 HYBRID_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 1), 2), ((2, 1, 2), (1, 1), 2),

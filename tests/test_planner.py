@@ -204,6 +204,34 @@ def test_expert_parallel_strategies_memory_and_all_to_all():
                                   * A100.slowdown(8))
 
 
+def test_expert_parallel_span_and_generation_memory():
+    """An EP group's span is the widest of ExpertLayout's EP groups in device order; the
+    generation memory beyond the training shard is never negative and, for the experts, what a
+    device receives."""
+    from hybridflow_comm.expert_layout import ExpertLayout
+    from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+    spans = 0
+    for pp, tp, dp in itertools.product((1, 2, 4), (1, 2, 3, 4), (1, 2, 3, 4)):
+        for ep in (e for e in range(2, tp * dp + 1) if (tp * dp) % e == 0 and 24 % e == 0):
+            el = ExpertLayout(HybridLayout(ParallelLayout(pp, tp, dp), pp, tp), 24, ep=ep)
+            want = max(max(g) - min(g) + 1 for g in el.ep_groups())
+            assert Strategy(pp, tp, dp, pp, tp, ep).ep_span == want, (pp, tp, dp, ep)
+            spans += 1
+    assert spans > 50
+    actor = RoleSpec("actor", QWEN3_MOE, trained=True, generations=1)
+    experts = QWEN3_MOE.num_layers * QWEN3_MOE.expert_layer_params
+    for s in enumerate_strategies(QWEN3_MOE, 8, generates=True):
+        extra = mem.gen_weight_extra_bytes(actor, s, A100)
+        assert extra >= 0, s
+        if s.ep > 1:
+            base = mem.gen_weight_extra_bytes(actor, Strategy(s.pp, s.tp, s.dp, s.pp_g, s.tp_g),
+                                              A100)
+            dense = base - (experts / (s.pp_g * s.tp_g) - experts / (s.pp * s.tp)) * 2
+            assert extra == pytest.approx(dense + mem.expert_transition_bytes(
+                s.pp, s.ep, s.pp_g, s.tp_g, experts * 2), rel=1e-9), s
+
+
 def _role_stage_times(role, n, work, prof):
     return [min(sim.train_time(role, s, work, prof) + sim.infer_time(role, s, work, prof)
                 for s in enumerate_strategies(role.shape, n, False, prof.per_node))

@@ -90,11 +90,28 @@ def infer_activation_bytes(role: RoleSpec, s: Strategy, work: Workload,
     return layer + logits_bytes(role.shape, b, work.seq_len, s.tp)
 
 
+def expert_transition_bytes(pp: int, ep: int, pp_g: int, tp_g: int, expert_bytes: float
+                            ) -> float:
+    """Bytes each device receives of the experts' ``expert_bytes`` in the train -> generation
+    reshard from ``ep > 1`` to generation EP 1 (experts under ``tp_g``):
+    ``(p ep - p_g) / (p ep p_g t_g) M_e``."""
+    return (pp * ep - pp_g) / (pp * ep * pp_g * tp_g) * expert_bytes
+
+
 def gen_weight_extra_bytes(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> float:
-    """Generation weights beyond the training shard (the 3D-HybridEngine's gathered slots;
-    generation holds every expert cut ``tp_g`` ways)."""
-    gen = stage_params(role.shape, s.pp_g) / s.tp_g
-    return (gen - train_shard_params(role.shape, s)) * prof.param_bytes
+    """Generation weights beyond the training shard (the 3D-HybridEngine's gathered slots).
+    Under expert parallelism the experts' part is what a device receives of them
+    (:func:`expert_transition_bytes`): generation holds every expert cut ``tp_g`` ways, a
+    piece of each whole expert the device trains is a view of it."""
+    shape = role.shape
+    if s.ep == 1:
+        gen = stage_params(shape, s.pp_g) / s.tp_g
+        return (gen - train_shard_params(shape, s)) * prof.param_bytes
+    per_layer = shape.expert_layer_params
+    dense_gen = (stage_params(shape, s.pp_g) - shape.num_layers // s.pp_g * per_layer) / s.tp_g
+    dense_train = (stage_params(shape, s.pp) - shape.num_layers // s.pp * per_layer) / s.tp
+    experts = expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, shape.num_layers * per_layer)
+    return (dense_gen - dense_train + experts) * prof.param_bytes
 
 
 def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, work: Workload,

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 
 from rlhf.planner.dataflow import RoleSpec, Workload
-from rlhf.planner.memory import kv_bytes_per_sequence, micro_batch, train_shard_params
+from rlhf.planner.memory import (expert_transition_bytes, kv_bytes_per_sequence, micro_batch,
+                                 train_shard_params)
 from rlhf.planner.models import ModelShape
 from rlhf.planner.profile import DeviceProfile
 from rlhf.planner.strategy import Strategy
@@ -45,14 +46,6 @@ def transition_bytes(pp: int, tp: int, pp_g: int, tp_g: int, model_bytes: float)
     if mp % mp_g:
         raise ValueError(f"tp_g*pp_g={mp_g} must divide tp*pp={mp}")
     return (mp - mp_g) / (mp_g * mp) * model_bytes
-
-
-def expert_transition_bytes(pp: int, ep: int, pp_g: int, tp_g: int, expert_bytes: float
-                            ) -> float:
-    """Bytes each device receives of the experts' ``expert_bytes`` in the train -> generation
-    reshard from ``ep > 1`` to generation EP 1 (experts under ``tp_g``):
-    ``(p ep - p_g) / (p ep p_g t_g) M_e``."""
-    return (pp * ep - pp_g) / (pp * ep * pp_g * tp_g) * expert_bytes
 
 
 def model_transition_bytes(shape: ModelShape, s: Strategy, param_bytes: float) -> float:
@@ -145,7 +138,7 @@ def forward_pass_time(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceP
     pp_comm = (2 if backward else 1) * slots * _p2p_time(act / s.tp, s.pp * s.tp, prof) \
         if s.pp > 1 else 0.0
     one, count = _pass_all_to_all_bytes(role, s, work, prof, backward, sequences)
-    ep_comm = count * all_to_all_time(one, s.ep, s.ep, prof)
+    ep_comm = count * all_to_all_time(one, s.ep, s.ep_span, prof)
     return (compute + tp_comm + overhead + pp_comm + ep_comm) * prof.slowdown(s.devices)
 
 
@@ -177,7 +170,7 @@ def transition_time(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> float:
     nbytes = model_transition_bytes(role.shape, s, prof.param_bytes)
     if nbytes == 0:
         return 0.0
-    bw, lat = prof.link(s.pp * s.tp)
+    bw, lat = prof.link(max(s.pp * s.tp, s.ep_span))  # experts come from other replicas too
     return lat * math.log2(s.micro_dp) + nbytes / bw
 
 

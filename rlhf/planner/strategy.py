@@ -62,6 +62,17 @@ class Strategy:
         """Training ranks holding the same expert shard (the experts' gradient all-reduce)."""
         return self.tp * self.dp // self.ep if self.ep > 1 else self.dp
 
+    @property
+    def ep_span(self) -> int:
+        """Consecutive devices the widest EP group spans: an EP group is ``ep`` consecutive
+        ``j = dp_rank * tp + tp_rank`` of a stage (:mod:`hybridflow_comm.expert_layout`), and
+        devices run ``tp`` fastest, then ``pp``, then ``dp`` (e.g. ``ep = 2 tp``: two DP
+        replicas ``pp * tp`` apart)."""
+        def device(j: int) -> int:
+            return j // self.tp * self.pp * self.tp + j % self.tp
+        return max(device(a + self.ep - 1) - device(a) + 1
+                   for a in range(0, self.tp * self.dp, self.ep))
+
     def short(self) -> str:
         train = f"{self.pp}-{self.tp}-{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
         if (self.pp_g, self.tp_g) == (self.pp, self.tp):
