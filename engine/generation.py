@@ -50,6 +50,7 @@ import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -337,7 +338,7 @@ class GenerationEngine:
             from engine import _kernels  # built: the kernel paths exist only then
             self.block_rows = _kernels.small_gemm_max_rows
 
-    def set_adapters(self, adapters: Mapping[str, torch.Tensor] | None,
+    def set_adapters(self, adapters: Mapping[str, torch.Tensor] | Any | None,
                      lora: LoraConfig | None = None) -> None:
         """LoRA adapters for the next :meth:`set_weights` (this rank's generation shards of
         the adapter tensors by spec name, held not copied, or the adapter resharder holding

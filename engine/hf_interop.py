@@ -14,7 +14,8 @@ no rank ever holds a full tensor it does not train.
 
 Saving: the DP-rank-0 replica all-gathers each tensor over its TP group; inner stages send
 whole tensors to layout rank 0, which writes ``config.json`` and ``model.safetensors`` (so
-rank 0 holds the full model while saving).  :func:`stream_hf_checkpoint` writes the same
+rank 0 holds the full model while saving).  Under expert parallelism every rank takes part:
+each whole expert goes from its holder (in any replica) to rank 0.  :func:`stream_hf_checkpoint` writes the same
 checkpoint with at most one global tensor in any rank's memory: rank 0 writes the safetensors
 header first (every offset follows from the specs) and then each tensor as it arrives.
 """

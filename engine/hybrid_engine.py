@@ -1,7 +1,8 @@
 """The actor's 3D-HybridEngine: one model, trained on ``p-t-d`` and generating on ``p_g-t_g``.
 
 :class:`HybridEngine` owns the training model (:class:`TrainEngine`), its :class:`Resharder`
-(both on one flat buffer) and a rollout engine (the native :class:`GenerationEngine` by
+(both on one flat buffer; under expert parallelism a :class:`MoeResharder` that also moves the
+experts' buffer) and a rollout engine (the native :class:`GenerationEngine` by
 default, or any object with the :class:`Rollout` methods, e.g. the vLLM adapter).  One
 iteration of the paper's workflow::
 
@@ -64,7 +65,8 @@ class HybridEngine:
         model: this rank's training model (its buffer becomes the resharder's).
         optim: optimiser settings of the training engine.
         rollout: generation backend (default: :class:`GenerationEngine` on the layout).
-        verify: checksum-verify the generation weights after every transition.
+        verify: checksum-verify the generation weights after every transition (the dense
+            ones under expert parallelism).
         train: the training engine of ``model`` when the caller built it (then ``optim`` is
             not given); default: a new one with ``optim``.
         offload_during_generation: park the training state (masters, optimizer state,

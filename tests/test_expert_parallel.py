@@ -5,7 +5,9 @@ the inputs, the router and every expert (owners' gradients summed over their exp
 for ep 2 and 4, folded over DP, over TP, and over both.  The training engine: loss, grad norm,
 load-balancing loss, every gradient of step 1 and the weights after 3 AdamW steps at ep 2 and
 4 beside tp, pp and dp, equal to the single process's (fp32, atol 1e-5), with storage identity
-of the experts' parameters and gradients."""
+of the experts' parameters and gradients.  The HybridEngine (also with LoRA adapters) against
+ep 1, HF load and export at EP layouts against transformers, and the planner's all-to-all
+bytes and expert memory against what the engine sends and allocates."""
 
 import pytest
 import torch
