@@ -370,6 +370,19 @@ def _expert_on_rank0(model: ParallelLlama, spec: ShardSpec, tensors: dict[str, t
     return None
 
 
+def _agree_to_start(model: ParallelLlama, failed: Exception | None, folder: str) -> None:
+    """Collective over the layout's ranks: raise on every rank if rank 0 could not start
+    writing ``folder`` (its own error on rank 0), before any tensor moves."""
+    world = model.groups.world
+    bad = torch.tensor([0 if failed is None else 1], device=model.buffer.device)
+    if world.pg is not None:
+        dist.all_reduce(bad, group=world.pg)
+    if failed is not None:
+        raise failed
+    if bad.item():
+        raise RuntimeError(f"stream_hf_checkpoint: layout rank 0 could not write {folder!r}")
+
+
 def stream_hf_checkpoint(model: ParallelLlama, folder: str,
                          delta: Callable[[str], torch.Tensor | None] | None = None) -> None:
     """:func:`save_hf_checkpoint` with bounded memory (collective; layout rank 0 writes).
@@ -385,12 +398,19 @@ def stream_hf_checkpoint(model: ParallelLlama, folder: str,
         return
     specs = _exported_specs(model)
     with contextlib.ExitStack() as stack:
-        out = None
+        out, failed = None, None
         if c.pp == 0 and c.tp == 0 and c.dp == 0:
-            os.makedirs(folder, exist_ok=True)
-            config_to_hf(model.config, model.head).save_pretrained(folder)
-            out = stack.enter_context(open(os.path.join(folder, SINGLE_FILE), "wb"))
-            out.write(safetensors_header(specs))
+            try:
+                os.makedirs(folder, exist_ok=True)
+                config_to_hf(model.config, model.head).save_pretrained(folder)
+                out = stack.enter_context(open(os.path.join(folder, SINGLE_FILE), "wb"))
+                out.write(safetensors_header(specs))
+            except (OSError, ValueError) as e:
+                failed = e
+        if model.experts is not None:  # every rank sends experts: all learn of a failed start
+            _agree_to_start(model, failed, folder)
+        elif failed is not None:
+            raise failed
         for spec in specs:
             full = global_on_rank0(model, spec)
             if full is None:

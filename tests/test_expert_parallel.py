@@ -449,7 +449,15 @@ def check_hf_round_trip(rank, world, folder, out_root, layouts):
         stream_hf_checkpoint(model, f"{out_root}/{i}")
         save_hf_checkpoint(model, f"{out_root}/gathered{i}")
         dist.barrier()
-    return True
+    blocked = f"{out_root}/a_file"  # rank 0 cannot write a folder there: every rank raises
+    if rank == 0:
+        open(blocked, "w").close()
+    dist.barrier()
+    try:
+        stream_hf_checkpoint(model, blocked)
+    except (OSError, RuntimeError) as e:
+        return type(e).__name__
+    return None
 
 
 def test_hf_load_and_export_under_expert_parallelism(pool4, tmp_path):
@@ -458,7 +466,8 @@ def test_hf_load_and_export_under_expert_parallelism(pool4, tmp_path):
     import transformers
 
     folder = moe_checkpoint(tmp_path / "moe")
-    assert all(pool4.run(check_hf_round_trip, str(folder), str(tmp_path / "out"), HF_LAYOUTS))
+    errors = pool4.run(check_hf_round_trip, str(folder), str(tmp_path / "out"), HF_LAYOUTS)
+    assert errors == ["FileExistsError"] + ["RuntimeError"] * 3, errors
     want = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
     for i in range(len(HF_LAYOUTS)):
         for out in (str(i), f"gathered{i}"):
