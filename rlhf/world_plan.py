@@ -186,14 +186,8 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
 def expert_parallel_blockers(config: Config, role: str) -> list[str]:
     """The settings of ``config`` that expert parallelism of ``role`` is not built for
     (empty: ``ep > 1`` can run)."""
-    lay = config.role(role).layout
-    # token-budget micro-batch counts differ per DP rank, but an EP group wider than tp spans
-    # DP ranks and must run one count; a frozen role's passes take the actor's budget
-    owner = role if hasattr(config.role(role), "use_dynamic_bsz") else "actor"
     unsupported = {"placement.mode=disaggregated": config.placement.mode == "disaggregated",
-                   "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm",
-                   f"{owner}.use_dynamic_bsz=true and ep > tp={lay.tp}":
-                   config.role(owner).use_dynamic_bsz and lay.ep > lay.tp}
+                   "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
     return [what for what, on in unsupported.items() if on]
 
 

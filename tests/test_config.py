@@ -153,8 +153,6 @@ def test_expert_parallel_layouts():
                moe + ["reference.layout.gen_ep=2"],
                "actor.layout.ep=2 with rollout.engine=vllm is not supported yet":
                moe + ["actor.layout.ep=2", "rollout.engine=vllm"],
-               r"reference.layout.ep=4 with actor.use_dynamic_bsz=true and ep > tp=1 is not":
-               moe + ["reference.layout.ep=4", "actor.use_dynamic_bsz=true"],
                "actor.layout.ep=2 with placement.mode=disaggregated is not supported yet":
                moe + ["actor.layout.ep=2", "placement.mode=disaggregated",
                       "placement.pool_sizes={actor: 2, rollout: 2}"]}

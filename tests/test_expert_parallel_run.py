@@ -30,6 +30,7 @@ MOE = ["algo=grpo", "iterations=2", "actor.model.num_experts=4",
 EP2 = ["actor.layout.ep=2", "reference.layout.ep=2"]
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8",
         "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "actor.optim.lr=1e-3"]
+DYNAMIC = ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_micro_batch=24"]
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/router_aux_loss",
             "actor/entropy", "actor/router_replay_fraction")
 
@@ -42,7 +43,9 @@ def runs(tmp_path_factory):
     out = launch({"ep1": common + ["log.run_name=ep1"],
                   "ep2": common + EP2 + ["log.run_name=ep2"],
                   "lora_ep1": lora + ["log.run_name=lora_ep1"],
-                  "lora_ep2": lora + ["actor.layout.ep=2", "log.run_name=lora_ep2"]}, tmp)
+                  "lora_ep2": lora + ["actor.layout.ep=2", "log.run_name=lora_ep2"],
+                  "dyn_ep1": common + DYNAMIC + ["log.run_name=dyn_ep1"],
+                  "dyn_ep2": common + EP2 + DYNAMIC + ["log.run_name=dyn_ep2"]}, tmp)
     return tmp, out
 
 
@@ -78,6 +81,17 @@ def test_lora_run_with_expert_parallelism_equals_ep_1(runs):
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
     for ra, rb in zip(a, b):
         for key in COMPARED + ("actor/kl",):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
+
+
+def test_token_budget_micro_batches_under_expert_parallelism(runs):
+    """use_dynamic_bsz with an EP group across DP ranks (ep=2 > tp=1): every pass runs one
+    micro-batch count on all DP ranks, and the figures equal the ep=1 run's."""
+    _, out = runs
+    for name in ("dyn_ep1", "dyn_ep2"):
+        assert "records" in out[name], out[name].get("traceback")
+    for ra, rb in zip(out["dyn_ep1"]["records"], out["dyn_ep2"]["records"], strict=True):
+        for key in COMPARED:
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
 
 

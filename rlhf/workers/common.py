@@ -140,7 +140,9 @@ def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *
             return None
         return outs[0] if len(outs) == 1 else {k: torch.cat([o[k] for o in outs])
                                               for k in outs[0]}
-    parts = partition_by_tokens(batch["attention_mask"].sum(1).tolist(), max_tokens)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    parts = partition_by_tokens(lengths, max_tokens, parts=_shared_count(engine, lengths,
+                                                                         max_tokens))
     mbs = [{k: v[torch.tensor(p, device=v.device)] for k, v in inputs.items()} for p in parts]
     outs = engine.forward(mbs, head_from=head_from, temperature=temperature,
                           remove_padding=True)
@@ -149,6 +151,18 @@ def forward_outputs(engine: TrainEngine, batch: Batch, max_tokens: int | None, *
     order = [i for p in parts for i in p]
     return {k: torch.cat([o[k] for o in outs])[
         torch.argsort(torch.tensor(order, device=outs[0][k].device))] for k in outs[0]}
+
+
+def _shared_count(engine: TrainEngine, lengths: list[int], max_tokens: int) -> int | None:
+    """Under expert parallelism, the token-budget micro-batch count every DP rank runs (the
+    largest of theirs, one all-reduce: an EP group may span DP ranks, and each MoE layer is a
+    collective over it); None otherwise (each rank its own count)."""
+    dp = engine.model.groups.train_dp
+    if engine.model.experts is None or dp.pg is None:
+        return None
+    count = torch.tensor([count_micro_batches(lengths, max_tokens)], device="cpu")
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp.pg)  # host counts (gloo side)
+    return int(count)
 
 
 def micro_batch_denominator(count: float, mode: str, micro_batches: int, dp: int) -> float:
