@@ -9,6 +9,8 @@ of the experts' parameters and gradients.  The HybridEngine (also with LoRA adap
 ep 1, HF load and export at EP layouts against transformers, and the planner's all-to-all
 bytes and expert memory against what the engine sends and allocates."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -300,12 +302,12 @@ HYBRID_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 1), 2), ((2, 1, 2), (1
 N_NEW = 5
 
 
-def build_hybrid(train, gen, ep, full):
+def build_hybrid(train, gen, ep, full, config=MOE):
     hl = HybridLayout(ParallelLayout(*train), *gen)
     pool = list(range(hl.world_size))
     groups = build_hybrid_groups(hl, pool=pool)
     experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool)
-    model = ParallelLlama(MOE, groups, experts=experts)
+    model = ParallelLlama(config, groups, experts=experts)
     load_full_state_dict(model, full)
     return HybridEngine(model, OptimConfig(**ep_ref.ADAM))
 
@@ -333,12 +335,13 @@ def one_iteration(engine):
     return views, out, stats, metrics
 
 
-def check_hybrid_engine(rank, world, layouts, full):
+def check_hybrid_engine(rank, world, layouts, full, config=MOE):
     """Two iterations of the HybridEngine at ``ep`` against the same layout at ep=1: equal
     generation weights (moved, never computed: bit-exact), rollouts and update metrics."""
     checks = 0
     for train, gen, ep in layouts:
-        ours, ref = build_hybrid(train, gen, ep, full), build_hybrid(train, gen, 1, full)
+        ours = build_hybrid(train, gen, ep, full, config)
+        ref = build_hybrid(train, gen, 1, full, config)
         assert isinstance(ours.resharder, MoeResharder) and ref.model.experts is None
         for it in range(2):
             (v, out, stats, m), (rv, rout, _, rm) = one_iteration(ours), one_iteration(ref)
@@ -358,6 +361,15 @@ def check_hybrid_engine(rank, world, layouts, full):
 def test_hybrid_engine_with_expert_parallelism_equals_ep_1(pool4):
     full = init_full_state_dict(MOE, seed=4)
     assert sum(pool4.run(check_hybrid_engine, HYBRID_LAYOUTS, full)) == 4 * len(HYBRID_LAYOUTS)
+
+
+def test_tied_embeddings_across_stages_with_expert_parallelism(pool4):
+    """A tied LM head on the last of 2 stages (its copy of the embedding kept in step with
+    stage 0's) beside ep=2: as ep=1."""
+    tied = dataclasses.replace(MOE, tie_word_embeddings=True)
+    full = init_full_state_dict(tied, seed=6)
+    layouts = [((2, 1, 2), (1, 1), 2), ((2, 2, 1), (2, 1), 2)]
+    assert sum(pool4.run(check_hybrid_engine, layouts, full, tied)) == 4 * len(layouts)
 
 
 LORA_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 2), 2)]  # (p-t-d, p_g-t_g, ep)
