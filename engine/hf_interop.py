@@ -178,6 +178,7 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
     """
     _check_checkpoint(model, folder)
     files = _tensor_files(folder)
+    _check_stage_experts(model, folder, files)
     plan = []
     for spec in model.local_specs:
         reads = model.hf_reads(spec)
@@ -208,6 +209,29 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
                 for r in reads:  # the block in its stored dtype; copy_ casts if they differ
                     dst = parts[r.part]
                     dst.copy_(block_slice(r.hf_name)[r.index].view(dst.shape))
+
+
+def _check_stage_experts(model: ParallelLlama, folder: str, files: dict[str, str]) -> None:
+    """Under expert parallelism, every expert tensor of this rank's stage is in the checkpoint
+    with its shape, checked on every rank (not only its holders), so a bad checkpoint fails
+    on all ranks of the stage alike (KeyError / ValueError) before any weight is copied."""
+    if model.experts is None:
+        return
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, object] = {}
+        for spec in model.specs:
+            if spec.expert is None or spec.stage != model.stage:
+                continue
+            for name, want in zip(spec.hf_names, hf_shapes(spec), strict=True):
+                if name not in files:
+                    raise KeyError(f"checkpoint {folder} has no tensor {name!r}")
+                if files[name] not in handles:
+                    handles[files[name]] = stack.enter_context(safe_open(files[name],
+                                                                         framework="pt"))
+                shape = tuple(handles[files[name]].get_slice(name).get_shape())
+                if shape != tuple(want):
+                    raise ValueError(f"checkpoint tensor {name} has shape {shape}, the model "
+                                     f"expects {tuple(want)}")
 
 
 def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] | None = None

@@ -490,6 +490,35 @@ def test_hf_load_and_export_under_expert_parallelism(pool4, tmp_path):
                 assert torch.equal(got[k], v), (HF_LAYOUTS[i], out, k)
 
 
+def check_bad_checkpoint_fails_everywhere(rank, world, folder):
+    from engine.hf_interop import load_hf_checkpoint, read_hf_config
+
+    cfg = read_hf_config(folder)
+    hl = HybridLayout(ParallelLayout(1, 1, 4), 1, 1)
+    experts = build_expert_groups(ExpertLayout(hl, cfg.num_experts, ep=4), pool=list(range(4)))
+    model = ParallelLlama(cfg, build_hybrid_groups(hl, pool=list(range(4))), experts=experts)
+    try:
+        load_hf_checkpoint(model, folder)
+    except KeyError as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_missing_an_expert_fails_on_every_rank(pool4, tmp_path):
+    """One expert's tensor gone: every rank raises (not only the one that trains it), before
+    any collective."""
+    from safetensors.torch import load_file, save_file
+
+    folder = moe_checkpoint(tmp_path / "moe")
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    gone = "model.layers.1.mlp.experts.3.down_proj.weight"
+    del tensors[gone]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    msgs = pool4.run(check_bad_checkpoint_fails_everywhere, str(folder))
+    assert all(m is not None and gone in m for m in msgs), msgs
+
+
 def check_unwired_paths_refuse(rank, world):
     hl = HybridLayout(ParallelLayout(1, 1, 4), 1, 1)
     experts = build_expert_groups(ExpertLayout(hl, E, ep=4, gen_ep=2), pool=list(range(4)))
