@@ -15,9 +15,10 @@ no rank ever holds a full tensor it does not train.
 Saving: the DP-rank-0 replica all-gathers each tensor over its TP group; inner stages send
 whole tensors to layout rank 0, which writes ``config.json`` and ``model.safetensors`` (so
 rank 0 holds the full model while saving).  Under expert parallelism every rank takes part:
-each whole expert goes from its holder (in any replica) to rank 0.  :func:`stream_hf_checkpoint` writes the same
-checkpoint with at most one global tensor in any rank's memory: rank 0 writes the safetensors
-header first (every offset follows from the specs) and then each tensor as it arrives.
+each whole expert goes from its holder (in any replica) to rank 0.
+:func:`stream_hf_checkpoint` writes the same checkpoint with at most one global tensor in any
+rank's memory: rank 0 writes the safetensors header first (every offset follows from the
+specs) and then each tensor as it arrives.
 """
 
 from __future__ import annotations
@@ -205,7 +206,12 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
                                      f"model expects {r.hf_shape}")
         with torch.no_grad():
             for spec, reads in plan:
-                parts = shard_parts(spec, model.params[spec.name])  # views of the flat buffer
+                param = model.params[spec.name]
+                if param.dim() != len(spec.shape):  # a whole expert stored stacked
+                    (r,) = reads
+                    param.copy_(model.train_shard(block_slice(r.hf_name)[r.index], spec))
+                    continue
+                parts = shard_parts(spec, param)  # views of the flat buffer
                 for r in reads:  # the block in its stored dtype; copy_ casts if they differ
                     dst = parts[r.part]
                     dst.copy_(block_slice(r.hf_name)[r.index].view(dst.shape))
@@ -383,7 +389,7 @@ def _expert_on_rank0(model: ParallelLlama, spec: ShardSpec, tensors: dict[str, t
     src = layout.rank(stage=spec.stage, ep=spec.expert // (layout.num_experts // layout.ep),
                       etp=0, edp=0)
     if me == src:
-        full = tensors[spec.name].detach()
+        full = model.logical_expert(tensors[spec.name].detach(), spec)
         if me == 0:
             return full
         dist.send(full.contiguous(), dst=world.ranks[0], group=world.pg)

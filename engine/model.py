@@ -32,7 +32,7 @@ from engine.micro_batches import PackedRows
 from engine.tp_ops import column_linear, linear_log_prob_entropy, vocab_embedding, \
     vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
-from hybridflow_comm.expert_reshard import expert_slot_specs
+from hybridflow_comm.expert_reshard import expert_slot_specs, from_train_layout, to_train_layout
 from hybridflow_comm.groups import ExpertGroups, HybridGroups
 from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.shard_spec import ShardSpec, slot_specs, train_shard
@@ -138,11 +138,17 @@ class ParallelLlama(nn.Module):
         return hf_reads(spec, self.layout, self.groups.rank)
 
     def train_shard(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
-        """This rank's training shard of the global tensor ``full`` of ``spec`` (a whole
-        expert under expert parallelism)."""
+        """This rank's training shard of the global tensor ``full`` of ``spec`` (under expert
+        parallelism a whole expert, in its stored form: :func:`hybridflow_comm.expert_reshard.
+        stacked_pieces`)."""
         if self.experts is not None and spec.expert is not None:
-            return full
+            return to_train_layout(full, spec, self.experts.layout)
         return train_shard(full, spec, self.layout, self.groups.rank)
+
+    def logical_expert(self, tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """A whole expert tensor of this rank (a parameter, or a moment shaped like one) in
+        its logical (Hugging Face) shape; the inverse of :meth:`train_shard` for experts."""
+        return from_train_layout(tensor, spec, self.experts.layout)
 
     @property
     def local_adapter_specs(self) -> list[ShardSpec]:

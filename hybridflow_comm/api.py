@@ -103,7 +103,7 @@ def reshard_from_state_dict(local: Mapping[str, torch.Tensor], specs: Sequence[S
     rs = MoeResharder(list(specs), groups, experts, bucket_bytes=bucket_bytes,
                       device=_device_of(local))
     for name, t in local.items():
-        rs.train_view(name).copy_(t)
+        rs.copy_train_(name, t)
     return rs
 
 

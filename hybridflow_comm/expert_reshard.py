@@ -14,11 +14,14 @@ inside one :class:`~hybridflow_comm.flat_buffer.FlatParamBuffer` of
     training          |                               |  e2 e3 whole        |
     generation        | e0 e1 received, released by to_training() | views   |
 
-Pieces are contiguous slices of a training tensor (whole experts, or rows of a dim-0 split)
-and are sent straight from it; a piece along another dim (``down_proj``'s columns under gen
-TP) is copied to a contiguous send tensor first, which the stats report as
-``redundant_bytes`` (at most one bucket's).  Received pieces land in place, each a
-contiguous tensor of its piece's shape.
+Every piece is a contiguous part of a training tensor and is sent straight from it: whole
+experts, rows of a dim-0 split (``gate_up``), and, for a tensor split along another dim under
+generation TP (``down_proj``'s columns, ``g = tp_g`` pieces), a held expert is stored stacked
+``[g, H, F / g]`` (:func:`stacked_pieces`; the training forward takes the stacked form, as the
+dense generation weights do), so piece ``i`` is slot ``i``.  Nothing is staged
+(``redundant_bytes`` 0).  Received pieces land in place, each a contiguous tensor of its
+piece's shape.  :func:`to_train_layout` / :func:`from_train_layout` convert a whole expert
+tensor between its logical (Hugging Face) shape and the stored one.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec
 from hybridflow_comm.groups import Group, HybridGroups
 from hybridflow_comm.reshard import Resharder
 from hybridflow_comm.shard_spec import ShardSpec, hf_named
+from hybridflow_comm.strided import logical_from_stacked, stacked_from_logical
 from hybridflow_comm.transition import (BUCKET_BYTES, LABEL, TransitionStats, agree_on_specs,
                                         check_bucket_bytes, measured_transition)
 
 __all__ = ["ExpertPlan", "ExpertResharder", "MoeResharder", "expert_slot_specs",
-           "plan_expert_transfers", "piece_of"]
+           "from_train_layout", "plan_expert_transfers", "piece_of", "stacked_pieces",
+           "to_train_layout"]
 
 
 class ExpertPlan(NamedTuple):
@@ -59,10 +64,41 @@ class ExpertPlan(NamedTuple):
     sends: list[tuple[str, Piece, int]]
 
 
+def stacked_pieces(spec: ShardSpec, layout: ExpertLayout) -> int:
+    """How many generation pieces a held expert tensor of ``spec`` is stored as, stacked along
+    a new leading dim: ``tp_g`` for a tensor split along a non-leading dim under generation TP
+    (``down_proj``), else 1 (stored in its logical shape)."""
+    if layout.gen_etp > 1 and spec.partition_dim not in (None, 0):
+        return layout.gen_etp
+    return 1
+
+
+def to_train_layout(logical: torch.Tensor, spec: ShardSpec, layout: ExpertLayout
+                    ) -> torch.Tensor:
+    """A whole expert tensor of ``spec`` in its stored form (a new tensor when stacked)."""
+    g = stacked_pieces(spec, layout)
+    return logical if g == 1 else stacked_from_logical(logical, spec.partition_dim, g)
+
+
+def from_train_layout(stored: torch.Tensor, spec: ShardSpec, layout: ExpertLayout
+                      ) -> torch.Tensor:
+    """A stored whole expert tensor of ``spec`` in its logical shape (a new tensor when
+    stacked)."""
+    if stored.dim() == len(spec.shape):
+        return stored
+    return logical_from_stacked(stored, spec.partition_dim)
+
+
 def piece_of(tensor: torch.Tensor, spec: ShardSpec, piece: Piece) -> torch.Tensor:
-    """``piece`` of a whole expert tensor along its partition dim (a view)."""
+    """``piece`` of a whole expert tensor along its partition dim (a view): of a stacked one
+    (:func:`stacked_pieces`) its slot, contiguous."""
     if piece.count == 1:
         return tensor
+    if tensor.dim() == len(spec.shape) + 1:
+        if tensor.shape[0] != piece.count:
+            raise ValueError(f"{spec.name}: stored as {tensor.shape[0]} pieces, asked for "
+                             f"piece {piece.index} of {piece.count}")
+        return tensor[piece.index]
     size = spec.shape[spec.partition_dim] // piece.count
     return tensor.narrow(spec.partition_dim, piece.index * size, size)
 
@@ -128,7 +164,11 @@ def expert_slot_specs(specs: list[ShardSpec], layout: ExpertLayout, rank: int,
     plan = plan or plan_expert_transfers(specs, layout, rank)
     by_name = {s.name: s for s in specs}
     c = layout.hybrid.train.coords(rank)
-    own = [SlotSpec(s.name, s.dtype, s.shape) for s in specs
+
+    def stored(s: ShardSpec) -> tuple[int, ...]:
+        g = stacked_pieces(s, layout)
+        return s.shape if g == 1 else (g, *s.shard_shape(g))
+    own = [SlotSpec(s.name, s.dtype, stored(s)) for s in specs
            if s.stage == c.pp and s.expert in layout.train_experts(rank)]
     received = [SlotSpec(n, by_name[n].dtype, piece_shape(by_name[n], p), 1, None)
                 for n, p, _ in plan.recvs]
@@ -228,21 +268,15 @@ class ExpertResharder:
         return self._last
 
     def _exchange_pieces(self) -> int:
-        """Every bucket's messages; returns the most bytes one bucket staged."""
-        staged_peak = 0
+        """Every bucket's messages, each sent from its training tensor; returns 0 (nothing is
+        staged)."""
         for sends, recvs in self._buckets:
-            out, staged = [], 0
-            for name, piece, dst in sends:
-                view = piece_of(self.buffer.train_view(name), self._spec[name], piece)
-                if not view.is_contiguous():
-                    view = view.contiguous()
-                    staged += view.nbytes
-                out.append((view, dst))
+            out = [(piece_of(self.buffer.train_view(name), self._spec[name], piece), dst)
+                   for name, piece, dst in sends]
             into = [(self.buffer.slot_view(name, 0), src) for name, _, src in recvs]
-            staged_peak = max(staged_peak, staged)
             for work in comm.exchange_(out, into, self.world, self.ledger, LABEL):
                 work.wait()
-        return staged_peak
+        return 0
 
     def to_training(self, release: bool = True) -> int:
         """Back to training; returns the bytes of the received pieces' pages released
@@ -270,7 +304,7 @@ class ExpertResharder:
 
     def generation_experts(self) -> dict[str, torch.Tensor]:
         """This rank's generation expert tensors by name: views of its training tensors
-        (a column piece is a strided view) and the received pieces."""
+        (slots of a stacked one) and the received pieces, all contiguous."""
         if self.mode != "generation":
             raise RuntimeError("generation_experts() needs generation mode")
         out = {n: piece_of(self.buffer.train_view(n), self._spec[n], p) for n, p in self.plan.views}
@@ -329,9 +363,17 @@ class MoeResharder:
         return self.dense.mode
 
     def train_view(self, name: str) -> torch.Tensor:
-        """This rank's training tensor ``name`` (a whole expert, or a dense training shard)."""
+        """This rank's training tensor ``name`` (a whole expert in its stored form,
+        :func:`stacked_pieces`, or a dense training shard)."""
         home = self.experts.buffer if name in self._spec else self.dense.buffer
         return home.train_view(name)
+
+    def copy_train_(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` (a whole expert in its logical shape, or a dense training shard)
+        into this rank's training tensor ``name``."""
+        if name in self._spec:
+            tensor = to_train_layout(tensor, self._spec[name], self.experts.layout)
+        self.train_view(name).copy_(tensor)
 
     def to_generation(self, refill: bool = True) -> TransitionStats:
         """Both transitions; the stats add up (time: the whole call's).  ``refill=False``:

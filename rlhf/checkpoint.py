@@ -439,6 +439,34 @@ class Block:
         return self.local
 
 
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """Several boxes of one global tensor on this rank, each a :class:`Block` (e.g. a whole
+    expert stored as its generation pieces, :func:`hybridflow_comm.expert_reshard.
+    stacked_pieces`: one contiguous box per piece); DCP's hooks over every part."""
+
+    parts: tuple[Block, ...]
+
+    def size(self) -> torch.Size:
+        return self.parts[0].size()
+
+    def part(self, offsets) -> Block:
+        """The part whose box starts at ``offsets``."""
+        return next(p for p in self.parts if p.offsets == tuple(offsets))
+
+    def snapshot(self) -> Blocks:
+        return Blocks(tuple(p.snapshot() for p in self.parts))
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [item for p in self.parts for item in p.__create_write_items__(fqn, p)]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [p.chunk for p in self.parts]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.part(index.offset).__get_tensor_shard__(index)
+
+
 class BlockSavePlanner(DefaultSavePlanner):
     """DCP's default save planner (dedup, global metadata) for a flat dict of :class:`Block`
     snapshots and plain tensors (replicated values, deduplicated by name)."""
@@ -448,7 +476,7 @@ class BlockSavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict[index.fqn]
-        if isinstance(obj, Block):
+        if isinstance(obj, (Block, Blocks)):
             return obj.__get_tensor_shard__(index)
         return super().lookup_object(index)
 
@@ -478,8 +506,12 @@ class BlockLoadPlanner(DefaultLoadPlanner):
                               for f, i in chunks)
         return new_plan
 
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+    def _block(self, read_item: ReadItem):
         obj = self.state_dict[read_item.dest_index.fqn]
+        return obj.part(read_item.dest_index.offset) if isinstance(obj, Blocks) else obj
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        obj = self._block(read_item)
         if not isinstance(obj, Block):
             return super().resolve_tensor(read_item)
         if obj.grouped:  # staged, then copied by commit_tensor
@@ -490,7 +522,7 @@ class BlockLoadPlanner(DefaultLoadPlanner):
         return view
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        obj = self.state_dict[read_item.dest_index.fqn]
+        obj = self._block(read_item)
         if isinstance(obj, Block) and obj.grouped:
             assert not any(read_item.dest_offsets[1:]), read_item
             obj.rows_(read_item.dest_offsets[0], tensor)
@@ -540,7 +572,8 @@ class ShardedSave:
                                                                    global_plan))
         # copy only what this rank writes (a replicated block is written by one rank)
         mine = {item.index.fqn for item in plan.items}
-        self._planner.state_dict = {k: v.snapshot() if isinstance(v, Block) else v.clone()
+        self._planner.state_dict = {k: v.snapshot() if isinstance(v, (Block, Blocks))
+                                    else v.clone()
                                     for k, v in state.items() if k in mine}
         self._thread = threading.Thread(target=self._write, args=(plan,), daemon=True,
                                         name=f"dcp-save:{folder}")

@@ -29,8 +29,7 @@ def test_bench_runs_both_layouts_at_the_formula(tmp_path):
         assert run["raw_bytes_per_rank"] >= run["received_bytes_per_rank"]
         for key in ("time_s", "full_gather_time_s", "raw_time_s"):
             assert run[key] > 0
-        if gen_ep > 1:  # whole experts: every message straight from the training tensors
-            assert run["redundant_bytes"] == 0
+        assert run["redundant_bytes"] == 0  # every message straight from the training tensors
 
 
 def test_layers_that_fit_grows_with_memory():

@@ -197,11 +197,12 @@ MOE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layer
                   num_experts_per_tok=2, model_type="mixtral", router_aux_loss_coef=0.01)
 ENGINE_LAYOUTS = [(1, 1, 4, 4), (1, 1, 4, 2), (1, 2, 2, 4), (1, 2, 2, 2), (1, 4, 1, 2),
                   (2, 1, 2, 2), (2, 2, 1, 2)]  # (pp, tp, dp, ep)
+STACKED_LAYOUTS = [(1, 2, 2, 4, 2), (2, 2, 1, 2, 2)]  # (+ gen tp: down_proj stored as pieces)
 STEPS, ATOL = 3, 1e-5
 
 
-def build_engine(pp, tp, dp, ep):
-    hl = HybridLayout(ParallelLayout(pp, tp, dp), 1, 1)
+def build_engine(pp, tp, dp, ep, gen_tp=1):
+    hl = HybridLayout(ParallelLayout(pp, tp, dp), 1, gen_tp)
     pool = list(range(hl.world_size))
     groups = build_hybrid_groups(hl, pool=pool)
     experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool)
@@ -260,7 +261,8 @@ def check_engine(rank, world, layouts, ref):
 
 def test_training_with_expert_parallelism_equals_one_process(pool4):
     ref = engine_reference()
-    assert sum(pool4.run(check_engine, ENGINE_LAYOUTS, ref)) == 4 * len(ENGINE_LAYOUTS)
+    layouts = ENGINE_LAYOUTS + STACKED_LAYOUTS
+    assert sum(pool4.run(check_engine, layouts, ref)) == 4 * len(layouts)
 
 
 def held_expert_elements(rank, world, layouts):
@@ -439,7 +441,8 @@ def moe_checkpoint(folder):
     return folder
 
 
-HF_LAYOUTS = [((1, 1, 4), 4), ((1, 2, 2), 2), ((2, 1, 2), 2), ((2, 2, 1), 2)]  # (p-t-d, ep)
+HF_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 2), 2), ((2, 1, 2), (1, 1), 2),
+              ((2, 2, 1), (2, 2), 2)]  # (p-t-d, p_g-t_g, ep); gen tp 2: down_proj stacked
 
 
 def check_hf_round_trip(rank, world, folder, out_root, layouts):
@@ -449,8 +452,8 @@ def check_hf_round_trip(rank, world, folder, out_root, layouts):
                                    stream_hf_checkpoint)
 
     cfg = read_hf_config(folder)
-    for i, (train, ep) in enumerate(layouts):
-        hl = HybridLayout(ParallelLayout(*train), 1, 1)
+    for i, (train, gen, ep) in enumerate(layouts):
+        hl = HybridLayout(ParallelLayout(*train), *gen)
         pool = list(range(hl.world_size))
         groups = build_hybrid_groups(hl, pool=pool)
         experts = build_expert_groups(ExpertLayout(hl, cfg.num_experts, ep=ep), pool=pool)
@@ -458,6 +461,8 @@ def check_hf_round_trip(rank, world, folder, out_root, layouts):
         load_hf_checkpoint(model, folder)
         assert len([n for n in model.params if ".experts." in n]) == \
             2 * cfg.num_experts // ep * cfg.num_layers // train[0]  # whole experts of its block
+        assert all((p.dim() == 3) == (gen[1] > 1) for n, p in model.params.items()
+                   if ".experts." in n and n.endswith("down_proj"))  # pieces under gen tp
         stream_hf_checkpoint(model, f"{out_root}/{i}")
         save_hf_checkpoint(model, f"{out_root}/gathered{i}")
         dist.barrier()

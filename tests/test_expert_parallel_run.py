@@ -100,12 +100,14 @@ def _latest(folder):
 
 
 def test_checkpoints_move_between_expert_parallel_and_plain_layouts(runs):
-    """Each run's checkpoint, loaded by the roles of the other run's layout and saved again,
-    holds the same tensors and optimizer state, bit for bit."""
+    """Each run's checkpoint, loaded by the roles of the other run's layout (and the ep=1
+    run's by ep=2 at tp=2, whose experts' down_proj is stored as its 2 generation pieces) and
+    saved again, holds the same tensors and optimizer state, bit for bit."""
     tmp, out = runs
-    for src, layout in (("ep2", []), ("ep1", EP2)):
+    stacked = EP2 + ["actor.layout.tp=2", "actor.layout.gen_tp=2"]  # down_proj as 2 pieces
+    for src, layout in (("ep2", []), ("ep1", EP2), ("ep1", stacked)):
         ckpt = _latest(str(tmp / "runs" / src / "checkpoints"))
-        root = str(tmp / f"{src}_resaved")
+        root = str(tmp / f"{src}_resaved_{len(layout)}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=2", "-m", "tests.rlhf_jobs", "reshard", ckpt, root,
                *MOE, *layout]

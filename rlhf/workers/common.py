@@ -30,7 +30,7 @@ from engine.peft_interop import read_peft_adapter
 from engine.train import TrainEngine
 from hybridflow_comm.groups import ExpertGroups, Group, HybridGroups
 from rlhf.algos import agg_count, agg_denominator
-from rlhf.checkpoint import MOMENTS, OPTIM_STEP, Block, ShardedSave, load_blocks, moment_key
+from rlhf.checkpoint import MOMENTS, OPTIM_STEP, Block, Blocks, ShardedSave, load_blocks, moment_key
 from rlhf.controller import ONE_TO_ALL, Batch, Worker, protocol
 from rlhf.workers.specs import ModelSpec, UpdateSpec
 
@@ -217,7 +217,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # Sharded checkpoints ------------------------------------------------------------------------
 def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: str = "",
-                 specs: list | None = None) -> dict[str, Block]:
+                 specs: list | None = None) -> dict[str, Block | Blocks]:
     """This rank's boxes of the global HF-named tensors, over ``shards`` (no copy).
 
     Args:
@@ -233,7 +233,12 @@ def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: 
     """
     out = {}
     for spec in (model.local_specs if specs is None else specs):
-        parts = shard_parts(spec, shards[spec.name].detach())
+        shard = shards[spec.name].detach()
+        if shard.dim() != len(spec.shape):  # a whole expert stored as its generation pieces
+            (r,) = model.hf_reads(spec)
+            out[prefix + r.hf_name] = _piece_blocks(shard, spec, r)
+            continue
+        parts = shard_parts(spec, shard)
         for r in model.hf_reads(spec):
             sizes = tuple(s.stop - s.start for s in r.index)
             part = parts[r.part]
@@ -244,6 +249,17 @@ def model_blocks(model: ParallelLlama, shards: dict[str, torch.Tensor], prefix: 
             out[prefix + r.hf_name] = Block(local, r.hf_shape, tuple(s.start for s in r.index),
                                             sizes)
     return out
+
+
+def _piece_blocks(stacked: torch.Tensor, spec, read) -> Blocks:
+    """The boxes of a whole expert tensor stored stacked ``[g, *piece]`` (pieces along
+    ``spec.partition_dim``): piece ``i`` is the box at ``i * piece[dim]`` on that dim."""
+    dim, size = spec.partition_dim, stacked.shape[1 + spec.partition_dim]
+    parts = []
+    for i, piece in enumerate(stacked):
+        offsets = tuple(s.start + (i * size if d == dim else 0) for d, s in enumerate(read.index))
+        parts.append(Block(piece, read.hf_shape, offsets, tuple(piece.shape)))
+    return Blocks(tuple(parts))
 
 
 class ShardCheckpoint:
