@@ -33,7 +33,9 @@ and return the :class:`~hybridflow_comm.reshard.Resharder`, a
 What is copied: step 4 copies your tensors once; the transition itself copies nothing it does not
 receive.  Your tensors stay yours: after an optimizer step, copy them in again with
 :func:`~hybridflow_comm.interop.state_dict.load_local_tensors` (or train on
-``t.buffer.train_view(name)`` directly).  ``from_megatron(..., bind=True)`` instead re-binds
+``t.buffer.train_view(name)`` directly; with experts, ``t.copy_train_(name, tensor)`` takes a
+whole expert in its logical shape, as a ``down_proj`` under generation TP is stored as its
+pieces).  ``from_megatron(..., bind=True)`` instead re-binds
 megatron's parameters as views of the buffer, so training writes where the transition reads and
 nothing is copied again.
 
