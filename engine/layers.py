@@ -39,7 +39,8 @@ from torch.autograd.function import once_differentiable
 
 from engine import batched_attention
 from engine.inductor import Compiled
-from engine.tp_ops import column_linear, copy_to_tp, reduce_from_tp, row_linear
+from engine.tp_ops import column_linear, copy_to_tp, reduce_from_tp, row_linear, \
+    row_linear_pieces
 from hybridflow_comm.groups import Group
 
 try:  # torch (imported above) must be loaded before the extension
@@ -564,7 +565,10 @@ def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting,
 def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> torch.Tensor:
     """Expert ``e``'s SwiGLU of ``rows [n, H]`` (of its TP shard: a partial sum, unreduced)."""
     gu = column_linear(rows, w[f"experts.{e}.gate_up"], None)
-    return row_linear(swiglu(gu.unflatten(-1, (-1, 2))), w[f"experts.{e}.down_proj"], None)
+    h, down = swiglu(gu.unflatten(-1, (-1, 2))), w[f"experts.{e}.down_proj"]
+    if down.dim() == 3:  # a trained expert stored as its generation pieces
+        return row_linear_pieces(h, down)
+    return row_linear(h, down, None)
 
 
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,

@@ -9,7 +9,10 @@ Weight forms accepted::
 
     column-parallel  w  [out/t, in]                       y_local = x @ w.T   (no comm forward)
     row-parallel     w  [out, in/t]                        y = all_reduce(x_local @ w.T)
-                     w  [m, out, in/t/m]  (stacked slots)  y = all_reduce(einsum)   no copy
+                     w  [m, out, in/t/m]  (stacked slots)  y = all_reduce(einsum)   (torch may
+                                                           copy w into the GEMM's layout)
+                     w  [m, out, in/m]  pieces of one whole tensor (row_linear_pieces: a sum
+                                        of the pieces' products, each read in place)
     vocab-parallel   w  [V/t, H]  rows [t_rank*V/t, (t_rank+1)*V/t) of the vocabulary
 """
 
@@ -110,6 +113,21 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, group: Group | None) -> to
         raise ValueError(f"row_linear: weight must be [out, in] or [m, out, in/m], got "
                          f"{tuple(weight.shape)}")
     return reduce_from_tp(y, group)
+
+
+def row_linear_pieces(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., m * k]`` times a weight stored as its ``m`` column pieces ``[m, out, k]``
+    (e.g. an expert's ``down_proj`` kept as its generation pieces): the sum over the pieces of
+    ``x_i @ weight[i].T``, each product on a view of its piece, so neither the forward nor
+    autograd's saved tensors copy the weight.  No communication."""
+    m, _, k = weight.shape
+    if x.shape[-1] != m * k:
+        raise ValueError(f"row_linear_pieces: input has {x.shape[-1]} features but the pieces "
+                         f"{tuple(weight.shape)} expect {m * k}")
+    y = onednn.linear(x[..., :k], weight[0])
+    for i in range(1, m):
+        y = y + onednn.linear(x[..., i * k:(i + 1) * k], weight[i])
+    return y
 
 
 def vocab_range(vocab_local: int, group: Group | None) -> tuple[int, int]:

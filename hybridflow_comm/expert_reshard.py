@@ -187,8 +187,7 @@ class ExpertResharder:
             (a new one, zeroed, on ``device`` by default); the training views are the whole
             experts the rank trains, never copied.
         device: where a new buffer lives (default cpu).
-        bucket_bytes: the bytes of consecutive specs whose messages go out as one batch
-            (bounds what one batch stages, see the module docstring).
+        bucket_bytes: the bytes of consecutive specs whose messages go out as one batch.
         ledger: where bytes are recorded (a new one by default).
 
     Construction is collective over ``world``: the ranks agree on the specs and layout, and
@@ -371,8 +370,13 @@ class MoeResharder:
     def copy_train_(self, name: str, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` (a whole expert in its logical shape, or a dense training shard)
         into this rank's training tensor ``name``."""
-        if name in self._spec:
-            tensor = to_train_layout(tensor, self._spec[name], self.experts.layout)
+        spec = self._spec.get(name)
+        want = spec.shape if spec is not None else tuple(self.train_view(name).shape)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{name}: tensor of shape {tuple(tensor.shape)}, the training "
+                             f"tensor is {want}")
+        if spec is not None:
+            tensor = to_train_layout(tensor, spec, self.experts.layout)
         self.train_view(name).copy_(tensor)
 
     def to_generation(self, refill: bool = True) -> TransitionStats:

@@ -467,6 +467,14 @@ class Blocks:
         return self.part(index.offset).__get_tensor_shard__(index)
 
 
+def _snapshot(fqn: str, value, mine: set) -> Block | Blocks | torch.Tensor:
+    """What the writer thread writes of ``value``: a snapshot of a block, of the parts of
+    ``Blocks`` this rank writes (by ``(fqn, offsets)`` in ``mine``), or a tensor's clone."""
+    if isinstance(value, Blocks):
+        return Blocks(tuple(p.snapshot() for p in value.parts if (fqn, p.offsets) in mine))
+    return value.snapshot() if isinstance(value, Block) else value.clone()
+
+
 class BlockSavePlanner(DefaultSavePlanner):
     """DCP's default save planner (dedup, global metadata) for a flat dict of :class:`Block`
     snapshots and plain tensors (replicated values, deduplicated by name)."""
@@ -570,11 +578,12 @@ class ShardedSave:
 
         plan = self._planner.finish_plan(self._dist.reduce_scatter("plan", local_plan,
                                                                    global_plan))
-        # copy only what this rank writes (a replicated block is written by one rank)
-        mine = {item.index.fqn for item in plan.items}
-        self._planner.state_dict = {k: v.snapshot() if isinstance(v, (Block, Blocks))
-                                    else v.clone()
-                                    for k, v in state.items() if k in mine}
+        # copy only what this rank writes (a replicated block is written by one rank, and the
+        # boxes of Blocks may go to different replicas)
+        mine = {(item.index.fqn, tuple(item.index.offset or ())) for item in plan.items}
+        fqns = {fqn for fqn, _ in mine}
+        self._planner.state_dict = {k: _snapshot(k, v, mine) for k, v in state.items()
+                                    if k in fqns}
         self._thread = threading.Thread(target=self._write, args=(plan,), daemon=True,
                                         name=f"dcp-save:{folder}")
         self._thread.start()

@@ -12,7 +12,8 @@ from engine.hf_interop import gather_full_state_dict, load_hf_checkpoint, read_h
 from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.pipeline import gpipe_schedule, one_f_one_b_schedule
-from engine.tp_ops import linear_log_prob_entropy, row_linear, vocab_log_prob_entropy
+from engine.tp_ops import linear_log_prob_entropy, row_linear, row_linear_pieces, \
+    vocab_log_prob_entropy
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -76,6 +77,29 @@ def test_row_linear_stacked_form_equals_plain():
     torch.testing.assert_close(row_linear(x, stacked, None), row_linear(x, w, None))
     with pytest.raises(ValueError, match="expects 8"):
         row_linear(x[..., :6], stacked, None)
+
+
+def test_row_linear_pieces_equals_the_whole_weight_with_gradients():
+    """A weight kept as its column pieces ``[m, out, in/m]``: outputs and the gradients of
+    input and pieces equal the whole weight's, in float64 and at oneDNN's float32 sizes."""
+    for dtype, (n, out, k), tol in ((torch.float64, (3, 6, 4), 1e-12),
+                                    (torch.float32, (64, 96, 128), 1e-4)):
+        g = torch.Generator().manual_seed(1)
+        whole = torch.randn(out, 2 * k, generator=g, dtype=dtype, requires_grad=True)
+        pieces = whole.detach().unflatten(1, (2, k)).transpose(0, 1).contiguous()
+        pieces.requires_grad_()
+        x = torch.randn(n, 2 * k, generator=g, dtype=dtype, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        dy = torch.randn(n, out, generator=g, dtype=dtype)
+        y, y2 = row_linear_pieces(x, pieces), x2 @ whole.T
+        torch.testing.assert_close(y, y2, atol=tol, rtol=tol)
+        (y * dy).sum().backward()
+        (y2 * dy).sum().backward()
+        torch.testing.assert_close(x.grad, x2.grad, atol=tol, rtol=tol)
+        torch.testing.assert_close(pieces.grad, whole.grad.unflatten(1, (2, k)).transpose(0, 1),
+                                   atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="expect 8"):
+        row_linear_pieces(torch.zeros(2, 6), torch.zeros(2, 3, 4))
 
 
 def test_vocab_log_prob_entropy_matches_softmax_and_gradcheck():
