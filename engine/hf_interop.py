@@ -179,16 +179,22 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
     """
     _check_checkpoint(model, folder)
     files = _tensor_files(folder)
-    _check_stage_experts(model, folder, files)
     plan = []
     for spec in model.local_specs:
         reads = model.hf_reads(spec)
         if spec.name == "value_head" and (not load_head or reads[0].hf_name not in files):
             continue  # a causal-LM checkpoint has no value head: keep the initialised one
+        plan.append((spec, reads))
+    # under expert parallelism every rank also checks the other experts of its stage, so a
+    # bad checkpoint fails on all ranks of the stage alike, not only on an expert's holders
+    held = {spec.name for spec, _ in plan}
+    checked = plan + [(s, model.hf_reads(s)) for s in model.specs if model.experts is not None
+                      and s.expert is not None and s.stage == model.stage
+                      and s.name not in held]
+    for spec, reads in checked:
         missing = [r.hf_name for r in reads if r.hf_name not in files]
         if missing:
             raise KeyError(f"checkpoint {folder} has no tensor {missing[0]!r}")
-        plan.append((spec, reads))
     with contextlib.ExitStack() as stack:
         handles: dict[str, object] = {}
 
@@ -198,7 +204,7 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
                 handles[path] = stack.enter_context(safe_open(path, framework="pt"))
             return handles[path].get_slice(name)
 
-        for spec, reads in plan:  # every shape first: a bad checkpoint changes no weight
+        for spec, reads in checked:  # every shape first: a bad checkpoint changes no weight
             for r in reads:
                 shape = tuple(block_slice(r.hf_name).get_shape())
                 if shape != r.hf_shape:
@@ -215,29 +221,6 @@ def load_hf_checkpoint(model: ParallelLlama, folder: str, load_head: bool = True
                 for r in reads:  # the block in its stored dtype; copy_ casts if they differ
                     dst = parts[r.part]
                     dst.copy_(block_slice(r.hf_name)[r.index].view(dst.shape))
-
-
-def _check_stage_experts(model: ParallelLlama, folder: str, files: dict[str, str]) -> None:
-    """Under expert parallelism, every expert tensor of this rank's stage is in the checkpoint
-    with its shape, checked on every rank (not only its holders), so a bad checkpoint fails
-    on all ranks of the stage alike (KeyError / ValueError) before any weight is copied."""
-    if model.experts is None:
-        return
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, object] = {}
-        for spec in model.specs:
-            if spec.expert is None or spec.stage != model.stage:
-                continue
-            for name, want in zip(spec.hf_names, hf_shapes(spec), strict=True):
-                if name not in files:
-                    raise KeyError(f"checkpoint {folder} has no tensor {name!r}")
-                if files[name] not in handles:
-                    handles[files[name]] = stack.enter_context(safe_open(files[name],
-                                                                         framework="pt"))
-                shape = tuple(handles[files[name]].get_slice(name).get_shape())
-                if shape != tuple(want):
-                    raise ValueError(f"checkpoint tensor {name} has shape {shape}, the model "
-                                     f"expects {tuple(want)}")
 
 
 def gather_full_state_dict(model: ParallelLlama, local: dict[str, torch.Tensor] | None = None
@@ -385,9 +368,8 @@ def _expert_on_rank0(model: ParallelLlama, spec: ShardSpec, tensors: dict[str, t
     """A whole expert of an expert-parallel model on layout rank 0 (None elsewhere): its
     holder at expert-DP rank 0 sends its tensor of ``tensors`` (``dtype``: theirs) over the
     layout's world group."""
-    layout, world, me = model.experts.layout, model.groups.world, model.groups.rank
-    src = layout.rank(stage=spec.stage, ep=spec.expert // (layout.num_experts // layout.ep),
-                      etp=0, edp=0)
+    world, me = model.groups.world, model.groups.rank
+    src = model.experts.layout.source(0, spec.stage, spec.expert)  # rank 0's expert-DP rank: 0
     if me == src:
         full = model.logical_expert(tensors[spec.name].detach(), spec)
         if me == 0:

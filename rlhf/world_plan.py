@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.config import Config
 from rlhf.config_checks import divisors
 from rlhf.programs import algorithm
@@ -52,8 +53,6 @@ class RolePlan:
     @property
     def layout(self):
         """The role's :class:`hybridflow_comm.layout.HybridLayout`."""
-        from hybridflow_comm.layout import HybridLayout, ParallelLayout
-
         return HybridLayout(ParallelLayout(self.pp, self.tp, self.dp), self.gen_pp, self.gen_tp)
 
     def experts(self, num_experts: int) -> ExpertLayout | None:
@@ -214,8 +213,7 @@ def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
         raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
                          f"set ep=1")
     try:
-        hybrid = RolePlan(pool=(), pp=lay.pp, tp=lay.tp, dp=dp, gen_pp=gen_pp, gen_tp=gen_tp,
-                          grad_accum=0).layout
+        hybrid = HybridLayout(ParallelLayout(lay.pp, lay.tp, dp), gen_pp, gen_tp)
         ExpertLayout(hybrid, experts, ep=lay.ep, gen_ep=lay.gen_ep)
     except ValueError as e:
         raise ValueError(f"{role}.layout: {e}") from None

@@ -38,10 +38,15 @@ def stage_params(shape: ModelShape, pp: int) -> int:
     return (shape.num_layers // pp) * shape.layer_params + ends
 
 
+def stage_expert_params(shape: ModelShape, pp: int) -> int:
+    """Parameters of one pipeline stage's experts (0 for a dense model)."""
+    return (shape.num_layers // pp) * shape.expert_layer_params
+
+
 def train_shard_params(shape: ModelShape, s: Strategy) -> float:
     """Parameters one training device holds: its stage's dense weights cut ``tp`` ways and
     its stage's experts cut :attr:`Strategy.expert_split` ways (whole experts under ``ep``)."""
-    experts = (shape.num_layers // s.pp) * shape.expert_layer_params
+    experts = stage_expert_params(shape, s.pp)
     return (stage_params(shape, s.pp) - experts) / s.tp + experts / s.expert_split
 
 
@@ -107,10 +112,9 @@ def gen_weight_extra_bytes(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> 
     if s.ep == 1:
         gen = stage_params(shape, s.pp_g) / s.tp_g
         return (gen - train_shard_params(shape, s)) * prof.param_bytes
-    per_layer = shape.expert_layer_params
-    dense_gen = (stage_params(shape, s.pp_g) - shape.num_layers // s.pp_g * per_layer) / s.tp_g
-    dense_train = (stage_params(shape, s.pp) - shape.num_layers // s.pp * per_layer) / s.tp
-    experts = expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, shape.num_layers * per_layer)
+    dense_gen = (stage_params(shape, s.pp_g) - stage_expert_params(shape, s.pp_g)) / s.tp_g
+    dense_train = (stage_params(shape, s.pp) - stage_expert_params(shape, s.pp)) / s.tp
+    experts = expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, stage_expert_params(shape, 1))
     return (dense_gen - dense_train + experts) * prof.param_bytes
 
 

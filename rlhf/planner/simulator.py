@@ -33,7 +33,7 @@ import math
 
 from rlhf.planner.dataflow import RoleSpec, Workload
 from rlhf.planner.memory import (expert_transition_bytes, kv_bytes_per_sequence, micro_batch,
-                                 train_shard_params)
+                                 stage_expert_params, train_shard_params)
 from rlhf.planner.models import ModelShape
 from rlhf.planner.profile import DeviceProfile
 from rlhf.planner.strategy import Strategy
@@ -54,7 +54,7 @@ def model_transition_bytes(shape: ModelShape, s: Strategy, param_bytes: float) -
     total = shape.params * param_bytes
     if s.ep == 1:
         return transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, total)
-    experts = shape.num_layers * shape.expert_layer_params * param_bytes
+    experts = stage_expert_params(shape, 1) * param_bytes
     return transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, total - experts) + \
         expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, experts)
 
@@ -149,7 +149,7 @@ def train_time(role: RoleSpec, s: Strategy, work: Workload, prof: DeviceProfile)
     t = steps * forward_pass_time(role, s, work, prof, True, per_step)
     shard = train_shard_params(role.shape, s)
     if s.ep > 1:  # the experts' gradients reduce over the ranks holding the same experts
-        experts = (role.shape.num_layers // s.pp) * role.shape.expert_layer_params / s.ep
+        experts = stage_expert_params(role.shape, s.pp) / s.ep
         grads = allreduce_time((shard - experts) * prof.grad_bytes, s.dp, s.devices, prof) + \
             allreduce_time(experts * prof.grad_bytes, s.expert_dp, s.devices, prof)
     else:

@@ -81,6 +81,16 @@ def minibatches(batch: Batch, rows: int, micro: int) -> list[list[dict]]:
         slice(i, i + rows)), micro)] for i in range(0, len(batch), rows)]
 
 
+def largest_counts(counts: list[int], dp: Group) -> list[int]:
+    """Each of ``counts`` (micro-batch counts, one per mini-batch) as the largest over the DP
+    group: one all-reduce (max) of host counts (gloo side of the group), so every rank plans
+    the same split on the host."""
+    t = torch.tensor(counts, device="cpu")
+    if dp.pg is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp.pg)
+    return t.tolist()
+
+
 def token_minibatches(batch: Batch, rows: int, max_tokens: int, dp: Group) -> list[list[dict]]:
     """Mini-batches of ``rows`` rows, each split by :func:`engine.micro_batches.
     partition_by_tokens` into micro-batches of at most ``max_tokens`` real tokens
@@ -90,12 +100,9 @@ def token_minibatches(batch: Batch, rows: int, max_tokens: int, dp: Group) -> li
     """
     minis = [batch.rows(slice(i, i + rows)) for i in range(0, len(batch), rows)]
     lengths = [m["attention_mask"].sum(1).tolist() for m in minis]
-    # host counts (gloo side of the group): the split below is planned on the host
-    counts = torch.tensor([count_micro_batches(n, max_tokens) for n in lengths], device="cpu")
-    if dp.pg is not None:
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp.pg)
+    counts = largest_counts([count_micro_batches(n, max_tokens) for n in lengths], dp)
     out = []
-    for m, n, k in zip(minis, lengths, counts.tolist()):
+    for m, n, k in zip(minis, lengths, counts):
         parts = partition_by_tokens(n, max_tokens, parts=k)
         out.append([{key: v[torch.tensor(p, device=v.device)] for key, v in m.tensors.items()}
                     for p in parts])
@@ -160,9 +167,7 @@ def _shared_count(engine: TrainEngine, lengths: list[int], max_tokens: int) -> i
     dp = engine.model.groups.train_dp
     if engine.model.experts is None or dp.pg is None:
         return None
-    count = torch.tensor([count_micro_batches(lengths, max_tokens)], device="cpu")
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp.pg)  # host counts (gloo side)
-    return int(count)
+    return largest_counts([count_micro_batches(lengths, max_tokens)], dp)[0]
 
 
 def micro_batch_denominator(count: float, mode: str, micro_batches: int, dp: int) -> float:
