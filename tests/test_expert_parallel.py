@@ -18,6 +18,7 @@ import torch.distributed as dist
 from engine.expert_parallel import moe_block_ep
 from engine.hybrid_engine import HybridEngine
 from engine.layers import MoeRouting, RouterLoss, moe_block
+from engine.lora import LoraConfig
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
@@ -304,13 +305,20 @@ HYBRID_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 1), 2), ((2, 1, 2), (1
 N_NEW = 5
 
 
-def build_hybrid(train, gen, ep, full, config=MOE):
+def build_hybrid(train, gen, ep, full, config=MOE, adapters=None):
+    """The HybridEngine of ``config`` at the layout, weights ``full`` (and, with ``adapters``,
+    LoRA adapters of :data:`LORA` on the attention)."""
+    from engine.model import load_adapter_state_dict
+
     hl = HybridLayout(ParallelLayout(*train), *gen)
     pool = list(range(hl.world_size))
     groups = build_hybrid_groups(hl, pool=pool)
     experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool)
-    model = ParallelLlama(config, groups, experts=experts)
+    model = ParallelLlama(config, groups, experts=experts,
+                          lora=None if adapters is None else LORA)
     load_full_state_dict(model, full)
+    if adapters is not None:
+        load_adapter_state_dict(model, adapters)
     return HybridEngine(model, OptimConfig(**ep_ref.ADAM))
 
 
@@ -374,22 +382,8 @@ def test_tied_embeddings_across_stages_with_expert_parallelism(pool4):
     assert sum(pool4.run(check_hybrid_engine, layouts, full, tied)) == 4 * len(layouts)
 
 
+LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj"))
 LORA_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 2), 2)]  # (p-t-d, p_g-t_g, ep)
-
-
-def build_lora_hybrid(train, gen, ep, full, adapters):
-    from engine.lora import LoraConfig
-    from engine.model import load_adapter_state_dict
-
-    hl = HybridLayout(ParallelLayout(*train), *gen)
-    pool = list(range(hl.world_size))
-    groups = build_hybrid_groups(hl, pool=pool)
-    experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool) if ep > 1 else None
-    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj"))
-    model = ParallelLlama(MOE, groups, experts=experts, lora=lora)
-    load_full_state_dict(model, full)
-    load_adapter_state_dict(model, adapters)
-    return HybridEngine(model, OptimConfig(**ep_ref.ADAM))
 
 
 def check_lora_hybrid_engine(rank, world, layouts, full, adapters):
@@ -397,8 +391,8 @@ def check_lora_hybrid_engine(rank, world, layouts, full, adapters):
     frozen base (experts included) moves at the first transition only, the adapters at each."""
     checks = 0
     for train, gen, ep in layouts:
-        ours = build_lora_hybrid(train, gen, ep, full, adapters)
-        ref = build_lora_hybrid(train, gen, 1, full, adapters)
+        ours = build_hybrid(train, gen, ep, full, adapters=adapters)
+        ref = build_hybrid(train, gen, 1, full, adapters=adapters)
         assert ours.train.expert_grads is None  # the experts are frozen
         adapter_bytes = ours.adapter_resharder.minimum_received_bytes()
         for it in range(2):
@@ -417,13 +411,12 @@ def check_lora_hybrid_engine(rank, world, layouts, full, adapters):
 
 
 def test_lora_with_expert_parallelism_equals_ep_1(pool4):
-    from engine.lora import LoraConfig, init_lora_state_dict
+    from engine.lora import init_lora_state_dict
 
     full = init_full_state_dict(MOE, seed=4)
-    lora = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj"))
     g = torch.Generator().manual_seed(9)
     adapters = {k: torch.randn(v.shape, generator=g) / 4
-                for k, v in init_lora_state_dict(MOE, lora).items()}  # B != 0: deltas count
+                for k, v in init_lora_state_dict(MOE, LORA).items()}  # B != 0: deltas count
     assert sum(pool4.run(check_lora_hybrid_engine, LORA_LAYOUTS, full, adapters)) == \
         4 * len(LORA_LAYOUTS)
 
