@@ -6,9 +6,10 @@
 
 ``check_fn`` must be importable by module path (defined at module level).  A rank that raises
 makes ``run`` raise :class:`RankError` naming the rank, the exception and the remote traceback.
-A rank that dies, or a call that does not finish within ``timeout_s``, raises too instead of
-hanging; the pool is then restarted on the next call, since its ranks may be stuck in a
-collective.
+A rank that dies, a pool whose ranks are not up within ``start_timeout_s``, or a call that
+does not finish within ``timeout_s`` (counted from when the ranks are up, so a slow start on a
+loaded machine does not eat into it) raises too instead of hanging; the pool is then restarted
+on the next call, since its ranks may be stuck in a collective.
 
 ``RankPool(4, nccl_rules=True)`` (or ``HYBRIDFLOW_TEST_NCCL_RULES=1`` in the environment of
 pytest, for every pool) installs :mod:`tests.nccl_rules` in every rank: each call then runs
@@ -20,6 +21,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -49,6 +51,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, threads: int
         from tests.nccl_rules import install
 
         install("cpu")
+    conn.send(("ok", None))  # up: the pool's start-up wait ends here
     while True:
         task = conn.recv()
         if task is None:
@@ -60,6 +63,9 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, threads: int
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
             conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the interpreter's own teardown of a long-used rank takes seconds
 
 
 class RankPool:
@@ -67,18 +73,20 @@ class RankPool:
 
     Args:
         world_size: number of ranks.
-        timeout_s: default time limit of one :meth:`run`.
+        timeout_s: default time limit of one :meth:`run`, once the ranks are up.
+        start_timeout_s: time limit of the ranks' start (imports, process group).
         pg_timeout_s: collective timeout inside the ranks.
         nccl_rules: install :mod:`tests.nccl_rules` in every rank (default: when
             ``HYBRIDFLOW_TEST_NCCL_RULES=1``).
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 180.0,
+    def __init__(self, world_size: int, timeout_s: float = 180.0, start_timeout_s: float = 300.0,
                  pg_timeout_s: float = 60.0, nccl_rules: bool | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be >= 1")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
         self.pg_timeout_s = pg_timeout_s
         self.nccl_rules = (os.environ.get("HYBRIDFLOW_TEST_NCCL_RULES") == "1"
                            if nccl_rules is None else nccl_rules)
@@ -99,6 +107,7 @@ class RankPool:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
+        self._collect("start-up", time.monotonic() + self.start_timeout_s)
 
     def run(self, fn, *args, timeout_s: float | None = None, **kwargs) -> list:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results."""
@@ -106,14 +115,18 @@ class RankPool:
             self._start()
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        return self._collect(fn.__name__, time.monotonic() + (timeout_s or self.timeout_s))
+
+    def _collect(self, what: str, deadline: float) -> list:
+        """Every rank's answer to ``what`` by ``deadline`` (raise, after killing the ranks,
+        on an error, a death or the deadline)."""
         results: dict[int, object] = {}
         pending = dict(enumerate(self._conns))
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._abort()
-                raise RankError(None, f"{fn.__name__} timed out on ranks {sorted(pending)}")
+                raise RankError(None, f"{what} timed out on ranks {sorted(pending)}")
             sentinels = {self._procs[r].sentinel: r for r in pending}
             ready = wait(list(pending.values()) + list(sentinels), timeout=remaining)
             for obj in ready:
@@ -130,12 +143,11 @@ class RankPool:
                     self._procs[rank].join(timeout=5)
                     code = self._procs[rank].exitcode
                     self._abort()
-                    raise RankError(rank, f"rank {rank} died (exit code {code}) in "
-                                          f"{fn.__name__}")
+                    raise RankError(rank, f"rank {rank} died (exit code {code}) in {what}")
                 del pending[rank]
                 if msg[0] == "err":
                     self._abort()
-                    raise RankError(rank, f"rank {rank} raised {msg[1]} in {fn.__name__}\n"
+                    raise RankError(rank, f"rank {rank} raised {msg[1]} in {what}\n"
                                           f"--- remote traceback (rank {rank}) ---\n{msg[2]}")
                 results[rank] = msg[1]
         return [results[r] for r in range(self.world_size)]

@@ -260,10 +260,14 @@ def check_engine(rank, world, layouts, ref):
     return checks
 
 
-def test_training_with_expert_parallelism_equals_one_process(pool4):
-    ref = engine_reference()
-    layouts = ENGINE_LAYOUTS + STACKED_LAYOUTS
-    assert sum(pool4.run(check_engine, layouts, ref)) == 4 * len(layouts)
+@pytest.fixture(scope="module")
+def reference_run():
+    return engine_reference()
+
+
+@pytest.mark.parametrize("layout", ENGINE_LAYOUTS + STACKED_LAYOUTS, ids=str)
+def test_training_with_expert_parallelism_equals_one_process(pool4, reference_run, layout):
+    assert sum(pool4.run(check_engine, [layout], reference_run)) == 4
 
 
 def held_expert_elements(rank, world, layouts):
@@ -368,9 +372,10 @@ def check_hybrid_engine(rank, world, layouts, full, config=MOE):
     return checks
 
 
-def test_hybrid_engine_with_expert_parallelism_equals_ep_1(pool4):
+@pytest.mark.parametrize("layout", HYBRID_LAYOUTS, ids=str)
+def test_hybrid_engine_with_expert_parallelism_equals_ep_1(pool4, layout):
     full = init_full_state_dict(MOE, seed=4)
-    assert sum(pool4.run(check_hybrid_engine, HYBRID_LAYOUTS, full)) == 4 * len(HYBRID_LAYOUTS)
+    assert sum(pool4.run(check_hybrid_engine, [layout], full)) == 4
 
 
 def test_tied_embeddings_across_stages_with_expert_parallelism(pool4):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from hybridflow_comm.groups import FAMILIES, build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from tests.multirank import RankError
+from tests.multirank import RankError, RankPool
 
 LAYOUTS_4 = [((1, 4, 1), (1, 2)), ((1, 2, 2), (1, 1)), ((2, 2, 1), (1, 1)), ((2, 1, 2), (1, 1)),
              ((4, 1, 1), (2, 1)), ((1, 1, 4), (1, 1)), ((2, 2, 1), (2, 1))]
@@ -125,3 +125,18 @@ def test_harness_results_and_errors(pool4):
     with pytest.raises(RankError, match="rank 1 died \\(exit code 7\\)"):
         pool4.run(die_on_rank, 1)
     assert pool4.run(add, 2) == [0, 2, 4, 6]
+
+
+def test_harness_start_up_has_its_own_time_limit():
+    """Spawning and importing torch takes far longer than 10 ms: the start-up limit fires,
+    naming it; with room to start, a call's own short limit does not count the start."""
+    pool = RankPool(2, start_timeout_s=0.01)
+    try:
+        with pytest.raises(RankError, match="start-up timed out on ranks"):
+            pool.run(add, 1)
+        pool.start_timeout_s = 300.0
+        started = time.monotonic()
+        assert pool.run(add, 3, timeout_s=0.5) == [0, 3]
+        assert time.monotonic() - started > 0.5  # the start alone outlasted the call's limit
+    finally:
+        pool.close()
