@@ -85,7 +85,9 @@ def all_runs(tmp_path_factory):
             for name, o in RUNS.items()}
     with open(d / "spec.json", "w") as f:
         json.dump(spec, f)
-    _run(_torchrun(2, "-m", "tests.rlhf_jobs", str(d / "spec.json"), str(d / "out.json")))
+    # 23 runs in one job: 1-3.5 min on a loaded 2-core machine, so more than _run's default
+    _run(_torchrun(2, "-m", "tests.rlhf_jobs", str(d / "spec.json"), str(d / "out.json")),
+         timeout=600)
     with open(d / "out.json") as f:
         return d, json.load(f)
 
