@@ -8,8 +8,9 @@ The model is Qwen3-30B-A3B's layers (the planner's ``qwen3-30b-a3b`` preset: hid
 32/4 heads of 128, 128 experts of width 768, bf16; ``tiny-moe-layers`` for CI) without the
 embedding and head, for
 ``--layers`` layers (default: as many as :func:`layers_that_fit` finds room for in the
-memory available now; the JSON records the number).  Two layouts on 4 ranks (:data:`LAYOUTS`):
-EP 4 -> gen EP 2 (training 1,1,4 -> generation 1,1) and EP 4 -> gen TP 2 (1,2,2 -> 1,2).
+memory available now; the JSON records the number).  Two layouts on 4 ranks (:data:`LAYOUTS`),
+both training 1,2,2 with EP 4 and generating at 1,2: EP 4 -> gen EP 2 (the experts split two
+ways inside each generation TP group) and EP 4 -> gen TP 2 (every expert split over it).
 
 Per layout, interleaved round by round after one warm-up (slowest rank, median over
 ``repeat``; peak resident set per rank in ``peak_rss_bytes``):
@@ -57,7 +58,7 @@ SHAPES = {
 """``--shape`` names of this bench -> the architecture whose layers they take (the planner's
 ``qwen3-30b-a3b`` preset; a tiny one for CI)."""
 
-LAYOUTS = [((1, 1, 4), (1, 1), 4, 2), ((1, 2, 2), (1, 2), 4, 1)]
+LAYOUTS = [((1, 2, 2), (1, 2), 4, 2), ((1, 2, 2), (1, 2), 4, 1)]
 """``(train PP,TP,DP, gen PP_G,TP_G, ep, gen_ep)``: EP 4 -> gen EP 2, EP 4 -> gen TP 2."""
 
 RAW_CHUNK_BYTES = 64 * 2**20

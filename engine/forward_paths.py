@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVCache
-from engine.layers import LoraDeltas, MoeRouting, RouteTrace, decoder_layer
+from engine.layers import LoraDeltas, MoeFn, MoeRouting, RouteTrace, decoder_layer
 from engine.llama_spec import LAYER_KEYS
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
@@ -87,6 +87,9 @@ class StageLayers:
     routing: MoeRouting | None = None
     """The layers' mixture-of-experts routing (None: dense MLPs); only the Python layers read
     experts."""
+    moe: MoeFn | None = None
+    """The mixture-of-experts block (None: :func:`engine.layers.moe_block` over every
+    expert; generation EP: over this rank's experts)."""
     route_log: list[torch.Tensor] | None = None
     """Where the Python layers append each forward's ``[tokens, layers, k]`` experts (None:
     not recorded)."""
@@ -208,7 +211,7 @@ class PythonLayers:
         for j, w in enumerate(s.weights):
             x = decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps, s.tp_group,
                               kv_hook=cache.hook(j), lora=s.loras[j] if s.loras else None,
-                              routing=s.routing, trace=trace)
+                              routing=s.routing, trace=trace, moe=s.moe)
         if trace is not None:
             s.route_log.append(trace.recorded())
         return x

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,7 @@ from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelSta
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
     plan_call, resolve_kernels
 from engine.kv_cache import KVCache, kv_cache_nbytes, resolve_layout
-from engine.layers import causal_mask, position_ids_from_mask, rms_norm, rope_tables
+from engine.layers import causal_mask, moe_block, position_ids_from_mask, rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import same_device
 from engine.sampling import SamplingParams, SeedStream, sample_next
@@ -242,6 +242,9 @@ class GenerationEngine:
             summation order.
         record_routes: a mixture of experts records every token's experts in every layer
             (:attr:`GenerationOutput.routes`).
+        experts: the experts whose pieces this rank holds and computes (generation expert
+            parallelism: :meth:`hybridflow_comm.expert_layout.ExpertLayout.gen_experts`, the
+            TP all-reduce adding the rest); None: every expert.
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -254,7 +257,8 @@ class GenerationEngine:
                  fused_decode: bool | None = None, early_exit: bool = True,
                  greedy_loop: bool = True, device: torch.device | str = "cpu",
                  kv_layout: str | None = None, cuda_graphs: bool | None = None,
-                 compile_decode: bool | None = None, record_routes: bool = False) -> None:
+                 compile_decode: bool | None = None, record_routes: bool = False,
+                 experts: Sequence[int] | None = None) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -290,6 +294,7 @@ class GenerationEngine:
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
         self.route_log: list[torch.Tensor] | None = \
             [] if record_routes and config.num_experts else None
+        self.experts = _check_experts(experts, config)
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
                                        hidden_size=config.hidden_size, dtype=config.dtype,
@@ -300,8 +305,18 @@ class GenerationEngine:
         self.block_rows: int | None = None  # the decode kernels' small-M row block (plan_call)
 
     # Weights ---------------------------------------------------------------------------------
+    @property
+    def layer_keys(self) -> tuple[str, ...]:
+        """The weights of each local layer: the config's, a mixture's experts limited to
+        :attr:`experts`."""
+        keys = self.config.layer_keys
+        if self.experts is None:
+            return keys
+        held = {f"experts.{e}.{k}" for e in self.experts for k in ("gate_up", "down_proj")}
+        return tuple(k for k in keys if not k.startswith("experts.") or k in held)
+
     def required_weights(self) -> list[str]:
-        names = [f"layers.{i}.{k}" for i in self.layer_ids for k in self.config.layer_keys]
+        names = [f"layers.{i}.{k}" for i in self.layer_ids for k in self.layer_keys]
         if self.is_first:
             names.insert(0, "embed_tokens")
         if self.is_last:
@@ -324,11 +339,13 @@ class GenerationEngine:
         c = self.config
         loras = self._layer_loras()
         stage = StageLayers(
-            weights=tuple({k: weights[f"layers.{i}.{k}"] for k in c.layer_keys}
+            weights=tuple({k: weights[f"layers.{i}.{k}"] for k in self.layer_keys}
                           for i in self.layer_ids),
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
             tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras,
-            routing=c.routing, route_log=self.route_log)
+            routing=c.routing, route_log=self.route_log,
+            moe=None if self.experts is None else functools.partial(moe_block,
+                                                                    experts=self.experts))
         self.weights, self.weights_version = weights, version
         # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)
@@ -623,3 +640,19 @@ def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,
                    sampling: SamplingParams) -> torch.Tensor:
     """The prompt as returned: padding positions hold ``pad_token_id``."""
     return input_ids.long().masked_fill(mask == 0, sampling.pad_token_id)
+
+
+def _check_experts(experts: Sequence[int] | None, config: LlamaConfig
+                   ) -> tuple[int, ...] | None:
+    """``experts`` as a sorted tuple, ValueError (naming them) unless they are distinct
+    experts of the config's mixture."""
+    if experts is None:
+        return None
+    held = tuple(sorted(int(e) for e in experts))
+    if not config.num_experts:
+        raise ValueError(f"GenerationEngine(experts={list(held)[:8]}): the model has no experts")
+    if not held or len(set(held)) != len(held) or not 0 <= held[0] <= held[-1] < \
+            config.num_experts:
+        raise ValueError(f"GenerationEngine(experts={list(held)[:8]}): need distinct experts "
+                         f"in [0, {config.num_experts})")
+    return held

@@ -84,7 +84,10 @@ class HybridEngine:
         if train is not None and (optim is not None or train.model is not model):
             raise ValueError("HybridEngine(train=...) takes the training engine of this model "
                              "and no optim (the engine has its own)")
-        _check_expert_generation(model)
+        if isinstance(rollout, GenerationEngine) and rollout.experts != model.generation_experts:
+            raise ValueError(f"HybridEngine: the rollout computes experts {rollout.experts}, the "
+                             f"generation layout gives this rank {model.generation_experts} "
+                             f"(GenerationEngine(experts=model.generation_experts))")
         self.model = model
         self.groups = model.groups
         self.layout = model.groups.layout
@@ -99,7 +102,7 @@ class HybridEngine:
                                             verify_every=verify, buffer=model.adapter_buffer)
                                   if model.lora is not None else None)
         self.rollout = rollout if rollout is not None else GenerationEngine(
-            model.config, model.groups, device=model.device)
+            model.config, model.groups, device=model.device, experts=model.generation_experts)
         self.offload_during_generation = offload_during_generation
         self.last_transition: TransitionStats | None = None
         self.last_offloaded_nbytes = 0
@@ -200,19 +203,6 @@ class HybridEngine:
             prompt_length=mine.prompt_length,
             stats={**mine.stats, "gather_time_s": time.perf_counter() - t0})
         return gathered
-
-
-def _check_expert_generation(model: ParallelLlama) -> None:
-    """ValueError (before any collective) for an expert-parallel model whose generation
-    layout splits the experts over generation EP ranks: generation runs every expert of a
-    layer on each generation TP group (``gen_ep = 1``)."""
-    if model.experts is None:
-        return
-    lay = model.experts.layout
-    if lay.gen_ep > 1:
-        raise ValueError(f"HybridEngine: generation with expert parallelism (gen_ep="
-                         f"{lay.gen_ep}) is not supported yet; set gen_ep=1 (the experts are "
-                         f"then split over the generation TP ranks)")
 
 
 def _all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:

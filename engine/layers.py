@@ -29,7 +29,7 @@ all-reduce of the gradient), as the inputs of column-parallel layers do.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 from dataclasses import dataclass, field
 
@@ -573,28 +573,37 @@ def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> tor
 
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
               tp_group: Group | None, router_loss: RouterLoss | None = None,
-              trace: RouteTrace | None = None) -> torch.Tensor:
+              trace: RouteTrace | None = None, experts: Sequence[int] | None = None
+              ) -> torch.Tensor:
     """Dropless top-k mixture of SwiGLU experts: ``x [..., H]`` (replicated) -> ``[..., H]``.
 
     The (token, expert) pairs are sorted by expert so each expert runs one matmul pair over
     its tokens (a loop over experts, none over tokens); the weighted outputs are summed back
     per token.  Under TP each expert is split like the dense MLP and its partial outputs
-    are all-reduced once for the layer.  The router is replicated and its inputs whole on
-    every rank; the routing weights scale partial outputs, so their gradient is a partial
-    sum: they enter through :func:`engine.tp_ops.copy_to_tp`, like the experts' inputs.
-    The layer's load-balancing term goes to ``router_loss`` where given (training), its
-    experts to (or from) ``trace`` (:class:`RouteTrace`).
+    are all-reduced once for the layer.  With ``experts`` (generation EP inside the TP group,
+    :mod:`hybridflow_comm.expert_layout`) only the pairs of those experts, whose pieces ``w``
+    holds, are computed here; the TP all-reduce adds the other members' experts.  The
+    router is replicated and its inputs whole on every rank; the routing weights scale
+    partial outputs, so their gradient is a partial sum: they enter through
+    :func:`engine.tp_ops.copy_to_tp`, like the experts' inputs.  The layer's load-balancing
+    term goes to ``router_loss`` where given (training), its experts to (or from) ``trace``
+    (:class:`RouteTrace`).
     """
     shape, num_experts = x.shape, w["router"].shape[0]
     tokens = x.reshape(-1, shape[-1])
-    weights, experts = route(tokens, w["router"], routing, router_loss, trace)
-    order = torch.argsort(experts.flatten(), stable=True)  # pairs grouped by expert
-    counts = torch.bincount(experts.flatten(), minlength=num_experts).tolist()
+    weights, chosen = route(tokens, w["router"], routing, router_loss, trace)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    held = range(num_experts) if experts is None else sorted(experts)  # the pairs' order
+    if experts is not None:  # this rank's experts' pairs only
+        mine = torch.zeros(num_experts, dtype=torch.bool, device=flat.device)
+        mine[torch.as_tensor(list(experts), device=flat.device)] = True
+        order = order[mine[flat[order]]]
+    counts = torch.bincount(flat[order], minlength=num_experts).tolist()
     token_of = order // routing.top_k
-    inputs = copy_to_tp(tokens, tp_group)[token_of]  # [N*k, H], expert after expert
-    outs = []
-    for e, rows in enumerate(inputs.split(counts)):  # an expert without tokens: 0 rows
-        outs.append(expert_ffn(rows, w, e))
+    inputs = copy_to_tp(tokens, tp_group)[token_of]  # [pairs, H], expert after expert
+    rows = dict(zip(range(num_experts), inputs.split(counts)))
+    outs = [expert_ffn(rows[e], w, e) for e in held]  # an expert without tokens: 0 rows
     scale = copy_to_tp(weights, tp_group).flatten()[order]
     out = torch.zeros_like(tokens).index_add(0, token_of, torch.cat(outs) * scale[:, None])
     return reduce_from_tp(out, tp_group).reshape(shape)

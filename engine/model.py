@@ -121,6 +121,15 @@ class ParallelLlama(nn.Module):
             load_adapter_state_dict(self, init_lora_state_dict(config, lora))
 
     @property
+    def generation_experts(self) -> tuple[int, ...] | None:
+        """The experts this rank computes in generation under generation expert parallelism
+        (``gen_ep > 1``: :meth:`~hybridflow_comm.expert_layout.ExpertLayout.gen_experts`);
+        None: every expert (pieces of them under generation TP)."""
+        if self.experts is None or self.experts.layout.gen_ep == 1:
+            return None
+        return self.experts.layout.gen_experts(self.groups.rank)
+
+    @property
     def local_specs(self) -> list[ShardSpec]:
         """Specs of the parameters this rank trains (its stage; under expert parallelism,
         of the experts only its EP block's)."""

@@ -13,24 +13,34 @@ A rank holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of every layer o
 of tokens) are the ``ep`` ranks of a stage with one ``edp_rank``; expert-DP groups (the
 experts' gradient reduction) are those with one ``ep_rank`` and ``etp_rank``.
 
-Generation side, ``gen_ep`` (``gen_ep | ep``; ``micro_ep = ep / gen_ep``)::
+Generation side: each generation TP group (``tp_g`` ranks with every token of their
+replica) splits the experts ``gen_ep`` ways (``gen_ep | tp_g``, ``gen_ep | ep``) and each
+expert ``gen_etp = tp_g / gen_ep`` ways, so every rank computes its own experts' pieces for
+all tokens and the layer's TP all-reduce sums them (no all-to-all, no lockstep between
+generation replicas)::
 
-    gen_ep > 1:  gen_ep_rank = ep_rank // micro_ep
-                 needs experts [gen_ep_rank * E/gen_ep, ...) whole, every layer of its
-                 generation stage: its training experts are one block of them
-    gen_ep = 1:  needs every expert, piece tp_g_rank of tp_g (experts under gen TP)
+    the members' training EP blocks packed into gen_ep disjoint classes, each of gen_etp
+        members and at most ep / gen_ep blocks (_pack_blocks: members sharing a block
+        share a class)
+    class c needs the experts of its members' blocks, filled up with blocks no member
+        holds to E/gen_ep experts; its i-th member by tp_g_rank needs piece i of gen_etp
+    gen_ep = 1: one class, piece tp_g_rank of every expert (experts under gen TP)
 
-Example, ``tp=1, dp=4, ep=4 -> gen_ep=2`` (4 ranks, 8 experts)::
+so a rank's training experts lie in its own generation set.  A layout with no such packing
+(e.g. ``tp=4 -> tp_g=2, ep=2, gen_ep=2``, whose generation TP groups each hold one block
+twice) is refused: choose another ``gen_ep``.  Example, ``tp=2, dp=2, ep=4 -> tp_g=2, gen_ep=2`` (4 ranks, 8
+experts)::
 
-    training EP group     [0 1 2 3]      experts 0-1 | 2-3 | 4-5 | 6-7
-    generation EP groups  [0 . 2 .] [. 1 . 3]            stride micro_ep = 2
-    rank 1 holds 2-3 and needs 0-3: it receives 0-1 from rank 0, nothing else
+    training EP group      [0 1 2 3]        experts 0-1 | 2-3 | 4-5 | 6-7
+    generation TP groups   [0 1] [2 3]
+    generation sets        rank 0: 0-1 4-5   rank 1: 2-3 6-7     (its own block, then
+                           rank 2: 0-1 4-5   rank 3: 2-3 6-7      one nobody in the group has)
+    rank 0 receives experts 4-5 from rank 2: a quarter of the experts' bytes
 
 A generation rank receives exactly the pieces it needs and does not hold: with ``M_e`` the
 bytes of every expert of every layer (layers spread evenly over the stages),
 
     received = (pp * ep - pp_g * gen_ep) / (pp * ep * pp_g * gen_ep * gen_etp) * M_e
-    gen_etp  = tp_g when gen_ep == 1, else 1
 
 the paper's ``(t p - t_g p_g) / (t_g p_g t p) M`` with the expert dimension in place of
 tensor parallelism.  Each missing piece comes from the holder with the receiver's own
@@ -46,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
@@ -56,7 +67,7 @@ from hybridflow_comm.layout import (Groups, HybridLayout, _check_sizes, _divisor
 
 class ExpertCoords(NamedTuple):
     """Expert coordinates of one rank: training ``ep``, ``etp`` and ``edp`` ranks, and its
-    generation EP rank."""
+    generation EP rank (its class in its generation TP group)."""
 
     ep: int
     etp: int
@@ -98,6 +109,10 @@ class ExpertLayout:
         if self.gen_ep > 1 and (self.ep == 1 or self.ep % self.gen_ep):
             raise ValueError(f"gen_ep={self.gen_ep} needs a training ep it divides, got "
                              f"ep={self.ep} (with ep=1 the experts are split over tp)")
+        if self.hybrid.tp_g % self.gen_ep:
+            raise ValueError(f"gen_ep={self.gen_ep} must divide tp_g={self.hybrid.tp_g}: the "
+                             f"experts are split over the ranks of each generation TP group")
+        self._gen_plan  # noqa: B018 - refuses a layout whose classes would share a block
 
     # Derived sizes ---------------------------------------------------------------------------
     @property
@@ -107,12 +122,12 @@ class ExpertLayout:
 
     @property
     def gen_etp(self) -> int:
-        """Generation ranks one expert is split over: ``tp_g`` when ``gen_ep == 1``, else 1."""
-        return self.hybrid.tp_g if self.gen_ep == 1 else 1
+        """Generation ranks one expert is split over: ``tp_g / gen_ep``."""
+        return self.hybrid.tp_g // self.gen_ep
 
     @property
     def micro_ep(self) -> int:
-        """Training EP ranks per generation EP rank (``ep / gen_ep``)."""
+        """Training EP blocks per generation set (``ep / gen_ep``)."""
         return self.ep // self.gen_ep
 
     @property
@@ -128,8 +143,8 @@ class ExpertLayout:
         j = c.dp * self.hybrid.train.tp + c.tp
         etp_rank, rest = j % self.etp, j // self.etp
         ep_rank, edp_rank = rest % self.ep, rest // self.ep
-        gen_ep_rank = ep_rank // self.micro_ep if self.gen_ep > 1 else 0
-        return ExpertCoords(ep=ep_rank, etp=etp_rank, edp=edp_rank, gen_ep=gen_ep_rank)
+        return ExpertCoords(ep=ep_rank, etp=etp_rank, edp=edp_rank,
+                            gen_ep=self._gen_plan[rank][0])
 
     def rank(self, *, stage: int, ep: int, etp: int, edp: int) -> int:
         """Rank of training stage ``stage`` at expert coordinates ``(ep, etp, edp)``."""
@@ -150,16 +165,53 @@ class ExpertLayout:
         """The piece of each of its experts that ``rank`` holds in training."""
         return Piece(self.coords(rank).etp, self.etp)
 
-    def gen_experts(self, rank: int) -> range:
-        """The experts ``rank`` needs in generation (of every layer of its generation stage)."""
-        per = self.num_experts // self.gen_ep
-        g = self.coords(rank).gen_ep
-        return range(g * per, (g + 1) * per)
+    def gen_experts(self, rank: int) -> tuple[int, ...]:
+        """The experts ``rank`` needs in generation (of every layer of its generation stage),
+        ascending."""
+        self.hybrid.gen_coords(rank)  # ValueError outside the world
+        return self._gen_plan[rank][1]
 
     def gen_piece(self, rank: int) -> Piece:
         """The piece of each of those experts that ``rank`` needs in generation."""
-        return Piece(self.hybrid.gen_coords(rank).tp_g, self.gen_etp) if self.gen_ep == 1 \
-            else WHOLE
+        self.hybrid.gen_coords(rank)
+        return self._gen_plan[rank][2]
+
+    @functools.cached_property
+    def _gen_plan(self) -> tuple[tuple[int, tuple[int, ...], Piece], ...]:
+        """``(class, experts, piece)`` of every rank (the module docstring's assignment)."""
+        h, per_block = self.hybrid, self.num_experts // self.ep
+        plan: dict[int, tuple[int, tuple[int, ...], Piece]] = {}
+        for group in h.family_groups("gen_tp"):
+            by_tp_g = sorted(group, key=lambda r: h.gen_coords(r).tp_g)
+            if self.gen_ep == 1:
+                for i, r in enumerate(by_tp_g):
+                    plan[r] = (0, tuple(range(self.num_experts)), Piece(i, self.gen_etp))
+                continue
+            block = {r: self._train_block(r) for r in group}
+            held = _pack_blocks([block[r] for r in by_tp_g], self.gen_ep, self.gen_etp,
+                                self.micro_ep)
+            if held is None:
+                raise ValueError(
+                    f"gen_ep={self.gen_ep}: the generation TP group {sorted(group)} holds the "
+                    f"training expert blocks {[block[r] for r in by_tp_g]}, which cannot be "
+                    f"split into {self.gen_ep} sets of {self.micro_ep} blocks each keeping its "
+                    f"holders' blocks (layout {h.train} -> ({h.pp_g}, {h.tp_g}), ep={self.ep});"
+                    f" choose another gen_ep")
+            classes = [[r for r in by_tp_g if block[r] in blocks] for blocks in held]
+            taken = [b for blocks in held for b in blocks]
+            free = iter(b for b in range(self.ep) if b not in taken)
+            for c, members in enumerate(classes):
+                blocks = held[c] + [next(free) for _ in range(self.micro_ep - len(held[c]))]
+                experts = tuple(sorted(e for b in blocks
+                                       for e in range(b * per_block, (b + 1) * per_block)))
+                for i, r in enumerate(members):
+                    plan[r] = (c, experts, Piece(i, self.gen_etp))
+        return tuple(plan[r] for r in range(h.world_size))
+
+    def _train_block(self, rank: int) -> int:
+        """The training EP block (``ep`` rank) of ``rank``, from the coordinates alone."""
+        c = self.hybrid.train.coords(rank)
+        return (c.dp * self.hybrid.train.tp + c.tp) // self.etp % self.ep
 
     def source(self, rank: int, stage: int, expert: int) -> int:
         """The training rank ``rank`` receives expert ``expert`` of stage ``stage`` from: the
@@ -188,11 +240,14 @@ class ExpertLayout:
         return self._stage_groups(lambda c: (c.ep, c.etp))
 
     def gen_ep_groups(self) -> Groups:
-        """Generation EP groups: one ``gen_ep`` rank each, inside a training EP group (stride
-        ``micro_ep``); every rank alone when ``gen_ep == 1``."""
-        if self.gen_ep == 1:
-            return [[r] for r in range(self.hybrid.world_size)]
-        return self._stage_groups(lambda c: (c.edp, c.etp, c.ep % self.micro_ep))
+        """Generation EP groups: the ranks of a generation TP group with one piece index,
+        which hold every expert's piece once between them; every rank alone when
+        ``gen_ep == 1``."""
+        h, groups = self.hybrid, []
+        for group in h.family_groups("gen_tp"):
+            for i in range(self.gen_etp):
+                groups.append([r for r in group if self.gen_piece(r).index == i])
+        return _sorted(groups)
 
     # Volume ----------------------------------------------------------------------------------
     def received_fraction(self) -> Fraction:
@@ -213,6 +268,35 @@ class ExpertLayout:
                 "gen_ep_groups": self.gen_ep_groups(),
                 "train_experts": [list(self.train_experts(r)) for r in range(self.hybrid.world_size)],
                 "gen_experts": [list(self.gen_experts(r)) for r in range(self.hybrid.world_size)]}
+
+
+def _pack_blocks(blocks: list[int], classes: int, size: int, most: int
+                 ) -> list[list[int]] | None:
+    """The distinct ``blocks`` (one per member, repeated where members share one) cut into
+    ``classes`` disjoint sets, each of at most ``most`` blocks held by exactly ``size``
+    members (a depth-first search, most-held blocks first; None when there is no such cut)."""
+    held = {b: blocks.count(b) for b in sorted(set(blocks))}
+    order = sorted(held, key=lambda b: (-held[b], b))
+    sets: list[list[int]] = [[] for _ in range(classes)]
+    fill = [0] * classes
+
+    def place(i: int) -> bool:
+        if i == len(order):
+            return all(f == size for f in fill)
+        b, seen = order[i], set()
+        for c in range(classes):
+            state = (fill[c], len(sets[c]))  # classes in one state are interchangeable
+            if state in seen or fill[c] + held[b] > size or len(sets[c]) == most:
+                continue
+            seen.add(state)
+            sets[c].append(b)
+            fill[c] += held[b]
+            if place(i + 1):
+                return True
+            sets[c].pop()
+            fill[c] -= held[b]
+        return False
+    return [sorted(x) for x in sets] if place(0) else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -205,10 +205,6 @@ def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
     if not experts:
         raise ValueError(f"{role}.layout.ep={lay.ep}, gen_ep={lay.gen_ep} but the model has no "
                          f"experts (num_experts=0); leave them at 1")
-    if lay.gen_ep > 1:
-        raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep}: generation with expert "
-                         f"parallelism is not supported yet; set gen_ep=1 (each generation TP "
-                         f"group then holds every expert, split over gen_tp)")
     for what in expert_parallel_blockers(config, role):
         raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
                          f"set ep=1")

@@ -142,12 +142,16 @@ def test_expert_parallel_layouts():
     lay = actor.experts(4)
     assert (lay.hybrid, lay.ep, lay.gen_ep) == (actor.layout, 2, 1)
     assert validate_for_world(load_config(moe), 4).roles["actor"].experts(4) is None
+    gen_ep = validate_for_world(load_config(moe + [
+        "actor.layout.tp=2", "actor.layout.gen_tp=2", "actor.layout.ep=4",
+        "actor.layout.gen_ep=2"]), 4).roles["actor"].experts(4)
+    assert (gen_ep.ep, gen_ep.gen_ep, gen_ep.gen_experts(0)) == (4, 2, (0, 2))  # own, then free
     refused = {"actor.layout.ep=2, gen_ep=1 but the model has no experts":
                ["algo=grpo", "actor.layout.ep=2"],
                "actor.layout: ep=3 must divide the tp x dp = 4 ranks":
                moe + ["actor.layout.ep=3"],
                "actor.layout: ep=8 must divide the tp x dp = 4 ranks": moe + ["actor.layout.ep=8"],
-               "actor.layout.gen_ep=2: generation with expert parallelism is not supported yet":
+               "actor.layout: gen_ep=2 must divide tp_g=1":
                moe + ["actor.layout.ep=2", "actor.layout.gen_ep=2"],
                "reference.layout.gen_ep=2: only the actor generates":
                moe + ["reference.layout.gen_ep=2"],

@@ -20,15 +20,29 @@ from tests.test_layout import _divisors, all_hybrid_layouts
 NUM_EXPERTS = 16
 
 
-def all_expert_layouts(max_world=16):
-    """Every hybrid layout of tests/test_layout.py with every ep > 1 and gen_ep | ep."""
+def all_expert_sizes(max_world=16):
+    """``(hybrid layout, ep, gen_ep)`` for every hybrid layout of tests/test_layout.py, every
+    ep > 1 and every gen_ep dividing both ep and tp_g."""
     for hl in all_hybrid_layouts(max_world):
         for ep in _divisors(hl.train.tp * hl.train.dp)[1:]:
-            for gen_ep in _divisors(ep):  # 2 experts per EP rank
-                yield ExpertLayout(hl, 2 * ep, ep=ep, gen_ep=gen_ep)
+            for gen_ep in _divisors(ep):
+                if hl.tp_g % gen_ep == 0:
+                    yield hl, ep, gen_ep
 
 
-LAYOUTS = list(all_expert_layouts())
+def _build(sizes):
+    """The accepted ExpertLayouts (2 experts per EP rank) and the refused sizes."""
+    accepted, refused = [], []
+    for hl, ep, gen_ep in sizes:
+        try:
+            accepted.append(ExpertLayout(hl, 2 * ep, ep=ep, gen_ep=gen_ep))
+        except ValueError as exc:
+            assert "choose another gen_ep" in str(exc), exc
+            refused.append((hl, ep, gen_ep))
+    return accepted, refused
+
+
+LAYOUTS, REFUSED = _build(all_expert_sizes())
 PLAN_LAYOUTS = [el for el in LAYOUTS if el.hybrid.world_size <= 8] + LAYOUTS[::16]
 """Every layout of up to 8 ranks, and a sample of the larger ones, for the plan's checks."""
 
@@ -53,7 +67,37 @@ def expert_specs(pp, layers_per_stage=2, hidden=8, ffn=16, num_experts=NUM_EXPER
 
 
 def test_enumeration_is_large():
-    assert len(LAYOUTS) > 1000 and len(PLAN_LAYOUTS) > 300
+    assert len(LAYOUTS) > 900 and len(PLAN_LAYOUTS) > 250
+    assert sum(el.gen_ep > 1 for el in LAYOUTS) > 100 and len(REFUSED) < len(LAYOUTS) / 10
+
+
+def _feasible(blocks, gen_ep, per):
+    """Brute force: can members holding training ``blocks`` be cut into ``gen_ep`` classes of
+    equal size whose block sets are disjoint, each of at most ``per`` blocks?"""
+    size = len(blocks) // gen_ep
+
+    def place(rest, classes):
+        if not rest:
+            sets = [{blocks[i] for i in c} for c in classes]
+            return (all(len(x) <= per for x in sets)
+                    and sum(len(x) for x in sets) == len(set().union(*sets)))
+        i = rest[0]
+        return any(place(rest[1:], classes[:k] + [c + [i]] + classes[k + 1:])
+                   for k, c in enumerate(classes) if len(c) < size)
+    return place(list(range(len(blocks))), [[] for _ in range(gen_ep)])
+
+
+def test_refused_exactly_where_no_assignment_keeps_the_blocks():
+    """A layout is refused only when no class assignment of some generation TP group keeps
+    every member's training block in its own set (brute force over the assignments)."""
+    for hl, ep, gen_ep in REFUSED:
+        one = ExpertLayout(hl, 2 * ep, ep=ep)  # gen_ep=1 is always accepted
+        verdicts = [_feasible([one.coords(r).ep for r in g], gen_ep, ep // gen_ep)
+                    for g in hl.family_groups("gen_tp")]
+        assert not all(verdicts), (hl.train, hl.pp_g, hl.tp_g, ep, gen_ep)
+    for el in [el for el in LAYOUTS if el.gen_ep > 1][::9]:
+        for g in el.hybrid.family_groups("gen_tp"):
+            assert _feasible([el.coords(r).ep for r in g], el.gen_ep, el.micro_ep)
 
 
 @pytest.mark.parametrize("el", LAYOUTS, ids=_id)
@@ -80,24 +124,24 @@ def test_coordinates_and_groups(el):
         assert sorted(e for r in g for e in el.train_experts(r)) == list(range(el.num_experts))
     for g in el.gen_ep_groups():  # together one generation copy of every expert
         assert sorted(e for r in g for e in el.gen_experts(r)) == list(range(el.num_experts))
-    for r in range(world):  # a rank's training experts are a block of its generation ones
+    for g in h.family_groups("gen_tp"):  # each (expert, piece) once in a generation TP group
+        have = sorted((e, el.gen_piece(r)) for r in g for e in el.gen_experts(r))
+        assert have == sorted((e, Piece(i, el.gen_etp)) for e in range(el.num_experts)
+                              for i in range(el.gen_etp))
+    for r in range(world):  # a rank's training experts lie in its generation set
         assert set(el.train_experts(r)) <= set(el.gen_experts(r))
+        assert len(el.gen_experts(r)) == el.num_experts // el.gen_ep
+        if el.gen_ep == 1:  # experts under generation TP: the dense MLP's piece
+            assert el.gen_piece(r) == Piece(h.gen_coords(r).tp_g, h.tp_g)
 
 
 def _needs(el, specs, r):
-    """Brute force: ``{name: piece}`` rank ``r`` needs in generation."""
+    """``{name: piece}`` rank ``r`` needs in generation: its generation set's experts (checked
+    in test_coordinates_and_groups) on every layer of its generation stage."""
     h = el.hybrid
     g = h.gen_coords(r)
-    per = el.num_experts // el.gen_ep
-    block = el.train_experts(r).start // per  # the generation block holding its own experts
-    out = {}
-    for s in specs:
-        if s.stage // h.micro_pp != g.pp_g:
-            continue
-        if el.gen_ep > 1 and s.expert // per != block:
-            continue
-        out[s.name] = Piece(g.tp_g, h.tp_g) if el.gen_ep == 1 else Piece(0, 1)
-    return out
+    return {s.name: el.gen_piece(r) for s in specs
+            if s.stage // h.micro_pp == g.pp_g and s.expert in el.gen_experts(r)}
 
 
 def _bytes(spec, piece):
@@ -131,11 +175,11 @@ def test_plan_covers_every_need_once_at_the_formula(el):
 
 
 def test_volume_of_ep4_to_gen_ep2_and_to_gen_tp2():
-    # EP 4 -> gen EP 2 on 4 ranks: each receives a quarter of every expert's bytes.
-    hl = HybridLayout(ParallelLayout(pp=1, tp=1, dp=4), pp_g=1, tp_g=1)
-    assert ExpertLayout(hl, 8, ep=4, gen_ep=2).received_fraction() == Fraction(1, 4)
-    # EP 4 (over tp 2 x dp 2) -> gen TP 2: half of every expert, an eighth already held.
     hl = HybridLayout(ParallelLayout(pp=1, tp=2, dp=2), pp_g=1, tp_g=2)
+    # EP 4 (over tp 2 x dp 2) -> gen EP 2 inside gen TP 2: half the experts whole, a quarter
+    # held, so a quarter of every expert's bytes received.
+    assert ExpertLayout(hl, 8, ep=4, gen_ep=2).received_fraction() == Fraction(1, 4)
+    # -> gen TP 2 (gen_ep 1): half of every expert, an eighth already held.
     assert ExpertLayout(hl, 8, ep=4, gen_ep=1).received_fraction() == Fraction(3, 8)
 
 
@@ -145,9 +189,13 @@ def test_volume_of_ep4_to_gen_ep2_and_to_gen_tp2():
     (dict(train=(1, 1, 4), ep=1, gen_ep=2), "gen_ep=2 needs a training ep"),
     (dict(train=(1, 1, 4), ep=4, gen_ep=3), "gen_ep=3 must divide num_experts=8"),
     (dict(train=(1, 1, 4), ep=0), "ep must be a positive int"),
+    (dict(train=(1, 1, 4), ep=4, gen_ep=2), "gen_ep=2 must divide tp_g=1"),
+    # tp 4 -> tp_g 2: the generation TP groups [0 2] [1 3] hold blocks 0, 0 and 1, 1.
+    (dict(train=(1, 4, 1), tp_g=2, ep=2, gen_ep=2),
+     r"group \[0, 2\] holds the training expert blocks \[0, 0\].*choose another gen_ep"),
 ])
 def test_bad_sizes(kwargs, match):
-    hl = HybridLayout(ParallelLayout(*kwargs.pop("train")), pp_g=1, tp_g=1)
+    hl = HybridLayout(ParallelLayout(*kwargs.pop("train")), pp_g=1, tp_g=kwargs.pop("tp_g", 1))
     with pytest.raises(ValueError, match=match):
         ExpertLayout(hl, kwargs.pop("num_experts", 8), **kwargs)
 
@@ -170,11 +218,11 @@ def test_bad_specs():
 
 
 def test_cli(capsys):
-    assert main(["--train", "1,1,4", "--gen", "1,1", "--experts", "8", "--ep", "4",
+    assert main(["--train", "1,2,2", "--gen", "1,2", "--experts", "8", "--ep", "4",
                  "--gen-ep", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["gen_ep_groups"] == [[0, 2], [1, 3]]
-    assert out["gen_experts"] == [[0, 1, 2, 3]] * 2 + [[4, 5, 6, 7]] * 2
+    assert out["gen_ep_groups"] == [[0, 1], [2, 3]]
+    assert out["gen_experts"] == [[0, 1, 4, 5], [2, 3, 6, 7]] * 2
     assert main(["--train", "1,1,4", "--gen", "1,1", "--experts", "8", "--ep", "3"]) == 2
     assert "ep=3 must divide" in capsys.readouterr().err
 
@@ -187,9 +235,10 @@ def test_formula_matches_brute_force_overlap():
         total = layers * el.num_experts * units
         for r in range(h.world_size):
             g, c = h.gen_coords(r), t.coords(r)
+            piece = el.gen_piece(r)
             need = {(layer, e, u) for layer in range(layers) for e in el.gen_experts(r)
                     for u in range(units) if (layer // 2) // h.micro_pp == g.pp_g
-                    and (el.gen_ep > 1 or u // (units // h.tp_g) == g.tp_g)}
+                    and u // (units // piece.count) == piece.index}
             held = {(layer, e, u) for layer in range(layers) for e in el.train_experts(r)
                     for u in range(units) if layer // 2 == c.pp}
             assert Fraction(len(need - held), total) == el.received_fraction(), _id(el)

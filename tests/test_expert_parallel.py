@@ -305,11 +305,13 @@ def test_planner_counts_the_experts_a_rank_holds(pool4):
 
 
 HYBRID_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 1), 2), ((2, 1, 2), (1, 1), 2),
-                  ((1, 2, 2), (1, 2), 4), ((1, 4, 1), (1, 2), 2)]  # (p-t-d, p_g-t_g, ep)
+                  ((1, 2, 2), (1, 2), 4), ((1, 4, 1), (1, 2), 2), ((1, 2, 2), (1, 2), 4, 2),
+                  ((2, 2, 1), (1, 2), 2, 2), ((1, 4, 1), (1, 4), 4, 2)]
+"""``(p-t-d, p_g-t_g, ep[, gen_ep])``: the last three generate under generation EP."""
 N_NEW = 5
 
 
-def build_hybrid(train, gen, ep, full, config=MOE, adapters=None):
+def build_hybrid(train, gen, ep, full, config=MOE, adapters=None, gen_ep=1):
     """The HybridEngine of ``config`` at the layout, weights ``full`` (and, with ``adapters``,
     LoRA adapters of :data:`LORA` on the attention)."""
     from engine.model import load_adapter_state_dict
@@ -317,7 +319,7 @@ def build_hybrid(train, gen, ep, full, config=MOE, adapters=None):
     hl = HybridLayout(ParallelLayout(*train), *gen)
     pool = list(range(hl.world_size))
     groups = build_hybrid_groups(hl, pool=pool)
-    experts = build_expert_groups(ExpertLayout(hl, E, ep=ep), pool=pool)
+    experts = build_expert_groups(ExpertLayout(hl, E, ep=ep, gen_ep=gen_ep), pool=pool)
     model = ParallelLlama(config, groups, experts=experts,
                           lora=None if adapters is None else LORA)
     load_full_state_dict(model, full)
@@ -351,18 +353,35 @@ def one_iteration(engine):
 
 def check_hybrid_engine(rank, world, layouts, full, config=MOE):
     """Two iterations of the HybridEngine at ``ep`` against the same layout at ep=1: equal
-    generation weights (moved, never computed: bit-exact), rollouts and update metrics."""
+    generation weights (moved, never computed: bit-exact), rollouts and update metrics.  Under
+    generation EP a rank holds its set's experts whole (the reference their generation TP
+    pieces, compared piece by piece) and computes only those."""
     checks = 0
-    for train, gen, ep in layouts:
-        ours = build_hybrid(train, gen, ep, full, config)
+    for train, gen, ep, *rest in layouts:
+        gen_ep = rest[0] if rest else 1
+        ours = build_hybrid(train, gen, ep, full, config, gen_ep=gen_ep)
         ref = build_hybrid(train, gen, 1, full, config)
         assert isinstance(ours.resharder, MoeResharder) and ref.model.experts is None
+        if gen_ep > 1:
+            assert ours.rollout.experts == ours.model.experts.layout.gen_experts(rank)
+            assert len(ours.rollout.experts) == E // gen_ep
+        piece, pieces = ref.layout.gen_coords(rank).tp_g, ref.layout.tp_g  # the reference's
+        mine = ours.model.experts.layout.gen_piece(rank)
         for it in range(2):
             (v, out, stats, m), (rv, rout, _, rm) = one_iteration(ours), one_iteration(ref)
-            assert v.keys() == rv.keys(), (train, gen, ep, sorted(v.keys() ^ rv.keys()))
+            held = {n.split(".experts.")[1].split(".")[0] for n in v if ".experts." in n}
+            assert held == {str(e) for e in ours.rollout.experts or range(E)}, (train, gen)
+            assert v.keys() <= rv.keys(), (train, gen, ep, sorted(v.keys() - rv.keys()))
             for name, t in v.items():
+                want = rv[name]
+                if t.shape != want.shape:  # a larger piece of the expert here
+                    dim = next(d for d in range(t.dim()) if t.shape[d] != want.shape[d])
+                    k = pieces // mine.count
+                    if not 0 <= piece - mine.index * k < k:
+                        continue  # the reference's piece lies in another rank's
+                    t = t.chunk(k, dim)[piece - mine.index * k]
                 tol = 0 if it == 0 else ATOL  # after an update: the same step, summed apart
-                torch.testing.assert_close(t, rv[name], atol=tol, rtol=0, msg=lambda m: f"{train} it {it} {name}: {m}")
+                torch.testing.assert_close(t, want, atol=tol, rtol=0, msg=lambda m: f"{train} it {it} {name}: {m}")
             assert torch.equal(out.input_ids, rout.input_ids), (train, gen, ep, it)
             torch.testing.assert_close(out.log_probs, rout.log_probs, atol=ATOL, rtol=0)
             assert abs(m["loss"] - rm["loss"]) < ATOL and stats.version == it + 1
@@ -562,18 +581,24 @@ def test_checkpoint_missing_an_expert_fails_on_every_rank(pool4, tmp_path):
     assert all(m is not None and gone in m for m in msgs), msgs
 
 
-def check_unwired_paths_refuse(rank, world):
-    hl = HybridLayout(ParallelLayout(1, 1, 4), 1, 1)
+def check_rollout_with_other_experts_refused(rank, world):
+    from engine.generation import GenerationEngine
+
+    hl = HybridLayout(ParallelLayout(1, 2, 2), 1, 2)
     experts = build_expert_groups(ExpertLayout(hl, E, ep=4, gen_ep=2), pool=list(range(4)))
-    model = ParallelLlama(MOE, build_hybrid_groups(hl, pool=list(range(4))), experts=experts)
+    groups = build_hybrid_groups(hl, pool=list(range(4)))
+    model = ParallelLlama(MOE, groups, experts=experts)
     try:
-        HybridEngine(model, OptimConfig())
+        HybridEngine(model, OptimConfig(), rollout=GenerationEngine(MOE, groups))
     except ValueError as exc:
-        return str(exc)
-    return None
+        return str(exc), model.generation_experts
+    return None, model.generation_experts
 
 
-def test_paths_not_wired_for_expert_parallelism_refuse_before_any_collective(pool4):
-    for msg in pool4.run(check_unwired_paths_refuse):
-        assert msg.startswith("HybridEngine: generation with expert parallelism (gen_ep=2) is "
-                              "not supported yet"), msg
+def test_a_rollout_computing_other_experts_is_refused_before_any_collective(pool4):
+    """Generation EP: a rollout built for every expert (``experts=None``) beside a layout
+    that gives each rank half of them fails on every rank at construction."""
+    for msg, mine in pool4.run(check_rollout_with_other_experts_refused):
+        assert msg.startswith(f"HybridEngine: the rollout computes experts None, the generation "
+                              f"layout gives this rank {mine}"), msg
+        assert len(mine) == E // 2

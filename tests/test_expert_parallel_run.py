@@ -31,6 +31,8 @@ EP2 = ["actor.layout.ep=2", "reference.layout.ep=2"]
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8",
         "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "actor.optim.lr=1e-3"]
 DYNAMIC = ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_micro_batch=24"]
+GEN_TP2 = ["actor.layout.tp=2", "actor.layout.gen_tp=2", "reference.layout.tp=2"]
+GEN_EP2 = GEN_TP2 + ["actor.layout.ep=2", "actor.layout.gen_ep=2", "reference.layout.ep=2"]
 COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/router_aux_loss",
             "actor/entropy", "actor/router_replay_fraction")
 
@@ -45,7 +47,9 @@ def runs(tmp_path_factory):
                   "lora_ep1": lora + ["log.run_name=lora_ep1"],
                   "lora_ep2": lora + ["actor.layout.ep=2", "log.run_name=lora_ep2"],
                   "dyn_ep1": common + DYNAMIC + ["log.run_name=dyn_ep1"],
-                  "dyn_ep2": common + EP2 + DYNAMIC + ["log.run_name=dyn_ep2"]}, tmp)
+                  "dyn_ep2": common + EP2 + DYNAMIC + ["log.run_name=dyn_ep2"],
+                  "gen_tp2": common + GEN_TP2 + ["log.run_name=gen_tp2"],
+                  "gen_ep2": common + GEN_EP2 + ["log.run_name=gen_ep2"]}, tmp)
     return tmp, out
 
 
@@ -69,6 +73,22 @@ def test_expert_parallel_run_equals_ep_1(runs):
     assert hf["ep1"].keys() == hf["ep2"].keys()
     for k, v in hf["ep1"].items():
         torch.testing.assert_close(hf["ep2"][k], v, atol=1e-5, rtol=0, msg=k)
+
+
+def test_generation_expert_parallel_run_equals_gen_tp(runs):
+    """``actor.layout.gen_ep=2`` inside generation TP 2 (each rank generating with half the
+    experts, whole) against the same run with every expert split over generation TP: the
+    same first rollouts and every figure of both iterations to rounding."""
+    _, out = runs
+    for name in ("gen_tp2", "gen_ep2"):
+        assert "records" in out[name], out[name].get("traceback")
+    a, b = out["gen_tp2"]["records"], out["gen_ep2"]["records"]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
+    assert a[0]["reward/mean"] == b[0]["reward/mean"]
+    for ra, rb in zip(a, b):
+        for key in COMPARED:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
+        assert rb["actor/rollout_logprob_diff"] < 1e-4
 
 
 def test_lora_run_with_expert_parallelism_equals_ep_1(runs):

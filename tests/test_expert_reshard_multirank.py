@@ -19,9 +19,9 @@ from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec, gen_shard, train
 NUM_EXPERTS, HIDDEN, FFN = 8, 8, 12
 
 # (train pp, tp, dp), (gen pp_g, tp_g), ep, gen_ep: EP 4 -> gen EP 2 and -> gen TP 2 first.
-CASES = [((1, 1, 4), (1, 1), 4, 2), ((1, 2, 2), (1, 2), 4, 1), ((1, 4, 1), (1, 2), 4, 1),
-         ((2, 1, 2), (1, 1), 2, 2), ((2, 2, 1), (1, 1), 2, 1), ((1, 1, 4), (1, 1), 2, 1),
-         ((1, 1, 4), (1, 1), 4, 4), ((2, 2, 1), (2, 2), 2, 1)]
+CASES = [((1, 2, 2), (1, 2), 4, 2), ((1, 2, 2), (1, 2), 4, 1), ((1, 4, 1), (1, 2), 4, 1),
+         ((2, 2, 1), (1, 2), 2, 2), ((2, 2, 1), (1, 1), 2, 1), ((1, 1, 4), (1, 1), 2, 1),
+         ((1, 4, 1), (1, 4), 4, 4), ((1, 4, 1), (1, 4), 4, 2), ((2, 2, 1), (2, 2), 2, 1)]
 
 
 def specs_for(pp, layers=4):
@@ -48,9 +48,8 @@ def expected_gen(full, spec, el, rank):
     g = h.gen_coords(rank)
     if spec.stage // h.micro_pp != g.pp_g or spec.expert not in el.gen_experts(rank):
         return None
-    if el.gen_ep > 1:
-        return full
-    return full.chunk(h.tp_g, dim=spec.partition_dim)[g.tp_g]
+    piece = el.gen_piece(rank)
+    return full.chunk(piece.count, dim=spec.partition_dim)[piece.index]
 
 
 def _layout(case):
@@ -111,7 +110,7 @@ def check_bad_input(rank, world):
     groups = build_hybrid_groups(el.hybrid)
     specs = specs_for(1)
     errors = []
-    other = FlatParamBuffer(expert_slot_specs(specs, ExpertLayout(el.hybrid, NUM_EXPERTS, 4, 4),
+    other = FlatParamBuffer(expert_slot_specs(specs, ExpertLayout(el.hybrid, NUM_EXPERTS, 4, 1),
                                               rank))
     try:  # a local error: raised before any collective
         ExpertResharder(specs, el, groups.world, buffer=other)
@@ -138,7 +137,7 @@ def test_bad_input_raises_on_every_rank(pool4):
 MOE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2,
                   num_heads=8, num_kv_heads=4, tie_word_embeddings=False, num_experts=8,
                   num_experts_per_tok=2, model_type="mixtral")
-ENTRY_CASES = [((1, 2, 2), (1, 1), 4, 1), ((1, 4, 1), (1, 2), 2, 2), ((2, 1, 2), (1, 1), 2, 2)]
+ENTRY_CASES = [((1, 2, 2), (1, 1), 4, 1), ((1, 4, 1), (1, 4), 4, 2), ((2, 2, 1), (1, 2), 2, 2)]
 
 
 def check_public_entry(rank, world, cases):
@@ -186,7 +185,7 @@ def check_public_entry_refuses(rank, world):
     import hybridflow_comm as hc
 
     hl = HybridLayout(ParallelLayout(1, 1, 4), pp_g=1, tp_g=1)
-    el = ExpertLayout(hl, MOE.num_experts, ep=4, gen_ep=2)
+    el = ExpertLayout(hl, MOE.num_experts, ep=4)
     specs = llama_shard_specs(MOE, 1)
     full = {s.name: full_tensor(s, 0) for s in specs}
     local = {s.name: full[s.name] for s in specs}  # every expert: not this rank's alone

@@ -198,6 +198,47 @@ def generation_routes(model, prompts, mask, n_new: int, eos: int, **engine_kw):
     return out
 
 
+def test_experts_split_over_ranks_sum_to_the_whole_block():
+    """Generation EP: each rank computes only its experts' pairs (holding only their
+    weights); the TP all-reduce's sum over a partition of the experts is the whole block (the
+    float64 loop), and an expert outside the subset is never read."""
+    g = torch.Generator().manual_seed(8)
+    E, H, F, N = 8, 16, 12, 11
+    w = {"router": torch.randn(E, H, generator=g)}
+    for e in range(E):
+        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
+        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
+    x = torch.randn(2, N, H, generator=g)
+    routing = MoeRouting(top_k=2, norm_topk=True)
+    ref = reference_moe(x.reshape(-1, H), w, 2, True).reshape(2, N, H)
+    for parts in ([(0, 1, 4, 5), (2, 3, 6, 7)], [(7, 0), (1, 6), (5, 2), (4, 3)]):
+        total = torch.zeros_like(ref)
+        for part in parts:
+            mine = {k: v for k, v in w.items()
+                    if not k.startswith("experts.") or int(k.split(".")[1]) in part}
+            total += moe_block(x, mine, routing, None, experts=part).double()
+        torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_engine_checks_its_experts():
+    from engine.generation import GenerationEngine
+
+    cfg = config_from_hf(hf_config("qwen3_moe").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    engine = GenerationEngine(cfg, groups, experts=[3, 1])
+    assert engine.experts == (1, 3)
+    assert [k for k in engine.required_weights() if ".experts." in k][:2] == \
+        ["layers.0.experts.1.gate_up", "layers.0.experts.1.down_proj"]
+    for bad in ([1, 1], [cfg.num_experts], []):
+        with pytest.raises(ValueError, match=rf"GenerationEngine\(experts=.*need distinct "
+                                             rf"experts in \[0, {cfg.num_experts}\)"):
+            GenerationEngine(cfg, groups, experts=bad)
+    dense = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_layers=2,
+                        num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match=r"experts=\[0\]\): the model has no experts"):
+        GenerationEngine(dense, groups, experts=[0])
+
+
 @pytest.mark.parametrize("early_exit", [True, False])
 def test_generation_records_the_routing_a_training_forward_takes(early_exit):
     """The experts generation records for every fed token (shared prefill of identical

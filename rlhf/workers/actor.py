@@ -154,7 +154,8 @@ class ActorWorker(PolicyWorker):
         rollout = build_rollout(spec.rollout, self.model.config, self.groups, self.device,
                                 init_from=spec.model.init_from, seed=spec.model.seed,
                                 sleep_between_phases=True, lora=spec.model.lora,
-                                record_routes=spec.router_replay)
+                                record_routes=spec.router_replay,
+                                experts=self.model.generation_experts)
         self.engine = HybridEngine(self.model, train=self.train, rollout=rollout,
                                    offload_during_generation=spec.offload_during_generation)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -139,7 +139,7 @@ def vllm_model_dir(config: LlamaConfig, init_from: str | None) -> str:
 def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGroups,
                   device: torch.device, init_from: str | None, seed: int,
                   sleep_between_phases: bool, lora: LoraConfig | None = None,
-                  record_routes: bool = False):
+                  record_routes: bool = False, experts: Sequence[int] | None = None):
     """This rank's generation backend for ``settings.engine``.
 
     Args:
@@ -154,10 +154,12 @@ def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGr
         lora: the actor's LoRA adapters (vLLM is built with LoRA enabled at their rank).
         record_routes: the native engine records a mixture of experts' routing
             (``actor.router_replay``).
+        experts: the experts this rank computes in generation (generation expert
+            parallelism, the native engine; None: every expert).
     """
     if settings.engine == "native":
         return WavedGeneration(GenerationEngine(config, groups, device=device,
-                                                record_routes=record_routes),
+                                                record_routes=record_routes, experts=experts),
                                settings.max_num_seqs, settings.gpu_memory_utilization)
     from engine.vllm_rollout import VLLMRollout, build_llm
 
