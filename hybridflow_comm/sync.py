@@ -132,7 +132,9 @@ class WeightSync:
         layout: the two pools and their layouts.
         group: this rank's :func:`build_sync_group` group.
         train_shards: on a training rank, name -> its training shard (contiguous, shape
-            ``spec.shard_shape(tp)``) for every parameter of its stage; read at each sync.
+            ``layout.train_shard_shape(spec, index)``: ``spec.shard_shape(tp)``, or a whole
+            expert of its EP block) for every parameter of its stage it holds; read at each
+            sync.
         gen_buffer: on a generation rank, a buffer built from ``gen_slot_specs`` (default:
             a new one on ``device``).
         bucket_bytes: most bytes a generation rank receives per bucket.
@@ -189,12 +191,13 @@ class WeightSync:
                              f"not gen_buffer")
         if shards is None:
             raise ValueError(f"rank {self.rank} is a training rank: pass train_shards")
-        c = self.layout.train.coords(self.layout.train_ranks.index(self.rank))
+        index = self.layout.train_ranks.index(self.rank)
+        c = self.layout.train.coords(index)
         out = {}
         for s in self.specs:
-            if s.stage != c.pp:
+            want = self.layout.train_shard_shape(s, index)
+            if want is None:
                 continue
-            want = s.shard_shape(self.layout.train.tp)
             t = shards.get(s.name)
             if t is None:
                 raise ValueError(f"train_shards of rank {self.rank} (stage {c.pp}) lacks "
@@ -226,7 +229,7 @@ class WeightSync:
         bucket size, and no rank's own inputs are wrong; else ValueError on every rank."""
         lay, p = self.layout, self.plan
         desc = [("layout", lay.describe(), p.bucket_bytes, p.pack_bytes)] + [
-            (s.name, s.shape, str(s.dtype), s.partition_dim, s.stage, repr(s.fusion))
+            (s.name, s.shape, str(s.dtype), s.partition_dim, s.stage, repr(s.fusion), s.expert)
             for s in self.specs]
         digest = int.from_bytes(hashlib.sha256(repr(desc).encode()).digest()[:7], "little")
         mine = torch.tensor([digest, int(bool(problem))], dtype=torch.int64,

@@ -57,7 +57,16 @@ busiest rank of stage ``s`` with less than::
     S_s = max( max_t P[s, t] / dp ,  (sum_t P[s, t] + Rep[s]) / (tp dp) )
 
 where ``P[s, t]`` is the bytes of piece ``t`` wanted over all generation ranks and ``Rep[s]``
-the replicated bytes; the plan stays within one chunk of it (tested by enumeration).
+the replicated bytes (with ``SyncLayout.experts``, an expert's bytes over the ``edp`` ranks
+of its block count like a piece's over ``dp``); the plan stays within one chunk of it
+(tested by enumeration).
+
+Experts.  Under the training pool's expert parallelism (``SyncLayout.experts``, ``ep > 1``)
+an expert tensor is held whole by the ranks of its EP block, in its stored form: logical, or
+as its ``g`` generation pieces stacked (``down_proj`` under a generation TP of ``g``), which
+is the dense geometry of ``tp = g`` pieces laid one after another (piece ``k`` at
+``k * numel / g``).  Its boxes are cut from those pieces; the generation side is a dense
+tensor's.
 
 Run ``python -m hybridflow_comm.sync --train PP,TP,DP --gen PP_G,TP_G --gen-ranks N`` to print
 a plan.
@@ -73,6 +82,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.expert_reshard import check_expert_specs, stacked_pieces
 from hybridflow_comm.flat_buffer import SlotSpec
 from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec, check_specs
@@ -93,12 +104,18 @@ class SyncLayout:
             ``pp_g``, ``gen.tp`` is ``tp_g``, ``gen.dp`` is ``dp_g``).
         train_ranks: job ranks of the training pool, ascending, ``train.world_size`` of them.
         gen_ranks: job ranks of the generation pool, ascending, disjoint from ``train_ranks``.
+        experts: the training pool's expert layout under expert parallelism (``ep > 1``, its
+            training side ``train``), or None.  An expert tensor (``ShardSpec.expert``) is
+            then held whole by the ranks of its EP block (stored as its generation pieces
+            where :func:`~hybridflow_comm.expert_reshard.stacked_pieces` says so) and sent
+            from there; the generation pool cuts it ``tp_g`` ways like a dense tensor.
     """
 
     train: ParallelLayout
     gen: ParallelLayout
     train_ranks: tuple[int, ...]
     gen_ranks: tuple[int, ...]
+    experts: ExpertLayout | None = None
 
     def __post_init__(self) -> None:
         for name in ("train", "gen"):
@@ -123,6 +140,14 @@ class SyncLayout:
             divisors = [d for d in range(1, self.train.pp + 1) if self.train.pp % d == 0]
             raise ValueError(f"pp_g={self.gen.pp} must divide the training pp={self.train.pp} "
                              f"(choose pp_g from {divisors})")
+        if self.experts is not None:
+            if not isinstance(self.experts, ExpertLayout):
+                raise TypeError(f"experts must be an ExpertLayout, got {self.experts!r}")
+            if self.experts.hybrid.train != self.train or self.experts.ep == 1:
+                raise ValueError(f"experts: an ExpertLayout with ep > 1 over the training "
+                                 f"layout {self.train}, got ep={self.experts.ep} over "
+                                 f"{self.experts.hybrid.train} (with ep=1 the experts are "
+                                 f"split over tp like dense tensors: pass experts=None)")
 
     @classmethod
     def side_by_side(cls, train: tuple[int, int, int], gen: tuple[int, int],
@@ -156,8 +181,23 @@ class SyncLayout:
 
     def describe(self) -> str:
         t, g = self.train, self.gen
-        return (f"train {t.pp}-{t.tp}-{t.dp} on ranks {list(self.train_ranks)} -> gen "
+        ep = "" if self.experts is None else \
+            f" (ep {self.experts.ep} of {self.experts.num_experts} experts)"
+        return (f"train {t.pp}-{t.tp}-{t.dp}{ep} on ranks {list(self.train_ranks)} -> gen "
                 f"{g.pp}-{g.tp} x dp_g {g.dp} on ranks {list(self.gen_ranks)}")
+
+    def train_shard_shape(self, spec: ShardSpec, index: int) -> tuple[int, ...] | None:
+        """Shape of what training pool rank ``index`` holds of ``spec`` (None: nothing): its
+        TP shard, or under :attr:`experts` an expert of its block whole, in its stored form."""
+        c = self.train.coords(index)
+        if spec.stage != c.pp:
+            return None
+        if spec.expert is None or self.experts is None:
+            return spec.shard_shape(self.train.tp)
+        if spec.expert not in self.experts.train_experts(index):
+            return None
+        g = stacked_pieces(spec, self.experts)
+        return spec.shape if g == 1 else (g, *spec.shard_shape(g))
 
 
 def _divisors(n: int) -> list[int]:
@@ -166,7 +206,11 @@ def _divisors(n: int) -> list[int]:
 
 def check_sync_specs(specs: list[ShardSpec], layout: SyncLayout) -> None:
     """Raise ValueError unless both layouts can shard every parameter (names the fix)."""
-    check_specs(specs, layout.train)
+    if layout.experts is not None:
+        check_expert_specs([s for s in specs if s.expert is not None], layout.experts)
+        check_specs([s for s in specs if s.expert is None], layout.train)
+    else:
+        check_specs(specs, layout.train)
     tp_g = layout.gen.tp
     parted = [s for s in specs if s.partition_dim is not None]
     ok = _divisors(math.gcd(*(s.units for s in parted))) if parted else [tp_g]
@@ -413,11 +457,29 @@ def _wants(specs: list[ShardSpec], layout: SyncLayout, chunk_bytes: int) -> list
             if s.stage // layout.micro_pp != gc.pp:
                 continue
             item = s.dtype.itemsize
-            for piece, box in _boxes(s, t.tp, g.tp, gc.tp):
+            for held_by, key, box in _sources(s, layout, gc.tp, holders):
                 for chunk in _chunks(box, max(1, chunk_bytes // item)):
-                    mine.append(_Want(s.name, dst, chunk, item, holders[(s.stage, piece)],
-                                      (s.stage, piece)))
+                    mine.append(_Want(s.name, dst, chunk, item, held_by, key))
         out.append(_interleave_stages(mine))
+    return out
+
+
+def _sources(spec: ShardSpec, layout: SyncLayout, g: int,
+             holders: dict[tuple[int, int], tuple[int, ...]]
+             ) -> list[tuple[tuple[int, ...], tuple, tuple]]:
+    """``(holders, key, box)`` for every training piece overlapping generation piece ``g``:
+    a dense tensor's TP pieces; under expert parallelism an expert's stored pieces (one
+    tensor, piece ``k`` at ``k * numel / pieces``) on the ranks of its EP block."""
+    if spec.expert is None or layout.experts is None:
+        return [(holders[(spec.stage, t)], (spec.stage, t), box)
+                for t, box in _boxes(spec, layout.train.tp, layout.gen.tp, g)]
+    block = tuple(r for i, r in enumerate(layout.train_ranks)
+                  if layout.train_shard_shape(spec, i) is not None)
+    pieces = stacked_pieces(spec, layout.experts)
+    out = []
+    for k, (rows, cols, so, ss, do, ds) in _boxes(spec, pieces, layout.gen.tp, g):
+        box = (rows, cols, so + k * (spec.numel // pieces), ss, do, ds)
+        out.append((block, (spec.stage, ("expert", spec.expert)), box))
     return out
 
 
@@ -442,17 +504,20 @@ def _interleave_stages(wants: list[_Want]) -> list[_Want]:
 
 
 def _balanced(layout: SyncLayout, wants: list[list[_Want]]) -> dict[int, int]:
-    """``S_s`` of each training rank's stage (module docstring)."""
+    """``S_s`` of each training rank's stage (module docstring; an expert's bytes shared by
+    the holders of its block, like a TP piece's by its dp replicas)."""
     t = layout.train
-    load: dict[tuple[int, int], int] = defaultdict(int)
+    load: dict[tuple, int] = defaultdict(int)
+    holders: dict[tuple, int] = {}
     for w in (w for mine in wants for w in mine):
         load[w.key] += w.nbytes
+        holders[w.key] = len(w.holders)
     out = {}
     for i, r in enumerate(layout.train_ranks):
         s = t.coords(i).pp
         total = sum(v for (st, _), v in load.items() if st == s)
-        pieces = max((v for (st, p), v in load.items() if st == s and p >= 0), default=0)
-        out[r] = max(-(-pieces // t.dp), -(-total // (t.tp * t.dp)))
+        piece = max((-(-v // holders[k]) for k, v in load.items() if k[0] == s), default=0)
+        out[r] = max(piece, -(-total // (t.tp * t.dp)))
     return out
 
 

@@ -342,7 +342,8 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
     (the weights go over when the run starts: :meth:`RolloutPool.start`)."""
     a, g = plan.roles["actor"], plan.rollout
     sync = SyncSpec(train=(a.pp, a.tp, a.dp), gen=(g.pp, g.tp, g.dp), train_ranks=a.pool,
-                    gen_ranks=g.pool)
+                    gen_ranks=g.pool, experts=None if a.ep == 1 else (
+                        cfg.actor.model.llama().num_experts, a.ep, a.gen_pp, a.gen_tp))
     group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
                       args=(RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)),
                                         sync=sync, rollout=cfg.rollout,

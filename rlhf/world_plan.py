@@ -185,8 +185,7 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
 def expert_parallel_blockers(config: Config, role: str) -> list[str]:
     """The settings of ``config`` that expert parallelism of ``role`` is not built for
     (empty: ``ep > 1`` can run)."""
-    unsupported = {"placement.mode=disaggregated": config.placement.mode == "disaggregated",
-                   "rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
+    unsupported = {"rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
     return [what for what, on in unsupported.items() if on]
 
 
@@ -208,6 +207,10 @@ def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
     for what in expert_parallel_blockers(config, role):
         raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
                          f"set ep=1")
+    if lay.gen_ep > 1 and config.placement.mode == "disaggregated":
+        raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep} with placement.mode="
+                         f"disaggregated: the rollout pool generates, every expert split over "
+                         f"its gen_tp; leave gen_ep at 1")
     try:
         hybrid = HybridLayout(ParallelLayout(lay.pp, lay.tp, dp), gen_pp, gen_tp)
         ExpertLayout(hybrid, experts, ep=lay.ep, gen_ep=lay.gen_ep)

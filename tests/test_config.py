@@ -146,6 +146,10 @@ def test_expert_parallel_layouts():
         "actor.layout.tp=2", "actor.layout.gen_tp=2", "actor.layout.ep=4",
         "actor.layout.gen_ep=2"]), 4).roles["actor"].experts(4)
     assert (gen_ep.ep, gen_ep.gen_ep, gen_ep.gen_experts(0)) == (4, 2, (0, 2))  # own, then free
+    disaggregated = validate_for_world(load_config(moe + [
+        "actor.layout.ep=2", "placement.mode=disaggregated",
+        "placement.pool_sizes={actor: 2, rollout: 2}"]), 4).roles["actor"]
+    assert (disaggregated.ep, disaggregated.pool) == (2, (0, 1))
     refused = {"actor.layout.ep=2, gen_ep=1 but the model has no experts":
                ["algo=grpo", "actor.layout.ep=2"],
                "actor.layout: ep=3 must divide the tp x dp = 4 ranks":
@@ -157,8 +161,9 @@ def test_expert_parallel_layouts():
                moe + ["reference.layout.gen_ep=2"],
                "actor.layout.ep=2 with rollout.engine=vllm is not supported yet":
                moe + ["actor.layout.ep=2", "rollout.engine=vllm"],
-               "actor.layout.ep=2 with placement.mode=disaggregated is not supported yet":
-               moe + ["actor.layout.ep=2", "placement.mode=disaggregated",
+               "actor.layout.gen_ep=2 with placement.mode=disaggregated: the rollout pool":
+               moe + ["actor.layout.tp=2", "actor.layout.ep=2", "actor.layout.gen_ep=2",
+                      "placement.mode=disaggregated",
                       "placement.pool_sizes={actor: 2, rollout: 2}"]}
     for message, overrides in refused.items():
         with pytest.raises(ValueError, match=message):

@@ -75,6 +75,40 @@ def test_expert_parallel_run_equals_ep_1(runs):
         torch.testing.assert_close(hf["ep2"][k], v, atol=1e-5, rtol=0, msg=k)
 
 
+DISAGGREGATED = ["placement.mode=disaggregated", "placement.pool_sizes={actor: 2, rollout: 2}"]
+
+
+@pytest.fixture(scope="module")
+def disaggregated_runs(tmp_path_factory):
+    """A disaggregated run on 4 ranks (actor and reference on 2, the rollout pool on 2),
+    the actor at ep=2 and at ep=1."""
+    tmp = tmp_path_factory.mktemp("ep_disaggregated")
+    common = MOE + DISAGGREGATED + [f"log.runs_dir={tmp / 'runs'}"]
+    return launch({"ep1": common + ["log.run_name=ep1"],
+                   "ep2": common + EP2 + ["log.run_name=ep2"]}, tmp, nproc=4)
+
+
+def test_disaggregated_run_pushes_expert_parallel_weights(disaggregated_runs):
+    """The weight push from an expert-parallel actor (each expert sent whole from its EP
+    block to the rollout pool, cut over its gen_tp there) gives the rollout pool the same
+    weights as from the ep=1 actor: the same first rollouts, every figure of both iterations
+    to rounding, the push's bytes the same."""
+    out = disaggregated_runs
+    for name in ("ep1", "ep2"):
+        assert "records" in out[name], out[name].get("traceback")
+    a, b = out["ep1"]["records"], out["ep2"]["records"]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
+    assert a[0]["reward/mean"] == b[0]["reward/mean"]
+    for ra, rb in zip(a, b):
+        for key in COMPARED:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
+        assert rb["actor/rollout_logprob_diff"] < 1e-4
+    pushed = [k for k in a[0] if "push" in k or "sync" in k]
+    assert pushed, sorted(a[0])
+    for key in (k for k in pushed if "bytes" in k):
+        assert b[0][key] == a[0][key], key
+
+
 def test_generation_expert_parallel_run_equals_gen_tp(runs):
     """``actor.layout.gen_ep=2`` inside generation TP 2 (each rank generating with half the
     experts, whole) against the same run with every expert split over generation TP: the

@@ -42,9 +42,10 @@ def _name(lay):
     return f"{t.pp}-{t.tp}-{t.dp}_{g.pp}-{g.tp}-{g.dp}"
 
 
-def check_plan(specs, layout, bucket_bytes, pack_bytes=PACK_BYTES):
+def check_plan(specs, layout, bucket_bytes, pack_bytes=PACK_BYTES, experts=None):
     """Brute force over every element: each generation element arrives exactly once, from a
-    rank that holds the same global element; bytes, buckets and balance as promised."""
+    rank that holds the same global element (``experts``: the case's expert placement, see
+    ``ref_train``); bytes, buckets and balance as promised."""
     plan = plan_sync(specs, layout, bucket_bytes, pack_bytes)
     idx = {s.name: torch.arange(s.numel).view(s.shape) for s in specs}
     spec = {s.name: s for s in specs}
@@ -60,7 +61,7 @@ def check_plan(specs, layout, bucket_bytes, pack_bytes=PACK_BYTES):
         s = spec[b.name]
         assert b.itemsize == s.dtype.itemsize
         assert b.nbytes <= max(plan.chunk_bytes, s.dtype.itemsize)
-        src = ref_train(idx[b.name], s, layout.train, layout.train_ranks.index(b.src))
+        src = ref_train(idx[b.name], s, layout.train, layout.train_ranks.index(b.src), experts)
         assert src is not None, (b, "sender does not hold it")
         src = src.reshape(-1)
         dst_flat, count = covered[(b.dst, b.name)]
@@ -102,7 +103,41 @@ def test_plan_covers_every_element_once_balanced(layout):
 
 
 def test_enumeration_is_large():
-    assert len(PAIRS) > 100
+    assert len(PAIRS) > 100 and len(EXPERT_PAIRS) > 40
+
+
+def _expert_pairs():
+    """``(layout case, experts)`` for every pair of PAIRS whose training side folds ep = 2
+    or 4 over tp x dp, held down_proj stored whole or as tp pieces."""
+    for lay in PAIRS:
+        t = lay.train
+        for ep in (2, 4):
+            for stack in sorted({1, t.tp}):
+                if (t.tp * t.dp) % ep == 0:
+                    case = {"train": (t.pp, t.tp, t.dp), "gen": (lay.gen.pp, lay.gen.tp,
+                                                                 lay.gen.dp),
+                            "train_ranks": lay.train_ranks, "gen_ranks": lay.gen_ranks,
+                            "experts": {"num": 2 * ep, "ep": ep, "stack": stack}}
+                    yield case
+
+
+EXPERT_PAIRS = list(_expert_pairs())
+
+
+@pytest.mark.parametrize("case", EXPERT_PAIRS, ids=lambda c: "{}_{}_ep{}-{}".format(
+    "-".join(map(str, c["train"])), "-".join(map(str, c["gen"])), c["experts"]["ep"],
+    c["experts"]["stack"]))
+def test_plan_of_an_expert_parallel_pool(case):
+    """Experts held whole by their EP block (stacked or not) reach every generation rank
+    once, from a holder; the generation pool receives exactly its shard's bytes."""
+    layout = make_layout(case)
+    specs = rich_specs(layout.train.pp, case["experts"]["num"])
+    plan = check_plan(specs, layout, 1024, 100, case["experts"])
+    for b in plan.blocks:  # an expert comes from a rank of its block
+        spec = next(s for s in specs if s.name == b.name)
+        if spec.expert is not None:
+            i = layout.train_ranks.index(b.src)
+            assert spec.expert in layout.experts.train_experts(i), b
 
 
 def test_plan_interleaved_pools_and_llama_shapes():
@@ -237,6 +272,11 @@ CASES_4 = [
     _case("tp1->tp3", (1, 1, 1), (1, 3, 1), (3,), (0, 1, 2), pack_bytes=64),
     _case("tp3->tp1", (1, 3, 1), (1, 1, 1), (0, 1, 2), (3,), flat_buffer=True),
     _case("tp2->tp1 subpool", (1, 2, 1), (1, 1, 1), (0, 1), (3,), pack_bytes=PACK_BYTES),
+    # expert parallelism in the training pool: experts whole on their EP block
+    _case("ep2 over tp2, down_proj stacked -> tp1x2", (1, 2, 1), (1, 1, 2), (0, 1), (2, 3),
+          experts={"num": 4, "ep": 2, "stack": 2}),
+    _case("ep2 over dp2 -> tp2", (1, 1, 2), (1, 2, 1), (0, 1), (2, 3), pack_bytes=64,
+          experts={"num": 4, "ep": 2}),
 ]
 
 

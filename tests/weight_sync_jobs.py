@@ -17,11 +17,18 @@ from hybridflow_comm.sync import LABEL, WeightSync, build_sync_group
 from hybridflow_comm.sync_plan import SyncLayout
 
 
-def rich_specs(pp: int) -> list[ShardSpec]:
-    """Every tensor kind, units divisible by 1, 2, 3, 4, 6 and 12 (so tp_g = 3 maps too)."""
+def rich_specs(pp: int, experts: int = 0) -> list[ShardSpec]:
+    """Every tensor kind, units divisible by 1, 2, 3, 4, 6 and 12 (so tp_g = 3 maps too); with
+    ``experts``, that many experts per layer (gate_up split on dim 0, down_proj on dim 1)."""
     specs = [ShardSpec("embed", (24, 4), partition_dim=0, stage=0, hf_names=("embed_tokens",))]
     for layer in range(pp):
         p = f"layers.{layer}."
+        for e in range(experts):
+            specs += [ShardSpec(p + f"experts.{e}.gate_up", (24, 4), partition_dim=0,
+                                stage=layer, fusion=GateUpFusion(), expert=e,
+                                dtype=torch.bfloat16),
+                      ShardSpec(p + f"experts.{e}.down_proj", (4, 12), partition_dim=1,
+                                stage=layer, expert=e)]
         specs += [
             ShardSpec(p + "qkv", (48, 4), partition_dim=0, stage=layer,
                       fusion=QKVFusion(num_heads=24, num_kv_heads=12, head_dim=1),
@@ -43,11 +50,23 @@ def full_tensors(specs: list[ShardSpec], seed: int) -> dict[str, torch.Tensor]:
             for s in specs}
 
 
-def ref_train(full: torch.Tensor, spec: ShardSpec, train: ParallelLayout, i: int):
-    """Independent reference: rank = dp * (pp tp) + pp_rank * tp + tp_rank."""
-    tp_rank, pp_rank = i % train.tp, (i // train.tp) % train.pp
+def ref_train(full: torch.Tensor, spec: ShardSpec, train: ParallelLayout, i: int,
+              experts: dict | None = None):
+    """Independent reference: rank = dp * (pp tp) + pp_rank * tp + tp_rank.  With ``experts``
+    (a case's ``{"num": E, "ep": ep, "stack": g}``) expert ``e`` is held whole by the ranks
+    whose index in their stage, ``dp_rank * tp + tp_rank``, is ``e // (E / ep)`` modulo
+    ``ep``, a dim-1 tensor stored as its ``g`` column pieces stacked."""
+    tp_rank, pp_rank, dp_rank = i % train.tp, (i // train.tp) % train.pp, i // (train.tp * train.pp)
     if spec.stage != pp_rank:
         return None
+    if spec.expert is not None and experts is not None:
+        if (dp_rank * train.tp + tp_rank) % experts["ep"] != \
+                spec.expert // (experts["num"] // experts["ep"]):
+            return None
+        g = experts.get("stack", 1)
+        if spec.partition_dim in (None, 0) or g == 1:
+            return full
+        return torch.stack(full.chunk(g, spec.partition_dim))
     return full if spec.partition_dim is None else full.chunk(train.tp, spec.partition_dim)[tp_rank]
 
 
@@ -60,22 +79,33 @@ def ref_gen(full: torch.Tensor, spec: ShardSpec, layout: SyncLayout, j: int):
 
 
 def make_layout(case: dict) -> SyncLayout:
-    return SyncLayout(ParallelLayout(*case["train"]), ParallelLayout(*case["gen"]),
-                      tuple(case["train_ranks"]), tuple(case["gen_ranks"]))
+    """The case's pools; with ``case["experts"]`` (``{"num", "ep", "stack"}``) the training
+    pool's expert layout, its held down_proj stored as ``stack`` pieces (a generation TP of
+    ``stack`` on the training side's own hybrid layout)."""
+    train = ParallelLayout(*case["train"])
+    experts = None
+    if case.get("experts"):
+        from hybridflow_comm.expert_layout import ExpertLayout
+
+        x = case["experts"]
+        experts = ExpertLayout(HybridLayout(train, pp_g=train.pp, tp_g=x.get("stack", 1)),
+                               x["num"], ep=x["ep"])
+    return SyncLayout(train, ParallelLayout(*case["gen"]), tuple(case["train_ranks"]),
+                      tuple(case["gen_ranks"]), experts)
 
 
-def _train_shards(specs, full, layout, rank, flat_buffer: bool):
+def _train_shards(specs, full, layout, rank, flat_buffer: bool, experts=None):
     i = layout.train_ranks.index(rank)
     t = layout.train
     if flat_buffer:  # the training flat buffer's own views (what a Resharder holds)
         buf = FlatParamBuffer(slot_specs(specs, HybridLayout(t, pp_g=t.pp, tp_g=t.tp), i))
         shards = buf.train_views()
     else:
-        shards = {s.name: ref_train(full[s.name], s, t, i).clone() for s in specs
-                  if ref_train(full[s.name], s, t, i) is not None}
+        shards = {s.name: ref_train(full[s.name], s, t, i, experts).clone() for s in specs
+                  if ref_train(full[s.name], s, t, i, experts) is not None}
     for s in specs:
         if s.name in shards:
-            shards[s.name].copy_(ref_train(full[s.name], s, t, i))
+            shards[s.name].copy_(ref_train(full[s.name], s, t, i, experts))
     return shards
 
 
@@ -87,11 +117,12 @@ def check_sync_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         group = build_sync_group(layout)
         if group is None:
             continue
-        specs = rich_specs(layout.train.pp)
+        experts = case.get("experts")
+        specs = rich_specs(layout.train.pp, experts["num"] if experts else 0)
         full = full_tensors(specs, seed=7)
         train = rank in layout.train_ranks
-        shards = _train_shards(specs, full, layout, rank, case.get("flat_buffer", False)) \
-            if train else None
+        shards = _train_shards(specs, full, layout, rank, case.get("flat_buffer", False),
+                               experts) if train else None
         ledger = CommLedger()
         ws = WeightSync(specs, layout, group, train_shards=shards, ledger=ledger,
                         bucket_bytes=case["bucket_bytes"], pack_bytes=case["pack_bytes"],
@@ -126,7 +157,7 @@ def check_sync_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
                 full[s.name] = (full[s.name].double() + 1).to(s.dtype)
                 if train and s.name in shards:
                     i = layout.train_ranks.index(rank)
-                    shards[s.name].copy_(ref_train(full[s.name], s, layout.train, i))
+                    shards[s.name].copy_(ref_train(full[s.name], s, layout.train, i, experts))
         report.append({"case": case["name"], "rank": rank, "role": "train" if train else "gen",
                        "sent": stats.sent_bytes, "received": stats.received_bytes,
                        "minimum": stats.minimum_received_bytes,

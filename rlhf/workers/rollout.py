@@ -40,7 +40,8 @@ import torch
 from engine.llama_spec import LlamaConfig, llama_shard_specs
 from engine.lora import LoraConfig, lora_shard_specs
 from engine.sampling import SamplingParams, derive_seed
-from hybridflow_comm.layout import ParallelLayout
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.sync import WeightSync, build_sync_group
 from hybridflow_comm.sync_plan import SyncLayout
 from rlhf.config import RolloutConfig
@@ -61,10 +62,19 @@ class SyncSpec:
     """Job ranks of the training pool."""
     gen_ranks: tuple[int, ...]
     """Job ranks of the rollout pool."""
+    experts: tuple[int, int, int, int] | None = None
+    """Under the actor's expert parallelism, ``(num_experts, ep, gen_pp, gen_tp)`` of its
+    expert layout (its experts go out whole from the ranks of their EP block, stored as the
+    pieces its generation side ``gen_pp, gen_tp`` implies); None: none."""
 
     def layout(self) -> SyncLayout:
-        return SyncLayout(ParallelLayout(*self.train), ParallelLayout(*self.gen),
-                          self.train_ranks, self.gen_ranks)
+        train = ParallelLayout(*self.train)
+        experts = None
+        if self.experts is not None:
+            num, ep, gen_pp, gen_tp = self.experts
+            experts = ExpertLayout(HybridLayout(train, gen_pp, gen_tp), num, ep=ep)
+        return SyncLayout(train, ParallelLayout(*self.gen), self.train_ranks, self.gen_ranks,
+                          experts)
 
 
 @dataclass(frozen=True)
