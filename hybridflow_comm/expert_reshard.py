@@ -350,6 +350,7 @@ class MoeResharder:
         self.experts = ExpertResharder(expert_specs, experts, groups.world, buffer=expert_buffer,
                                        device=self.dense.buffer.device,
                                        bucket_bytes=bucket_bytes, ledger=self.weights.ledger)
+        self.specs = list(specs)
         self._spec = {s.name: s for s in expert_specs}
         self._last: TransitionStats | None = None
 

@@ -182,13 +182,6 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
     return WorldPlan(world_size, pools, plans, rollout)
 
 
-def expert_parallel_blockers(config: Config, role: str) -> list[str]:
-    """The settings of ``config`` that expert parallelism of ``role`` is not built for
-    (empty: ``ep > 1`` can run)."""
-    unsupported = {"rollout.engine=vllm": role == "actor" and config.rollout.engine == "vllm"}
-    return [what for what, on in unsupported.items() if on]
-
-
 def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
                    ) -> tuple[int, int]:
     """``(ep, gen_ep)`` of the role, checked against its model and layout (ValueError naming
@@ -204,13 +197,13 @@ def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
     if not experts:
         raise ValueError(f"{role}.layout.ep={lay.ep}, gen_ep={lay.gen_ep} but the model has no "
                          f"experts (num_experts=0); leave them at 1")
-    for what in expert_parallel_blockers(config, role):
-        raise ValueError(f"{role}.layout.ep={lay.ep} with {what} is not supported yet; "
-                         f"set ep=1")
     if lay.gen_ep > 1 and config.placement.mode == "disaggregated":
         raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep} with placement.mode="
                          f"disaggregated: the rollout pool generates, every expert split over "
                          f"its gen_tp; leave gen_ep at 1")
+    if lay.gen_ep > 1 and config.rollout.engine == "vllm":
+        raise ValueError(f"{role}.layout.gen_ep={lay.gen_ep} with rollout.engine=vllm: vLLM "
+                         f"takes every expert whole and places them itself; leave gen_ep at 1")
     try:
         hybrid = HybridLayout(ParallelLayout(lay.pp, lay.tp, dp), gen_pp, gen_tp)
         ExpertLayout(hybrid, experts, ep=lay.ep, gen_ep=lay.gen_ep)

@@ -150,6 +150,9 @@ def test_expert_parallel_layouts():
         "actor.layout.ep=2", "placement.mode=disaggregated",
         "placement.pool_sizes={actor: 2, rollout: 2}"]), 4).roles["actor"]
     assert (disaggregated.ep, disaggregated.pool) == (2, (0, 1))
+    vllm = validate_for_world(load_config(moe + ["actor.layout.ep=2", "rollout.engine=vllm"]),
+                              4).roles["actor"]
+    assert (vllm.ep, vllm.gen_ep) == (2, 1)  # vLLM is fed every expert whole
     refused = {"actor.layout.ep=2, gen_ep=1 but the model has no experts":
                ["algo=grpo", "actor.layout.ep=2"],
                "actor.layout: ep=3 must divide the tp x dp = 4 ranks":
@@ -159,8 +162,9 @@ def test_expert_parallel_layouts():
                moe + ["actor.layout.ep=2", "actor.layout.gen_ep=2"],
                "reference.layout.gen_ep=2: only the actor generates":
                moe + ["reference.layout.gen_ep=2"],
-               "actor.layout.ep=2 with rollout.engine=vllm is not supported yet":
-               moe + ["actor.layout.ep=2", "rollout.engine=vllm"],
+               "actor.layout.gen_ep=2 with rollout.engine=vllm: vLLM takes every expert whole":
+               moe + ["actor.layout.tp=2", "actor.layout.gen_tp=2", "actor.layout.ep=2",
+                      "actor.layout.gen_ep=2", "rollout.engine=vllm"],
                "actor.layout.gen_ep=2 with placement.mode=disaggregated: the rollout pool":
                moe + ["actor.layout.tp=2", "actor.layout.ep=2", "actor.layout.gen_ep=2",
                       "placement.mode=disaggregated",

@@ -406,6 +406,39 @@ def test_tied_embeddings_across_stages_with_expert_parallelism(pool4):
     assert sum(pool4.run(check_hybrid_engine, layouts, full, tied)) == 4 * len(layouts)
 
 
+def check_vllm_stream(rank, world, layouts, full):
+    """What the vLLM adapter feeds ``load_weights`` at each layout: every tensor of the
+    generation stage gathered over the generation TP group, experts included."""
+    from engine.vllm_rollout import full_hf_weights
+
+    out = []
+    for train, gen, ep in layouts:
+        ours = build_hybrid(train, gen, ep, full)
+        with ours.generation_mode():
+            out.append({n: t.clone() for n, t in full_hf_weights(ours.resharder,
+                                                                 ours.groups.gen_tp)})
+    return out
+
+
+def test_vllm_weight_stream_of_an_expert_parallel_model_is_full_hf_tensors(pool4):
+    """Experts trained whole on their EP block (down_proj stored as its generation pieces),
+    moved to every generation TP rank as its piece, gathered there: the HF state dict."""
+    from engine.hf_interop import full_to_hf_state_dict
+    from engine.llama_spec import llama_shard_specs
+
+    full = init_full_state_dict(MOE, seed=4)
+    want = full_to_hf_state_dict(full, llama_shard_specs(MOE, 1))
+    layouts = [((1, 2, 2), (1, 2), 4), ((1, 4, 1), (1, 2), 2), ((2, 1, 2), (1, 1), 2)]
+    covered = [set() for _ in layouts]
+    for per_rank in pool4.run(check_vllm_stream, layouts, full):
+        for k, got in enumerate(per_rank):
+            for name, t in got.items():
+                assert torch.equal(t, want[name]), (layouts[k], name)
+            covered[k] |= got.keys()
+    assert all(c == want.keys() for c in covered)
+    assert any(".experts." in n for n in want)
+
+
 LORA = LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj"))
 LORA_LAYOUTS = [((1, 1, 4), (1, 1), 4), ((1, 2, 2), (1, 2), 2)]  # (p-t-d, p_g-t_g, ep)
 

@@ -36,9 +36,9 @@ MOE = ["algo=grpo", "placement.mode=auto", "actor.model.num_experts=4",
 def test_planner_chooses_expert_parallelism_the_runtime_accepts():
     """Where memory is short, a mixture of experts' plan trains its actor with ep > 1: the
     overrides name it, the world plan accepts it, predict_config prices it the same and counts
-    its all-to-all bytes; with vLLM rollouts (not wired for ep) no candidate uses ep."""
+    its all-to-all bytes; with vLLM rollouts (fed every expert whole) the same."""
     prof = load_profile("cpu")
-    chosen = []
+    chosen, chosen_vllm = [], []
     for gb in (0.005, 0.003, 0.0015):
         cfg = load_config(MOE)
         plan = plan_for_config(cfg, 4, prof.with_memory(gb))
@@ -51,9 +51,13 @@ def test_planner_chooses_expert_parallelism_the_runtime_accepts():
         a2a = again.set_of("actor").all_to_all_bytes["actor"]
         assert (a2a > 0) == (s.ep > 1)
         chosen.append(s.ep)
-        vllm = plan_for_config(load_config(MOE + ["rollout.engine=vllm"]), 4, prof.with_memory(gb))
-        assert all(m.set_of("actor").strategies["actor"].ep == 1 for m in vllm.candidates)
-    assert max(chosen) > 1, chosen
+        vllm = load_config(MOE + ["rollout.engine=vllm"])
+        ep = plan_for_config(vllm, 4, prof.with_memory(gb)).mapping.set_of(
+            "actor").strategies["actor"].ep
+        resolved = resolve_config(vllm, 4, prof.with_memory(gb))
+        assert validate_for_world(resolved, 4).roles["actor"].ep == ep
+        chosen_vllm.append(ep)
+    assert max(chosen) > 1 and max(chosen_vllm) > 1, (chosen, chosen_vllm)
 
 
 def test_auto_must_be_resolved_and_predict_matches():

@@ -20,7 +20,6 @@ from rlhf.planner.report import placement_kind
 from rlhf.planner.search import Mapping, Planner
 from rlhf.planner.strategy import Strategy
 from rlhf.programs import algorithm
-from rlhf.world_plan import expert_parallel_blockers
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,6 @@ def _batch_filter(cfg):
 
     def ok(role: RoleSpec, s: Strategy) -> bool:
         if d.rollout_batch_size % s.dp:
-            return False
-        if s.ep > 1 and expert_parallel_blockers(cfg, role.name):
             return False
         if role.trained and d.mini_batch_size % (s.dp * d.micro_batch_size):
             return False
