@@ -148,7 +148,7 @@ def test_expert_transition_formula_matches_the_expert_layout():
     from hybridflow_comm.layout import HybridLayout, ParallelLayout
 
     moe = QWEN3_MOE.config
-    seen = 0
+    seen, gen_eps = 0, set()
     for n in (2, 4, 8):
         for s in enumerate_strategies(QWEN3_MOE, n, generates=True):
             hl = HybridLayout(ParallelLayout(s.pp, s.tp, s.dp), s.pp_g, s.tp_g)
@@ -156,14 +156,16 @@ def test_expert_transition_formula_matches_the_expert_layout():
                 continue
             seen += 1
             m_e = QWEN3_MOE.num_layers * QWEN3_MOE.expert_layer_params * 2
-            want = ExpertLayout(hl, moe.num_experts, ep=s.ep).received_fraction() * m_e
-            assert sim.expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, m_e) == \
+            want = ExpertLayout(hl, moe.num_experts, ep=s.ep, gen_ep=s.gen_ep
+                                ).received_fraction() * m_e
+            assert sim.expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, m_e, s.gen_ep) == \
                 pytest.approx(float(want), rel=1e-12)
+            gen_eps.add(s.gen_ep)
             dense = sim.transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g,
                                          QWEN3_MOE.params * 2 - m_e)
             assert sim.model_transition_bytes(QWEN3_MOE, s, 2) == \
                 pytest.approx(dense + float(want), rel=1e-12)
-    assert seen > 20
+    assert seen > 20 and gen_eps == {1, 2, 4}  # gen_ep divides tp_g <= 4 (4 KV heads)
 
 
 def test_expert_parallel_strategies_memory_and_all_to_all():
@@ -229,7 +231,7 @@ def test_expert_parallel_span_and_generation_memory():
                                               A100)
             dense = base - (experts / (s.pp_g * s.tp_g) - experts / (s.pp * s.tp)) * 2
             assert extra == pytest.approx(dense + mem.expert_transition_bytes(
-                s.pp, s.ep, s.pp_g, s.tp_g, experts * 2), rel=1e-9), s
+                s.pp, s.ep, s.pp_g, s.tp_g, experts * 2, s.gen_ep), rel=1e-9), s
 
 
 def _role_stage_times(role, n, work, prof):

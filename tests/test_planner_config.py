@@ -23,8 +23,8 @@ def test_plan_for_config_is_runnable(algo, world):
     assert resolved.placement.mode == plan.overrides["placement.mode"] != "auto"
     for role, rp in wp.roles.items():
         s = plan.mapping.set_of(role).strategies[role]
-        assert (rp.pp, rp.tp, rp.dp, rp.gen_pp, rp.gen_tp, rp.ep) == \
-            (s.pp, s.tp, s.dp, s.pp_g, s.tp_g, s.ep)
+        assert (rp.pp, rp.tp, rp.dp, rp.gen_pp, rp.gen_tp, rp.ep, rp.gen_ep) == \
+            (s.pp, s.tp, s.dp, s.pp_g, s.tp_g, s.ep, s.gen_ep)
     assert all(placement_kind(m.placement) != "mixed" or "reference" not in cfg.roles
                for m in plan.candidates)
 
@@ -43,9 +43,11 @@ def test_planner_chooses_expert_parallelism_the_runtime_accepts():
         cfg = load_config(MOE)
         plan = plan_for_config(cfg, 4, prof.with_memory(gb))
         s = plan.mapping.set_of("actor").strategies["actor"]
-        assert plan.overrides["actor.layout.ep"] == s.ep
+        assert (plan.overrides["actor.layout.ep"], plan.overrides["actor.layout.gen_ep"]) == \
+            (s.ep, s.gen_ep)
         resolved = resolve_config(cfg, 4, prof.with_memory(gb))
-        assert validate_for_world(resolved, 4).roles["actor"].ep == s.ep
+        actor = validate_for_world(resolved, 4).roles["actor"]
+        assert (actor.ep, actor.gen_ep) == (s.ep, s.gen_ep)
         again = predict_config(resolved, 4, prof.with_memory(gb))
         assert again.total == pytest.approx(plan.mapping.total, rel=1e-12)
         a2a = again.set_of("actor").all_to_all_bytes["actor"]

@@ -81,7 +81,8 @@ def mapping_overrides(mapping: Mapping, roles: tuple[str, ...]) -> dict:
         out.update({f"{r}.layout.pp": s.pp, f"{r}.layout.tp": s.tp, f"{r}.layout.dp": s.dp,
                     f"{r}.layout.ep": s.ep})
         if r == "actor":
-            out.update({"actor.layout.gen_pp": s.pp_g, "actor.layout.gen_tp": s.tp_g})
+            out.update({"actor.layout.gen_pp": s.pp_g, "actor.layout.gen_tp": s.tp_g,
+                        "actor.layout.gen_ep": s.gen_ep})
     return out
 
 
@@ -143,7 +144,8 @@ def predict_config(cfg, world_size: int, profile: DeviceProfile | str = "cpu",
     for r in cfg.roles:
         pools.setdefault(plan.roles[r].pool, []).append(r)
     sets = [(tuple(rs), {r: Strategy(plan.roles[r].pp, plan.roles[r].tp, plan.roles[r].dp,
-                                     plan.roles[r].gen_pp, plan.roles[r].gen_tp, plan.roles[r].ep)
+                                     plan.roles[r].gen_pp, plan.roles[r].gen_tp, plan.roles[r].ep,
+                                     plan.roles[r].gen_ep)
                          for r in rs})
             for rs in pools.values()]
     planner = Planner(flow, work, world_size, prof, counts=list(range(1, world_size + 1)),

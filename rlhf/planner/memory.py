@@ -95,26 +95,27 @@ def infer_activation_bytes(role: RoleSpec, s: Strategy, work: Workload,
     return layer + logits_bytes(role.shape, b, work.seq_len, s.tp)
 
 
-def expert_transition_bytes(pp: int, ep: int, pp_g: int, tp_g: int, expert_bytes: float
-                            ) -> float:
+def expert_transition_bytes(pp: int, ep: int, pp_g: int, tp_g: int, expert_bytes: float,
+                            gen_ep: int = 1) -> float:
     """Bytes each device receives of the experts' ``expert_bytes`` in the train -> generation
-    reshard from ``ep > 1`` to generation EP 1 (experts under ``tp_g``):
-    ``(p ep - p_g) / (p ep p_g t_g) M_e``."""
-    return (pp * ep - pp_g) / (pp * ep * pp_g * tp_g) * expert_bytes
+    reshard from ``ep > 1`` to generation EP ``gen_ep`` (``E / gen_ep`` experts cut
+    ``tp_g / gen_ep`` ways): ``(p ep - p_g gen_ep) / (p ep p_g t_g) M_e``."""
+    return (pp * ep - pp_g * gen_ep) / (pp * ep * pp_g * tp_g) * expert_bytes
 
 
 def gen_weight_extra_bytes(role: RoleSpec, s: Strategy, prof: DeviceProfile) -> float:
     """Generation weights beyond the training shard (the 3D-HybridEngine's gathered slots).
     Under expert parallelism the experts' part is what a device receives of them
-    (:func:`expert_transition_bytes`): generation holds every expert cut ``tp_g`` ways, a
-    piece of each whole expert the device trains is a view of it."""
+    (:func:`expert_transition_bytes`): generation holds ``E / gen_ep`` experts cut
+    ``tp_g / gen_ep`` ways, a piece of each whole expert the device trains is a view of it."""
     shape = role.shape
     if s.ep == 1:
         gen = stage_params(shape, s.pp_g) / s.tp_g
         return (gen - train_shard_params(shape, s)) * prof.param_bytes
     dense_gen = (stage_params(shape, s.pp_g) - stage_expert_params(shape, s.pp_g)) / s.tp_g
     dense_train = (stage_params(shape, s.pp) - stage_expert_params(shape, s.pp)) / s.tp
-    experts = expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, stage_expert_params(shape, 1))
+    experts = expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, stage_expert_params(shape, 1),
+                                      s.gen_ep)
     return (dense_gen - dense_train + experts) * prof.param_bytes
 
 

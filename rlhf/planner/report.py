@@ -31,7 +31,8 @@ def mapping_to_dict(m: Mapping) -> dict:
             "devices": s.devices,
             "peak_gib": s.peak_bytes / GIB,
             "strategies": {r: {"pp": st.pp, "tp": st.tp, "dp": st.dp, "pp_g": st.pp_g,
-                               "tp_g": st.tp_g, "dp_g": st.dp_g, "ep": st.ep}
+                               "tp_g": st.tp_g, "dp_g": st.dp_g, "ep": st.ep,
+                               "gen_ep": st.gen_ep}
                            for r, st in s.strategies.items()},
             "times_s": s.times,
             "all_to_all_gib": {r: b / GIB for r, b in s.all_to_all_bytes.items()},

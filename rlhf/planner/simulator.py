@@ -56,7 +56,7 @@ def model_transition_bytes(shape: ModelShape, s: Strategy, param_bytes: float) -
         return transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, total)
     experts = stage_expert_params(shape, 1) * param_bytes
     return transition_bytes(s.pp, s.tp, s.pp_g, s.tp_g, total - experts) + \
-        expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, experts)
+        expert_transition_bytes(s.pp, s.ep, s.pp_g, s.tp_g, experts, s.gen_ep)
 
 
 def all_to_all_bytes(shape: ModelShape, tokens: float, s: Strategy, act_bytes: float) -> float:

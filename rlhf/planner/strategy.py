@@ -5,15 +5,19 @@ On ``n`` devices a model runs ``pp * tp * dp = n``; a generating model (the acto
 ``dp_g = n / (pp_g * tp_g)`` generation replicas.  Models that do not generate keep
 ``pp_g = pp``, ``tp_g = tp``.  A mixture of experts also picks its expert parallelism
 ``ep | tp * dp`` (and ``ep | E``; :mod:`hybridflow_comm.expert_layout`): ``ep > 1`` trains
-``E / ep`` whole experts per rank, and generation holds every expert split over ``tp_g``
-(generation EP is 1).
+``E / ep`` whole experts per rank, and its generation EP ``gen_ep | gcd(ep, tp_g)`` splits
+the experts of each generation TP group ``gen_ep`` ways (1: every expert split over
+``tp_g``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.planner.models import ModelShape
 
 
@@ -27,15 +31,19 @@ class Strategy:
     pp_g: int
     tp_g: int
     ep: int = 1
+    gen_ep: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.pp, self.tp, self.dp, self.pp_g, self.tp_g, self.ep) < 1:
+        if min(self.pp, self.tp, self.dp, self.pp_g, self.tp_g, self.ep, self.gen_ep) < 1:
             raise ValueError(f"every size of {self} must be >= 1")
         if self.pp % self.pp_g or self.tp % self.tp_g:
             raise ValueError(f"{self}: pp_g={self.pp_g} must divide pp={self.pp} and "
                              f"tp_g={self.tp_g} must divide tp={self.tp}")
         if (self.tp * self.dp) % self.ep:
             raise ValueError(f"{self}: ep={self.ep} must divide tp*dp={self.tp * self.dp}")
+        if self.gen_ep > 1 and (self.ep % self.gen_ep or self.tp_g % self.gen_ep):
+            raise ValueError(f"{self}: gen_ep={self.gen_ep} must divide ep={self.ep} and "
+                             f"tp_g={self.tp_g}")
 
     @property
     def devices(self) -> int:
@@ -75,9 +83,10 @@ class Strategy:
 
     def short(self) -> str:
         train = f"{self.pp}-{self.tp}-{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
-        if (self.pp_g, self.tp_g) == (self.pp, self.tp):
+        if (self.pp_g, self.tp_g, self.gen_ep) == (self.pp, self.tp, 1):
             return train
-        return f"{train} -> {self.pp_g}-{self.tp_g}"
+        return f"{train} -> {self.pp_g}-{self.tp_g}" + \
+            (f" ep{self.gen_ep}" if self.gen_ep > 1 else "")
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,7 +104,8 @@ def enumerate_strategies(shape: ModelShape, n: int, generates: bool,
         max_tp: largest tensor-parallel size (a node's device count; None = no limit).
 
     A mixture of experts also enumerates ``ep``: the divisors of ``tp * dp`` that divide its
-    expert count.
+    expert count; a generating one with ``ep > 1`` also each ``gen_ep`` dividing ``ep`` and
+    ``tp_g`` whose expert sets pack (:class:`hybridflow_comm.expert_layout.ExpertLayout`).
     """
     experts = shape.config.num_experts
     for pp in _divisors(n):
@@ -108,4 +118,22 @@ def enumerate_strategies(shape: ModelShape, n: int, generates: bool,
                 if generates else [(pp, tp)]
             for ep in eps:
                 for pp_g, tp_g in gens:
-                    yield Strategy(pp, tp, dp, pp_g, tp_g, ep)
+                    for gen_ep in _gen_eps(experts, pp, tp, dp, pp_g, tp_g, ep, generates):
+                        yield Strategy(pp, tp, dp, pp_g, tp_g, ep, gen_ep)
+
+
+def _gen_eps(experts: int, pp: int, tp: int, dp: int, pp_g: int, tp_g: int, ep: int,
+             generates: bool) -> list[int]:
+    """The generation EP sizes of one layout: 1, and with ``ep > 1`` on a generating model
+    every common divisor of ``ep`` and ``tp_g`` the expert layout accepts."""
+    if ep == 1 or not generates:
+        return [1]
+    hybrid = HybridLayout(ParallelLayout(pp, tp, dp), pp_g, tp_g)
+    out = []
+    for gen_ep in _divisors(math.gcd(ep, tp_g)):
+        try:
+            ExpertLayout(hybrid, experts, ep=ep, gen_ep=gen_ep)
+        except ValueError:  # no packing of the blocks for this gen_ep
+            continue
+        out.append(gen_ep)
+    return out
