@@ -170,20 +170,26 @@ def _run_layout(layout, full: dict, mbs: list[dict]) -> tuple[list[float], dict 
     return losses, masters
 
 
-def layouts_in_bf16(rank: int, world_size: int, full: dict, mbs: list[dict]) -> list:
-    return [_run_layout(layout, full, mbs) for layout in LAYOUTS]
+def layout_in_bf16(rank: int, world_size: int, layout, full: dict, mbs: list[dict]):
+    return _run_layout(layout, full, mbs)
 
 
-def test_layouts_match_one_process(pool2):
+@pytest.fixture(scope="module")
+def one_process():
     full, mbs = _start(), _micro_batches(4)
-    ref_losses, ref_masters = _run_layout((1, 1, 1), full, mbs)
-    runs = pool2.run(layouts_in_bf16, full, mbs)
-    for layout, (losses, masters) in zip(LAYOUTS, runs[0]):
-        for mine, ref in zip(losses, ref_losses):
-            assert abs(mine - ref) <= LOSS_RTOL * abs(ref), (layout, losses, ref_losses)
-        for name, ref in ref_masters.items():  # Adam moves each weight by <= ~lr per step
-            assert (masters[name] - ref).abs().max() <= STEPS * OPTIM.lr, (layout, name)
-    assert runs[1][0][0] == runs[0][0][0]  # every rank reports the same loss
+    return full, mbs, _run_layout((1, 1, 1), full, mbs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_layouts_match_one_process(pool2, one_process, layout):
+    full, mbs, (ref_losses, ref_masters) = one_process
+    runs = pool2.run(layout_in_bf16, layout, full, mbs)
+    losses, masters = runs[0]
+    for mine, ref in zip(losses, ref_losses):
+        assert abs(mine - ref) <= LOSS_RTOL * abs(ref), (layout, losses, ref_losses)
+    for name, ref in ref_masters.items():  # Adam moves each weight by <= ~lr per step
+        assert (masters[name] - ref).abs().max() <= STEPS * OPTIM.lr, (layout, name)
+    assert runs[1][0] == runs[0][0]  # every rank reports the same loss
 
 
 # (d) checkpoints of the masters ------------------------------------------------------------------
