@@ -144,8 +144,16 @@ def from_dtensor(state_dict: Mapping[str, torch.Tensor], layout: HybridLayout, *
 def from_megatron(model: nn.Module, layout: HybridLayout, *,
                   hf_names: Callable[[str], tuple[str, ...]] | None = None, bind: bool = False,
                   groups: HybridGroups | None = None,
-                  bucket_bytes: int = BUCKET_BYTES) -> Resharder:
+                  bucket_bytes: int = BUCKET_BYTES) -> Resharder | MoeResharder:
     """A Transition over a megatron-core 0.16.1 model's parameters (this rank's stage).
+
+    A mixture of experts (SequentialMLP experts, built with
+    :func:`~hybridflow_comm.interop.megatron.interleaved_glu_layer_spec` ``(num_experts=E)``)
+    is named by global expert index; with megatron's expert parallelism (``ep > 1``,
+    ``expert_tensor_parallel_size=1``) its experts move by the
+    :class:`~hybridflow_comm.expert_reshard.MoeResharder` over the
+    :class:`~hybridflow_comm.expert_layout.ExpertLayout` whose EP groups must be megatron's
+    (checked; ``bind`` is not available there).
 
     Args:
         model: this rank's megatron module; megatron's TP group must be the training TP group.
@@ -165,8 +173,24 @@ def from_megatron(model: nn.Module, layout: HybridLayout, *,
     """
     rank = _layout_rank(layout, groups, bucket_bytes)
     specs, params = _megatron.stage_specs_from_megatron(model, layout.train, rank, hf_names)
+    moe = _megatron.megatron_experts(model)
+    experts = None
+    if moe is not None and moe[1] > 1:
+        num, ep, ep_ranks = moe
+        experts = ExpertLayout(layout, num, ep=ep)
+        ours = next(g for g in experts.ep_groups() if rank in g)
+        if ep_ranks != ours:
+            raise ValueError(f"rank {rank}: megatron's expert-parallel group is {ep_ranks}, the "
+                             f"expert layout's (ep={ep} over {layout.train}) {ours}")
+        if bind:
+            raise ValueError("bind=True with megatron's expert parallelism: a trained expert "
+                             "is stored in the flat buffer's own form; use bind=False")
     groups = build_hybrid_groups(layout) if groups is None else groups
     specs = merge_stage_specs(specs, groups.train_pp)
+    if experts is not None:
+        return reshard_from_state_dict({n: p.detach() for n, p in params.items()}, specs,
+                                       layout, experts=experts, groups=groups,
+                                       bucket_bytes=bucket_bytes)
     if not bind:
         return _loaded(specs, groups, {n: p.detach() for n, p in params.items()}, bucket_bytes)
     rs = Resharder(specs, groups, bucket_bytes=bucket_bytes, device=_device_of(params))

@@ -17,6 +17,7 @@ from tests import test_expert_parallel as expert_parallel
 from tests import test_expert_reshard_multirank as experts
 from tests import test_interop_fsdp as fsdp
 from tests import test_interop_megatron as megatron
+from tests import test_interop_megatron_moe as megatron_moe
 from tests import test_interop_state as state
 from tests import test_reshard_multirank as reshard
 from tests import test_weight_sync as sync
@@ -32,6 +33,7 @@ CHECKS = [(4, check) for check in (
     sync.test_verify_catches_corruption_and_stale_shards,
     fsdp.test_fsdp_state_dicts_reshard_bit_exact_with_minimum_bytes,
     megatron.test_megatron_linear_reshard_and_generation_forward,
+    megatron_moe.test_megatron_mixture_of_experts_reshards_bit_exact,
     state.test_dtensor_state_dict_reshards_bit_exact,
     state.test_plain_state_dict_reshards_bit_exact,
 )] + [(2, check) for check in (

@@ -74,21 +74,33 @@ class InterleavedSwiGLU(nn.Module):
         return F.silu(pairs[..., 0]) * pairs[..., 1]
 
 
-def interleaved_glu_layer_spec(normalization: str = "RMSNorm"):
-    """megatron's local (non-TransformerEngine) GPT layer spec with an interleaved SwiGLU MLP.
+def interleaved_glu_layer_spec(normalization: str = "RMSNorm", num_experts: int | None = None):
+    """megatron's local (non-TransformerEngine) GPT layer spec with an interleaved SwiGLU MLP
+    (with ``num_experts``: a mixture of that many SequentialMLP experts, each one's SwiGLU
+    interleaved).
 
     Build the model with ``TransformerConfig(gated_linear_unit=True, activation_func=F.silu,
     use_te_activation_func=True, bias_activation_fusion=False)``; the flag only tells
-    megatron's MLP to call the spec's activation module.
+    megatron's MLP (and each expert's) to call the spec's activation module.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization)
-    mlp = spec.submodules.mlp
-    mlp_sub = dataclasses.replace(mlp.submodules,
+    def interleaved(mlp):
+        sub = dataclasses.replace(mlp.submodules,
                                   activation_func=ModuleSpec(module=InterleavedSwiGLU))
-    mlp = dataclasses.replace(mlp, submodules=mlp_sub)
+        return dataclasses.replace(mlp, submodules=sub)
+
+    spec = get_gpt_layer_local_spec(normalization=normalization, num_experts=num_experts,
+                                    moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    if num_experts:  # MoELayer: its experts' (and shared experts') MLP submodules
+        moe = dataclasses.replace(mlp.submodules, experts=interleaved(mlp.submodules.experts))
+        if getattr(moe, "shared_experts", None) is not None:
+            moe = dataclasses.replace(moe, shared_experts=interleaved(moe.shared_experts))
+        mlp = dataclasses.replace(mlp, submodules=moe)
+    else:
+        mlp = interleaved(mlp)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
@@ -114,13 +126,20 @@ _GPT_HF = [
      ("model.layers.{0}.mlp.gate_proj.weight", "model.layers.{0}.mlp.up_proj.weight")),
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.weight",
      ("model.layers.{0}.mlp.down_proj.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.router\.weight", ("model.layers.{0}.mlp.gate.weight",)),
+    (r"decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.linear_fc1\.weight",
+     ("model.layers.{0}.mlp.experts.{1}.gate_proj.weight",
+      "model.layers.{0}.mlp.experts.{1}.up_proj.weight")),
+    (r"decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.linear_fc2\.weight",
+     ("model.layers.{0}.mlp.experts.{1}.down_proj.weight",)),
     (r"decoder\.final_layernorm\.weight", ("model.norm.weight",)),
     (r"output_layer\.weight", ("lm_head.weight",)),
 ]
 
 
 def gpt_hf_names(name: str) -> tuple[str, ...]:
-    """Hugging Face Llama names of a megatron GPT parameter (global layer index).
+    """Hugging Face Llama names of a megatron GPT parameter (global layer index; a mixture of
+    experts' router and experts, by global expert index, as Qwen3-MoE names them).
 
     Fused tensors get one name per part, in fusion order (q, k, v / gate, up).
     Raises ValueError for a name with no Llama counterpart (e.g. biases, qk-norms).
@@ -197,6 +216,8 @@ def stage_specs_from_megatron(model: nn.Module, train: ParallelLayout, rank: int
     coords = train.coords(rank)
     prefixes = _layer_prefixes(model)
     fused, stock_glu = _fusions(model)
+    moe = {path: (list(mod.local_expert_indices), mod.config.num_moe_experts)
+           for path, mod in model.named_modules() if hasattr(mod, "local_expert_indices")}
     specs, params, seen = [], {}, set()
     for mod_path, mod in model.named_modules():
         tp_group = getattr(mod, "tp_group", None)
@@ -204,7 +225,13 @@ def stage_specs_from_megatron(model: nn.Module, train: ParallelLayout, rank: int
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            name = _global_name(f"{mod_path}.{pname}" if mod_path else pname, prefixes)
+            local = f"{mod_path}.{pname}" if mod_path else pname
+            name, expert, ep = _global_name(local, prefixes), None, 1
+            m = _LOCAL_EXPERT.fullmatch(local)
+            if m and m.group(1) in moe:  # expert j of this EP rank: its global index
+                indices, num = moe[m.group(1)]
+                expert, ep = indices[int(m.group(2))], num // len(indices)
+                name = _global_name(f"{m.group(1)}.experts.{expert}.{m.group(3)}", prefixes)
             shape, (dim, stride) = tuple(p.shape), _partitioning(mod, pname, p)
             if dim is not None:
                 if id(p) in stock_glu:
@@ -216,15 +243,69 @@ def stage_specs_from_megatron(model: nn.Module, train: ParallelLayout, rank: int
                 if stride != 1 and not isinstance(fused.get(id(p)), GateUpFusion):
                     raise ValueError(f"{name}: partition_stride={stride} is not supported "
                                      f"(only 1)")
-                _check_tp_group(name, tp_group, train, coords.tp)
-                shape = shape[:dim] + (shape[dim] * train.tp,) + shape[dim + 1:]
+                if ep > 1:  # whole experts on their EP rank
+                    _check_tp_group(name, tp_group, ParallelLayout(train.pp, 1, 1), 0,
+                                    "expert_tensor_parallel_size=1 with expert parallelism")
+                else:
+                    _check_tp_group(name, tp_group, train, coords.tp)
+                    shape = shape[:dim] + (shape[dim] * train.tp,) + shape[dim + 1:]
             spec = ShardSpec(name, shape, dtype=p.dtype, partition_dim=dim, stage=coords.pp,
                              fusion=fused.get(id(p)) if dim == 0 else None,
-                             hf_names=hf_names(name) if hf_names else ())
-            spec.check_layout(train)
+                             hf_names=hf_names(name) if hf_names else (), expert=expert)
+            if ep == 1:
+                spec.check_layout(train)
             specs.append(spec)
             params[name] = p
-    return specs, params
+    return _every_expert(specs, moe, prefixes, hf_names), params
+
+
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp)\.experts\.local_experts\.(\d+)\.(.*)")
+"""A SequentialMLP expert's parameter: ``(MoE layer path, local index, rest)``."""
+
+
+def _every_expert(specs: list[ShardSpec], moe: dict[str, tuple[list[int], int]], prefixes,
+                  hf_names: HFNames | None) -> list[ShardSpec]:
+    """``specs`` with each MoE layer's experts complete and in global order (an EP rank
+    builds only its own; every rank of a stage needs the same list): the experts of a layer
+    go where its first one was, expert after expert, each like the rank's first."""
+    layer_of = {_global_name(path, prefixes): (num, indices[0])
+                for path, (indices, num) in moe.items()}
+    template: dict[str, list[ShardSpec]] = {}
+    for s in specs:
+        layer = s.name.split(".experts.")[0] if s.expert is not None else None
+        if layer in layer_of and s.expert == layer_of[layer][1]:
+            template.setdefault(layer, []).append(s)
+    out, done = [], set()
+    for s in specs:
+        layer = s.name.split(".experts.")[0] if s.expert is not None else None
+        if layer not in layer_of:
+            out.append(s)
+            continue
+        if layer in done:
+            continue
+        done.add(layer)
+        first = layer_of[layer][1]
+        for e in range(layer_of[layer][0]):
+            for t in template[layer]:
+                name = t.name.replace(f".experts.{first}.", f".experts.{e}.", 1)
+                out.append(dataclasses.replace(t, name=name, expert=e,
+                                               hf_names=hf_names(name) if hf_names else ()))
+    return out
+
+
+def megatron_experts(model: nn.Module) -> tuple[int, int, list[int]] | None:
+    """``(num_experts, ep, EP group ranks)`` of a megatron mixture of experts (its first MoE
+    layer's), or None for a dense model."""
+    for mod in model.modules():
+        indices = getattr(mod, "local_expert_indices", None)
+        if indices is not None:
+            num = mod.config.num_moe_experts
+            group = getattr(mod, "ep_group", None)
+            ranks = (dist.get_process_group_ranks(group) if group is not None
+                     and dist.is_initialized() else [dist.get_rank() if dist.is_initialized()
+                                                     else 0])
+            return num, num // len(indices), sorted(ranks)
+    return None
 
 
 def _partitioning(mod: nn.Module, pname: str, p: nn.Parameter) -> tuple[int | None, int]:
@@ -248,14 +329,17 @@ def _partitioning(mod: nn.Module, pname: str, p: nn.Parameter) -> tuple[int | No
     return None, 1
 
 
-def _check_tp_group(name: str, tp_group, train: ParallelLayout, tp_rank: int) -> None:
-    """megatron's TP group of a layer must be this rank's training TP group (size and rank)."""
+def _check_tp_group(name: str, tp_group, train: ParallelLayout, tp_rank: int,
+                    why: str = "") -> None:
+    """megatron's TP group of a layer must be this rank's training TP group (size and rank;
+    for whole experts, ``why`` says which setting gives a group of one)."""
     if tp_group is None or not dist.is_initialized():
         return
     size, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     if size != train.tp or rank != tp_rank:
-        raise ValueError(f"{name}: megatron TP group has size {size}, rank {rank}, but the "
-                         f"training layout {train} expects size {train.tp}, rank {tp_rank}")
+        expects = why or f"the training layout {train}"
+        raise ValueError(f"{name}: megatron TP group has size {size}, rank {rank}, but "
+                         f"{expects} expects size {train.tp}, rank {tp_rank}")
 
 
 def from_megatron(model: nn.Module, groups: HybridGroups, hf_names: HFNames | None = None
