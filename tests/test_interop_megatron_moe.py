@@ -27,7 +27,7 @@ def _full(spec):
     return torch.randn(spec.shape, generator=g).to(spec.dtype)
 
 
-def _gpt(ep):
+def _gpt(ep, pp=1):
     import torch.nn.functional as F_
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,10 +41,15 @@ def _gpt(ep):
         gated_linear_unit=True, activation_func=F_.silu, use_te_activation_func=True,
         bias_activation_fusion=False, add_bias_linear=False, normalization="RMSNorm",
         use_cpu_initialization=True, perform_initialization=True,
-        params_dtype=torch.float32)
+        params_dtype=torch.float32, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32 if pp > 1 else None)
+    from megatron.core import parallel_state as ps
+
     return GPTModel(config=cfg, transformer_layer_spec=interleaved_glu_layer_spec(num_experts=E),
                     vocab_size=VOCAB, max_sequence_length=32, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+                    share_embeddings_and_output_weights=False,
+                    pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage())
 
 
 def check_layouts(rank, world, layouts):
@@ -127,13 +132,27 @@ def check_refusals(rank, world):
             hc.from_megatron(model, layout, **kwargs)
         except ValueError as exc:
             msgs.append(str(exc))
+    # pp 2: megatron puts the pipeline stages outermost (its MoE layers require it), our
+    # layouts the data-parallel replicas: the EP groups differ
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1, create_gloo_process_groups=False)
+    try:
+        hc.from_megatron(_gpt(2, pp=2), HybridLayout(ParallelLayout(2, 1, 2), 1, 1))
+    except ValueError as exc:
+        msgs.append(str(exc))
     ps.destroy_model_parallel()
     return msgs
 
 
 def test_megatron_experts_refused_before_any_collective(pool4):
     for rank, msgs in enumerate(pool4.run(check_refusals)):
-        assert len(msgs) == 2, msgs
+        assert len(msgs) == 3, msgs
         assert "bind=True with megatron's expert parallelism" in msgs[0]
         assert msgs[1].startswith(f"rank {rank}: megatron's expert-parallel group is [0, 1, 2, 3]"), \
             msgs[1]
+        megatron_ep = [0, 1] if rank < 2 else [2, 3]  # ours: [0, 2] on stage 0, [1, 3] on 1
+        ours = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert msgs[2].startswith(f"rank {rank}: megatron's expert-parallel group is "
+                                  f"{megatron_ep}, the expert layout's (ep=2 over "), msgs[2]
+        assert msgs[2].endswith(str(ours)), msgs[2]
