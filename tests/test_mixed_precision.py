@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.hf_interop import (SINGLE_FILE, config_to_hf, gather_full_state_dict,
+from engine.hf_interop import (SINGLE_FILE, gather_full_state_dict,
                                load_hf_checkpoint, read_hf_config, save_hf_checkpoint)
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
