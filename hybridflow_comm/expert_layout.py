@@ -139,12 +139,17 @@ class ExpertLayout:
     # Coordinates -----------------------------------------------------------------------------
     def coords(self, rank: int) -> ExpertCoords:
         """Expert coordinates of ``rank``; ValueError outside the world."""
+        ep_rank, etp_rank, edp_rank = self._train_coords(rank)
+        return ExpertCoords(ep=ep_rank, etp=etp_rank, edp=edp_rank,
+                            gen_ep=self._gen_plan[rank][0])
+
+    def _train_coords(self, rank: int) -> tuple[int, int, int]:
+        """``(ep, etp, edp)`` of ``rank`` (the training side alone, which the generation
+        assignment is built from)."""
         c = self.hybrid.train.coords(rank)
         j = c.dp * self.hybrid.train.tp + c.tp
         etp_rank, rest = j % self.etp, j // self.etp
-        ep_rank, edp_rank = rest % self.ep, rest // self.ep
-        return ExpertCoords(ep=ep_rank, etp=etp_rank, edp=edp_rank,
-                            gen_ep=self._gen_plan[rank][0])
+        return rest % self.ep, etp_rank, rest // self.ep
 
     def rank(self, *, stage: int, ep: int, etp: int, edp: int) -> int:
         """Rank of training stage ``stage`` at expert coordinates ``(ep, etp, edp)``."""
@@ -187,7 +192,7 @@ class ExpertLayout:
                 for i, r in enumerate(by_tp_g):
                     plan[r] = (0, tuple(range(self.num_experts)), Piece(i, self.gen_etp))
                 continue
-            block = {r: self._train_block(r) for r in group}
+            block = {r: self._train_coords(r)[0] for r in group}
             held = _pack_blocks([block[r] for r in by_tp_g], self.gen_ep, self.gen_etp,
                                 self.micro_ep)
             if held is None:
@@ -207,11 +212,6 @@ class ExpertLayout:
                 for i, r in enumerate(members):
                     plan[r] = (c, experts, Piece(i, self.gen_etp))
         return tuple(plan[r] for r in range(h.world_size))
-
-    def _train_block(self, rank: int) -> int:
-        """The training EP block (``ep`` rank) of ``rank``, from the coordinates alone."""
-        c = self.hybrid.train.coords(rank)
-        return (c.dp * self.hybrid.train.tp + c.tp) // self.etp % self.ep
 
     def source(self, rank: int, stage: int, expert: int) -> int:
         """The training rank ``rank`` receives expert ``expert`` of stage ``stage`` from: the

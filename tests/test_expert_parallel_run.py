@@ -37,6 +37,22 @@ COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/router_aux
             "actor/entropy", "actor/router_replay_fraction")
 
 
+def agreeing_records(out, first, second):
+    """The records of runs ``first`` and ``second``, checked to agree: both finished, the
+    same steps and first rollouts, every figure of both iterations to rounding, the rollouts'
+    log-probs the training engine's."""
+    for name in (first, second):
+        assert "records" in out[name], out[name].get("traceback")
+    a, b = out[first]["records"], out[second]["records"]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
+    assert a[0]["reward/mean"] == b[0]["reward/mean"]  # the same first rollouts
+    for ra, rb in zip(a, b):
+        for key in COMPARED:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
+        assert rb["actor/rollout_logprob_diff"] < 1e-4
+    return a, b
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep_runs")
@@ -55,16 +71,8 @@ def runs(tmp_path_factory):
 
 def test_expert_parallel_run_equals_ep_1(runs):
     tmp, out = runs
-    for name in ("ep1", "ep2"):
-        assert "records" in out[name], out[name].get("traceback")
-    a, b = out["ep1"]["records"], out["ep2"]["records"]
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
-    assert a[0]["reward/mean"] == b[0]["reward/mean"]  # the same first rollouts
-    for ra, rb in zip(a, b):
-        for key in COMPARED:
-            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
-        # the rollouts' log-probs are the training engine's, experts replayed
-        assert rb["actor/rollout_logprob_diff"] < 1e-4
+    _, b = agreeing_records(out, "ep1", "ep2")
+    for rb in b:  # experts replayed
         assert 0.8 < rb["actor/router_replay_fraction"] < 1.0
     import transformers
 
@@ -93,16 +101,7 @@ def test_disaggregated_run_pushes_expert_parallel_weights(disaggregated_runs):
     block to the rollout pool, cut over its gen_tp there) gives the rollout pool the same
     weights as from the ep=1 actor: the same first rollouts, every figure of both iterations
     to rounding, the push's bytes the same."""
-    out = disaggregated_runs
-    for name in ("ep1", "ep2"):
-        assert "records" in out[name], out[name].get("traceback")
-    a, b = out["ep1"]["records"], out["ep2"]["records"]
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
-    assert a[0]["reward/mean"] == b[0]["reward/mean"]
-    for ra, rb in zip(a, b):
-        for key in COMPARED:
-            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
-        assert rb["actor/rollout_logprob_diff"] < 1e-4
+    a, b = agreeing_records(disaggregated_runs, "ep1", "ep2")
     pushed = [k for k in a[0] if "push" in k or "sync" in k]
     assert pushed, sorted(a[0])
     for key in (k for k in pushed if "bytes" in k):
@@ -113,16 +112,7 @@ def test_generation_expert_parallel_run_equals_gen_tp(runs):
     """``actor.layout.gen_ep=2`` inside generation TP 2 (each rank generating with half the
     experts, whole) against the same run with every expert split over generation TP: the
     same first rollouts and every figure of both iterations to rounding."""
-    _, out = runs
-    for name in ("gen_tp2", "gen_ep2"):
-        assert "records" in out[name], out[name].get("traceback")
-    a, b = out["gen_tp2"]["records"], out["gen_ep2"]["records"]
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1]
-    assert a[0]["reward/mean"] == b[0]["reward/mean"]
-    for ra, rb in zip(a, b):
-        for key in COMPARED:
-            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), (ra["step"], key)
-        assert rb["actor/rollout_logprob_diff"] < 1e-4
+    agreeing_records(runs[1], "gen_tp2", "gen_ep2")
 
 
 def test_lora_run_with_expert_parallelism_equals_ep_1(runs):

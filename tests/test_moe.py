@@ -107,15 +107,22 @@ def reference_moe(x: torch.Tensor, w: dict, top_k: int, norm_topk: bool,
     return out
 
 
+def random_block(g: torch.Generator, E: int, H: int, F: int) -> dict:
+    """A router ``[E, H]`` and ``E`` SwiGLU experts of width ``F``, drawn from ``g`` (router,
+    then each expert's gate_up and down_proj)."""
+    w = {"router": torch.randn(E, H, generator=g)}
+    for e in range(E):
+        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
+        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
+    return w
+
+
 @pytest.mark.parametrize("norm_topk", [False, True])
 def test_block_equals_a_per_token_float64_loop(norm_topk):
     g = torch.Generator().manual_seed(7)
     E, H, F, N = 6, 16, 12, 9
-    w = {"router": torch.randn(E, H, generator=g)}
+    w = random_block(g, E, H, F)
     w["router"][5] = -50.0 * w["router"][5].abs()  # expert 5 (almost surely) gets no token
-    for e in range(E):
-        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
-        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
     x = torch.randn(N, H, generator=g).abs()
     routing = MoeRouting(top_k=2, norm_topk=norm_topk)
     ref = reference_moe(x, w, 2, norm_topk)
@@ -140,10 +147,7 @@ def test_router_replay_imposes_the_recorded_experts():
 
     g = torch.Generator().manual_seed(8)
     E, H, F, N = 5, 16, 12, 10
-    w = {"router": torch.randn(E, H, generator=g)}
-    for e in range(E):
-        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
-        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
+    w = random_block(g, E, H, F)
     x = torch.randn(N, H, generator=g)
     routing = MoeRouting(top_k=2, norm_topk=True)
     first = RouteTrace()
@@ -204,10 +208,7 @@ def test_experts_split_over_ranks_sum_to_the_whole_block():
     float64 loop), and an expert outside the subset is never read."""
     g = torch.Generator().manual_seed(8)
     E, H, F, N = 8, 16, 12, 11
-    w = {"router": torch.randn(E, H, generator=g)}
-    for e in range(E):
-        w[f"experts.{e}.gate_up"] = torch.randn(2 * F, H, generator=g) / 4
-        w[f"experts.{e}.down_proj"] = torch.randn(H, F, generator=g) / 4
+    w = random_block(g, E, H, F)
     x = torch.randn(2, N, H, generator=g)
     routing = MoeRouting(top_k=2, norm_topk=True)
     ref = reference_moe(x.reshape(-1, H), w, 2, True).reshape(2, N, H)
