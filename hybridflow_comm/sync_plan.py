@@ -444,11 +444,13 @@ def _chunks(box: tuple, chunk_elems: int) -> list[tuple]:
 def _wants(specs: list[ShardSpec], layout: SyncLayout, chunk_bytes: int) -> list[list[_Want]]:
     """Per generation pool rank, the chunks it needs, in its buffer's order."""
     t, g = layout.train, layout.gen
-    holders: dict[tuple[int, int], tuple[int, ...]] = {}
+    holders: dict[tuple, tuple[int, ...]] = {}  # (stage, TP piece, -1 or ("expert", e))
     for i, r in enumerate(layout.train_ranks):
         c = t.coords(i)
         holders[(c.pp, c.tp)] = holders.get((c.pp, c.tp), ()) + (r,)
         holders[(c.pp, -1)] = holders.get((c.pp, -1), ()) + (r,)
+        for e in layout.experts.train_experts(i) if layout.experts is not None else ():
+            holders[(c.pp, ("expert", e))] = holders.get((c.pp, ("expert", e)), ()) + (r,)
     out = []
     for j, dst in enumerate(layout.gen_ranks):
         gc = g.coords(j)
@@ -464,8 +466,7 @@ def _wants(specs: list[ShardSpec], layout: SyncLayout, chunk_bytes: int) -> list
     return out
 
 
-def _sources(spec: ShardSpec, layout: SyncLayout, g: int,
-             holders: dict[tuple[int, int], tuple[int, ...]]
+def _sources(spec: ShardSpec, layout: SyncLayout, g: int, holders: dict[tuple, tuple[int, ...]]
              ) -> list[tuple[tuple[int, ...], tuple, tuple]]:
     """``(holders, key, box)`` for every training piece overlapping generation piece ``g``:
     a dense tensor's TP pieces; under expert parallelism an expert's stored pieces (one
@@ -473,13 +474,12 @@ def _sources(spec: ShardSpec, layout: SyncLayout, g: int,
     if spec.expert is None or layout.experts is None:
         return [(holders[(spec.stage, t)], (spec.stage, t), box)
                 for t, box in _boxes(spec, layout.train.tp, layout.gen.tp, g)]
-    block = tuple(r for i, r in enumerate(layout.train_ranks)
-                  if layout.train_shard_shape(spec, i) is not None)
+    key = (spec.stage, ("expert", spec.expert))
     pieces = stacked_pieces(spec, layout.experts)
     out = []
     for k, (rows, cols, so, ss, do, ds) in _boxes(spec, pieces, layout.gen.tp, g):
         box = (rows, cols, so + k * (spec.numel // pieces), ss, do, ds)
-        out.append((block, (spec.stage, ("expert", spec.expert)), box))
+        out.append((holders[key], key, box))
     return out
 
 
