@@ -49,8 +49,10 @@ read_bytes_per_s)``: at batch 1 the weight bytes bind (read-only bandwidth, sinc
 step only reads them), at batch 32 usually the FLOPs.
 
 Fractions (goals in the issue; reported, not asserted): ``train_flops_fraction`` = step FLOPs /
-step time / peak (``train.eager_head_step_s``: the same step, interleaved, with the LM head's
-vocabulary log-softmax run eagerly instead of compiled, :mod:`engine.inductor`), for one
+step time / peak (interleaved A/Bs of the same step: ``train.eager_step_s`` with nothing
+compiled, :mod:`engine.inductor` off; ``train.eager_layers_step_s`` with the LM head's
+vocabulary log-softmax compiled and the decoder layers eager, where they are compiled,
+:mod:`engine.compiled_train`), for one
 optimiser step over ``prompts x samples`` sequences of
 ``prompt_len + response_len`` tokens in micro-batches of ``--micro-batch`` (the RL update) on
 :class:`engine.train.TrainEngine` at layout 1,1,1; ``decode_b{1,32}_limit_fraction`` = limit /
@@ -243,19 +245,32 @@ def measure_train(shape: BenchShape, micro_batch: int, repeat: int,
         return engine.train_step(mbs, lambda out, mb: -out["log_probs"].mean(), head_from,
                                  temperature=1.0)
 
-    def eager_head_step():  # the A/B of engine.inductor: the LM head's log-softmax eagerly
-        previous = inductor.set_enabled(False)
-        try:
-            return step()
-        finally:
-            inductor.set_enabled(previous)
+    def without(switch):  # the A/Bs: the same step with part of the compiled code eager
+        def run():
+            previous = switch(False)
+            try:
+                return step()
+            finally:
+                switch(previous)
+        return run
 
-    t, _ = interleaved_median_times({"step": step, "eager_head": eager_head_step}, repeat,
-                                    device=device)
+    def layers_switch(on):
+        previous, model.compile_layers = model.compile_layers, on
+        return previous
+
+    variants = {"step": step, "eager": without(inductor.set_enabled)}
+    if model.compile_layers:
+        variants["eager_layers"] = without(layers_switch)
+    t, _ = interleaved_median_times(variants, repeat, device=device)
+    eager_layers = t.get("eager_layers", t["step"])
     flops = train_flops(shape, seqs, seq, head_from)
-    return {"step_s": t["step"], "eager_head_step_s": t["eager_head"],
-            "compiled_head_speedup": t["eager_head"] / t["step"],
-            "compiled_head": inductor.enabled(),
+    # what bounds the step on a GPU: kernels per micro-batch, the GPU's busy share
+    profile = device_profile(step, len(mbs), device) if device.type == "cuda" else None
+    return {"step_s": t["step"], "eager_step_s": t["eager"], "profile": profile,
+            "eager_layers_step_s": t.get("eager_layers"),
+            "compiled_head_speedup": t["eager"] / eager_layers,
+            "compiled_layers_speedup": eager_layers / t["step"],
+            "compiled_head": inductor.enabled(), "compiled_layers": model.compile_layers,
             "sequences": seqs, "micro_batch": micro_batch, "seq": seq,
             "head_from": head_from, "flops_per_step": flops, "flops_per_token": flops / seqs / seq,
             "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"]}
@@ -366,8 +381,7 @@ def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | No
         "peak_matmul_flops": mm["peak"], "memcpy_bytes_per_s": bw["copy"],
         "read_bytes_per_s": bw["read"],
         "train_flops_fraction": train["flops_per_s"] / mm["peak"],
-        "train_eager_head_flops_fraction": train["flops_per_step"] / train["eager_head_step_s"]
-        / mm["peak"],
+        "train_eager_flops_fraction": train["flops_per_step"] / train["eager_step_s"] / mm["peak"],
         **fractions,
         "decode_limit_fraction": (min(fractions.values())
                                   if None not in fractions.values() else None),
@@ -429,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"roofline {shape.name} on {r['device']} ({r['threads']} threads): peak "
           f"{r['peak_matmul_flops'] / 1e9:.0f} GFLOP/s, copy "
           f"{r['memcpy_bytes_per_s'] / 1e9:.1f} GB/s, read {r['read_bytes_per_s'] / 1e9:.1f} GB/s"
-          f" | train {r['train_flops_fraction']:.2f} of peak (eager head "
-          f"{r['train_eager_head_flops_fraction']:.2f}) | decode {decode} of limit "
+          f" | train {r['train_flops_fraction']:.2f} of peak (nothing compiled "
+          f"{r['train_eager_flops_fraction']:.2f}) | decode {decode} of limit "
           f"({r['decode']['b1']['decode_path']}) | reshard {reshard}")
     write_json(result, a.json, indent=2)
     return 0

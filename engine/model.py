@@ -21,6 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
+from engine.compiled_train import compile_applies, compiled_layer
 from engine.expert_parallel import ExpertParallel
 from engine.hf_shards import HFRead, hf_reads
 from engine.layers import PackedSeqs, RouteTrace, RouterLoss, add_loss_gradient, \
@@ -60,12 +61,17 @@ class ParallelLlama(nn.Module):
             :func:`hybridflow_comm.expert_reshard.expert_slot_specs`; the other weights stay
             in ``buffer``), and its MoE layers exchange tokens over the EP group
             (:mod:`engine.expert_parallel`).
+        compile_layers: run the decoder layers through one ``torch.compile``d function
+            (:mod:`engine.compiled_train`: the elementwise chains fused, forward and
+            backward); None: on for CUDA.  Only without TP, experts and LoRA; packed
+            micro-batches run eagerly.  The same results up to float summation order.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
                  buffer: FlatParamBuffer | None = None,
                  device: torch.device | str | None = None,
-                 lora: LoraConfig | None = None, experts: ExpertGroups | None = None) -> None:
+                 lora: LoraConfig | None = None, experts: ExpertGroups | None = None,
+                 compile_layers: bool | None = None) -> None:
         super().__init__()
         train = groups.layout.train
         config.check_parallel(train.pp, train.tp)  # before any collective can run
@@ -105,6 +111,8 @@ class ParallelLlama(nn.Module):
             self.register_parameter(spec.name.replace(".", "_"), p)
         self.lora = lora
         self.adapters_enabled = lora is not None
+        self.compile_layers = compile_applies(compile_layers, buffer.device, train.tp > 1,
+                                              bool(config.num_experts), lora is not None)
         self.adapter_specs: list[ShardSpec] = []
         self.adapter_params: dict[str, nn.Parameter] = {}
         self.adapter_buffer: FlatParamBuffer | None = None
@@ -265,7 +273,12 @@ class ParallelLlama(nn.Module):
         rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
+        compiled = self.compile_layers and not isinstance(mask, PackedSeqs)
         for i in self.layer_ids:
+            if compiled:
+                x = compiled_layer(x, self.layer_weights(i), *rope, mask, c.q_per_group,
+                                   c.head_dim, c.rms_norm_eps)
+                continue
             x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
                               c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
                               routing=c.routing, router_loss=router_loss, trace=routes,

@@ -1,7 +1,7 @@
 """The engines on a CUDA device (skipped without one): bf16 generation (dense KV cache, with
 and without CUDA graphs) against transformers' greedy generate of the same bf16 model, graph
 replay against the same static steps run eagerly (bitwise), the training model's bf16 forward
-and backward against the float32 CPU model, the sampler's uniforms on the GPU against the
+and backward (eager and compiled layers) against the float32 CPU model, the sampler's uniforms on the GPU against the
 CPU's, and a printed (never asserted) decode throughput of eager steps against graphs.
 
 bf16 paths round differently from each other (our layers vs transformers', SDPA kernels vs
@@ -44,8 +44,9 @@ def groups():
     return build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
 
 
-def model_on(cfg: LlamaConfig, full: dict, device: torch.device) -> ParallelLlama:
-    model = ParallelLlama(cfg, groups(), device=device)
+def model_on(cfg: LlamaConfig, full: dict, device: torch.device,
+             compile_layers: bool | None = None) -> ParallelLlama:
+    model = ParallelLlama(cfg, groups(), device=device, compile_layers=compile_layers)
     load_full_state_dict(model, full)
     return model
 
@@ -110,13 +111,16 @@ def test_bf16_generation_matches_transformers_greedy(padded, graphs):
     assert float((out.log_probs - ref_lp).abs()[same].max()) < 0.1
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
-def test_bf16_training_forward_and_backward_match_float32_cpu(padded):
+def test_bf16_training_forward_and_backward_match_float32_cpu(padded, compiled):
+    """The eager and the compiled layers (engine/compiled_train.py, on by default on CUDA)."""
     full = init_full_state_dict(CFG, seed=3, std=STD)
     # the float32 reference reads the bf16-rounded weights: only the compute differs
     full32 = {k: v.float() for k, v in full.items()}
     ref = model_on(replace(CFG, dtype=torch.float32), full32, torch.device("cpu"))
-    gpu = model_on(CFG, full, CUDA)
+    gpu = model_on(CFG, full, CUDA, compile_layers=compiled)
+    assert gpu.compile_layers == compiled
     ids, mask = prompts(4, 24, padded)
     outs = {}
     for name, model in (("cpu", ref), ("cuda", gpu)):

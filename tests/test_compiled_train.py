@@ -1,0 +1,133 @@
+"""The training model's compiled decoder layers (engine/compiled_train.py) against the eager
+layers and float64: forward, log-probs and every parameter's gradient, causal and padded, two
+sequence lengths, with and without gradients; compiled here by inductor's CPU backend (Triton
+on a GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine import compiled_train, inductor
+from engine.compiled_train import compile_applies
+from engine.layers import PackedSeqs
+from engine.llama_spec import LlamaConfig, init_full_state_dict
+from engine.lora import LoraConfig
+from engine.model import ParallelLlama, load_full_state_dict
+from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.layout import HybridLayout, ParallelLayout
+
+CFG = LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=3,
+                  num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
+                  tie_word_embeddings=False, qkv_bias=True, model_type="qwen2")
+GROUPS = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+
+
+def _model(cfg: LlamaConfig, compiled: bool) -> ParallelLlama:
+    model = ParallelLlama(cfg, GROUPS, compile_layers=compiled)
+    load_full_state_dict(model, init_full_state_dict(CFG, seed=3, std=0.2))
+    return model
+
+
+def _batch(batch: int, seq: int, padded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, CFG.vocab_size, (batch, seq), generator=g)
+    if not padded:
+        return ids, None
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :3] = 0  # a left-padded prompt
+    mask[1, -4:] = 0  # a right-padded response
+    return ids, mask
+
+
+def _pass(model: ParallelLlama, ids: torch.Tensor, mask: torch.Tensor | None, grad: bool,
+          packed: PackedSeqs | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Log-probs of ``ids`` and, with ``grad``, every parameter's gradient of their sum."""
+    for p in model.params.values():
+        p.grad = None
+    with torch.set_grad_enabled(grad):
+        hidden = model.stage_forward(ids, mask, packed=packed)
+        lp = model.head_outputs(hidden, ids, temperature=1.0)["log_probs"]
+        if grad:
+            (lp.double().sum() + 1e-3 * hidden.double().pow(2).sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.params.items() if p.grad is not None}
+    return lp.detach(), grads
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def test_compile_applies():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert compile_applies(None, cuda, False, False, False)
+    assert not compile_applies(None, cpu, False, False, False)
+    assert compile_applies(True, cpu, False, False, False)
+    assert not compile_applies(False, cuda, False, False, False)
+    for blocker in range(3):  # TP, experts, LoRA
+        assert not compile_applies(True, cuda, *(i == blocker for i in range(3)))
+    previous = inductor.set_enabled(False)
+    try:
+        assert not compile_applies(True, cuda, False, False, False)
+    finally:
+        inductor.set_enabled(previous)
+    lora = LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",))
+    assert not ParallelLlama(CFG, GROUPS, lora=lora, compile_layers=True).compile_layers
+    assert not ParallelLlama(CFG, GROUPS).compile_layers  # off on the CPU by default
+
+
+def test_compiled_layers_match_eager_float32():
+    """One compile serves every layer (three here) and, after one recompile, a second length;
+    log-probs and gradients equal the eager model's within float32 summation order."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    eager, compiled = _model(CFG, False), _model(CFG, True)
+    assert compiled.compile_layers and not eager.compile_layers
+    counted = stats["unique_graphs"]
+    for seq in (12, 17):
+        ids, _ = _batch(3, seq, padded=False)
+        lp_e, g_e = _pass(eager, ids, None, grad=True)
+        lp_c, g_c = _pass(compiled, ids, None, grad=True)
+        assert torch.allclose(lp_c, lp_e, atol=2e-5, rtol=0)
+        assert g_c.keys() == g_e.keys() == compiled.params.keys()
+        for n in g_e:
+            assert _rel(g_c[n], g_e[n].double()) < 1e-5, n
+    assert stats["unique_graphs"] - counted <= 2  # not one compile per layer or per length
+    assert not compiled_train.compiled_layer._broken
+    for seq, grad in ((12, True), (17, True), (17, False)):  # padding masks, a no-grad pass
+        ids, mask = _batch(3, seq, padded=True)
+        lp_e, g_e = _pass(eager, ids, mask, grad)
+        lp_c, g_c = _pass(compiled, ids, mask, grad)
+        real = mask[:, 1:].bool()
+        assert torch.allclose(lp_c[real], lp_e[real], atol=2e-5, rtol=0)
+        assert g_c.keys() == g_e.keys()
+        for n in g_e:
+            assert _rel(g_c[n], g_e[n].double()) < 1e-5, n
+    # packed micro-batches (one attention per sequence) run the eager layers: the same bits
+    ids, _ = _batch(1, 14, padded=False)
+    packed = PackedSeqs((0, 5, 14))
+    lp_e, g_e = _pass(eager, ids, None, grad=True, packed=packed)
+    lp_c, g_c = _pass(compiled, ids, None, grad=True, packed=packed)
+    assert torch.equal(lp_c, lp_e) and all(torch.equal(g_c[n], g_e[n]) for n in g_e)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_layers_bf16_against_float64(padded):
+    """In bf16 the compiled layers keep their fused intermediates in float32: log-probs and
+    gradients are no further from the float64 model than the eager bf16 layers'."""
+    ids, mask = _batch(3, 12, padded)
+    ref_lp, ref_g = _pass(_model(replace(CFG, dtype=torch.float64), False), ids, mask, True)
+    bf16 = replace(CFG, dtype=torch.bfloat16)
+    errors = {}
+    for compiled in (False, True):
+        lp, grads = _pass(_model(bf16, compiled), ids, mask, True)
+        real = mask[:, 1:].bool() if padded else torch.ones_like(lp, dtype=torch.bool)
+        errors[compiled] = (_rel(lp[real], ref_lp[real]),
+                            max(_rel(grads[n], ref_g[n]) for n in ref_g))
+    (lp_e, g_e), (lp_c, g_c) = errors[False], errors[True]
+    assert lp_e < 2e-2 and g_e < 0.15, errors  # bf16's own rounding
+    assert lp_c <= 1.5 * lp_e and g_c <= 1.5 * g_e, errors
