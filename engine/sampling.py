@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.inductor import Compiled
 from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import Group
 
@@ -215,11 +216,17 @@ def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = 
     ``first_row`` (:attr:`SamplingParams.first_row`) is added to every id.
     """
     probs = torch.softmax(scaled, dim=-1)
-    # the True rows' ids, as many as probs has rows (known on the host: no device sync)
-    row_ids = (torch.arange(probs.shape[0], device=probs.device) if rows is None
-               else torch.nonzero_static(rows, size=probs.shape[0]).squeeze(1)) + first_row
+    row_ids = _row_ids(probs.shape[0], rows, first_row, probs.device)
     noise = clock_uniforms(stream, row_ids, probs.shape[-1]).log_().neg_()
     return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
+
+
+def _row_ids(count: int, rows: torch.Tensor | None, first_row: int,
+             device: torch.device) -> torch.Tensor:
+    """``[count]`` the draw's row ids: the True rows of ``rows`` (None: all), as many as
+    there are logits rows (known on the host: no device sync), plus ``first_row``."""
+    return (torch.arange(count, device=device) if rows is None
+            else torch.nonzero_static(rows, size=count).squeeze(1)) + first_row
 
 
 _GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in _SPLITMIX)  # as int64
@@ -239,7 +246,7 @@ def clock_uniforms(stream: SeedStream, row_ids: torch.Tensor, vocab: int) -> tor
     return counter_uniforms_formula(seed, row_ids, vocab)
 
 
-def counter_uniforms_formula(seed: int, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+def counter_uniforms_formula(seed: int | torch.Tensor, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """SplitMix64 by int64 tensor ops (products wrap mod 2^64; ``>>`` is arithmetic, so the
     logical shifts mask the sign bits): ``(top 24 bits + 1) / 2^24`` of
     ``mix(seed + (row << 32 | j + 1) * gamma)``."""
@@ -255,9 +262,10 @@ def counter_uniforms_formula(seed: int, row_ids: torch.Tensor, vocab: int) -> to
 
 
 def _rows_kernel(z: torch.Tensor) -> bool:
-    """Whether ``engine._kernels.argmax_logsumexp`` takes ``z``: float32 CPU ``[R, V > 0]``."""
+    """Whether ``engine._kernels.argmax_logsumexp`` takes ``z``: float32 CPU ``[R, V > 0]``
+    outside code ``torch.compile`` traces."""
     return (_kernels is not None and z.dtype == torch.float32 and z.device.type == "cpu"
-            and z.dim() == 2 and z.shape[-1] > 0)
+            and z.dim() == 2 and z.shape[-1] > 0 and not torch.compiler.is_compiling())
 
 
 def _logsumexp(z: torch.Tensor) -> torch.Tensor:
@@ -301,6 +309,35 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
                                                                         pick).squeeze(-1)
 
 
+def whole_vocab_formula(logits: torch.Tensor, temperature: torch.Tensor | None,
+                        banned: int | None, seed: torch.Tensor | None,
+                        row_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_next`'s two whole-vocabulary modes without filters, as one function of
+    tensors (what :data:`COMPILED_DEVICES` run compiled): ``seed`` None, the argmax (greedy,
+    or ``top_k == 1`` with ``temperature``), else the draw of :func:`_draw` from the 0-d
+    int64 ``seed`` for ``row_ids``.  Returns ``(tokens [R], log_probs [R])``."""
+    z = logits.float() if temperature is None else logits.float() / temperature
+    zs = _without(z, banned, 0)
+    if seed is None:
+        smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
+        return arg, smax - torch.logsumexp(z, dim=-1)
+    probs = torch.softmax(zs, dim=-1)
+    noise = counter_uniforms_formula(seed, row_ids, z.shape[-1]).log().neg()
+    pick = (probs / noise).argmax(dim=-1, keepdim=True)
+    return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double()
+                              - _logsumexp(z)).float()
+
+
+_whole_vocab = Compiled(whole_vocab_formula)
+"""Compiled from ``MIN_NUMEL`` logits on (:mod:`engine.inductor`); eager below."""
+
+COMPILED_DEVICES = ("cuda",)
+"""Where the whole-vocabulary modes run :data:`_whole_vocab`: eagerly a step is some ten
+passes over the ``[R, V]`` logits (the draw's int64 counters alone are five), compiled one
+fused loop per reduction.  On the CPU the C++ kernels of the draw and the argmax do the same
+in place."""
+
+
 @torch.no_grad()
 def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | None,
                 stream: SeedStream | None, rows: torch.Tensor | None = None,
@@ -330,7 +367,17 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     v_local = z.shape[-1]
     start = (0 if group is None else group.rank) * v_local
     banned = params.banned_token(step)
-    if whole_vocab and (params.greedy or params.top_k == 1) and _rows_kernel(z):
+    argmax_only = params.greedy or params.top_k == 1
+    if whole_vocab and z.device.type in COMPILED_DEVICES and (
+            argmax_only or (params.top_p == 1 and params.top_k == 0)):
+        temperature = None if params.greedy else torch.full(
+            (), params.temperature, dtype=torch.float32, device=z.device)
+        if argmax_only:
+            return _whole_vocab(logits, temperature, banned, None, None)
+        seed = torch.full((), stream.next(), dtype=torch.long, device=z.device)
+        return _whole_vocab(logits, temperature, banned, seed,
+                            _row_ids(z.shape[0], rows, params.first_row, z.device))
+    if whole_vocab and argmax_only and _rows_kernel(z):
         # the argmax-only modes below: the first maximum over the columns but EOS (while
         # banned) and the normaliser over all of them, in one C++ call
         arg, best, lse = _kernels.argmax_logsumexp(z, -1 if banned is None else banned)
@@ -344,7 +391,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
     # top_k == 1 keeps one token, the most likely: greedy's choice, ties to the lowest id
     # (torch.topk's order among equal logits is unspecified), with no random draw
-    argmax_only = params.greedy or params.top_k == 1
     if argmax_only and whole_vocab:
         return arg, smax - torch.logsumexp(z, dim=-1)
     lmax = smax if zs is z else z.amax(dim=-1)

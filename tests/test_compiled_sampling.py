@@ -1,0 +1,127 @@
+"""The whole-vocabulary sampler compiled (engine/sampling.py's ``_whole_vocab``, on by default
+on CUDA) against the sampler the CPU runs (C++ kernels) and against SplitMix64 written with
+Python integers; compiled here by inductor's CPU backend (Triton on a GPU).
+
+Compiled and eager code round the softmax and the log of the uniforms differently in the last
+bit, so a token may differ only where the reference's two best candidates are within a
+relative :data:`TIE` of each other (the race's arrival times, or the greedy logits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import sampling
+from engine.generation import GenerationEngine
+from engine.sampling import SamplingParams, SeedStream, sample_next, whole_vocab_formula
+from tests.test_compiled_train import GROUPS
+from tests.test_generation_early_exit import splitmix64_uniform
+from tests.test_kv_cache import CFG, _model, _prompts
+
+TIE = 1e-4
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """The CPU dispatches to the compiled sampler, whatever the logits' size."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(sampling, "COMPILED_DEVICES", ("cpu",))
+    monkeypatch.setattr(sampling._whole_vocab, "min_numel", 0)
+    yield sampling._whole_vocab
+    assert not sampling._whole_vocab._broken
+
+
+def _race(z: torch.Tensor, seed: int, row_ids: torch.Tensor) -> torch.Tensor:
+    """``[R, V]`` float64 race values ``p_j / -log(u_j)`` (the pick is the largest)."""
+    u = sampling.counter_uniforms_formula(seed, row_ids, z.shape[-1]).double()
+    return torch.softmax(z.double(), -1) / -torch.log(u)
+
+
+def _assert_equal_but_ties(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> None:
+    """Tokens equal wherever the reference ``scores [R, V]``' two best are not within TIE."""
+    top = scores.topk(2, dim=-1).values
+    tie = (top[:, 0] - top[:, 1]).abs() <= TIE * top[:, 0].abs()
+    assert torch.equal(got[~tie], want[~tie]), (got, want)
+    assert float(tie.double().mean()) < 0.05
+
+
+def test_counter_uniforms_compiled_from_a_seed_tensor_are_splitmix64():
+    row_ids = torch.tensor([0, 3, 31, (1 << 31) + 7])
+    fn = torch.compile(sampling.counter_uniforms_formula, fullgraph=True)
+    for seed in (1, (1 << 63) - 1, 0x5DEECE66D << 20):
+        want = torch.tensor([[splitmix64_uniform(seed, int(r), j) for j in range(50)]
+                             for r in row_ids], dtype=torch.float64)
+        got = fn(torch.tensor(seed), row_ids, 50)
+        assert torch.equal(got.double(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_vocab_modes_compiled_match_the_cpu_sampler(compiled_on_cpu, dtype):
+    """Greedy, top_k=1 at a temperature, and unfiltered draws (EOS banned or not, a subset
+    of rows of a larger batch): tokens as the CPU's kernels pick them but at near-ties,
+    log-probs within float32 rounding, the seed stream advanced alike."""
+    g = torch.Generator().manual_seed(1)
+    rows = torch.rand(40, generator=g) < 0.6
+    logits = (torch.randn(int(rows.sum()), 300, generator=g) * 3).to(dtype)
+    cases = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=1),
+             SamplingParams(temperature=0.7, seed=11),
+             SamplingParams(temperature=1.0, seed=12, eos_token_id=5, min_new_tokens=4)]
+    for params in cases:
+        for step in (0, 5):  # EOS banned at step 0 while min_new_tokens = 4
+            ours, ref = SeedStream(params.seed), SeedStream(params.seed)
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(sampling, "COMPILED_DEVICES", ())
+                want, want_lp = sample_next(logits, params, None, ref, rows, step)
+            got, got_lp = sample_next(logits, params, None, ours, rows, step)
+            assert compiled_on_cpu._compiled is not None  # the compiled path ran
+            assert ours.steps == ref.steps == (0 if params.greedy or params.top_k else 1)
+            z = logits.float() / (params.temperature or 1.0)
+            banned = params.banned_token(step)
+            if banned is not None:
+                z[:, banned] = float("-inf")
+            seed = SeedStream(params.seed).next()
+            scores = z.double() if params.greedy or params.top_k else _race(
+                z, seed, torch.nonzero(rows).squeeze(1))
+            _assert_equal_but_ties(got, want, scores)
+            same = got == want
+            torch.testing.assert_close(got_lp[same], want_lp[same], atol=2e-6, rtol=0)
+            if banned is not None:
+                assert not bool((got == banned).any())
+
+
+def test_compiled_formula_equals_its_eager_self(compiled_on_cpu):
+    """The function compiled and run eagerly on the same tensors (seed as a tensor)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(24, 500, generator=g) * 2
+    row_ids = torch.arange(24) + 100
+    for seed in (None, torch.tensor(77)):
+        args = (logits, torch.tensor(0.9), 7, seed, None if seed is None else row_ids)
+        want, want_lp = whole_vocab_formula(*args)
+        got, got_lp = compiled_on_cpu(*args)
+        scores = (logits / 0.9).double() if seed is None else _race(logits / 0.9, 77, row_ids)
+        scores[:, 7] = float("-inf")
+        _assert_equal_but_ties(got, want, scores)
+        torch.testing.assert_close(got_lp, want_lp, atol=2e-6, rtol=0)
+
+
+def test_generation_with_the_compiled_sampler(compiled_on_cpu):
+    """A sampled and a greedy call through the compiled sampler: the tokens of the default
+    CPU sampler up to near-ties (every step compared until a row's first difference)."""
+    model = _model(CFG)
+    ids, mask = _prompts(12, 5, padded=True, repeat=True)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=10, temperature=temperature, seed=5)
+        outs = {}
+        for compiled in (False, True):
+            with pytest.MonkeyPatch.context() as m:
+                if not compiled:
+                    m.setattr(sampling, "COMPILED_DEVICES", ())
+                eng = GenerationEngine(CFG, GROUPS, fused_decode=False, kv_layout="dense")
+                eng.set_weights(model.params)
+                outs[compiled] = eng.generate(ids, mask, params)
+        equal = (outs[True].responses == outs[False].responses).cumprod(dim=1).bool()
+        assert float(equal.double().mean()) > 0.9
+        torch.testing.assert_close(outs[True].log_probs[equal], outs[False].log_probs[equal],
+                                   atol=2e-5, rtol=0)
