@@ -78,6 +78,7 @@ BENCH_FIGURES = {
                    "greedy_match_tie_aware", "max_logprob_diff", "sampled_ratio",
                    "sampled_ours_tokens_per_s", "sampled_hf_tokens_per_s"),
     "roofline": ("device", "train_flops_fraction", "decode_limit_fraction",
+                 "train_eager_flops_fraction", "train_eager_layers_flops_fraction",
                  "peak_matmul_flops", "memcpy_bytes_per_s", "read_bytes_per_s",
                  "decode_b1_limit_fraction", "decode_b32_limit_fraction",
                  "decode_b128_limit_fraction"),

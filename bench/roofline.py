@@ -382,6 +382,9 @@ def run(shape: BenchShape, repeat: int, micro_batch: int, reshard_mb: float | No
         "read_bytes_per_s": bw["read"],
         "train_flops_fraction": train["flops_per_s"] / mm["peak"],
         "train_eager_flops_fraction": train["flops_per_step"] / train["eager_step_s"] / mm["peak"],
+        "train_eager_layers_flops_fraction": (
+            None if train["eager_layers_step_s"] is None
+            else train["flops_per_step"] / train["eager_layers_step_s"] / mm["peak"]),
         **fractions,
         "decode_limit_fraction": (min(fractions.values())
                                   if None not in fractions.values() else None),
