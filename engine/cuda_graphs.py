@@ -6,36 +6,40 @@ and no per-kernel launch cost.  As in vLLM and nano-vllm, one graph per batch bu
 running rows ``R`` are padded to the smallest bucket ``b >= R`` (:func:`bucket`)::
 
     buckets      1 2 4 8 16 32 48 64 ... (multiples of 16)
-    inputs       ids [b, 1] int64, cos/sin [b, 1, D], attn [b, 1, 1, max_len] bool,
-                 pos [1] int64 (the position written, = cache.length)
-    cache        rows [0, b) of the dense KV cache's buffers (engine.kv_cache.DecodeSlots),
-                 all max_len positions, the key mask hiding those past pos
+    key buckets  L = 128 256 384 ... max_len: the step at position pos attends over the
+                 cache's first key_bucket(pos + 1) positions
+    inputs       ids [b, 1] int64, cos/sin [b, 1, D], attn [b, 1, 1, L] bool (a view of
+                 [b, 1, 1, max_len]), pos [1] int64 (the position written, = cache.length)
+    cache        rows [0, b) and positions [0, L) of the dense KV cache's buffers
+                 (engine.kv_cache.DecodeSlots), the key mask hiding those past pos
     output       x [b, 1, H], of which rows [0, R) are read
 
 A step copies its inputs into the bucket's buffers (no host sync: every copy is on the
-device), replays the graph and hands ``x[:R]`` to the eager sampler (:mod:`engine.sampling`,
-on the device).  The pad rows compute garbage that nobody reads; each row's floats depend
-only on its own inputs and the bucket, so :class:`StaticDecode` run eagerly (``capture=
-False``, also the CPU tests' path) gives the graph's bits exactly.
+device), replays the graph of its (bucket, key bucket) and hands ``x[:R]`` to the sampler
+(:mod:`engine.sampling`, on the device).  The pad rows compute garbage that nobody reads;
+each row's floats depend only on its own inputs and the two buckets, so :class:`StaticDecode`
+run eagerly (``capture=False``, also the CPU tests' path) gives the graph's bits exactly.
 
-The price of static shapes: attention reads all ``max_len`` cached positions at every step,
-the mask zeroing those not yet written (SDPA takes no per-row key lengths, which flash
-attention's ``cache_seqlens`` would): over a call, up to twice the reads of the filled
-positions (short prompts, many new tokens).
+The price of static shapes: attention reads all ``L`` positions of the key bucket at every
+step, the mask zeroing those not yet written (SDPA takes no per-row key lengths, which flash
+attention's ``cache_seqlens`` would): at most :data:`KEY_STEP` - 1 positions more than the
+filled ones.  Over all ``max_len`` positions instead, a call of a short prompt and 512 new
+tokens would read about 1.5 times the keys and values (at Qwen2.5-0.5B's batch 128 they are
+up to half the bytes of the weights per step).
 
 Graphs are used only where the whole step can be captured (:func:`graphs_apply`): a CUDA
 device, one stage (``pp_g == 1``: a pipeline's send/recv and broadcast per step stay eager)
 and no tensor parallelism (``tp_g == 1``: capturing NCCL collectives needs the communicator
 on the capturing stream, which the generation TP group, possibly gloo, does not promise).
 Everywhere else the same static step runs eagerly.  A call captures its graphs lazily, the
-first time a bucket runs (the KV cache, and so the addresses, are per call), the buckets
-sharing one memory pool; they live until the call ends.
+first time a (bucket, key bucket) runs (the KV cache, and so the addresses, are per call),
+all sharing one memory pool; they live until the call ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +47,8 @@ from engine.kv_cache import KVCache
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
+KEY_STEP = 128
+"""Key buckets: multiples of KEY_STEP positions (the last one ``max_len``)."""
 WARMUP_STEPS = 2
 """Eager runs of a step on a side stream before it is captured (cuBLAS and SDPA pick and
 initialise their kernels outside the capture)."""
@@ -63,6 +69,14 @@ def bucket(rows: int) -> int:
     return -(-rows // BUCKET_STEP) * BUCKET_STEP
 
 
+def key_bucket(keys: int, max_len: int) -> int:
+    """The positions a decode step with ``keys`` filled positions (the new one included)
+    attends over (pure): the next multiple of :data:`KEY_STEP`, at most ``max_len``."""
+    if not 1 <= keys <= max_len:
+        raise ValueError(f"keys={keys} must be in [1, max_len={max_len}]")
+    return min(max_len, -(-keys // KEY_STEP) * KEY_STEP)
+
+
 def graphs_apply(device: torch.device, stages: int, tensor_parallel: bool) -> bool:
     """Whether a decode step can be captured as a CUDA graph (pure; module docstring)."""
     return device.type == "cuda" and stages == 1 and not tensor_parallel
@@ -78,14 +92,15 @@ def resolve_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
 
 @dataclass
 class _Bucket:
-    """The static buffers of one bucket and its graph (None: run eagerly)."""
+    """The static buffers of one bucket and its graph per key bucket (captured steps)."""
 
     ids: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     attn: torch.Tensor
-    out: torch.Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
+    """``[b, 1, 1, max_len]``; a key bucket's steps read its first ``L`` positions."""
+    graphs: dict[int, tuple[torch.Tensor, torch.cuda.CUDAGraph]] = field(default_factory=dict)
+    """Key bucket -> (output buffer, graph)."""
 
 
 class StaticDecode:
@@ -128,20 +143,21 @@ class StaticDecode:
         if length >= self.cache.max_len:
             raise RuntimeError(f"KV cache overflow: {length + 1} > max_len="
                                f"{self.cache.max_len}")
+        keys = key_bucket(length + 1, self.cache.max_len)
         buf = self._bucket(r)
         buf.ids[:r].copy_(ids)
         buf.cos[:r].copy_(cos)
         buf.sin[:r].copy_(sin)
-        torch.logical_and(keys_ok[..., :self.cache.max_len], self.positions <= length,
-                          out=buf.attn[:r])
+        torch.logical_and(keys_ok[..., :keys], self.positions[:keys] <= length,
+                          out=buf.attn[:r, ..., :keys])
         self.pos.fill_(length)  # a host scalar into a device tensor: no sync
-        if self.capture and buf.graph is None:
-            buf.out, buf.graph = self._capture(buf)
-        if buf.graph is not None:
-            buf.graph.replay()
-        else:
-            buf.out = self._run(buf)
-        return buf.out[:r]
+        if not self.capture:
+            return self._run(buf, keys)[:r]
+        if keys not in buf.graphs:
+            buf.graphs[keys] = self._capture(buf, keys)
+        out, graph = buf.graphs[keys]
+        graph.replay()
+        return out[:r]
 
     def _bucket(self, rows: int) -> _Bucket:
         b = bucket(rows)
@@ -160,12 +176,14 @@ class StaticDecode:
                                       device=self.device))
         return buf
 
-    def _run(self, buf: _Bucket) -> torch.Tensor:
-        """The step of ``buf``'s bucket over its buffers (eager, or inside a capture)."""
-        slots = self.cache.slots(buf.ids.shape[0], self.pos)
-        return self.layers(self.embed(buf.ids), slots, (buf.cos, buf.sin), buf.attn)
+    def _run(self, buf: _Bucket, keys: int) -> torch.Tensor:
+        """The step of ``buf``'s bucket and key bucket ``keys`` over its buffers (eager, or
+        inside a capture)."""
+        slots = self.cache.slots(buf.ids.shape[0], self.pos, keys)
+        return self.layers(self.embed(buf.ids), slots, (buf.cos, buf.sin),
+                           buf.attn[..., :keys])
 
-    def _capture(self, buf: _Bucket) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
+    def _capture(self, buf: _Bucket, keys: int) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
         """Warm the step up on a side stream, then record it (torch.cuda.graph).  The warm-up
         writes position ``pos`` of the cache with the step's own keys and values (its inputs
         are in the buffers already), which the replay that follows writes again."""
@@ -178,9 +196,9 @@ class StaticDecode:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 for _ in range(WARMUP_STEPS):
-                    self._run(buf)
+                    self._run(buf, keys)
             torch.cuda.current_stream().wait_stream(self.stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                out = self._run(buf)
+                out = self._run(buf, keys)
         return out, graph

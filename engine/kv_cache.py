@@ -198,13 +198,19 @@ class KVCache:
             return self.k[:, :, :, start:end].transpose(-1, -2).clone()
         return untile_keys(self.k, start, end)
 
-    def slots(self, rows: int, pos: torch.Tensor) -> DecodeSlots:
-        """Dense layout: the first ``rows`` rows (up to the capacity) over every position,
-        written at the device position ``pos`` (a captured decode step's cache)."""
-        if self.layout != "dense" or rows > self.k_buf.shape[1]:
-            raise ValueError(f"slots of {rows} rows need the dense layout with that capacity "
-                             f"(layout {self.layout!r})")
-        return DecodeSlots(self.k_buf[:, :rows], self.v_buf[:, :rows], pos)
+    def slots(self, rows: int, pos: torch.Tensor, positions: int | None = None
+              ) -> DecodeSlots:
+        """Dense layout: the first ``rows`` rows (up to the capacity) over the first
+        ``positions`` positions (default all ``max_len``), written at the device position
+        ``pos`` (a captured decode step's cache)."""
+        positions = self.max_len if positions is None else positions
+        if self.layout != "dense" or rows > self.k_buf.shape[1] or \
+                not 0 < positions <= self.max_len:
+            raise ValueError(f"slots of {rows} rows over {positions} positions need the dense "
+                             f"layout with that capacity and max_len (layout {self.layout!r}, "
+                             f"max_len={self.max_len})")
+        return DecodeSlots(self.k_buf[:, :rows, :, :positions],
+                           self.v_buf[:, :rows, :, :positions], pos)
 
     def _end(self, steps: int) -> int:
         """End of the ``steps`` positions a step writes from ``length`` (overflow raises)."""
@@ -244,13 +250,14 @@ class KVCache:
 
 @dataclass(frozen=True, eq=False)
 class DecodeSlots:
-    """Rows ``[0, b)`` of a dense cache over all ``max_len`` positions, written at the device
-    position ``pos`` (``[1]`` int64): one decode step at fixed shapes and addresses, what a
-    CUDA graph can capture (:mod:`engine.cuda_graphs`).  Attention reads every position,
-    the key mask hiding those at or past ``pos + 1``."""
+    """Rows ``[0, b)`` of a dense cache over its first ``L`` positions (``pos < L <=
+    max_len``), written at the device position ``pos`` (``[1]`` int64): one decode step at
+    fixed shapes and addresses, what a CUDA graph can capture (:mod:`engine.cuda_graphs`).
+    Attention reads every one of the ``L`` positions, the key mask hiding those at or past
+    ``pos + 1``."""
 
     k: torch.Tensor
-    """``[layers, b, h_kv, max_len, D]`` (a view of the cache's buffer)."""
+    """``[layers, b, h_kv, L, D]`` (a view of the cache's buffer)."""
     v: torch.Tensor
     pos: torch.Tensor
 
@@ -261,18 +268,18 @@ class DecodeSlots:
 @dataclass(frozen=True, eq=False)
 class LayerSlots:
     """One layer's rows of :class:`DecodeSlots` as a KV hook: writes the new keys and values
-    at ``pos`` and returns the whole cache as ``[b, max_len, h_kv, D]`` views (a plain object,
+    at ``pos`` and returns the slots' positions as ``[b, L, h_kv, D]`` views (a plain object,
     so that ``torch.compile`` traces it: :mod:`engine.compiled_decode`)."""
 
     k: torch.Tensor
-    """``[b, h_kv, max_len, D]``."""
+    """``[b, h_kv, L, D]``."""
     v: torch.Tensor
     pos: torch.Tensor
     stacked_decode = True
     """One new query reads the cache by :func:`engine.layers.decode_attention`."""
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # k, v [b, 1, h_kv, D] -> position pos of [b, h_kv, max_len, D]
+        # k, v [b, 1, h_kv, D] -> position pos of [b, h_kv, L, D]
         self.k.index_copy_(2, self.pos, k.transpose(1, 2))
         self.v.index_copy_(2, self.pos, v.transpose(1, 2))
         return self.k.transpose(1, 2), self.v.transpose(1, 2)

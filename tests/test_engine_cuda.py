@@ -172,9 +172,13 @@ def test_sampled_generation_runs_on_the_gpu_like_the_cpu_in_float32():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_graph_replay_equals_the_eager_static_steps_bitwise(temperature):
+def test_graph_replay_equals_the_eager_static_steps_bitwise(temperature, monkeypatch):
     """The same static steps, captured or not, give the same bits: shared prompts, padding,
-    rows that end at EOS and at their own limits (in-place compaction, smaller buckets)."""
+    rows that end at EOS and at their own limits (in-place compaction, smaller buckets), key
+    buckets of 8 positions (a graph per bucket and key bucket)."""
+    from engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "KEY_STEP", 8)
     full = init_full_state_dict(CFG, seed=6, std=STD)
     model = model_on(CFG, full, CUDA)
     ids, mask = prompts(20, 9, padded=True)

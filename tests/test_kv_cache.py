@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.cuda_graphs import BUCKET_STEP, SMALL_BUCKETS, StaticDecode, bucket, \
+from engine import cuda_graphs
+from engine.cuda_graphs import BUCKET_STEP, SMALL_BUCKETS, StaticDecode, bucket, key_bucket, \
     resolve_graphs
 from engine.generation import GenerationEngine
 from engine.kv_cache import KEY_TILE, KVCache, key_tiles, kv_cache_nbytes, resolve_layout, \
@@ -172,6 +173,51 @@ def test_buckets_are_the_smallest_allowed_size_that_holds_the_rows():
     with pytest.raises(ValueError, match="device=cpu"):
         resolve_graphs(True, torch.device("cpu"))
     assert not resolve_graphs(None, torch.device("cpu"))
+
+
+def test_key_buckets_are_the_next_multiple_of_the_step_up_to_max_len():
+    step = cuda_graphs.KEY_STEP
+    for max_len in (1, step - 1, step, step + 1, 4 * step + 63):
+        for keys in range(1, max_len + 1):
+            b = key_bucket(keys, max_len)
+            assert b == max_len or (b % step == 0 and b < max_len), (keys, max_len)
+            assert keys <= b and (b == max_len or b - keys < step), (keys, max_len)
+    for bad in (0, 10):
+        with pytest.raises(ValueError, match=f"keys={bad}"):
+            key_bucket(bad, 9)
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_dense_steps_attend_over_their_key_buckets(monkeypatch, early_exit):
+    """A call crossing several key buckets (KEY_STEP = 4 here): each static step reads the
+    cache's first key_bucket(position + 1) positions, and the tokens are still the tiled
+    layout's (which reads the filled positions only), log-probs within float32 rounding."""
+    monkeypatch.setattr(cuda_graphs, "KEY_STEP", 4)
+    model = _model(CFG)
+    ids, mask = _prompts(10, 6, padded=True, repeat=False)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, eos_token_id=7)
+    limits = torch.tensor([14, 3, 14, 9, 14] * 2)
+    seen = []
+    slots = KVCache.slots
+
+    def spy(cache, rows, pos, positions=None):
+        seen.append((cache.length, positions))
+        return slots(cache, rows, pos, positions)
+
+    monkeypatch.setattr(KVCache, "slots", spy)
+    outs = {}
+    for layout in ("tiled", "dense"):
+        eng = GenerationEngine(CFG, model.groups, fused_decode=False, kv_layout=layout,
+                               early_exit=early_exit)
+        eng.set_weights(model.params)
+        outs[layout] = eng.generate(ids, mask, params, max_new_tokens=limits)
+    tiled, dense = outs["tiled"], outs["dense"]
+    max_len = 6 + 14 - 1
+    assert len({p for _, p in seen}) >= 3  # 8, 12, 16, 19: several key buckets
+    assert all(p == key_bucket(length + 1, max_len) for length, p in seen), seen
+    assert_clear_picks(model, tiled, params)
+    assert torch.equal(dense.input_ids, tiled.input_ids)
+    assert torch.allclose(dense.log_probs, tiled.log_probs, atol=2e-5, rtol=0)
 
 
 CFG = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
