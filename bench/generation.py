@@ -641,7 +641,10 @@ def main(argv: list[str] | None = None) -> int:
                          "repeat": a.repeat, "model": w.config.to_dict()},
               "device": bd.describe()}
     if bd.is_cuda:
-        result |= {"precision": bd.precision, "hf_cache": hf_cache}
+        from engine import inductor
+
+        result |= {"precision": bd.precision, "hf_cache": hf_cache,
+                   "compile_fallbacks": inductor.fallbacks()}
     tol = BF16_TIE_TOL if bd.is_cuda and bd.precision == "bf16" else TIE_TOL
     print(summary(a.shape, single, batch, n, tol))
     if single["first_mismatch"]:

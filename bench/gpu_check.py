@@ -46,8 +46,8 @@ On a lent GPU machine (no network), from the repository root where pip works: ``
 gpu-wheels`` once (omegaconf, datasets, TRL and the two that datasets needs beyond the
 image), then run ``make gpu-check`` there with ``wheels`` carried (and ``runs/cache``, the
 main job's cached SFT warm start, which it reuses when its settings match) and unpack the
-returned ``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU correctness rests on the CPU tests of the NCCL
-rules.
+returned ``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU correctness rests
+on the CPU tests of the NCCL rules.
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ KEYS = ("name", "command", "rc", "seconds", "timed_out", "skipped", "tail", "fig
 """The keys of every step's JSON."""
 BENCH_FIGURES = {
     "generation": ("device", "ratio", "ours_tokens_per_s", "hf_tokens_per_s", "greedy_match",
+                   "compile_fallbacks",
                    "greedy_match_tie_aware", "max_logprob_diff", "sampled_ratio",
                    "sampled_ours_tokens_per_s", "sampled_hf_tokens_per_s"),
-    "roofline": ("device", "train_flops_fraction", "decode_limit_fraction",
+    "roofline": ("device", "train_flops_fraction", "decode_limit_fraction", "compile_fallbacks",
                  "train_eager_flops_fraction", "train_eager_layers_flops_fraction",
                  "peak_matmul_flops", "memcpy_bytes_per_s", "read_bytes_per_s",
                  "decode_b1_limit_fraction", "decode_b32_limit_fraction",
@@ -267,7 +268,9 @@ def plan(device: str, quick: bool, scratch: str, out_dir: str | None = None) -> 
               "--no-cache-dir", "--upgrade", "--target", site, *wheels], limit(90),
              skip=None if wheels else "no wheels in wheels/ (make gpu-wheels)"),
         Step("build", build, limit(300), env={"MAX_JOBS": str(os.cpu_count() or 1)}),
+        # a compile that falls back to eager (engine.inductor's warning) fails its test
         Step("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rP",
+                            "-W", "error:torch.compile of:RuntimeWarning",
                             "--continue-on-collection-errors", *gpu_test_files()],
              limit(150), _pytest_counts),
     ]

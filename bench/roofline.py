@@ -50,9 +50,10 @@ step only reads them), at batch 32 usually the FLOPs.
 
 Fractions (goals in the issue; reported, not asserted): ``train_flops_fraction`` = step FLOPs /
 step time / peak (interleaved A/Bs of the same step: ``train.eager_step_s`` with nothing
-compiled, :mod:`engine.inductor` off; ``train.eager_layers_step_s`` with the LM head's
-vocabulary log-softmax compiled and the decoder layers eager, where they are compiled,
-:mod:`engine.compiled_train`), for one
+compiled, :mod:`engine.inductor` off; ``train.eager_layers_step_s`` with the decoder layers
+eager, where they are compiled (:mod:`engine.compiled_train`), and the LM head's vocabulary
+log-softmax and the eager layers' SwiGLU still compiled above ``MIN_NUMEL``, so
+``compiled_head_speedup`` counts both), for one
 optimiser step over ``prompts x samples`` sequences of
 ``prompt_len + response_len`` tokens in micro-batches of ``--micro-batch`` (the RL update) on
 :class:`engine.train.TrainEngine` at layout 1,1,1; ``decode_b{1,32}_limit_fraction`` = limit /
@@ -434,7 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result.update(shape=dataclasses.replace(shape, dtype=bd.dtype).describe(),
+    from engine import inductor
+
+    result.update(compile_fallbacks=inductor.fallbacks(),
+                  shape=dataclasses.replace(shape, dtype=bd.dtype).describe(),
                   argv=sys.argv if argv is None else argv, threads=torch.get_num_threads(),
                   repeat=a.repeat, device=bd.describe())
     r = result

@@ -5,9 +5,9 @@ Eagerly, a layer of a training micro-batch is about 40 kernels forward and more 
 Beside the four products and the attention they are elementwise passes over ``[tokens, H]``
 or ``[tokens, heads, D]``: the two RMSNorms in float32 (upcast, square, mean, rsqrt, scale,
 downcast, weight), the q/k/v bias, RoPE on q and k (split, negate, concatenate, two products,
-a sum), two residual adds.  At Qwen2.5-0.5B's hidden size of 896 each pass is a few tens of
-microseconds or less, so their launches and memory round trips, not the products, set the
-step time (docs/benchmarks.md, GPU: 0.26 of the matmul peak).  Inductor traces the layer with
+a sum), two residual adds.  At a small model's hidden size (Qwen2.5-0.5B's 896) each pass is a few
+tens of microseconds or less, so their launches and memory round trips, not the products,
+set much of the step time (docs/benchmarks.md, GPU).  Inductor traces the layer with
 autograd (AOTAutograd) and emits the forward and the backward each as the products, the
 attention and a few fused loops::
 
@@ -15,10 +15,11 @@ attention and a few fused loops::
     compiled  norm    qkv bias+split+rope     sdpa o add+norm        gu swiglu down add
               (and the backward likewise, the recomputed norms fused into their users)
 
-One function serves every layer: the layer's weights, the RoPE tables and the attention mask
-are arguments, so it compiles once for the model and again once when a micro-batch of another
-shape arrives (dynamo then marks the changed sizes dynamic), separately for the forward with
-gradients (training) and without (log-prob passes).  The results equal the eager layers up to
+One function serves every layer of every model of the process: the layer's weights, the RoPE
+tables and the attention mask are arguments, so it compiles once per kind of call (with
+gradients or without, with a padding mask or causal, per dtype) and once more when sizes
+change (dynamo then makes them symbolic: any batch, sequence length or model size).  Past
+dynamo's recompile limit a new kind runs eagerly.  The results equal the eager layers up to
 float summation order: the fused norms keep their float32 intermediates, so in bf16 they are a
 little closer to float64 than the eager ones (tests/test_compiled_train.py).
 
@@ -26,7 +27,8 @@ Used where :func:`compile_applies`: without tensor parallelism (its collectives 
 compiled code), on a dense model (a mixture's expert products are sized by the routing), without
 LoRA adapters, and with compiling enabled (``HYBRIDFLOW_COMPILE``); sequences packed on one row
 (:class:`engine.layers.PackedSeqs`, one attention per sequence) run eagerly.  Where the backend
-cannot compile, the layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
+cannot compile (the backward is lowered with the forward, so a failure shows there), the
+layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def train_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Tenso
     return decoder_layer(x, w, (cos, sin), mask, q_per_group, head_dim, eps, None)
 
 
-compiled_layer = inductor.Compiled(train_layer, min_numel=0, dynamic=None)
-"""Compiled on first use, eager (with one warning) where the backend cannot compile."""
+compiled_layer = inductor.Compiled(train_layer, min_numel=0, dynamic=None,
+                                   backward_with_forward=True)
+"""Compiled on first use, the backward with the forward; eager (with one warning) where the
+backend cannot compile."""
 
 
 def compile_applies(compile_layers: bool | None, device: torch.device, tensor_parallel: bool,

@@ -20,12 +20,14 @@ an unsupported torch) warns once and leaves that function eager for the process.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import warnings
 from collections.abc import Callable
 
 import torch
+import torch._functorch.config as functorch_config
 
 MIN_NUMEL = 1 << 20
 """Smallest first-argument ``numel`` run compiled (4 MiB of float32)."""
@@ -71,17 +73,37 @@ def enabled() -> bool:
     return _enabled
 
 
+try:
+    from torch._dynamo.exc import FailOnRecompileLimitHit as _RecompileLimit
+except ImportError:  # pragma: no cover - a torch without it raises nothing of the kind
+    _RecompileLimit = ()
+
+_instances: list[Compiled] = []
+
+
+def fallbacks() -> list[str]:
+    """The functions whose compile failed in this process (they run eagerly): what a bench
+    records beside its compiled figures."""
+    return sorted(c.fn.__qualname__ for c in _instances if c._broken)
+
+
 class Compiled:
     """``fn`` eager, or compiled once its first argument has at least ``min_numel``
     elements (and compiling is enabled); the results are those of ``fn`` up to float32
     summation order.  ``dynamic``: ``torch.compile``'s (True: every size symbolic from the
-    first compile; None: sizes that change between calls become symbolic at the second)."""
+    first compile; None: sizes that change between calls become symbolic at the second).
+    ``backward_with_forward``: a function trained through compiles its backward with its
+    forward (:meth:`_lowering`).  A call past dynamo's recompile limit runs eagerly (with
+    one warning); a compile that fails leaves the function eager for the process."""
 
     def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL,
-                 dynamic: bool | None = True) -> None:
+                 dynamic: bool | None = True, backward_with_forward: bool = False) -> None:
         self.fn, self.min_numel, self.dynamic = fn, min_numel, dynamic
+        self.backward_with_forward = backward_with_forward
         self._compiled: Callable | None = None
         self._broken = False
+        self._limited = False
+        _instances.append(self)
 
     def uses_compiled(self, first: torch.Tensor) -> bool:
         return _enabled and not self._broken and first.numel() >= self.min_numel
@@ -93,11 +115,28 @@ class Compiled:
             _key_the_cache()
             self._compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
         try:
-            return self._compiled(first, *args)
+            with self._lowering():
+                return self._compiled(first, *args)
         except torch.OutOfMemoryError:
             raise  # not a compile failure: the eager formula would need more memory still
+        except _RecompileLimit:  # a variant past dynamo's recompile limit: this call eagerly
+            if not self._limited:
+                self._limited = True
+                warnings.warn(f"torch.compile of {self.fn.__qualname__} reached dynamo's "
+                              f"recompile limit; new variants run eagerly", RuntimeWarning,
+                              stacklevel=2)
+            return self.fn(first, *args)
         except Exception as exc:  # the backend could not compile: stay eager, say so once
             self._broken = True
             warnings.warn(f"torch.compile of {self.fn.__qualname__} failed ({type(exc).__name__}:"
                           f" {exc}); running it eagerly", RuntimeWarning, stacklevel=2)
             return self.fn(first, *args)
+
+    def _lowering(self):
+        """With ``backward_with_forward``, AOTAutograd lowers the backward when it compiles
+        the forward (where the torch has the switch), so that a backward the backend cannot
+        compile fails inside this call's fallback, not later in ``loss.backward()``."""
+        if self.backward_with_forward and hasattr(functorch_config,
+                                                  "force_non_lazy_backward_lowering"):
+            return functorch_config.patch(force_non_lazy_backward_lowering=True)
+        return contextlib.nullcontext()

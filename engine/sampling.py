@@ -217,8 +217,20 @@ def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = 
     """
     probs = torch.softmax(scaled, dim=-1)
     row_ids = _row_ids(probs.shape[0], rows, first_row, probs.device)
-    noise = clock_uniforms(stream, row_ids, probs.shape[-1]).log_().neg_()
+    noise = _clocks(clock_uniforms(stream, row_ids, probs.shape[-1]))
     return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
+
+
+MIN_CLOCK = 2.0 ** -25
+"""Smallest exponential clock: a uniform of 1 gives ``-log(1) = 0``, and a candidate of
+probability 0 (banned, filtered, or underflowed) would then race as ``0 / 0 = NaN``, which
+argmax picks; at ``MIN_CLOCK`` it scores 0, and any candidate of probability > 0 with that
+clock still rings first."""
+
+
+def _clocks(uniforms: torch.Tensor) -> torch.Tensor:
+    """The race's exponential clocks ``max(-log(u), MIN_CLOCK)`` of ``uniforms`` in (0, 1]."""
+    return uniforms.log().neg_().clamp_min_(MIN_CLOCK)
 
 
 def _row_ids(count: int, rows: torch.Tensor | None, first_row: int,
@@ -246,10 +258,12 @@ def clock_uniforms(stream: SeedStream, row_ids: torch.Tensor, vocab: int) -> tor
     return counter_uniforms_formula(seed, row_ids, vocab)
 
 
-def counter_uniforms_formula(seed: int | torch.Tensor, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+def counter_uniforms_formula(seed: int | torch.Tensor, row_ids: torch.Tensor,
+                             vocab: int) -> torch.Tensor:
     """SplitMix64 by int64 tensor ops (products wrap mod 2^64; ``>>`` is arithmetic, so the
     logical shifts mask the sign bits): ``(top 24 bits + 1) / 2^24`` of
-    ``mix(seed + (row << 32 | j + 1) * gamma)``."""
+    ``mix(seed + (row << 32 | j + 1) * gamma)``; ``seed`` an int or a 0-d int64 tensor on
+    ``row_ids``' device (compiled code: no constant per step)."""
     def shr(z: torch.Tensor, bits: int) -> torch.Tensor:
         return (z >> bits) & ((1 << (64 - bits)) - 1)
 
@@ -309,20 +323,22 @@ def _filter_and_sample(values: torch.Tensor, ids: torch.Tensor, params: Sampling
                                                                         pick).squeeze(-1)
 
 
-def whole_vocab_formula(logits: torch.Tensor, temperature: torch.Tensor | None,
+def whole_vocab_formula(logits: torch.Tensor, inv_temperature: torch.Tensor | None,
                         banned: int | None, seed: torch.Tensor | None,
                         row_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_next`'s two whole-vocabulary modes without filters, as one function of
     tensors (what :data:`COMPILED_DEVICES` run compiled): ``seed`` None, the argmax (greedy,
-    or ``top_k == 1`` with ``temperature``), else the draw of :func:`_draw` from the 0-d
-    int64 ``seed`` for ``row_ids``.  Returns ``(tokens [R], log_probs [R])``."""
-    z = logits.float() if temperature is None else logits.float() / temperature
+    or ``top_k == 1`` at a temperature), else the draw of :func:`_draw` from the 0-d int64
+    ``seed`` for ``row_ids``.  The logits are scaled by the float32 ``inv_temperature`` (0-d;
+    None: greedy), as CUDA divides by a scalar and as the training head scales them.
+    Returns ``(tokens [R], log_probs [R])``."""
+    z = logits.float() if inv_temperature is None else logits.float() * inv_temperature
     zs = _without(z, banned, 0)
     if seed is None:
         smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
         return arg, smax - torch.logsumexp(z, dim=-1)
     probs = torch.softmax(zs, dim=-1)
-    noise = counter_uniforms_formula(seed, row_ids, z.shape[-1]).log().neg()
+    noise = _clocks(counter_uniforms_formula(seed, row_ids, z.shape[-1]))
     pick = (probs / noise).argmax(dim=-1, keepdim=True)
     return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double()
                               - _logsumexp(z)).float()
@@ -362,21 +378,22 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, group: Group | Non
     """
     # z: the logits of the sampled distribution (greedy: the model's own), which give the
     # log-probs; zs: the ones the token is selected from (z, or z with EOS at -inf)
-    z = logits.float() if params.greedy else logits.float() / params.temperature
     whole_vocab = group is None or group.pg is None
-    v_local = z.shape[-1]
-    start = (0 if group is None else group.rank) * v_local
     banned = params.banned_token(step)
     argmax_only = params.greedy or params.top_k == 1
-    if whole_vocab and z.device.type in COMPILED_DEVICES and (
+    device = logits.device
+    if whole_vocab and device.type in COMPILED_DEVICES and (
             argmax_only or (params.top_p == 1 and params.top_k == 0)):
-        temperature = None if params.greedy else torch.full(
-            (), params.temperature, dtype=torch.float32, device=z.device)
+        inv_t = None if params.greedy else torch.full(
+            (), params.temperature, dtype=torch.float32, device=device).reciprocal()
         if argmax_only:
-            return _whole_vocab(logits, temperature, banned, None, None)
-        seed = torch.full((), stream.next(), dtype=torch.long, device=z.device)
-        return _whole_vocab(logits, temperature, banned, seed,
-                            _row_ids(z.shape[0], rows, params.first_row, z.device))
+            return _whole_vocab(logits, inv_t, banned, None, None)
+        seed = torch.full((), stream.next(), dtype=torch.long, device=device)
+        return _whole_vocab(logits, inv_t, banned, seed,
+                            _row_ids(logits.shape[0], rows, params.first_row, device))
+    z = logits.float() if params.greedy else logits.float() / params.temperature
+    v_local = z.shape[-1]
+    start = (0 if group is None else group.rank) * v_local
     if whole_vocab and argmax_only and _rows_kernel(z):
         # the argmax-only modes below: the first maximum over the columns but EOS (while
         # banned) and the normaliser over all of them, in one C++ call

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import sampling
+from engine import inductor, sampling
 from engine.generation import GenerationEngine
 from engine.sampling import SamplingParams, SeedStream, sample_next, whole_vocab_formula
 from tests.test_compiled_train import GROUPS
@@ -21,16 +21,32 @@ from tests.test_kv_cache import CFG, _model, _prompts
 TIE = 1e-4
 
 
+class Counted:
+    """The compiled sampler, its calls counted."""
+
+    def __init__(self, compiled):
+        self.compiled, self.calls = compiled, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.compiled(*args)
+
+
 @pytest.fixture
 def compiled_on_cpu(monkeypatch):
-    """The CPU dispatches to the compiled sampler, whatever the logits' size."""
+    """The CPU dispatches to the compiled sampler, whatever the logits' size; compiling on
+    whatever HYBRIDFLOW_COMPILE says, and no fallback by the end."""
     import torch._dynamo
 
     torch._dynamo.reset()
+    previous = inductor.set_enabled(True)
     monkeypatch.setattr(sampling, "COMPILED_DEVICES", ("cpu",))
     monkeypatch.setattr(sampling._whole_vocab, "min_numel", 0)
-    yield sampling._whole_vocab
-    assert not sampling._whole_vocab._broken
+    counted = Counted(sampling._whole_vocab)
+    monkeypatch.setattr(sampling, "_whole_vocab", counted)
+    yield counted
+    inductor.set_enabled(previous)
+    assert not counted.compiled._broken and counted.compiled._compiled is not None
 
 
 def _race(z: torch.Tensor, seed: int, row_ids: torch.Tensor) -> torch.Tensor:
@@ -74,8 +90,9 @@ def test_whole_vocab_modes_compiled_match_the_cpu_sampler(compiled_on_cpu, dtype
             with pytest.MonkeyPatch.context() as m:
                 m.setattr(sampling, "COMPILED_DEVICES", ())
                 want, want_lp = sample_next(logits, params, None, ref, rows, step)
+            calls = compiled_on_cpu.calls
             got, got_lp = sample_next(logits, params, None, ours, rows, step)
-            assert compiled_on_cpu._compiled is not None  # the compiled path ran
+            assert compiled_on_cpu.calls == calls + 1  # the compiled path ran
             assert ours.steps == ref.steps == (0 if params.greedy or params.top_k else 1)
             z = logits.float() / (params.temperature or 1.0)
             banned = params.banned_token(step)
@@ -97,7 +114,8 @@ def test_compiled_formula_equals_its_eager_self(compiled_on_cpu):
     logits = torch.randn(24, 500, generator=g) * 2
     row_ids = torch.arange(24) + 100
     for seed in (None, torch.tensor(77)):
-        args = (logits, torch.tensor(0.9), 7, seed, None if seed is None else row_ids)
+        args = (logits, torch.tensor(0.9).reciprocal(), 7, seed,
+                None if seed is None else row_ids)
         want, want_lp = whole_vocab_formula(*args)
         got, got_lp = compiled_on_cpu(*args)
         scores = (logits / 0.9).double() if seed is None else _race(logits / 0.9, 77, row_ids)
@@ -121,7 +139,34 @@ def test_generation_with_the_compiled_sampler(compiled_on_cpu):
                 eng = GenerationEngine(CFG, GROUPS, fused_decode=False, kv_layout="dense")
                 eng.set_weights(model.params)
                 outs[compiled] = eng.generate(ids, mask, params)
+            if compiled:
+                assert compiled_on_cpu.calls >= params.max_new_tokens  # every step's pick
         equal = (outs[True].responses == outs[False].responses).cumprod(dim=1).bool()
         assert float(equal.double().mean()) > 0.9
         torch.testing.assert_close(outs[True].log_probs[equal], outs[False].log_probs[equal],
                                    atol=2e-5, rtol=0)
+
+
+def test_a_clock_of_zero_never_draws_an_impossible_candidate(monkeypatch):
+    """A uniform of exactly 1 gives the clock -log(1) = 0; a candidate of probability 0 (EOS
+    banned here) with it must not win (0 / 0 would be NaN, which argmax picks), a candidate
+    of probability > 0 with it rings first, in the eager draw and in the formula."""
+    z = torch.tensor([[0.0, 1.0, 2.0, 0.5]])
+    ones_at = {0: 3, 1: 2}  # row 0: banned token 3's uniform is 1; row 1: token 2's
+
+    def uniforms(seed, row_ids, vocab):
+        u = torch.full((row_ids.numel(), vocab), 0.5)
+        for i, r in enumerate(row_ids.tolist()):
+            u[i, ones_at[r]] = 1.0
+        return u
+
+    monkeypatch.setattr(sampling, "counter_uniforms_formula", uniforms)
+    monkeypatch.setattr(sampling, "_kernels", None)
+    assert float(sampling._clocks(torch.tensor([1.0]))) == sampling.MIN_CLOCK
+    for row, want_not, want in ((0, 3, None), (1, None, 2)):
+        ids = torch.tensor([row])
+        banned = sampling._without(z, 3, 0)
+        eager = int(sampling._draw(banned, SeedStream(1), first_row=row)[0, 0])
+        formula = int(whole_vocab_formula(z, torch.tensor(1.0), 3, torch.tensor(5), ids)[0][0])
+        for pick in (eager, formula):
+            assert pick != want_not and (want is None or pick == want), (row, pick)

@@ -25,6 +25,15 @@ CFG = LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_layer
 GROUPS = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
 
 
+@pytest.fixture(autouse=True)
+def compile_on():
+    """Compiling on whatever HYBRIDFLOW_COMPILE says; every test ends with no fallback."""
+    previous = inductor.set_enabled(True)
+    yield
+    inductor.set_enabled(previous)
+    assert not compiled_train.compiled_layer._broken
+
+
 def _model(cfg: LlamaConfig, compiled: bool) -> ParallelLlama:
     model = ParallelLlama(cfg, GROUPS, compile_layers=compiled)
     load_full_state_dict(model, init_full_state_dict(CFG, seed=3, std=0.2))
@@ -68,11 +77,9 @@ def test_compile_applies():
     assert not compile_applies(False, cuda, False, False, False)
     for blocker in range(3):  # TP, experts, LoRA
         assert not compile_applies(True, cuda, *(i == blocker for i in range(3)))
-    previous = inductor.set_enabled(False)
-    try:
-        assert not compile_applies(True, cuda, False, False, False)
-    finally:
-        inductor.set_enabled(previous)
+    inductor.set_enabled(False)
+    assert not compile_applies(True, cuda, False, False, False)
+    inductor.set_enabled(True)
     lora = LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",))
     assert not ParallelLlama(CFG, GROUPS, lora=lora, compile_layers=True).compile_layers
     assert not ParallelLlama(CFG, GROUPS).compile_layers  # off on the CPU by default
@@ -96,8 +103,8 @@ def test_compiled_layers_match_eager_float32():
         assert g_c.keys() == g_e.keys() == compiled.params.keys()
         for n in g_e:
             assert _rel(g_c[n], g_e[n].double()) < 1e-5, n
-    assert stats["unique_graphs"] - counted <= 2  # not one compile per layer or per length
-    assert not compiled_train.compiled_layer._broken
+    # not one compile per layer or per length: a static one, then sizes symbolic
+    assert 1 <= stats["unique_graphs"] - counted <= 2
     for seq, grad in ((12, True), (17, True), (17, False)):  # padding masks, a no-grad pass
         ids, mask = _batch(3, seq, padded=True)
         lp_e, g_e = _pass(eager, ids, mask, grad)
@@ -124,7 +131,9 @@ def test_compiled_layers_bf16_against_float64(padded):
     bf16 = replace(CFG, dtype=torch.bfloat16)
     errors = {}
     for compiled in (False, True):
-        lp, grads = _pass(_model(bf16, compiled), ids, mask, True)
+        model = _model(bf16, compiled)
+        assert model.compile_layers == compiled
+        lp, grads = _pass(model, ids, mask, True)
         real = mask[:, 1:].bool() if padded else torch.ones_like(lp, dtype=torch.bool)
         errors[compiled] = (_rel(lp[real], ref_lp[real]),
                             max(_rel(grads[n], ref_g[n]) for n in ref_g))

@@ -1,8 +1,9 @@
 """The engines on a CUDA device (skipped without one): bf16 generation (dense KV cache, with
 and without CUDA graphs) against transformers' greedy generate of the same bf16 model, graph
 replay against the same static steps run eagerly (bitwise), the training model's bf16 forward
-and backward (eager and compiled layers) against the float32 CPU model, the sampler's uniforms on the GPU against the
-CPU's, and a printed (never asserted) decode throughput of eager steps against graphs.
+and backward (eager and compiled layers) against the float32 CPU model, the sampler's
+uniforms and its compiled whole-vocabulary modes on the GPU against the CPU's, and a printed
+(never asserted) decode throughput of eager steps against graphs.
 
 bf16 paths round differently from each other (our layers vs transformers', SDPA kernels vs
 the CPU), so greedy tokens are compared up to each row's first near-tie: a row may part from
@@ -119,8 +120,13 @@ def test_bf16_training_forward_and_backward_match_float32_cpu(padded, compiled):
     # the float32 reference reads the bf16-rounded weights: only the compute differs
     full32 = {k: v.float() for k, v in full.items()}
     ref = model_on(replace(CFG, dtype=torch.float32), full32, torch.device("cpu"))
+    import torch._dynamo
+
+    from engine import compiled_train
+
     gpu = model_on(CFG, full, CUDA, compile_layers=compiled)
     assert gpu.compile_layers == compiled
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     ids, mask = prompts(4, 24, padded)
     outs = {}
     for name, model in (("cpu", ref), ("cuda", gpu)):
@@ -132,6 +138,9 @@ def test_bf16_training_forward_and_backward_match_float32_cpu(padded, compiled):
         loss.backward()
         outs[name] = (head["log_probs"].detach().cpu(), head["entropy"].detach().cpu(),
                       {n: p.grad.float().cpu() for n, p in model.params.items()})
+    if compiled:  # the compiled layers ran: a graph was made and none fell back
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+        assert not compiled_train.compiled_layer._broken
     (lp32, ent32, g32), (lp16, ent16, g16) = outs["cpu"], outs["cuda"]
     keep = mask[:, 1:].bool()
     assert float((lp16 - lp32).abs()[keep].max()) < 0.1
@@ -149,6 +158,45 @@ def test_sampler_uniforms_on_the_gpu_equal_the_cpu_ones():
     assert torch.equal(gpu.cpu(), cpu)
     assert torch.equal(counter_uniforms_formula(5, rows.to(CUDA), 77).cpu(),
                        counter_uniforms_formula(5, rows, 77))
+
+
+def test_compiled_sampler_on_the_gpu_matches_the_cpu_sampler(monkeypatch):
+    """The whole-vocabulary modes compiled by Triton (greedy, top_k=1, unfiltered draws, EOS
+    banned or not, a subset of rows): tokens as the CPU sampler's but at near-ties, the int64
+    SplitMix64 counters bit for bit, log-probs within float32 rounding."""
+    from engine import sampling
+    from engine.sampling import SeedStream, sample_next
+    from tests.test_compiled_sampling import _assert_equal_but_ties, _race
+    from tests.test_generation_early_exit import splitmix64_uniform
+
+    rows_ids = torch.tensor([0, 3, (1 << 31) + 7])
+    fn = torch.compile(sampling.counter_uniforms_formula, fullgraph=True)
+    got = fn(torch.tensor((1 << 63) - 1, device=CUDA), rows_ids.to(CUDA), 50).cpu()
+    want = torch.tensor([[splitmix64_uniform((1 << 63) - 1, int(r), j) for j in range(50)]
+                         for r in rows_ids], dtype=torch.float64)
+    assert torch.equal(got.double(), want)
+    monkeypatch.setattr(sampling._whole_vocab, "min_numel", 0)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.rand(40, generator=g) < 0.6
+    logits = torch.randn(int(rows.sum()), 3000, generator=g) * 3
+    cases = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=1),
+             SamplingParams(temperature=0.7, seed=11),
+             SamplingParams(temperature=1.0, seed=12, eos_token_id=5, min_new_tokens=4)]
+    for params in cases:
+        for step in (0, 5):
+            want, want_lp = sample_next(logits, params, None, SeedStream(params.seed), rows,
+                                        step)
+            got, got_lp = sample_next(logits.to(CUDA), params, None, SeedStream(params.seed),
+                                      rows.to(CUDA), step)
+            z = logits / (params.temperature or 1.0)
+            if params.banned_token(step) is not None:
+                z[:, params.banned_token(step)] = float("-inf")
+            scores = z.double() if params.greedy or params.top_k else _race(
+                z, SeedStream(params.seed).next(), torch.nonzero(rows).squeeze(1))
+            _assert_equal_but_ties(got.cpu(), want, scores)
+            same = got.cpu() == want
+            torch.testing.assert_close(got_lp.cpu()[same], want_lp[same], atol=1e-5, rtol=0)
+    assert sampling._whole_vocab._compiled is not None and not sampling._whole_vocab._broken
 
 
 def test_sampled_generation_runs_on_the_gpu_like_the_cpu_in_float32():
