@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from engine import batched_attention
+from engine import batched_attention, varlen
 from engine.inductor import Compiled
 from engine.tp_ops import column_linear, copy_to_tp, reduce_from_tp, row_linear, \
     row_linear_pieces
@@ -205,8 +205,9 @@ class PackedSeqs:
         mask  block-diagonal causal [T, T] (never built: one attention per sequence)
 
     :func:`attention` takes it in place of a mask and runs one causal attention per sequence
-    (:mod:`engine.batched_attention`, or CPU flash attention for long sequences;
-    ``torch.nn.attention.varlen`` is CUDA only), so the cost is ``sum L_i^2``, not ``T^2``.
+    (:mod:`engine.batched_attention`, or CPU flash attention for long sequences; on CUDA all
+    of them in one varlen flash call, :mod:`engine.varlen`), so the cost is ``sum L_i^2``, not
+    ``T^2``.
     Built by :func:`engine.micro_batches.pack_rows`.
     """
 
@@ -243,8 +244,11 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       packed: PackedSeqs) -> torch.Tensor:
-    """``[1, T, h_q*D]`` attention of every packed sequence on its own."""
+    """``[1, T, h_q*D]`` attention of every packed sequence on its own: in one varlen call
+    on CUDA (:mod:`engine.varlen`), else one attention per sequence."""
     c = packed.cu_seqlens
+    if varlen.applies(q) and packed.total > 0:
+        return varlen.causal_attention(q, k, v, c)
     return torch.cat([_causal_attention(q[:, a:b], k[:, a:b], v[:, a:b])
                       for a, b in zip(c, c[1:]) if b > a], dim=1)
 
