@@ -288,14 +288,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if mask is None and queries not in (1, keys):
         raise ValueError(f"{queries} queries after {keys - queries} cached keys need a mask "
                          f"(without one: a prefill, S = S_kv, or one new token, S = 1)")
+    repeat = repeat_kv_heads(q.device, mask is not None, q.shape[2], k.shape[2])
+    if repeat:
+        k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
     # no mask where none is needed (SDPA's flash and efficient kernels on CUDA): causal for a
     # prefill; one new token after the cache sees every key (is_causal would align its one
     # query with the first key)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
                                          is_causal=mask is None and queries > 1,
-                                         enable_gqa=True)
+                                         enable_gqa=not repeat)
     return out.transpose(1, 2).flatten(2)
+
+
+def repeat_kv_heads(device: torch.device, masked: bool, h_q: int, h_kv: int) -> bool:
+    """Whether attention repeats each key/value head for its query heads (pure): on CUDA
+    with a mask, where SDPA's memory-efficient kernel (the one that takes a mask) refuses
+    ``enable_gqa`` and SDPA would fall back to its math kernel, which materialises the
+    ``[B, h_q, S, S_kv]`` float32 scores; the repeated keys and values are ``h_q / h_kv``
+    times their size, ``O(S)``.  Elsewhere SDPA broadcasts the groups itself."""
+    return device.type == "cuda" and masked and h_q != h_kv
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
