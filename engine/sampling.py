@@ -229,8 +229,9 @@ clock still rings first."""
 
 
 def _clocks(uniforms: torch.Tensor) -> torch.Tensor:
-    """The race's exponential clocks ``max(-log(u), MIN_CLOCK)`` of ``uniforms`` in (0, 1]."""
-    return uniforms.log().neg_().clamp_min_(MIN_CLOCK)
+    """The race's exponential clocks ``max(-log(u), MIN_CLOCK)`` of ``uniforms`` in (0, 1],
+    computed in place (``uniforms`` is the caller's fresh tensor)."""
+    return uniforms.log_().neg_().clamp_min_(MIN_CLOCK)
 
 
 def _row_ids(count: int, rows: torch.Tensor | None, first_row: int,
