@@ -62,7 +62,8 @@ from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelSta
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
     plan_call, resolve_kernels
 from engine.kv_cache import KVCache, kv_cache_nbytes, resolve_layout
-from engine.layers import causal_mask, moe_block, position_ids_from_mask, rms_norm, rope_tables
+from engine.layers import causal_mask, experts_mask, moe_block, position_ids_from_mask, \
+    rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import same_device
 from engine.sampling import SamplingParams, SeedStream, sample_next
@@ -344,8 +345,9 @@ class GenerationEngine:
             q_per_group=c.q_per_group, head_dim=c.head_dim, eps=c.rms_norm_eps,
             tp_group=self.tp_group, dtype=c.dtype, device=self.device, loras=loras,
             routing=c.routing, route_log=self.route_log,
-            moe=None if self.experts is None else functools.partial(moe_block,
-                                                                    experts=self.experts))
+            moe=None if self.experts is None else functools.partial(
+                moe_block, experts=self.experts,
+                held_mask=experts_mask(self.experts, c.num_experts, self.device)))
         self.weights, self.weights_version = weights, version
         # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)

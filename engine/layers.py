@@ -589,8 +589,8 @@ def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> tor
 
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
               tp_group: Group | None, router_loss: RouterLoss | None = None,
-              trace: RouteTrace | None = None, experts: Sequence[int] | None = None
-              ) -> torch.Tensor:
+              trace: RouteTrace | None = None, experts: Sequence[int] | None = None,
+              held_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Dropless top-k mixture of SwiGLU experts: ``x [..., H]`` (replicated) -> ``[..., H]``.
 
     The (token, expert) pairs are sorted by expert so each expert runs one matmul pair over
@@ -603,7 +603,8 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     partial outputs, so their gradient is a partial sum: they enter through
     :func:`engine.tp_ops.copy_to_tp`, like the experts' inputs.  The layer's load-balancing
     term goes to ``router_loss`` where given (training), its experts to (or from) ``trace``
-    (:class:`RouteTrace`).
+    (:class:`RouteTrace`).  ``held_mask``: ``experts`` as a bool ``[E]`` mask on ``x``'s
+    device, made once by a caller that runs the block every step (default: made here).
     """
     shape, num_experts = x.shape, w["router"].shape[0]
     tokens = x.reshape(-1, shape[-1])
@@ -612,8 +613,8 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     held = range(num_experts) if experts is None else sorted(experts)  # the pairs' order
     if experts is not None:  # this rank's experts' pairs only
-        mine = torch.zeros(num_experts, dtype=torch.bool, device=flat.device)
-        mine[torch.as_tensor(list(experts), device=flat.device)] = True
+        mine = held_mask if held_mask is not None else experts_mask(experts, num_experts,
+                                                                    flat.device)
         order = order[mine[flat[order]]]
     counts = torch.bincount(flat[order], minlength=num_experts).tolist()
     token_of = order // routing.top_k
@@ -623,6 +624,14 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     scale = copy_to_tp(weights, tp_group).flatten()[order]
     out = torch.zeros_like(tokens).index_add(0, token_of, torch.cat(outs) * scale[:, None])
     return reduce_from_tp(out, tp_group).reshape(shape)
+
+
+def experts_mask(experts: Sequence[int], num_experts: int,
+                 device: torch.device) -> torch.Tensor:
+    """``[num_experts]`` bool on ``device``, True at ``experts``."""
+    mask = torch.zeros(num_experts, dtype=torch.bool, device=device)
+    mask[torch.as_tensor(list(experts), device=device)] = True
+    return mask
 
 
 class MoeFn(Protocol):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.hf_interop import config_from_hf, config_to_hf
-from engine.layers import MoeRouting, moe_block
+from engine.layers import MoeRouting, experts_mask, moe_block
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.lora import ATTENTION, LoraConfig
 from engine.megatron_backend import transformer_config
@@ -217,7 +217,11 @@ def test_experts_split_over_ranks_sum_to_the_whole_block():
         for part in parts:
             mine = {k: v for k, v in w.items()
                     if not k.startswith("experts.") or int(k.split(".")[1]) in part}
-            total += moe_block(x, mine, routing, None, experts=part).double()
+            out = moe_block(x, mine, routing, None, experts=part)
+            held = experts_mask(part, E, x.device)  # made once by the generation engine
+            assert torch.equal(moe_block(x, mine, routing, None, experts=part,
+                                         held_mask=held), out)
+            total += out.double()
         torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5)
 
 
