@@ -159,6 +159,11 @@ class StaticDecode:
         graph.replay()
         return out[:r]
 
+    @property
+    def graph_count(self) -> int:
+        """CUDA graphs captured in this call (one per batch bucket and key bucket run)."""
+        return sum(len(b.graphs) for b in self.buckets.values())
+
     def _bucket(self, rows: int) -> _Bucket:
         b = bucket(rows)
         if b not in self.buckets:

@@ -488,6 +488,7 @@ class GenerationEngine:
                                         functools.partial(sample, rows=rows.mask, step=i + 1))
             if routes is not None:  # the routing of the token fed at position plen + i
                 routes[rows.at, plen + i] = self.route_log.pop().to(torch.int16)
+        graphs = 0 if static is None else static.graph_count
         del cache, static  # the KV cache (and the graphs over it) live only for the call
         # 4. output
         new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
@@ -506,7 +507,7 @@ class GenerationEngine:
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9),
                    "kv_cache_bytes": self.kv_cache_bytes(batch, plen, n_new),
                    "kv_layout": self.kv_layout, "cuda_graphs": self.cuda_graphs,
-                   "compile_decode": self.compile_decode,
+                   "compile_decode": self.compile_decode, "graphs_captured": graphs,
                    "weights_version": self.weights_version})
 
     def _all_stages_routes(self, routes: torch.Tensor) -> torch.Tensor:

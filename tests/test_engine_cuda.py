@@ -243,6 +243,7 @@ def test_graph_replay_equals_the_eager_static_steps_bitwise(temperature, monkeyp
     eager, graph = (engines[g].generate(ids, mask, params, max_new_tokens=limits)
                     for g in (False, True))
     assert graph.stats["cuda_graphs"] and not eager.stats["cuda_graphs"]
+    assert graph.stats["graphs_captured"] >= 3 and eager.stats["graphs_captured"] == 0
     assert graph.stats["compactions"] >= 1
     assert torch.equal(graph.input_ids, eager.input_ids)
     assert torch.equal(graph.attention_mask, eager.attention_mask)
