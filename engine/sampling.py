@@ -217,8 +217,13 @@ def _draw(scaled: torch.Tensor, stream: SeedStream, rows: torch.Tensor | None = 
     """
     probs = torch.softmax(scaled, dim=-1)
     row_ids = _row_ids(probs.shape[0], rows, first_row, probs.device)
-    noise = _clocks(clock_uniforms(stream, row_ids, probs.shape[-1]))
-    return (probs / noise.to(probs.dtype)).argmax(dim=-1, keepdim=True)
+    return _race(probs, clock_uniforms(stream, row_ids, probs.shape[-1]))
+
+
+def _race(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]`` the candidate of ``probs [R, C]`` whose clock (of ``uniforms``, the same
+    shape) rings first: ``argmax p / E``."""
+    return (probs / _clocks(uniforms).to(probs.dtype)).argmax(dim=-1, keepdim=True)
 
 
 MIN_CLOCK = 2.0 ** -25
@@ -338,9 +343,8 @@ def whole_vocab_formula(logits: torch.Tensor, inv_temperature: torch.Tensor | No
     if seed is None:
         smax, arg = zs.max(dim=-1)  # first maximum = lowest vocabulary id
         return arg, smax - torch.logsumexp(z, dim=-1)
-    probs = torch.softmax(zs, dim=-1)
-    noise = _clocks(counter_uniforms_formula(seed, row_ids, z.shape[-1]))
-    pick = (probs / noise).argmax(dim=-1, keepdim=True)
+    pick = _race(torch.softmax(zs, dim=-1),
+                 counter_uniforms_formula(seed, row_ids, z.shape[-1]))
     return pick.squeeze(-1), (torch.gather(z, -1, pick).squeeze(-1).double()
                               - _logsumexp(z)).float()
 
