@@ -48,7 +48,7 @@ class Rollout(Protocol):
         """LoRA adapters for the next :meth:`load_weights`: ``source`` holds them in the
         generation layout as a resharder holds weights (``generation_params()``,
         ``named_generation_weights()``, ``version``), ``lora`` their
-        :class:`engine.lora.LoraConfig`; only a LoRA actor calls it."""
+        :class:`engine.lora_config.LoraConfig`; only a LoRA actor calls it."""
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  sampling: SamplingParams) -> GenerationOutput:

@@ -24,10 +24,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from engine.optim_config import SCHEDULES
 from hybridflow_comm.groups import Group
 
 Action = tuple[str, int]
-SCHEDULES = ("1f1b", "gpipe")
 
 
 def gpipe_schedule(n: int) -> list[Action]:

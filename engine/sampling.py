@@ -41,13 +41,13 @@ are of the masked distribution.
 
 from __future__ import annotations
 
-import hashlib
-
 from dataclasses import dataclass
 
 import torch
 
 from engine.inductor import Compiled
+from engine.seeds import SPLITMIX, SeedStream, check_seed
+from engine.seeds import derive_seed  # noqa: F401  (re-exported)
 from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import Group
 
@@ -55,54 +55,6 @@ try:  # C++ kernels (setup.py builds them); the same uniforms by tensor ops with
     from engine import _kernels
 except ImportError:  # pragma: no cover - a source tree never built
     _kernels = None
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed for the random stream named by ``parts`` (run seed, purpose, step,
-    replica, ...): a 64-bit hash, so streams of different names never overlap the way sums
-    do (``seed + step + replica`` gives step s, replica r the stream of step s + 1, replica
-    r - 1)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-_MASK64 = (1 << 64) - 1
-_SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
-"""SplitMix64's increment (gamma) and its two mixing multipliers, unsigned."""
-
-
-def check_seed(name: str, seed: object) -> None:
-    """ValueError naming ``name`` unless ``seed`` is an int in ``[0, 2**63)``."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
-        raise ValueError(f"{name}={seed!r} must be an int in [0, 2**63)")
-
-
-def splitmix64(z: int) -> int:
-    """SplitMix64's output function (Steele, Lea, Flood 2014) of the 64-bit state ``z``."""
-    z = ((z ^ (z >> 30)) * _SPLITMIX[1]) & _MASK64
-    z = ((z ^ (z >> 27)) * _SPLITMIX[2]) & _MASK64
-    return z ^ (z >> 31)
-
-
-class SeedStream:
-    """The per-step seeds of one sampling call: step ``n`` (from 1) takes the 63-bit
-    ``splitmix64(seed + n * gamma)``.  Every bit of the 63-bit ``seed`` counts (a
-    ``torch.Generator`` keeps only ``seed mod 2**32``, so two rollout seeds equal in their low
-    32 bits would draw the same tokens), and, as in SplitMix64, two seeds give overlapping
-    streams only if they differ by a multiple of gamma below the number of steps.
-
-    Args:
-        seed: an int in ``[0, 2**63)`` (:func:`derive_seed` gives one per named stream).
-    """
-
-    def __init__(self, seed: int) -> None:
-        check_seed("seed", seed)
-        self.seed, self.steps = seed, 0
-
-    def next(self) -> int:
-        """The next step's seed, in ``[0, 2**63)``."""
-        self.steps += 1
-        return splitmix64((self.seed + self.steps * _SPLITMIX[0]) & _MASK64) >> 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,7 +199,7 @@ def _row_ids(count: int, rows: torch.Tensor | None, first_row: int,
             else torch.nonzero_static(rows, size=count).squeeze(1)) + first_row
 
 
-_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in _SPLITMIX)  # as int64
+_GAMMA, _MIX1, _MIX2 = (c - (1 << 64) for c in SPLITMIX)  # as int64
 
 
 def clock_uniforms(stream: SeedStream, row_ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -319,7 +319,7 @@ class VLLMRollout:
 
     def set_adapters(self, source, lora) -> None:
         """LoRA adapters for the next :meth:`load_weights` (``source``: their generation
-        shards as a resharder holds them; ``lora``: their :class:`engine.lora.LoraConfig`).
+        shards as a resharder holds them; ``lora``: their :class:`engine.lora_config.LoraConfig`).
         vLLM then applies them through its own LoRA support (a request naming a PEFT folder),
         and the frozen base is loaded with the first :meth:`load_weights` only (it stays in
         vLLM's weights, which sleep level 1 keeps in host memory)."""

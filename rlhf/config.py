@@ -10,13 +10,21 @@ Loading::
     plan = rlhf.world_plan.validate_for_world(cfg, world_size=4)   # ValueError naming the fix
     plan.roles["actor"].layout, plan.roles["actor"].pool
 
+Importing this module loads neither torch nor the engines, the controller or the C++
+extensions (of :mod:`engine`, only the settings dataclasses the sections embed or build:
+:mod:`engine.optim_config`, :mod:`engine.lora_config`), so that a mistyped key is reported at
+once (``tests/test_config_import.py``).  The registries a section is checked against (the
+algorithms of :mod:`rlhf.programs`, the losses of :mod:`rlhf.algos`, the rule rewards, the
+device names) live beside torch code: each check imports the registry it reads, when a config
+is built.
+
 ``algo=NAME`` picks the shipped recipe ``rlhf/recipes/NAME.yaml`` (default ``ppo``);
 ``recipe=PATH`` picks any YAML file.  Every other argument is a dotted key into the config,
 type-checked against the dataclasses (an unknown key names the nearest valid one).
 
 Sections and who reads them (each worker gets its own typed section, see :mod:`rlhf.builders`)::
 
-    actor        model, layout, optim (engine.train.OptimConfig), loss (PolicyLossConfig)
+    actor        model, layout, optim (engine.optim_config.OptimConfig), loss (PolicyLossConfig)
     critic, cost_critic    model, layout, optim, loss (ValueLossConfig)
     reference, reward_model, cost_model    model, layout
     algo         registry name, epochs, advantage and KL settings (the controller program)
@@ -50,10 +58,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from hybridflow_comm.devices import DEVICES, PRECISIONS, resolve_device, resolve_precision
 from rlhf.config_checks import (MAX_COUNT, MAX_MODEL_PARAMS, MAX_ROLLOUT_TOKENS, SEED_LIMIT,
                                 check_at_most, check_path, check_positive, check_seed)
 from rlhf.config_io import from_args, from_dict, save_yaml, to_dict
@@ -62,8 +68,9 @@ from rlhf.config_roles import (ARCH_FIELDS, BUILTIN_ARCH, ActorConfig, CriticCon
                                ValueLossConfig)
 from rlhf.config_run import (PLACEMENTS, ROLLOUT_ENGINES, AlgoConfig, CheckpointConfig,
                              DataConfig, LogConfig, PlacementConfig, RewardConfig, RolloutConfig)
-from rlhf.programs import algorithm, algorithm_names
-from rlhf.programs.common import ROLES, load_algorithm_module
+
+if TYPE_CHECKING:  # an annotation only: importing this module loads no torch
+    import torch
 
 __all__ = [
     "ARCH_FIELDS", "BUILTIN_ARCH", "MAX_COUNT", "MAX_MODEL_PARAMS", "MAX_ROLLOUT_TOKENS",
@@ -128,6 +135,10 @@ class Config:
     weights, gradients and Adam state), or ``auto`` (bf16 on cuda, fp32 on cpu)."""
 
     def __post_init__(self) -> None:
+        from hybridflow_comm.devices import DEVICES, PRECISIONS
+        from rlhf.algos import POLICY_LOSSES
+        from rlhf.programs import algorithm
+
         check_positive(iterations=self.iterations)
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} must be one of {DEVICES}")
@@ -142,8 +153,6 @@ class Config:
         check_seed("seed", self.seed)
         check_path("tokenizer", self.tokenizer)
         spec = algorithm(self.algo.name)
-        from rlhf.algos import POLICY_LOSSES
-
         if spec.name == "grpo_passk" and self.algo.pass_k > self.data.samples_per_prompt:
             raise ValueError(f"algo.pass_k={self.algo.pass_k} is more than the "
                              f"data.samples_per_prompt={self.data.samples_per_prompt} samples of "
@@ -176,6 +185,8 @@ class Config:
     @property
     def roles(self) -> tuple[str, ...]:
         """The roles this algorithm and reward setup use, in ROLES order (from the registry)."""
+        from rlhf.programs import algorithm
+
         roles = algorithm(self.algo.name).roles(kl_mode=self.algo.kl_mode,
                                                 reward_kind=self.reward.kind,
                                                 cost_kind=self.reward.cost_kind)
@@ -183,6 +194,8 @@ class Config:
         return tuple(r for r in roles if r != "reference" or not self.actor.lora.rank)
 
     def role(self, name: str) -> ActorConfig | CriticConfig | FrozenModelConfig:
+        from rlhf.programs.common import ROLES
+
         if name not in ROLES:
             raise ValueError(f"role={name!r} is not one of {ROLES}")
         return getattr(self, name)
@@ -203,6 +216,8 @@ def resolve_devices(cfg: Config) -> tuple[Config, torch.device]:
     Raises:
         ValueError in one line when the machine cannot do what the config asks.
     """
+    from hybridflow_comm.devices import resolve_device, resolve_precision
+
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
     return dataclasses.replace(cfg, device=device.type, precision=precision), device
@@ -245,6 +260,9 @@ def load_config(args: list[str] | None = None) -> Config:
     def recipe_of(algo: str | None) -> str:
         name = algo or "ppo"
         if name not in recipe_names():
+            from rlhf.programs import algorithm, algorithm_names
+            from rlhf.programs.common import load_algorithm_module
+
             # a user's algorithm (algo.module) names the shipped recipe it starts from
             module = next((a.partition("=")[2] for a in args or []
                            if a.startswith("algo.module=")), None)

@@ -17,7 +17,7 @@ MAX_MODEL_PARAMS = 2**40
 """Largest model a config accepts, in parameters estimated from its architecture."""
 SEED_LIMIT = 2**32
 """Seeds lie in ``[0, SEED_LIMIT)`` (a run's seed; the sampling streams are hashed from it,
-:func:`engine.sampling.derive_seed`)."""
+:func:`engine.seeds.derive_seed`)."""
 
 
 def check_positive(**values: int | float) -> None:

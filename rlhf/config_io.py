@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 T = typing.TypeVar("T")
@@ -97,7 +97,7 @@ def _default_section(cls, cfg: DictConfig, key: str) -> bool:
     if section is None:
         return False
     if OmegaConf.select(cfg, key) is None:
-        OmegaConf.update(cfg, key, OmegaConf.structured(section), merge=False)
+        OmegaConf.update(cfg, key, OmegaConf.structured(_defaults(section)), merge=False)
         _writable(OmegaConf.select(cfg, key))
     return True
 
@@ -137,6 +137,13 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     mark = getattr(e, "problem_mark", None)
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem
+
+
+def one_line(e: BaseException) -> str:
+    """``e``'s message on one line, its type named unless it is a ValueError (the one-line
+    messages of the config's own checks: what an entry point reports for a bad input)."""
+    text = " ".join(str(e).split()) or repr(e)
+    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
 
 
 def parse_value(key: str, text: str) -> Any:
@@ -196,11 +203,31 @@ def check_values(data: Any, key: str = "") -> None:
         raise ValueError(f"config key {key!r}={data!r} holds a NUL character")
 
 
+def _defaults(cls: type) -> Any:
+    """An instance of the dataclass ``cls`` that holds its defaults (a section field: an
+    instance of its section made the same way), made without calling ``__init__``.  The
+    schema is built from it, so no section's ``__post_init__`` runs before the recipe and the
+    overrides are applied: the checks run once, on the finished config (:func:`_build`), and
+    a mistyped key is reported without importing the registries they read."""
+    obj = object.__new__(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            section = _dataclass_of(hints[f.name])
+            value = _defaults(section) if f.default_factory is section else f.default_factory()
+        else:
+            value = MISSING
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
 @functools.cache
 def _schema(cls: type) -> DictConfig:
     """The structured config of ``cls``'s defaults, writable (copied for every build: a copy
     costs a sixth of building it from the dataclasses)."""
-    cfg = OmegaConf.structured(cls)
+    cfg = OmegaConf.structured(_defaults(cls))
     _writable(cfg)  # frozen dataclasses: writable while it is built
     return cfg
 

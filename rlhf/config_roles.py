@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.train import OptimConfig
+from engine.lora_config import LoraConfig
+from engine.optim_config import OptimConfig
 from rlhf.config_checks import (MAX_COUNT, check_at_most, check_one_of, check_path,
                                 check_positive, check_token_budget)
 
@@ -259,8 +260,6 @@ class LoraSection:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"lora.rank={self.rank!r} must be an int >= 0 (0: no LoRA)")
         check_at_most(MAX_COUNT, **{"lora.rank": self.rank})
-        from engine.lora import LoraConfig
-
         # alpha, dropout and the module names are checked whatever the rank
         LoraConfig(rank=max(self.rank, 1), alpha=self.alpha, dropout=self.dropout,
                    target_modules=self.target_modules)
@@ -268,9 +267,7 @@ class LoraSection:
             raise ValueError(f"lora.init_from={self.init_from!r} needs lora.rank > 0")
 
     def engine_config(self):
-        """The engine's :class:`engine.lora.LoraConfig`, or None when rank is 0."""
-        from engine.lora import LoraConfig
-
+        """The engine's :class:`engine.lora_config.LoraConfig`, or None when rank is 0."""
         if not self.rank:
             return None
         return LoraConfig(rank=self.rank, alpha=float(self.alpha), dropout=float(self.dropout),

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 from rlhf.config_checks import (MAX_COUNT, MAX_ROLLOUT_TOKENS, check_at_most, check_one_of,
                                 check_path, check_positive, check_seed, divisors)
-from rlhf.programs import algorithm_names
-from rlhf.programs.common import load_algorithm_module
 
 PLACEMENTS = ("colocated", "split", "standalone", "disaggregated", "auto")
 
@@ -183,6 +181,8 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         from rlhf.algos import KL_ESTIMATORS
+        from rlhf.programs import algorithm_names
+        from rlhf.programs.common import load_algorithm_module
 
         if self.module is not None:  # a user's file registers algorithms before the lookup
             load_algorithm_module(self.module)

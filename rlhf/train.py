@@ -1,7 +1,8 @@
 """Entry point of an RLHF run::
 
     torchrun --nproc_per_node=4 -m rlhf.train algo=ppo [key=value ...]
-    python -m rlhf.train algo=grpo iterations=2        # one process (CPU development)
+    python -m rlhf.train algo=grpo iterations=2 actor.layout.tp=1   # one process (CPU development)
+    python -m rlhf.train --check algo=grpo [key=value ...]          # the checks only
 
 Every rank loads and validates the config, its files (recipe, checkpoints, tokenizer, data,
 reward function), its device and precision (``device=auto|cpu|cuda``,
@@ -9,6 +10,12 @@ reward function), its device and precision (``device=auto|cpu|cuda``,
 against the world size before any process group exists, so a bad value stops the job with one
 line naming it (exit code 2); then rank 0 runs the controller program
 (:func:`rlhf.runtime.train`) and every rank serves its workers on its device.
+
+The config is checked on its own first (:func:`rlhf.config.load_config`, which loads no torch
+and no engine); only a config that passed imports the engines, the controller and the C++
+extension, for the checks against the world and the files and for the run
+(:mod:`rlhf.train_launch`).  ``--check`` stops after the checks: exit code 0 and one line
+with the plan on rank 0 (the world is ``WORLD_SIZE``, 1 without torchrun).
 """
 
 from __future__ import annotations
@@ -16,24 +23,23 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 import yaml
 from omegaconf.errors import OmegaConfBaseException
 
 from engine.host_memory import keep_freed_memory
-from hybridflow_comm.devices import resolve_device
-from rlhf.builders import check_run, tokenizer_of, tokenizer_path
-from rlhf.config import Config, load_config, resolve_devices
-from rlhf.controller import run
-from rlhf.controller.launch import message_limit, stall_timeout
-from rlhf.planner.config_bridge import resolve_config
-from rlhf.runtime import train
-from rlhf.world_plan import WorldPlan, validate_for_world
+from rlhf.config import Config, load_config
+from rlhf.config_io import one_line
+
+if TYPE_CHECKING:  # annotations only: the world plan loads the C++ extension
+    from rlhf.world_plan import WorldPlan
 
 # What a bad input can raise on its way through the checks (ValueError: every message of our
 # own; the rest from the parsers and readers underneath).  Anything else is a bug: traceback.
 INVALID = (ValueError, TypeError, OverflowError, OSError, OmegaConfBaseException,
            yaml.YAMLError, RecursionError)
+CHECK_FLAG = "--check"
 
 
 def single_process_env() -> None:
@@ -54,40 +60,39 @@ def validated(argv: list[str]) -> tuple[Config, WorldPlan]:
     text = os.environ.get("WORLD_SIZE", "1")
     if not text.strip().isdigit():
         raise ValueError(f"WORLD_SIZE={text!r} is not a number of ranks")
-    world = int(text)
-    message_limit(None, os.environ)
-    stall_timeout(None, os.environ)
-    # placement.mode=auto: the planner picks placement and layouts (same on every rank)
-    cfg, _ = resolve_devices(load_config(argv))
-    cfg = resolve_config(cfg, world)
-    plan = validate_for_world(cfg, world)
-    path = tokenizer_path(cfg)
-    try:
-        tok = tokenizer_of(cfg)
-    except Exception as e:  # noqa: BLE001 - a user's tokenizer files, read by transformers
-        if isinstance(e, ValueError) and str(path) in str(e):
-            raise  # our own message, naming the folder
-        raise ValueError(f"tokenizer={path!r} cannot be loaded: {_one_line(e)}") from None
-    check_run(cfg, tok)
-    return cfg, plan
+    cfg = load_config(argv)
+    # the config passed on its own: now the engines, the controller and the C++ extension
+    from rlhf.train_launch import checked_for_world
+
+    return checked_for_world(cfg, int(text))
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or repr(e)
-    return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+def summary(cfg: Config, plan: WorldPlan) -> str:
+    """One line: the algorithm, the placement and every role's layout on its pool."""
+    roles = ", ".join(f"{name} pp={r.pp} tp={r.tp} dp={r.dp} on {len(r.pool)} rank(s)"
+                      for name, r in plan.roles.items())
+    return (f"algo={cfg.algo.name} placement={cfg.placement.mode} world={plan.world_size} "
+            f"device={cfg.device} precision={cfg.precision}: {roles}")
 
 
 def main(argv: list[str]) -> int:
+    check_only = CHECK_FLAG in argv
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        cfg, plan = validated(argv)
+        cfg, plan = validated([a for a in argv if a != CHECK_FLAG])
         keep_freed_memory()  # every rank's steps reuse their freed host memory
     except INVALID as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"[rlhf] invalid configuration: {_one_line(e)}", file=sys.stderr, flush=True)
+        if rank0:
+            print(f"[rlhf] invalid configuration: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
+    if check_only:
+        if rank0:
+            print(f"[rlhf] configuration valid: {summary(cfg, plan)}", flush=True)
+        return 0
+    from rlhf.train_launch import launch
+
     single_process_env()
-    device = resolve_device(cfg.device)  # resolved: cpu, or cuda:<LOCAL_RANK>
-    code = run(lambda ctl: train(ctl, cfg, plan), device=device)
+    code = launch(cfg, plan)
     # Exit without interpreter teardown: destroying live gloo groups at exit can abort
     # ("terminate called without an active exception") after a successful run: 3 of 8
     # 4-rank PPO runs did without this line, and all 8 with an explicit

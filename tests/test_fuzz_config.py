@@ -1,7 +1,8 @@
 """Bad configurations and bad input files stop ``rlhf.train`` at validation: exit code 2, one
-line on stderr naming the key (or file) and the fix, no traceback, within seconds, and nothing
-started (``main`` validates before any process group exists; the cases run it in-process with
-``run`` replaced by a tripwire).
+line on stderr naming the key (or file) and the fix, no traceback, and nothing started
+(``main`` validates before any process group exists; the cases run it in-process with the
+launch replaced by a tripwire).  How fast: ``bench/config_check.py`` (CPU time of a rejection);
+the subprocess cases here only guard against a hang.
 
 The cases come from a deterministic generator: for every field of every config section, wrong
 types (a string, a list, a mapping where a number belongs, ...), NaN, inf, -inf, negative, zero
@@ -18,20 +19,21 @@ import json
 import os
 import subprocess
 import sys
-import time
 import typing
 from dataclasses import dataclass
 
 import pytest
 import torch.distributed
 
-from rlhf import train
+from rlhf import train, train_launch
 from rlhf.config import MAX_COUNT, Config
 from rlhf.config_io import _dataclass_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["actor.layout.tp=1"]  # ppo on a world of one: valid, so each case breaks one thing
-CASE_LIMIT_S = 5.0
+HANG_GUARD_S = 300
+"""Seconds before a process that should have been rejected counts as hung (a guard only: how
+fast a rejection is, bench/config_check.py measures)."""
 
 
 @dataclass(frozen=True)
@@ -316,10 +318,10 @@ class Started(Exception):
 
 @pytest.fixture
 def tripwire(monkeypatch):
-    def run(program, **kwargs):
+    def launch(cfg, plan):
         raise Started
 
-    monkeypatch.setattr(train, "run", run)
+    monkeypatch.setattr(train_launch, "launch", launch)
     monkeypatch.setattr(train, "single_process_env", lambda: None)
     for var in ("RANK", "WORLD_SIZE", "HYBRIDFLOW_STALL_TIMEOUT_S",
                 "HYBRIDFLOW_MAX_MESSAGE_BYTES"):
@@ -332,19 +334,16 @@ def test_bad_input_ends_validation_with_one_line(case, bad_files, tripwire, tmp_
     for var, value in case.env:
         tripwire.setenv(var, value)
     args = [*BASE, f"log.runs_dir={tmp_path}", *(a.replace("{tmp}", bad_files) for a in case.args)]
-    t0 = time.monotonic()
     try:
         code = train.main(args)
     except Started:
-        pytest.fail(f"{case.id}: not rejected, main() reached run(); args {case.args}")
-    elapsed = time.monotonic() - t0
+        pytest.fail(f"{case.id}: not rejected, main() reached launch(); args {case.args}")
     out, err = capfd.readouterr()
     assert code == 2, err
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("[rlhf] invalid configuration: "), err
     assert "Traceback" not in err + out
     assert case.names.replace("{tmp}", bad_files) in lines[0], lines[0]
-    assert elapsed < CASE_LIMIT_S, f"{case.id}: {elapsed:.1f} s"
     assert not torch.distributed.is_initialized()
 
 
@@ -371,16 +370,16 @@ def _env() -> dict:
 
 
 def test_sample_through_python_dash_m(bad_files, tmp_path):
-    """Each ends with exit code 2 within 30 s, one line on stderr, no traceback."""
+    """Each ends with exit code 2, one line on stderr, no traceback."""
     procs = []
     for arg, name in PROCESS_CASES:
         cmd = [sys.executable, "-m", "rlhf.train", *BASE, f"log.runs_dir={tmp_path}",
                arg.replace("{tmp}", bad_files)]
         procs.append((name, subprocess.Popen(cmd, cwd=ROOT, env=_env(), text=True,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
-    for name, proc in procs:  # side by side: each one's clock starts with the others'
+    for name, proc in procs:  # started side by side, waited for one after the other
         try:
-            out, err = proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=HANG_GUARD_S)
         finally:
             proc.kill()
         assert proc.returncode == 2, err
@@ -402,7 +401,7 @@ def test_sample_through_torchrun_on_two_ranks(bad_files, tmp_path):
                                                    stderr=subprocess.STDOUT)))
     for name, logs, proc in procs:
         try:
-            out, _ = proc.communicate(timeout=30)
+            out, _ = proc.communicate(timeout=HANG_GUARD_S)
         finally:
             proc.kill()
         assert proc.returncode != 0, out[-2000:]

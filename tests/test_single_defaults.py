@@ -1,5 +1,5 @@
 """Every hyperparameter default is defined in exactly one place: the run config's dataclasses
-(rlhf.config) or the engine dataclass that the config embeds (engine.train.OptimConfig).
+(rlhf.config) or the engine dataclass that the config embeds (engine.optim_config.OptimConfig).
 
 The test walks the config dataclasses for every field that has a default, then parses the
 workers, builders, programs, runtime, the algorithm functions and the engine constructors and

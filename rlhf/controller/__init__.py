@@ -16,20 +16,23 @@ per-rank loop, data plane), :mod:`.futures`, :mod:`.worker_group`, :mod:`.contro
 :mod:`.launch` (``run`` under torchrun).
 """
 
-from rlhf.controller.batch import Batch
-from rlhf.controller.controller import Controller, TransferStats
-from rlhf.controller.errors import ControllerError, RankLostError, WorkerError
-from rlhf.controller.futures import Future
-from rlhf.controller.launch import run
-from rlhf.controller.protocols import (ALL_TO_ALL, DP_COMPUTE, DP_COMPUTE_METRIC, DP_PROTO,
-                                       ONE_TO_ALL, RANK_ZERO, THREE_D_ALL_MICRO_DP,
-                                       THREE_D_PP_ONLY, THREE_D_PROTO, Plan, Protocol,
-                                       get_protocol, protocol, register_protocol)
-from rlhf.controller.worker import Worker
-from rlhf.controller.worker_group import WorkerGroup
+import importlib
 
-__all__ = ["Batch", "Controller", "TransferStats", "ControllerError", "RankLostError",
-           "WorkerError", "Future", "run", "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_METRIC",
-           "DP_PROTO", "ONE_TO_ALL", "RANK_ZERO", "THREE_D_ALL_MICRO_DP", "THREE_D_PP_ONLY",
-           "THREE_D_PROTO", "Plan", "Protocol", "get_protocol", "protocol", "register_protocol",
-           "Worker", "WorkerGroup"]
+# Imported on first use, so that a module which needs one of them (a controller program's
+# Batch) does not load the launch machinery, the sockets and the C++ extension with it.
+_EXPORTS = {
+    "Batch": "batch", "Controller": "controller", "TransferStats": "controller",
+    "ControllerError": "errors", "RankLostError": "errors", "WorkerError": "errors",
+    "Future": "futures", "run": "launch", "Worker": "worker", "WorkerGroup": "worker_group",
+    **{name: "protocols" for name in (
+        "ALL_TO_ALL", "DP_COMPUTE", "DP_COMPUTE_METRIC", "DP_PROTO", "ONE_TO_ALL", "RANK_ZERO",
+        "THREE_D_ALL_MICRO_DP", "THREE_D_PP_ONLY", "THREE_D_PROTO", "Plan", "Protocol",
+        "get_protocol", "protocol", "register_protocol")},
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'rlhf.controller' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlhf.controller.{_EXPORTS[name]}"), name)

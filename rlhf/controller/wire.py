@@ -93,9 +93,9 @@ _ENCODABLE: set[type] = {list, tuple, dict, set, frozenset, bytearray, pickle.Pi
 PROJECT_CLASSES = frozenset({
     "engine.layers:RopeScaling",
     "engine.llama_spec:LlamaConfig",
-    "engine.lora:LoraConfig",
+    "engine.lora_config:LoraConfig",
+    "engine.optim_config:OptimConfig",
     "engine.sampling:SamplingParams",
-    "engine.train:OptimConfig",
     "rlhf.algos.kl:KLLossTerm",
     "rlhf.config_roles:PolicyLossConfig",
     "rlhf.config_roles:ValueLossConfig",

@@ -51,12 +51,15 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import SamplingParams
-from rlhf.controller import Batch, Future, WorkerGroup
 from rlhf.programs.common import Iteration, Rollout, group_heads
+
+if TYPE_CHECKING:  # names of annotations only, as in rlhf.programs.common
+    from engine.sampling import SamplingParams
+    from rlhf.controller import Batch, Future, WorkerGroup
 
 
 @dataclass(frozen=True)

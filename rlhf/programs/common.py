@@ -21,16 +21,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.sampling import SamplingParams
 from rlhf.algos import (LagrangeMultiplier, kl_estimate, kl_penalty_rewards, masked_mean,
                         rollout_mismatch, scores_to_token_rewards, truncated_is_weights,
                         value_loss)
-from rlhf.controller import Batch, Future, WorkerGroup
+from rlhf.controller import Batch
 from rlhf.metrics import PhaseTimer
+
+if TYPE_CHECKING:  # names of annotations only: the registry loads without them (rlhf.config)
+    from engine.sampling import SamplingParams
+    from rlhf.controller import Future, WorkerGroup
 
 # Roles of a run, in config order; the trained ones hold optimizer state.
 ROLES = ("actor", "critic", "cost_critic", "reference", "reward_model", "cost_model")

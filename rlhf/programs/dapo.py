@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from engine.sampling import derive_seed
+from engine.seeds import derive_seed
 from rlhf.algos import varied_groups
 from rlhf.controller import Batch
 from rlhf.programs.common import (Iteration, Roles, advantages, gather, means, more_rollouts,

@@ -2,7 +2,7 @@
 
 The builders (:mod:`rlhf.builders`) fill these from the run config; no field has a default
 here, so every hyperparameter's default lives in :mod:`rlhf.config` (or in the engine's own
-dataclass that the config embeds, :class:`engine.train.OptimConfig`).
+dataclass that the config embeds, :class:`engine.optim_config.OptimConfig`).
 """
 
 from __future__ import annotations
