@@ -1,7 +1,15 @@
 """Time to reward: our GRPO against TRL's GRPOTrainer, held-out accuracy against wall time.
 
     python bench/learning.py [--budget-s 10] [--nproc 2] [--points 20] [--json PATH]
-                             [--png PATH] [--work DIR] [key=value ...]
+                             [--png PATH] [--work DIR] [--model smollm2-135m] [key=value ...]
+
+``--model smollm2-135m``: the real pretrained checkpoint (:mod:`rlhf.real_model`) instead of
+the main job's tiny SFT policy, on chat prompts that ask for the sum of two numbers from 1 to
+99 with the number only (examples/real_model: training rows and disjoint held-out rows, the
+reward 1 when the response's last integer is the sum), the real main job's GRPO settings
+(:data:`rlhf.real_job.GRPO`).
+Both sides read the same rows in the same order (our prompt stream), TRL's as conversational
+prompts through the same chat template, and are scored by the same reward file.
 
 Both sides start from the main job's SFT checkpoint (``rlhf.main_job.warm_start()``: both SFT
 phases, built once and cached in runs/cache) and run the main job's GRPO settings
@@ -67,6 +75,22 @@ def main_job_settings() -> tuple[str, list[str], str]:
     return main_job.SFT_DIR, list(main_job.RL_OVERRIDES), "rlhf.main_job.RL_OVERRIDES"
 
 
+REAL_MODEL = "smollm2-135m"
+
+
+def real_model_settings(work: str) -> tuple[str, list[str], str]:
+    """``(model_dir, rl_overrides, source)`` of ``--model smollm2-135m``: the converted
+    checkpoint, the main job's GRPO settings on it and the example's rows written under
+    ``work``."""
+    from rlhf import real_job
+
+    files = real_job.prepare(os.path.join(work, "data"),
+                             os.path.join(ROOT, real_job.DEFAULT_DIR))
+    return (next(f.split("=", 1)[1] for f in files if f.startswith("actor.model.init_from=")),
+            [*real_job.GRPO, *[f for f in files if not f.startswith("actor.model.")]],
+            "rlhf.real_job.GRPO")
+
+
 def bench_overrides(rl: list[str], extra: list[str], sft_dir: str, work: str) -> list[str]:
     """The run config of both sides: the main job's, the user's, then the bench's own (no
     logging, checkpoints or evaluation inside the run; iterations bounded by the budget).  Our
@@ -81,10 +105,14 @@ def bench_overrides(rl: list[str], extra: list[str], sft_dir: str, work: str) ->
 def trl_settings(cfg) -> tuple[dict, list[str]]:
     """GRPOConfig arguments equal to ``cfg``'s GRPO settings, and notes on what differs."""
     a, d, o, loss = cfg.algo, cfg.data, cfg.actor.optim, cfg.actor.loss
-    if a.name != "grpo" or cfg.reward.kind != "rule" or d.train_files is not None:
+    builtin = cfg.reward.kind == "rule" and d.train_files is None
+    rows = cfg.reward.kind == "function" and d.train_files is not None \
+        and d.val_files is not None
+    if a.name != "grpo" or not (builtin or rows):
         raise ValueError(f"bench.learning compares GRPO on the built-in task with a rule "
-                         f"reward; got algo.name={a.name!r}, reward.kind={cfg.reward.kind!r}, "
-                         f"data.train_files={d.train_files!r}")
+                         f"reward, or on data files with a reward function and held-out files; "
+                         f"got algo.name={a.name!r}, reward.kind={cfg.reward.kind!r}, "
+                         f"data.train_files={d.train_files!r}, data.val_files={d.val_files!r}")
     if loss.loss_agg_mode not in TRL_LOSS_TYPE:
         raise ValueError(f"actor.loss.loss_agg_mode={loss.loss_agg_mode!r} has no TRL "
                          f"loss_type; use one of {sorted(TRL_LOSS_TYPE)}")
@@ -188,19 +216,37 @@ def trl_worker(spec: dict) -> None:
 
     from rlhf.builders import task_of
     from rlhf.config import load_config
-    from rlhf.task import CompositeReward, PromptStream
+    from rlhf.prompts import fitting_prompts
+    from rlhf.task import CompositeReward, PromptStream, read_dataset
+    from rlhf.task.hf_tokenizer import HFTokenizer
+    from rlhf.task.reward_fn import load_function
 
     torch.set_num_threads(spec["threads"])
     cfg, kw = load_config(spec["overrides"]), spec["trl_args"]
     per_gen = kw["steps_per_generation"] * kw["num_iterations"]  # optimizer steps a rollout
     max_steps = math.ceil(spec["budget_s"] / MIN_TRL_STEP_S / per_gen) * per_gen
-    stream = PromptStream(task_of(cfg), seed=cfg.data.seed)  # ours' prompts, in ours' order
-    data = Dataset.from_list([{"prompt": "<bos>" + e.prompt, "answer": e.answer} for e in
-                              stream.next_batch(max_steps // per_gen * cfg.data.prompts_per_iter)])
-    reward = CompositeReward.from_weights(cfg.reward.rule_weights)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    count = max_steps // per_gen * cfg.data.prompts_per_iter
+    if cfg.data.train_files is None:  # the built-in task and its rule reward
+        stream = PromptStream(task_of(cfg), seed=cfg.data.seed)  # ours' prompts, in ours' order
+        data = Dataset.from_list([{"prompt": "<bos>" + e.prompt, "answer": e.answer}
+                                  for e in stream.next_batch(count)])
+        reward = CompositeReward.from_weights(cfg.reward.rule_weights)
 
-    def rule_reward(completions, answer, **_):
-        return reward(completions, answer).total.tolist()
+        def rule_reward(completions, answer, **_):
+            return reward(completions, answer).total.tolist()
+    else:  # data rows (chat prompts: TRL renders them with the same template) and a function
+        rows = fitting_prompts(read_dataset(cfg.data.train_files), HFTokenizer(spec["model"]),
+                               cfg.data.max_prompt_len, "data.train_files")
+        stream = PromptStream(rows, seed=cfg.data.seed)
+        data = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer,
+                                   "data_source": e.data_source}
+                                  for e in stream.next_batch(count)])
+        score = load_function(cfg.reward.function)
+
+        def rule_reward(completions, answer, data_source, **_):
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            return [float(score(d, t, a)) for t, a, d in zip(texts, answer, data_source)]
 
     clock, saves = BudgetClock(spec["budget_s"], spec["points"]), []
 
@@ -221,7 +267,7 @@ def trl_worker(spec: dict) -> None:
                       disable_dropout=True, disable_tqdm=True, **kw)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(spec["model"]),
                           reward_funcs=rule_reward, args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(spec["model"]),
+                          processing_class=tokenizer,
                           callbacks=[Budget()])
     trainer.train()
     effective = {k: getattr(args, k) for k in [*kw, "generation_batch_size", "optim",
@@ -234,13 +280,16 @@ def trl_worker(spec: dict) -> None:
 
 
 # One evaluator for both ------------------------------------------------------------------------
-def heldout_accuracy(folder: str, examples, tok, max_new_tokens: int) -> float:
-    """Greedy exact-match accuracy of the HF checkpoint ``folder`` on ``examples``: prompts
-    grouped by token length (no padding), responses cut at the first ``<eos>``."""
+def heldout_accuracy(folder: str, examples, tok, max_new_tokens: int, correct=None) -> float:
+    """Greedy accuracy of the HF checkpoint ``folder`` on ``examples``: prompts grouped by
+    token length (no padding), responses cut at the first EOS, judged by ``correct(example,
+    response) -> bool`` (default: exact match of the answer)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from rlhf.task import exact_match
+
+    correct = correct or (lambda e, text: exact_match(text, e.answer) >= 1)
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     gen = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens,
@@ -248,14 +297,14 @@ def heldout_accuracy(folder: str, examples, tok, max_new_tokens: int) -> float:
     groups: dict[int, list] = {}
     for e in examples:
         ids = tok.encode_prompt(e.prompt)
-        groups.setdefault(len(ids), []).append((ids, e.answer))
+        groups.setdefault(len(ids), []).append((ids, e))
     hits = 0
     with torch.no_grad():
         for rows in groups.values():
             ids = torch.tensor([r[0] for r in rows])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-            hits += sum(exact_match(tok.decode_response(r), a) >= 1
-                        for r, (_, a) in zip(out[:, ids.shape[1]:], rows))
+            hits += sum(bool(correct(e, tok.decode_response(r)))
+                        for r, (_, e) in zip(out[:, ids.shape[1]:], rows))
     return hits / len(examples)
 
 
@@ -338,7 +387,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(budget_s: float = 10.0, nproc: int = 2, points: int = 20, overrides=(),
-        sft_dir: str | None = None, work: str | None = None) -> dict:
+        sft_dir: str | None = None, work: str | None = None, model: str | None = None) -> dict:
     """Both runs and their evaluation; the result dict (see the module docstring).
 
     Args:
@@ -348,23 +397,33 @@ def run(budget_s: float = 10.0, nproc: int = 2, points: int = 20, overrides=(),
         overrides: extra ``key=value`` run-config overrides, after main_job's RL_OVERRIDES.
         sft_dir: an existing SFT checkpoint to start from (None: main_job's, built if needed).
         work: a new folder that keeps the runs and checkpoints (None: a temporary one).
+        model: None (the main job's tiny model from its SFT checkpoint) or ``"smollm2-135m"``
+            (the real checkpoint on the real-model example's rows and reward).
     """
     if budget_s <= 0 or points < 1 or nproc < 1:
         raise ValueError(f"need budget_s > 0, points >= 1, nproc >= 1; got budget_s={budget_s}, "
                          f"points={points}, nproc={nproc}")
     if work is None:
         with tempfile.TemporaryDirectory() as tmp:
-            return run(budget_s, nproc, points, overrides, sft_dir, tmp)
+            return run(budget_s, nproc, points, overrides, sft_dir, tmp, model)
     import torch
     from transformers.utils import logging as hf_logging
 
     from rlhf.builders import task_of
     from rlhf.config import load_config
-    from rlhf.task import CharTokenizer
+    from rlhf.task import CharTokenizer, read_dataset
+    from rlhf.task.hf_tokenizer import HFTokenizer
+    from rlhf.task.reward_fn import load_function
 
+    if model not in (None, REAL_MODEL):
+        raise ValueError(f"model={model!r}: choose None (the main job's) or {REAL_MODEL!r}")
     work = os.path.abspath(work)
     os.makedirs(work, exist_ok=True)
-    main_sft, rl, source = main_job_settings()
+    real = model == REAL_MODEL
+    if real:
+        sft_dir, rl, source = real_model_settings(work)
+    else:
+        main_sft, rl, source = main_job_settings()
     build_sft = sft_dir is None
     sft_dir = os.path.join(ROOT, main_sft) if build_sft else os.path.abspath(sft_dir)
     overrides = bench_overrides(rl, list(overrides), sft_dir, work)
@@ -375,15 +434,18 @@ def run(budget_s: float = 10.0, nproc: int = 2, points: int = 20, overrides=(),
     if build_sft:  # built once, then reused (rlhf.sft caches by settings)
         run_side("SFT", [sys.executable, "-c", "from rlhf.main_job import warm_start; "
                          "warm_start()"], dict(os.environ), os.path.join(work, "sft.log"))
-    model = os.path.join(work, "model")
-    trl_model_folder(sft_dir, model)
+    if real:  # an HF folder with its tokenizer: TRL takes it as it is
+        trl_model = sft_dir
+    else:
+        trl_model = os.path.join(work, "model")
+        trl_model_folder(sft_dir, trl_model)
     common = {"budget_s": budget_s, "points": points, "overrides": overrides}
     sides = {}
     for name, env, extra in (
             ("ours", {"OMP_NUM_THREADS": "1"}, {}),
             ("trl", {"OMP_NUM_THREADS": str(nproc), "HF_HUB_OFFLINE": "1",
                      "TRANSFORMERS_OFFLINE": "1"},
-             {"model": model, "threads": nproc, "trl_args": trl_args})):
+             {"model": trl_model, "threads": nproc, "trl_args": trl_args})):
         out = os.path.join(work, name)
         os.makedirs(out)
         spec = os.path.join(work, f"{name}_spec.json")
@@ -400,11 +462,20 @@ def run(budget_s: float = 10.0, nproc: int = 2, points: int = 20, overrides=(),
         sides[name]["load_avg_1m_before_after"] = [load, os.getloadavg()[0]]
     torch.set_num_threads(nproc)
     hf_logging.disable_progress_bar()
-    tok = CharTokenizer.load(os.path.join(sft_dir, "tokenizer.json"))
-    examples = task_of(cfg).heldout_examples(cfg.data.val_size)
+    if real:
+        tok = HFTokenizer(sft_dir)
+        examples = read_dataset(cfg.data.val_files)
+        reward = load_function(cfg.reward.function)
+
+        def correct(e, text: str) -> bool:
+            return float(reward(e.data_source, text, e.answer)) >= 1
+    else:
+        tok = CharTokenizer.load(os.path.join(sft_dir, "tokenizer.json"))
+        examples = task_of(cfg).heldout_examples(cfg.data.val_size)
+        correct = None
 
     def score(folder: str) -> float:
-        return heldout_accuracy(folder, examples, tok, cfg.data.max_response_len)
+        return heldout_accuracy(folder, examples, tok, cfg.data.max_response_len, correct)
 
     start = score(sft_dir)
     engine_start = sides["ours"].pop("engine_accuracy_at_0")
@@ -418,8 +489,10 @@ def run(budget_s: float = 10.0, nproc: int = 2, points: int = 20, overrides=(),
             "goal": ">= 2x", "budget_s": budget_s, "points": points, "nproc": nproc,
             "heldout_size": len(examples), "sft_dir": sft_dir,
             "sft_built_by": "rlhf.main_job.warm_start" if build_sft else "given",
+            "model": model or "main job (tiny, SFT)",
             "overrides": overrides, "overrides_source": source, "mapping_notes": notes,
-            "evaluator": "HF generate, greedy, exact match, one batch per prompt length",
+            "evaluator": "HF generate, greedy, one batch per prompt length; "
+                         + (f"{cfg.reward.function} >= 1" if real else "exact match"),
             "evaluator_check": {"hf_generate_at_0": start, "ours_engine_at_0": engine_start,
                                 "agree": abs(start - engine_start) < 1e-9},
             "time_axis": "sum of per-iteration wall times (ours: prompts + program call; TRL: "
@@ -437,6 +510,8 @@ def main() -> None:
     p.add_argument("--work", default=None, help="keep the runs and checkpoints here")
     p.add_argument("--sft-dir", default=None,
                    help="start from this SFT checkpoint instead of main_job's (not rebuilt)")
+    p.add_argument("--model", choices=[REAL_MODEL], default=None,
+                   help="the real checkpoint on the real-model example's rows and reward")
     p.add_argument("--ours-worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("--trl-worker", metavar="SPEC", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="extra key=value run-config overrides")
@@ -448,7 +523,7 @@ def main() -> None:
     if a.work and os.path.exists(a.work):
         raise ValueError(f"--work {a.work} exists; give a new folder")
     require_peer("trl", "bench/learning.py")
-    result = run(a.budget_s, a.nproc, a.points, a.overrides, a.sft_dir, a.work)
+    result = run(a.budget_s, a.nproc, a.points, a.overrides, a.sft_dir, a.work, a.model)
     write_json(result, a.json)
     if a.png:
         plot(result, a.png)

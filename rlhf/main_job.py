@@ -1,7 +1,11 @@
-"""The main job (``make run``): warm start by SFT (cached), then GRPO on 4 ranks, judged on
-held-out problems.
+"""The main job (``make run``): GRPO on the real checkpoint SmolLM2-135M-Instruct
+(:mod:`rlhf.real_job`, the default), or ``--model tiny``: a tiny Llama warm-started by SFT
+(cached), then GRPO on 4 ranks; each judged on held-out problems.
 
-    python -m rlhf.main_job [--nproc 4] [--moe] [key=value ...]   # overrides go to rlhf.train
+    python -m rlhf.main_job [--nproc 2] [key=value ...]                 # overrides go to rlhf.train
+    python -m rlhf.main_job --model tiny [--nproc 4] [--moe] [key=value ...]
+
+The rest of this docstring is the tiny job's:
 
 1. The warm start, two ``rlhf.sft`` phases (cached in ``runs/cache``; later runs with the
    same settings reuse them): a 4-layer Llama learns addition from correct demonstrations
@@ -33,9 +37,10 @@ import subprocess
 import sys
 import time
 
-from rlhf import sft
+from rlhf import real_job, sft
 from rlhf.metrics import read_metrics
 
+REAL_MODEL = "smollm2-135m"
 SFT_BASE_DIR = os.path.join("runs", "cache", "sft-base")
 SFT_DIR = os.path.join("runs", "cache", "sft-main")
 RUN_NAME = "main_grpo"
@@ -101,10 +106,20 @@ def held_out_accuracy(records: list[dict]) -> tuple[float, float]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=4, help="ranks of the RL job")
-    p.add_argument("--moe", action="store_true", help="the policy as a mixture of experts")
+    p.add_argument("--model", choices=[REAL_MODEL, "tiny"], default=REAL_MODEL,
+                   help="the real checkpoint (about 10 minutes on 2 cores) or the tiny model "
+                        "trained from scratch")
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"ranks of the RL job (default {real_job.NPROC} for the real "
+                        f"checkpoint, 4 for tiny)")
+    p.add_argument("--moe", action="store_true", help="tiny: the policy as a mixture of experts")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for rlhf.train")
     a = p.parse_args(argv)
+    if a.model == REAL_MODEL:
+        if a.moe:
+            p.error("--moe is an option of --model tiny")
+        return real_job.main(a.nproc or real_job.NPROC, a.overrides)
+    a.nproc = a.nproc or 4
     t0 = time.perf_counter()
     warm_start(a.overrides, a.moe)
     t_sft = time.perf_counter() - t0
