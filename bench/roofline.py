@@ -44,9 +44,11 @@ row lookup and norms and biases are elementwise, so none of them count)::
 A decode of N tokens after a prompt of P reads contexts P + 1 .. P + N - 1 in its N - 1 decode
 steps (mean ``P + N/2``); the step time is ``(t(N tokens) - t(1 token)) / (N - 1)`` of greedy
 generations on :class:`engine.generation.GenerationEngine` (its default path: the C++ decode
-kernels where they apply, see ``decode_path``).  Its limit is ``max(FLOPs / peak, bytes /
-read_bytes_per_s)``: at batch 1 the weight bytes bind (read-only bandwidth, since a decode
-step only reads them), at batch 32 usually the FLOPs.
+kernels where they apply, see ``decode_path``), each ``t`` without the call's CUDA graph
+warm-ups and captures (``capture_s`` of its stats: the graphs live for one call, and only the
+N-token call has decode steps to capture), after an untimed round that compiles.  Its limit
+is ``max(FLOPs / peak, bytes / read_bytes_per_s)``: at batch 1 the weight bytes bind
+(read-only bandwidth, since a decode step only reads them), at batch 32 usually the FLOPs.
 
 Fractions (goals in the issue; reported, not asserted): ``train_flops_fraction`` = step FLOPs /
 step time / peak (interleaved A/Bs of the same step: ``train.eager_step_s`` with nothing
@@ -59,7 +61,9 @@ optimiser step over ``prompts x samples`` sequences of
 :class:`engine.train.TrainEngine` at layout 1,1,1; ``decode_b{1,32}_limit_fraction`` = limit /
 step time, ``decode_limit_fraction`` the lower; ``reshard_vs_raw`` = the 1,4,1 -> 1,2 reshard
 of ``--reshard-mb`` MiB on 4 gloo ranks over one raw all-gather of the same bytes, read from
-``bench/transition.py --json`` run as a subprocess.
+``bench/transition.py --json`` run as a subprocess.  ``compile_fallbacks`` and
+``compile_counts`` (:mod:`engine.inductor`): the functions that ran eagerly where they were to
+run compiled, and each compiled function's graphs, recompiles and eager calls.
 """
 
 from __future__ import annotations
@@ -277,20 +281,33 @@ def measure_train(shape: BenchShape, micro_batch: int, repeat: int,
             "tokens_per_s": seqs * seq / t["step"], "flops_per_s": flops / t["step"]}
 
 
+def decode_step_time(t_n: float, t_1: float, n: int) -> tuple[float, str]:
+    """The decode step from the time ``t_n`` of a call of ``n`` new tokens and ``t_1`` of one
+    of 1 (the prefill alone), both without warm-ups and captures (pure): ``(t_n - t_1) /
+    (n - 1)``, or ``t_n / n`` where noise makes the difference <= 0 (an upper bound); and
+    which of the two (``step_from``)."""
+    if n < 2:
+        raise ValueError(f"decode tokens={n} must be >= 2 to time a decode step")
+    step = (t_n - t_1) / (n - 1)
+    if step > 0:
+        return step, "difference"
+    return t_n / n, "whole call / N"  # a loaded machine's noise outweighed n - 1 steps
+
+
 def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int,
                    device: torch.device = CPU.device, new_tokens: int | None = None) -> dict:
-    """Greedy decode step time per batch size: ``(t(N) - t(1)) / (N - 1)``, N = ``new_tokens``
-    (default the shape's response_len); ``t(N) / N`` where noise makes the difference <= 0
-    (an upper bound, recorded as ``step_from``)."""
+    """Greedy decode step time per batch size (:func:`decode_step_time`), N = ``new_tokens``
+    (default the shape's response_len); every call's time without its CUDA graph warm-ups and
+    captures (``capture_s``, recorded with ``graphs_captured`` of the last N-token call)."""
     from engine.generation import GenerationEngine
     from engine.sampling import SamplingParams
 
-    cfg, groups, model = _model(shape, device)
-    engine = GenerationEngine(cfg, groups, device=device)
-    engine.set_weights(model.params)
     n = shape.response_len if new_tokens is None else new_tokens
     if n < 2:
         raise ValueError(f"decode tokens={n} must be >= 2 to time a decode step")
+    cfg, groups, model = _model(shape, device)
+    engine = GenerationEngine(cfg, groups, device=device)
+    engine.set_weights(model.params)
     g = torch.Generator(device=device).manual_seed(2)
     fns = {}
     for b in batches:
@@ -299,15 +316,15 @@ def measure_decode(shape: BenchShape, batches: tuple[int, ...], repeat: int,
             fns[(b, k)] = (lambda ids=ids, k=k:
                            engine.generate(ids, None, SamplingParams(max_new_tokens=k,
                                                                      temperature=0.0)))
-    t, _ = interleaved_median_times({f"{b},{k}": f for (b, k), f in fns.items()}, repeat,
-                                    device=device)
+    t, last = interleaved_median_times({f"{b},{k}": f for (b, k), f in fns.items()}, repeat,
+                                       device=device, untimed=lambda o: o.stats["capture_s"])
     out = {}
     for b in batches:
-        step, step_from = (t[f"{b},{n}"] - t[f"{b},1"]) / (n - 1), "difference"
-        if step <= 0:  # a loaded machine's noise outweighed n - 1 steps: bound the step by
-            step, step_from = t[f"{b},{n}"] / n, "whole call / N"  # the call (fraction low)
+        step, step_from = decode_step_time(t[f"{b},{n}"], t[f"{b},1"], n)
+        stats = last[f"{b},{n}"].stats
         out[b] = {"step_s": step, "step_from": step_from, "generate_s": t[f"{b},{n}"],
-                  "prefill_s": t[f"{b},1"],
+                  "prefill_s": t[f"{b},1"], "capture_s": stats["capture_s"],
+                  "graphs_captured": stats["graphs_captured"],
                   "new_tokens": n, "context_mean": shape.prompt_len + n / 2,
                   "decode_path": "c++ kernels" if engine.fused_decode else "python layers",
                   "compiled_layers": engine.compile_decode, "cuda_graphs": engine.cuda_graphs}
@@ -437,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine import inductor
 
-    result.update(compile_fallbacks=inductor.fallbacks(),
+    result.update(compile_fallbacks=inductor.fallbacks(), compile_counts=inductor.compile_counts(),
                   shape=dataclasses.replace(shape, dtype=bd.dtype).describe(),
                   argv=sys.argv if argv is None else argv, threads=torch.get_num_threads(),
                   repeat=a.repeat, device=bd.describe())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,14 +85,17 @@ def median_time(fn, repeat: int, warmup: int = 1,
 
 
 def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1,
-                             device: torch.device | str | None = None
+                             device: torch.device | str | None = None,
+                             untimed: Callable[[object], float] | None = None
                              ) -> tuple[dict[str, float], dict[str, object]]:
     """Time several callables side by side: each round calls every one once, in turn.
 
     Interleaving spreads slow phases of a shared, noisy machine over all contenders instead of
     charging them to whichever ran at that moment, so the ratios of the medians are stable.
     On a CUDA ``device`` the clock is read after :func:`sync` on both sides of each call, so a
-    call's time is its device work, not the time to queue it.
+    call's time is its device work, not the time to queue it.  ``untimed(result)``: seconds
+    of a call's own work that are not what is timed (a generation's CUDA graph captures),
+    taken out of that call's time.
 
     Returns:
         ``({name: median seconds}, {name: result of its last call})``.
@@ -107,7 +111,8 @@ def interleaved_median_times(fns: dict, repeat: int, warmup: int = 1,
             t0 = time.perf_counter()
             results[name] = fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            times[name].append(elapsed - (untimed(results[name]) if untimed else 0.0))
     return {name: statistics.median(t) for name, t in times.items()}, results
 
 

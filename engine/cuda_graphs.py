@@ -38,6 +38,7 @@ all sharing one memory pool; they live until the call ends.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -124,6 +125,10 @@ class StaticDecode:
         self.buckets: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by buckets
         self.stream: torch.cuda.Stream | None = None  # of the warm-ups and captures
+        self.capture_s = 0.0
+        """Wall seconds of this call's warm-ups and captures (the device synchronised before
+        and after each, so the queued steps are not in it): what a timing of the steps
+        leaves out."""
 
     def step(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys_ok: torch.Tensor) -> torch.Tensor:
@@ -192,6 +197,8 @@ class StaticDecode:
         """Warm the step up on a side stream, then record it (torch.cuda.graph).  The warm-up
         writes position ``pos`` of the cache with the step's own keys and values (its inputs
         are in the buffers already), which the replay that follows writes again."""
+        torch.cuda.synchronize(self.device)  # the steps queued so far are not the capture's
+        t0 = time.perf_counter()
         with torch.cuda.device(self.device):
             # one side stream for every warm-up and capture of the call: the BLAS handles and
             # workspaces made for it in the warm-up are the capture's, and captures that share
@@ -206,4 +213,6 @@ class StaticDecode:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 out = self._run(buf, keys)
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
         return out, graph

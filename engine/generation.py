@@ -489,6 +489,7 @@ class GenerationEngine:
             if routes is not None:  # the routing of the token fed at position plen + i
                 routes[rows.at, plen + i] = self.route_log.pop().to(torch.int16)
         graphs = 0 if static is None else static.graph_count
+        capture_s = 0.0 if static is None else static.capture_s
         del cache, static  # the KV cache (and the graphs over it) live only for the call
         # 4. output
         new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
@@ -508,6 +509,7 @@ class GenerationEngine:
                    "kv_cache_bytes": self.kv_cache_bytes(batch, plen, n_new),
                    "kv_layout": self.kv_layout, "cuda_graphs": self.cuda_graphs,
                    "compile_decode": self.compile_decode, "graphs_captured": graphs,
+                   "capture_s": capture_s,
                    "weights_version": self.weights_version})
 
     def _all_stages_routes(self, routes: torch.Tensor) -> torch.Tensor:

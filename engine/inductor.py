@@ -15,7 +15,11 @@ seen to give wrong log-probs when loaded under another.
 
 Switches: ``HYBRIDFLOW_COMPILE=0`` in the environment, or :func:`set_enabled`, runs every
 function eagerly (the A/B of ``bench/roofline.py``).  A compile that fails (no C++ compiler,
-an unsupported torch) warns once and leaves that function eager for the process.
+an unsupported torch) warns once and leaves that function eager for the process, except
+during a CUDA graph capture, where it is raised (eager work would land in a capture the failure
+may have invalidated).  A call past dynamo's recompile limit (``recompile_limit``, 8 variants
+of one function's code; ``fullgraph=True`` makes dynamo raise it) runs eagerly, with one
+warning.  :func:`fallbacks` and :func:`compile_counts` report both, for the benches' records.
 """
 
 from __future__ import annotations
@@ -82,9 +86,45 @@ _instances: list[Compiled] = []
 
 
 def fallbacks() -> list[str]:
-    """The functions whose compile failed in this process (they run eagerly): what a bench
+    """The functions that ran eagerly where they were to run compiled, in this process: a
+    failed compile (eager from then on) or calls past dynamo's recompile limit; what a bench
     records beside its compiled figures."""
-    return sorted(c.fn.__qualname__ for c in _instances if c._broken)
+    return sorted({c.fn.__qualname__ for c in _instances if c._broken or c.eager_calls})
+
+
+def _graphs_of(fn: Callable) -> int:
+    """Graphs dynamo holds for ``fn``'s code (its first compile and every recompile, shared by
+    every ``torch.compile`` of that code: what its recompile limit counts); 0 where this
+    torch cannot say."""
+    code = getattr(fn, "__code__", None)
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        return len(_debug_get_cache_entry_list(code)) if code is not None else 0
+    except (ImportError, RuntimeError, TypeError):  # pragma: no cover - another torch
+        return 0
+
+
+def compile_counts() -> dict[str, dict[str, int]]:
+    """Per compiled function that ran compiled or fell back, by name: ``graphs`` (dynamo's
+    compiled variants of its code), ``recompiles`` (``graphs - 1``), ``eager_calls`` (calls
+    run eagerly past the recompile limit) and ``failed`` (1 when its compile failed)."""
+    out: dict[str, dict[str, int]] = {}
+    for c in _instances:
+        if c._compiled is None and not c._broken:
+            continue
+        row = out.setdefault(c.fn.__qualname__, {"graphs": _graphs_of(c.fn), "eager_calls": 0,
+                                                 "failed": 0})
+        row["eager_calls"] += c.eager_calls
+        row["failed"] = max(row["failed"], int(c._broken))
+    for row in out.values():
+        row["recompiles"] = max(0, row["graphs"] - 1)
+    return out
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is recording a graph (never before CUDA is
+    initialised: asking then could initialise it, or fail without a GPU)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class Compiled:
@@ -94,7 +134,8 @@ class Compiled:
     first compile; None: sizes that change between calls become symbolic at the second).
     ``backward_with_forward``: a function trained through compiles its backward with its
     forward (:meth:`_lowering`).  A call past dynamo's recompile limit runs eagerly (with
-    one warning); a compile that fails leaves the function eager for the process."""
+    one warning; counted in :attr:`eager_calls`); a compile that fails leaves the function
+    eager for the process, or is raised during a CUDA graph capture."""
 
     def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL,
                  dynamic: bool | None = True, backward_with_forward: bool = False) -> None:
@@ -102,7 +143,8 @@ class Compiled:
         self.backward_with_forward = backward_with_forward
         self._compiled: Callable | None = None
         self._broken = False
-        self._limited = False
+        self.eager_calls = 0
+        """Calls run eagerly past dynamo's recompile limit."""
         _instances.append(self)
 
     def uses_compiled(self, first: torch.Tensor) -> bool:
@@ -120,13 +162,16 @@ class Compiled:
         except torch.OutOfMemoryError:
             raise  # not a compile failure: the eager formula would need more memory still
         except _RecompileLimit:  # a variant past dynamo's recompile limit: this call eagerly
-            if not self._limited:
-                self._limited = True
+            # (raised before anything runs, so eager work is also right inside a capture)
+            self.eager_calls += 1
+            if self.eager_calls == 1:
                 warnings.warn(f"torch.compile of {self.fn.__qualname__} reached dynamo's "
                               f"recompile limit; new variants run eagerly", RuntimeWarning,
                               stacklevel=2)
             return self.fn(first, *args)
         except Exception as exc:  # the backend could not compile: stay eager, say so once
+            if _capturing():  # the capture may be invalid now: eager work would be lost in it
+                raise
             self._broken = True
             warnings.warn(f"torch.compile of {self.fn.__qualname__} failed ({type(exc).__name__}:"
                           f" {exc}); running it eagerly", RuntimeWarning, stacklevel=2)

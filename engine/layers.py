@@ -213,6 +213,8 @@ class PackedSeqs:
 
     cu_seqlens: tuple[int, ...]
     """``0, L0, L0+L1, ..., T`` (non-decreasing; an empty sequence is allowed)."""
+    _on_device: dict[torch.device, torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         c = self.cu_seqlens
@@ -223,11 +225,25 @@ class PackedSeqs:
     def total(self) -> int:
         return self.cu_seqlens[-1]
 
+    @property
+    def longest(self) -> int:
+        """The longest sequence's length."""
+        return max((b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:])), default=0)
+
+    def boundaries(self, device: torch.device | str) -> torch.Tensor:
+        """``cu_seqlens`` as ``[n + 1]`` int32 on ``device``: copied from the host on the
+        first call per device and kept, so that every layer's attention (and the positions)
+        of the micro-batch share one host-to-device copy."""
+        device = torch.device(device)
+        if device not in self._on_device:
+            self._on_device[device] = torch.tensor(self.cu_seqlens, dtype=torch.int32,
+                                                   device=device)
+        return self._on_device[device]
+
     def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[1, T]`` on ``device``: ``0..L_i-1`` inside every sequence (what the padded row's
-        :func:`position_ids_from_mask` gives its real tokens).  The boundaries are host data:
-        one host-to-device copy of ``cu_seqlens``."""
-        c = torch.tensor(self.cu_seqlens, device=device)
+        :func:`position_ids_from_mask` gives its real tokens), from :meth:`boundaries`."""
+        c = self.boundaries(device).long()
         lengths = c[1:] - c[:-1]
         starts = torch.repeat_interleave(c[:-1], lengths, output_size=self.total)
         return (torch.arange(self.total, device=device) - starts).unsqueeze(0)
@@ -246,9 +262,9 @@ def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       packed: PackedSeqs) -> torch.Tensor:
     """``[1, T, h_q*D]`` attention of every packed sequence on its own: in one varlen call
     on CUDA (:mod:`engine.varlen`), else one attention per sequence."""
-    c = packed.cu_seqlens
     if varlen.applies(q) and packed.total > 0:
-        return varlen.causal_attention(q, k, v, c)
+        return varlen.causal_attention(q, k, v, packed.boundaries(q.device), packed.longest)
+    c = packed.cu_seqlens
     return torch.cat([_causal_attention(q[:, a:b], k[:, a:b], v[:, a:b])
                       for a, b in zip(c, c[1:]) if b > a], dim=1)
 

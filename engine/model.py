@@ -252,8 +252,7 @@ class ParallelLlama(nn.Module):
         """
         c = self.config
         batch, seq = inputs.shape[:2]
-        longest = seq if packed is None else max(
-            (b - a for a, b in zip(packed.cu_seqlens, packed.cu_seqlens[1:])), default=0)
+        longest = seq if packed is None else packed.longest
         if c.sliding_window is not None and longest > c.sliding_window:
             raise ValueError(f"sequence of {longest} tokens is longer than the model's "
                              f"sliding_window={c.sliding_window} (no windowed attention)")

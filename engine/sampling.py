@@ -134,8 +134,9 @@ def _without(z: torch.Tensor, token: int | None, start: int) -> torch.Tensor:
     global id ``token`` at -inf: a copy when this slice holds it, else ``z`` itself."""
     if token is None or not start <= token < start + z.shape[-1]:
         return z
-    col = torch.tensor([token - start], device=z.device)
-    return z.index_fill(-1, col, float("-inf"))  # out of place: z may be the caller's logits
+    out = z.clone()  # out of place: z may be the caller's logits
+    out.select(-1, token - start).fill_(float("-inf"))  # no index tensor to copy over
+    return out
 
 
 def _all_gather(t: torch.Tensor, group: Group | None) -> torch.Tensor:

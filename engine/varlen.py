@@ -66,11 +66,17 @@ def applies(q: torch.Tensor) -> bool:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens: tuple[int, ...],
+                     cu_seqlens: torch.Tensor, longest: int,
                      attn: Callable | None = None) -> torch.Tensor:
     """``[1, T, h_q*D]`` causal attention of each packed sequence of ``q [1, T, h_q, D]``,
-    ``k, v [1, T, h_kv, D]`` on its own (``cu_seqlens`` its boundaries); ``attn``: the
-    ``varlen_attn`` to call (default torch's)."""
+    ``k, v [1, T, h_kv, D]`` on its own.
+
+    Args:
+        cu_seqlens: the sequences' boundaries ``[n + 1]`` int32 on ``q``'s device, made once
+            per micro-batch (:meth:`engine.layers.PackedSeqs.boundaries`), not per layer.
+        longest: the longest sequence's length (host data: no sync to read it).
+        attn: the ``varlen_attn`` to call (default torch's).
+    """
     attn = attn or _varlen_attn()
     kwargs, repeat = _arguments_of(attn)
     _, t, h_q, d = q.shape
@@ -78,7 +84,5 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if repeat:
         ks = ks.repeat_interleave(h_q // ks.shape[1], dim=1)
         vs = vs.repeat_interleave(h_q // vs.shape[1], dim=1)
-    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
-    longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
-    out = attn(qs, ks, vs, cu, cu, longest, longest, **kwargs)  # [T, h_q, D]
+    out = attn(qs, ks, vs, cu_seqlens, cu_seqlens, longest, longest, **kwargs)  # [T, h_q, D]
     return out.reshape(1, t, h_q * d)

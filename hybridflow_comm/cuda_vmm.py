@@ -16,7 +16,9 @@ torch keeps the reservation object alive for as long as any tensor on it lives.
 
 Every call runs with the device's primary context pushed (the context torch's runtime uses),
 so a reservation works from any thread.  A failing call raises RuntimeError naming the driver
-function and its ``CUresult`` (for example ``CUDA_ERROR_OUT_OF_MEMORY``).
+function and its ``CUresult``; out of device memory it is :class:`OutOfMemory`.  Physical
+memory mapped this way bypasses torch's caching allocator, so ``torch.cuda.memory_allocated``
+does not count it: :func:`mapped_bytes` does.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_HANDLE_TYPE_NONE = 0
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class OutOfMemory(RuntimeError):
+    """A driver call failed with ``CUDA_ERROR_OUT_OF_MEMORY``."""
 
 
 class _Location(ctypes.Structure):  # CUmemLocation
@@ -54,6 +61,18 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _contexts: dict[int, ctypes.c_void_p] = {}
+_mapped: dict[int, int] = {}  # device -> bytes mapped by every live reservation on it
+
+
+def mapped_bytes(device: int) -> int:
+    """Physical bytes this process has mapped on ``device`` through reservations (no driver
+    call: a tally kept by :meth:`Reservation.map` and :meth:`Reservation.unmap`)."""
+    return _mapped.get(device, 0)
+
+
+def _tally(device: int, nbytes: int) -> None:
+    with _lock:
+        _mapped[device] = _mapped.get(device, 0) + nbytes
 
 
 def _driver() -> ctypes.CDLL:
@@ -75,8 +94,8 @@ def _check(lib: ctypes.CDLL, result: int, call: str) -> None:
         return
     name = ctypes.c_char_p()
     known = lib.cuGetErrorName(result, ctypes.byref(name)) == 0 and name.value
-    raise RuntimeError(f"{call} failed: {name.value.decode() if known else 'CUresult'} "
-                       f"({result})")
+    error = OutOfMemory if result == CUDA_ERROR_OUT_OF_MEMORY else RuntimeError
+    raise error(f"{call} failed: {name.value.decode() if known else 'CUresult'} ({result})")
 
 
 def _call(call: str, *args) -> None:
@@ -171,9 +190,15 @@ class Reservation:
             except RuntimeError:
                 _call("cuMemRelease", handle)
                 raise
-            _call("cuMemSetAccess", ctypes.c_uint64(self.ptr + lo), size, ctypes.byref(access),
-                  ctypes.c_size_t(1))
+            try:
+                _call("cuMemSetAccess", ctypes.c_uint64(self.ptr + lo), size,
+                      ctypes.byref(access), ctypes.c_size_t(1))
+            except RuntimeError:  # nothing of this segment may stay behind
+                _call("cuMemUnmap", ctypes.c_uint64(self.ptr + lo), size)
+                _call("cuMemRelease", handle)
+                raise
         self._handles[(lo, hi)] = handle.value
+        _tally(self.device, hi - lo)
 
     def unmap(self, lo: int, hi: int) -> None:
         """Unmap ``[lo, hi)`` and free its physical memory; the addresses stay reserved.
@@ -185,6 +210,7 @@ class Reservation:
         with _on(self.device):
             _call("cuMemUnmap", ctypes.c_uint64(self.ptr + lo), ctypes.c_size_t(hi - lo))
             _call("cuMemRelease", ctypes.c_ulonglong(handle))
+        _tally(self.device, lo - hi)
 
     @property
     def mapped_nbytes(self) -> int:

@@ -173,6 +173,12 @@ def _subtract(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list
     return out
 
 
+def _rank() -> int:
+    """This process's rank in the default process group (0 without one), for messages."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _storage_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -356,27 +362,61 @@ class FlatParamBuffer:
 
     def restore_generation_slots(self) -> int:
         """Back the released chunks with memory again; every byte outside the training slots
-        then reads as zero (a no-op when nothing is released).
+        then reads as zero (a no-op when nothing is released).  The buffer counts as restored
+        only once every chunk is backed.
 
         Returns:
             The bytes mapped again (CUDA); 0 on CPU, where the OS backs a page on its first
             write.
+
+        Raises:
+            torch.OutOfMemoryError: (CUDA) the device cannot back the chunks even after torch's
+                caching allocator gave its cache back; the buffer stays released, nothing of
+                this call stays mapped, and a later access tries again.
         """
         if not self._released:
             return 0
-        self._released = False
-        restored = 0
+        restored = self._map_releasable() if self.device.type == "cuda" else 0
         for dtype, raw in self._bytes.items():
-            if self.device.type == "cuda":
-                before = self._vmm[dtype].mapped_nbytes
-                for seg in (g for g in self._segments[dtype] if g.releasable):
-                    self._vmm[dtype].map(seg.lo, seg.hi)
-                restored += self._vmm[dtype].mapped_nbytes - before
             stale = _subtract(_gaps(raw.numel(), self._keep_ranges(dtype)),
                               self._zeroed_by_os.pop(dtype, []))
             for lo, hi in stale:
                 raw[lo:hi].zero_()
+        self._released = False
         return restored
+
+    def _map_releasable(self) -> int:
+        """Map every releasable chunk of the CUDA storages; returns the bytes mapped.
+
+        ``cuMemCreate`` takes memory from the device, not from torch's caching allocator, so
+        blocks the allocator keeps cached for tensors are out of its reach: out of memory, the
+        cache is emptied and the mapping tried once more (chunks already mapped stay).  Any
+        failure after that unmaps every releasable chunk again, so that the buffer is
+        consistently released and a later restore starts from scratch.
+        """
+        pieces = [(self._vmm[dtype], seg) for dtype, segments in self._segments.items()
+                  for seg in segments if seg.releasable]
+        before = sum(r.mapped_nbytes for r in self._vmm.values())
+        try:
+            try:
+                for reservation, seg in pieces:
+                    reservation.map(seg.lo, seg.hi)
+            except cuda_vmm.OutOfMemory:
+                torch.cuda.empty_cache()
+                for reservation, seg in pieces:
+                    reservation.map(seg.lo, seg.hi)  # a no-op for the chunks already mapped
+        except Exception as exc:
+            for reservation, seg in pieces:
+                reservation.unmap(seg.lo, seg.hi)
+            if not isinstance(exc, cuda_vmm.OutOfMemory):
+                raise
+            need = sum(seg.hi - seg.lo for _, seg in pieces)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            raise torch.OutOfMemoryError(
+                f"rank {_rank()}: restoring the released generation slots of a flat buffer on "
+                f"{self.device} needs {need} bytes ({need / 2**20:.1f} MiB) of device memory; "
+                f"{free} bytes are free after emptying torch's allocator cache ({exc})") from exc
+        return sum(r.mapped_nbytes for r in self._vmm.values()) - before
 
     def _ensure_restored(self) -> None:
         if self._released:

@@ -11,6 +11,10 @@ largest over ranks and calls of the iteration is logged::
 
     CUDA  memory/<phase>/allocated_gb        torch.cuda.memory_allocated after the call
           memory/<phase>/peak_allocated_gb   torch.cuda.max_memory_allocated, reset before it
+          memory/<phase>/vmm_mapped_gb       CUDA virtual memory mapped after the call (the flat
+                                             weight buffers, hybridflow_comm.cuda_vmm: outside
+                                             torch's allocator, so in neither reading above;
+                                             their generation-only slots' release shows here)
     CPU   memory/<phase>/rss_gb              the process's resident memory after the call
 
 Resume: a logger opened with ``start_step=k`` keeps only the lines with ``step < k`` (lines of
@@ -30,6 +34,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+
+from hybridflow_comm import cuda_vmm
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -60,10 +66,14 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def memory_sample(device: torch.device) -> dict[str, int]:
     """Memory readings of ``device`` in bytes: on CUDA what the allocator holds for tensors
-    now and its peak since :func:`reset_peak_memory`; on CPU the process's resident memory."""
+    now, its peak since :func:`reset_peak_memory`, and what the process has mapped through
+    CUDA virtual memory (not the allocator's); on CPU the process's resident memory (which
+    includes the flat buffers' pages)."""
     if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
         return {"allocated": torch.cuda.memory_allocated(device),
-                "peak_allocated": torch.cuda.max_memory_allocated(device)}
+                "peak_allocated": torch.cuda.max_memory_allocated(device),
+                "vmm_mapped": cuda_vmm.mapped_bytes(index)}
     return {"rss": resident_bytes()}
 
 

@@ -170,3 +170,30 @@ def test_a_clock_of_zero_never_draws_an_impossible_candidate(monkeypatch):
         formula = int(whole_vocab_formula(z, torch.tensor(1.0), 3, torch.tensor(5), ids)[0][0])
         for pick in (eager, formula):
             assert pick != want_not and (want is None or pick == want), (row, pick)
+
+
+def test_the_eos_ban_builds_no_tensor_from_host_data():
+    """The ban of a vocabulary slice's column (every decode step while EOS is banned) is a
+    copy and a scalar fill on the logits' device: no index tensor made on the host and copied
+    over (torch.tensor's lift_fresh), and the logits themselves untouched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    z = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    for token, start in ((7, 4), (4, 4), (13, 4)):  # first, inside and last column of a slice
+        with Ops() as ops:
+            got = sampling._without(z, token, start)
+        assert ops.names == ["clone.default", "select.int", "fill_.Scalar"]
+        want = z.clone()
+        want[:, token - start] = float("-inf")
+        assert torch.equal(got, want) and torch.isfinite(z).all()
+    assert sampling._without(z, 3, 4) is z and sampling._without(z, 14, 4) is z
+    assert sampling._without(z, None, 0) is z

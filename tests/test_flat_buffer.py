@@ -1,4 +1,5 @@
-"""Flat parameter buffers and pack/unpack (single process)."""
+"""Flat parameter buffers and pack/unpack (single process); the CUDA restore's handling of an
+out-of-memory mapping on a stand-in for the driver (tests/test_gpu_memory.py: on the device)."""
 
 import itertools
 import random
@@ -6,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hybridflow_comm import _C
+from hybridflow_comm import _C, cuda_vmm
 from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec, _gaps, _subtract, plan_segments
 from hybridflow_comm.pack import pack_tensors, plan_pack, unpack_tensors
 
@@ -141,6 +142,107 @@ def test_access_after_release_restores_first():
     buf.byte_storage(torch.float32)
     assert not buf.released
     assert torch.all(buf.gen_view("w")[1] == 3.0) and torch.all(buf.gen_view("w")[2:] == 0)
+
+
+class _Driver:
+    """Stands in for the CUDA driver's ``cuMemCreate``: counts the mappings asked for and
+    fails those whose number is in ``oom_at`` with ``CUDA_ERROR_OUT_OF_MEMORY``."""
+
+    def __init__(self, oom_at=()):
+        self.calls, self.oom_at = 0, set(oom_at)
+
+    def create(self):
+        self.calls += 1
+        if self.calls in self.oom_at:
+            raise cuda_vmm.OutOfMemory("cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+
+
+class _FakeReservation:
+    """:class:`cuda_vmm.Reservation`'s bookkeeping (map/unmap of whole segments, idempotent)."""
+
+    def __init__(self, driver, segments):
+        self.driver, self.mapped = driver, {(g.lo, g.hi) for g in segments}
+
+    def map(self, lo, hi):
+        if (lo, hi) not in self.mapped:
+            self.driver.create()
+            self.mapped.add((lo, hi))
+
+    def unmap(self, lo, hi):
+        self.mapped.discard((lo, hi))
+
+    @property
+    def mapped_nbytes(self):
+        return sum(hi - lo for lo, hi in self.mapped)
+
+
+def _fake_cuda_buffer(monkeypatch, driver):
+    """A CPU buffer whose memory calls take the CUDA path onto :class:`_FakeReservation`s;
+    its generation slots hold 5s, its training slots 1, 2, ...; returns it and the list of
+    ``torch.cuda.empty_cache`` calls."""
+    specs = [SlotSpec("w", torch.float32, (4096,), 4, 1),
+             SlotSpec("other_stage", torch.bfloat16, (8192,), 2, None),
+             SlotSpec("norm", torch.bfloat16, (64,), 1, 0)]
+    buf = FlatParamBuffer(specs)
+    for s in specs:
+        buf.gen_view(s.name).fill_(5)
+    for i, t in enumerate(buf.train_views().values()):
+        t.fill_(i + 1)
+    emptied = []
+    monkeypatch.setattr(buf, "device", torch.device("cuda", 0))
+    buf._vmm = {d: _FakeReservation(driver, buf._segments[d]) for d in buf.dtypes}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 20, 80 << 30))
+    return buf, emptied
+
+
+def _assert_restored(buf, trained):
+    assert not buf.released
+    for dtype in buf.dtypes:
+        assert buf._vmm[dtype].mapped == {(g.lo, g.hi) for g in buf._segments[dtype]}
+        raw, mask = _byte_mask(buf, dtype)
+        assert torch.all(raw[~mask] == 0), dtype
+    for n, t in buf.train_views().items():
+        assert torch.equal(t, trained[n]), n
+
+
+def test_cuda_restore_out_of_memory_empties_the_allocator_cache_and_maps_the_rest(monkeypatch):
+    driver = _Driver()
+    buf, emptied = _fake_cuda_buffer(monkeypatch, driver)
+    trained = {n: t.clone() for n, t in buf.train_views().items()}
+    released = buf.release_generation_slots()
+    kept = buf.resident_nbytes()
+    assert released > 0 and buf.released
+    driver.calls, driver.oom_at = 0, {2}  # the second chunk finds the memory in torch's cache
+    assert buf.restore_generation_slots() == released
+    assert emptied == [True] and driver.calls == 4  # 3 chunks, the second asked for twice
+    assert buf.resident_nbytes() == kept + released
+    _assert_restored(buf, trained)
+
+
+def test_cuda_restore_that_does_not_fit_stays_released_and_says_so(monkeypatch):
+    """A chunk that cannot be backed even after the cache is emptied: one error naming the
+    rank and the bytes, nothing of the restore left mapped, the buffer still released (its
+    released chunks are never handed out), and the next access restores cleanly."""
+    driver = _Driver()
+    buf, emptied = _fake_cuda_buffer(monkeypatch, driver)
+    trained = {n: t.clone() for n, t in buf.train_views().items()}
+    released = buf.release_generation_slots()
+    kept = buf.resident_nbytes()
+    driver.calls, driver.oom_at = 0, {2, 3}  # the second chunk, and again after emptying
+    with pytest.raises(torch.OutOfMemoryError,
+                       match=rf"^rank 0: .* on cuda:0 needs {released} bytes .* 3145728 bytes "
+                             r"are free .*CUDA_ERROR_OUT_OF_MEMORY"):
+        buf.restore_generation_slots()
+    assert emptied == [True] and buf.released and buf.resident_nbytes() == kept
+    driver.calls, driver.oom_at = 0, {1, 2}
+    with pytest.raises(torch.OutOfMemoryError):  # every access restores first: no stale view
+        buf.gen_view("w")
+    assert len(emptied) == 2 and buf.released and buf.resident_nbytes() == kept
+    driver.oom_at = set()
+    assert torch.all(buf.gen_view("other_stage") == 0)
+    _assert_restored(buf, trained)
 
 
 def _chunk_flags(nbytes, keep, chunk):

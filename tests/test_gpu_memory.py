@@ -1,6 +1,8 @@
 """The flat buffer on CUDA virtual memory: released chunks go back to the device (measured
-with ``torch.cuda.mem_get_info``), views keep their addresses, restored slots read as zeros.
-Skipped without CUDA."""
+with ``torch.cuda.mem_get_info``), views keep their addresses, restored slots read as zeros; a
+restore that meets memory held in torch's allocator cache empties it, one that cannot fit
+raises and stays released; rlhf.metrics' vmm_mapped follows the mappings.  Skipped without
+CUDA."""
 
 import gc
 
@@ -9,6 +11,7 @@ import torch
 
 from hybridflow_comm import cuda_vmm
 from hybridflow_comm.flat_buffer import FlatParamBuffer, SlotSpec
+from rlhf.metrics import memory_sample
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -74,3 +77,26 @@ def test_resharding_writes_after_release():
     storage.fill_(1)
     torch.cuda.synchronize()
     assert not buf.released and torch.all(buf.gen_view("other_stage") == 1)
+
+
+def test_restore_against_torchs_cache_and_out_of_memory():
+    """cuMemCreate cannot use the blocks torch's caching allocator keeps: with them held by a
+    tensor the restore raises one OutOfMemoryError naming the rank and bytes and the buffer
+    stays released with nothing of the restore mapped; with them only cached the restore
+    empties the cache and succeeds."""
+    buf = FlatParamBuffer(_specs(), device="cuda")
+    buf.gen_view("w").fill_(3)
+    mapped, vmm = buf.resident_nbytes(), memory_sample(buf.device)["vmm_mapped"]
+    released = buf.release_generation_slots()
+    assert vmm - memory_sample(buf.device)["vmm_mapped"] == released
+    hog = torch.empty(_free() - 64 * MIB, dtype=torch.uint8, device="cuda")  # 64 MiB left
+    with pytest.raises(torch.OutOfMemoryError, match=rf"^rank 0: .* needs {released} bytes"):
+        buf.restore_generation_slots()
+    assert buf.released and buf.resident_nbytes() == mapped - released
+    assert vmm - memory_sample(buf.device)["vmm_mapped"] == released
+    del hog  # its block stays in the allocator's cache, out of cuMemCreate's reach
+    assert _free() < released < torch.cuda.memory_reserved()
+    assert buf.restore_generation_slots() == released and not buf.released
+    assert buf.resident_nbytes() == mapped and memory_sample(buf.device)["vmm_mapped"] == vmm
+    gen = buf.gen_view("w")
+    assert torch.all(gen[1] == 3) and torch.count_nonzero(gen[0]) == 0

@@ -1,4 +1,5 @@
-"""engine.inductor: compiled where big enough, eager otherwise, eager after a failed compile;
+"""engine.inductor: compiled where big enough, eager otherwise, eager after a failed compile
+(raised instead during a CUDA graph capture), eager and counted past dynamo's recompile limit;
 and the LM head's vocabulary log-prob/entropy on its compiled pass against float64 softmax."""
 
 import os
@@ -102,6 +103,74 @@ def test_out_of_memory_is_raised_not_turned_eager(compile_on, monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         f(x)
     assert f.uses_compiled(x)
+
+
+def test_a_failed_compile_during_a_cuda_graph_capture_is_raised(compile_on, monkeypatch):
+    """Inside a capture (a stand-in for CUDA's query here) the failure propagates: no eager
+    work in a capture it may have invalidated, and the function is not given up on."""
+    def broken(*args):
+        raise RuntimeError("backend could not compile")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    def step(x):
+        return x + 1
+
+    f = Compiled(step)
+    x = torch.ones(MIN_NUMEL)
+    with pytest.raises(RuntimeError, match="backend could not compile"):
+        f(x)
+    assert f.uses_compiled(x) and step.__qualname__ not in inductor.fallbacks()
+    capturing[0] = False  # outside a capture: the usual fallback
+    with pytest.warns(RuntimeWarning, match="failed"):
+        assert torch.equal(f(x), x + 1)
+    assert not f.uses_compiled(x) and step.__qualname__ in inductor.fallbacks()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_compile_failing_inside_a_real_graph_capture_is_raised(compile_on):
+    def data_dependent_step(x):  # fullgraph=True cannot trace a Python branch on a value
+        return x + 1 if float(x.sum()) > 0 else x - 1
+
+    f = Compiled(data_dependent_step, min_numel=0)
+    x = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(Exception):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            f(x)
+    assert f.uses_compiled(x)
+    with pytest.warns(RuntimeWarning, match="data_dependent_step"):
+        assert torch.equal(f(x), x + 1)  # outside a capture: eager, as everywhere
+    assert not f.uses_compiled(x)
+
+
+def test_calls_past_the_recompile_limit_run_eagerly_and_are_counted(compile_on, monkeypatch):
+    """Through inductor: with dynamo's limit at 2 variants, a third dtype is no compile but
+    an eager call, counted by compile_counts() and named by fallbacks() (fullgraph=True makes
+    dynamo raise at the limit, where it would otherwise run the frame eagerly unseen)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+
+    def variants(x):
+        return x * 3 + 1
+
+    f = Compiled(variants, min_numel=0, dynamic=None)
+    name = variants.__qualname__
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(f(torch.ones(4, dtype=dtype)), torch.full((4,), 4, dtype=dtype))
+    assert inductor.compile_counts()[name] == {"graphs": 2, "recompiles": 1, "eager_calls": 0,
+                                               "failed": 0}
+    assert name not in inductor.fallbacks()
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        assert torch.equal(f(torch.ones(4, dtype=torch.int64)), torch.full((4,), 4))
+    f(torch.ones(4, dtype=torch.int32))  # past the limit again: eager, no second warning
+    assert inductor.compile_counts()[name] == {"graphs": 2, "recompiles": 1, "eager_calls": 2,
+                                               "failed": 0}
+    assert name in inductor.fallbacks() and f.uses_compiled(torch.ones(4))
 
 
 def test_environment_switch():

@@ -7,7 +7,9 @@ import time
 import pytest
 import torch
 
-from rlhf.metrics import MetricsLogger, PhaseTimer, peak_rss_gb, plot_metrics, read_metrics
+from hybridflow_comm import cuda_vmm
+from rlhf.metrics import (MetricsLogger, PhaseTimer, memory_metrics, memory_sample, peak_rss_gb,
+                          plot_metrics, read_metrics)
 
 
 def test_phase_timer_accumulates():
@@ -35,6 +37,30 @@ def test_peak_rss_is_plausible():
     x = torch.ones(64 * 2**20 // 4)                          # touch 64 MiB
     assert 64 / 1024 < peak_rss_gb() < 24
     del x
+
+
+def test_cuda_memory_sample_counts_the_mapped_virtual_memory(monkeypatch):
+    """torch.cuda.memory_allocated does not see the flat buffers' cuMemCreate mappings; the
+    sample's vmm_mapped does (cuda_vmm's tally of map/unmap; the driver calls stubbed here,
+    tests/test_gpu_memory.py reads it on a device)."""
+    monkeypatch.setattr(cuda_vmm, "_call", lambda *args: None)
+    monkeypatch.setattr(cuda_vmm, "_contexts", {})  # no stub context left for a real driver
+    monkeypatch.setattr(cuda_vmm, "granularity", lambda device: 2 << 20)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 9)
+    start = cuda_vmm.mapped_bytes(0)
+    r = cuda_vmm.Reservation(8 << 20, 0)
+    r.map(0, 4 << 20)
+    r.map(4 << 20, 6 << 20)
+    r.map(0, 4 << 20)  # already mapped: counted once
+    sample = memory_sample(torch.device("cuda", 0))
+    assert sample == {"allocated": 7, "peak_allocated": 9, "vmm_mapped": start + (6 << 20)}
+    assert memory_metrics({"update": sample})["memory/update/vmm_mapped_gb"] == \
+        sample["vmm_mapped"] / 2**30
+    r.unmap(0, 4 << 20)
+    assert cuda_vmm.mapped_bytes(0) == start + (2 << 20) and cuda_vmm.mapped_bytes(1) == 0
+    r.close()
+    assert cuda_vmm.mapped_bytes(0) == start
 
 
 def _iteration(step):

@@ -42,7 +42,7 @@ def stand_in(names: tuple[str, ...]):
         gqa = kwargs.get("enable_gqa", False)
         assert gqa or k.shape[1] == q.shape[1]
         assert kwargs.get("is_causal") or kwargs.get("window_size") == (-1, 0)
-        calls.append(kwargs)
+        calls.append((kwargs, cu_q))
         out = [F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
             is_causal=True, enable_gqa=gqa).transpose(0, 1)
@@ -63,10 +63,31 @@ def test_packed_attention_through_varlen_equals_one_attention_per_sequence(signa
     q = torch.randn(1, 30, 6, 8, generator=g)
     k, v = (torch.randn(1, 30, 2, 8, generator=g) for _ in range(2))
     attn, calls = stand_in(SIGNATURES[signature])
-    got = causal_attention(q, k, v, cu, attn=attn)
+    packed = PackedSeqs(cu)
+    got = causal_attention(q, k, v, packed.boundaries(q.device), packed.longest, attn=attn)
     want = _packed_attention(q, k, v, PackedSeqs(cu))  # on the CPU: one per sequence
     assert len(calls) == 1 and got.shape == want.shape == (1, 30, 48)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_the_boundaries_go_to_the_device_once_per_micro_batch(monkeypatch):
+    """Every layer's varlen call of one micro-batch gets the same int32 boundaries tensor
+    (one host-to-device copy per micro-batch, not one per layer), which the positions use
+    too."""
+    attn, calls = stand_in(SIGNATURES["window_gqa"])
+    monkeypatch.setattr(varlen, "applies", lambda q: True)
+    monkeypatch.setattr(varlen, "_varlen_attn", lambda: attn)
+    g = torch.Generator().manual_seed(2)
+    packed = PackedSeqs((0, 5, 5, 12, 30))
+    q = torch.randn(1, 30, 6, 8, generator=g)
+    k, v = (torch.randn(1, 30, 2, 8, generator=g) for _ in range(2))
+    outs = [_packed_attention(q, k, v, packed) for _ in range(3)]  # three layers
+    cu = packed.boundaries(q.device)
+    assert len(calls) == 3 and all(c is cu for _, c in calls) and cu.dtype == torch.int32
+    assert all(torch.equal(o, outs[0]) for o in outs) and packed.longest == 18
+    assert packed.position_ids().tolist() == [list(range(5)) + list(range(7))
+                                              + list(range(18))]
+    assert packed.boundaries("cpu") is cu and packed == PackedSeqs((0, 5, 5, 12, 30))
 
 
 def test_varlen_applies_only_to_cuda_half_precision():
