@@ -487,7 +487,8 @@ def test_greedy_decode_checks_its_operands():
 def test_greedy_loop_same_bits_on_one_thread(batch, monkeypatch):
     """greedy_decode on one thread (each step the decode_layers and greedy_head calls) and on
     two (every step in one parallel region the threads share) give the Python loop's tokens
-    and log-probs bit for bit."""
+    and log-probs up to rounding: the rows a thread takes change the products' shapes, which
+    BLAS may round differently (seen on an Intel Xeon under AVX2 at batch 5)."""
     _, looped = engine(CFG, True, early_exit=True, greedy_loop=False)
     if not looped.fused_decode:
         pytest.skip("C++ kernels not built")
@@ -504,7 +505,7 @@ def test_greedy_loop_same_bits_on_one_thread(batch, monkeypatch):
             got = fused.generate(ids, mask, sp)
         finally:
             torch.set_num_threads(threads)
-        assert_same(got, want)
+        assert_same_up_to_rounding(got, want, CFG, greedy=True)
     assert calls.count("greedy_decode") == 2
 
 

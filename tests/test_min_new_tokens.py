@@ -100,7 +100,8 @@ def test_greedy_matches_transformers_min_new_tokens(full, fused, early_exit):
     real = out.response_mask[:, :width].bool()
     pick = hf_resp.unsqueeze(-1)
     want = torch.gather(raw, -1, pick).squeeze(-1)
-    torch.testing.assert_close(out.log_probs[:, :width][real], want[real], atol=1e-5, rtol=0)
+    # within the float32 rounding bound of cross-path log-probs (tests/near_ties.py)
+    torch.testing.assert_close(out.log_probs[:, :width][real], want[real], atol=2e-5, rtol=0)
     gap = torch.gather(processed, -1, pick).squeeze(-1) - want
     p_eos = raw[..., EOS].exp()
     torch.testing.assert_close(gap[:, :MIN_NEW], -torch.log1p(-p_eos[:, :MIN_NEW]),
