@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 STAMP := build/.installed
 TORCH_CMAKE = $(shell $(PYTHON) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 
-.PHONY: setup run test test-py test-cpp test-isa lint bench gpu-check gpu-wheels clean
+.PHONY: setup run test test-py test-cpp test-isa lint bench gpu-check gpu-wheels gpu-sft-cache clean
 
 $(STAMP): requirements.txt requirements-real-model.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/engine/*.cpp csrc/engine/*.h)
 	$(PIP) install -q -r requirements.txt
@@ -62,25 +62,31 @@ bench: setup
 
 # The prepared GPU check (bench/gpu_check.py): carried wheels, the build, pytest -m gpu, the
 # main job at world size 1 in bf16 and the GPU benches, one JSON per step under $OUT (else
-# bench/results/gpu/<date>-<device>/), <= 8 minutes. No `setup` first: a GPU machine has no
-# network, so the wheels it lacks travel in wheels/ (`make gpu-wheels`, run where pip works).
+# bench/results/gpu/<date>-<device>/), <= 8 minutes (bench/gpu_plan.py). No `setup` first: a
+# GPU machine has no network, so the wheels it lacks travel in wheels/ (`make gpu-wheels`, run
+# where pip works) and the main job's warm start in runs/cache (`make gpu-sft-cache`).
 # GPU_CHECK_ARGS="--device cpu --quick" is the dry run that tests/test_gpu_check.py keeps alive.
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
-# The wheels the GPU image lacks (its torch, transformers, accelerate, pyarrow, pandas, pytest,
-# pyyaml, tqdm, rich and numpy are there), for CPython 3.12 on x86-64: omegaconf (which vendors
-# antlr4) and datasets as pinned in requirements.txt, TRL as in requirements-dev.txt (the e2e
-# bench's peer), and the two that datasets needs beyond the image, at the versions pip
-# resolves for it here.
-GPU_WHEELS := $(shell grep -hE '^(omegaconf|datasets|trl)==' requirements.txt requirements-dev.txt) \
-	dill==0.4.1 multiprocess==0.70.19
+# The wheels the GPU image lacks, for CPython 3.12 on x86-64: bench/gpu_image.py's CARRIED
+# (omegaconf, datasets and what it needs beyond the image, TRL) at the versions installed here;
+# the CPU dry run (make gpu-check GPU_CHECK_ARGS="--device cpu --quick") hides every other
+# package the image lacks.
+GPU_WHEELS = $(shell $(PYTHON) -m bench.gpu_image --wheels)
 gpu-wheels:
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d wheels $(GPU_WHEELS)
 	@du -sh wheels
+
+# The tiny main job's SFT warm start in bf16 (runs/cache/sft-base, runs/cache/sft-main), made
+# once on this CPU (6,600 SFT steps: long here, but no device time): the GPU check's main job
+# reuses it (its saved settings name the dtype, not the device); without it, that step runs
+# the RL job alone and shows no learning. Carry both folders with the check.
+gpu-sft-cache: setup
+	$(PYTHON) -c 'from rlhf.main_job import warm_start; warm_start(["device=cpu", "precision=bf16"])'
 
 clean:
 	rm -rf build *.egg-info hybridflow_comm/_C*.so engine/_decode*.so engine/_kernels*.so

@@ -2,6 +2,10 @@
 (C++ only, also on GPU machines: the CUDA paths are torch's own kernels and the driver API
 through ctypes).  Install with ``pip install --no-build-isolation -e .`` (torch must already
 be installed).
+
+``HYBRIDFLOW_CPU_KERNELS=0`` builds ``hybridflow_comm._C`` alone: ``engine._kernels`` holds
+CPU decode kernels that every caller does without (each imports it inside ``try``), which the
+GPU check (bench/gpu_check.py) does not spend its minutes on.
 """
 
 import glob
@@ -11,6 +15,7 @@ from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+CPU_KERNELS = os.environ.get("HYBRIDFLOW_CPU_KERNELS", "1") != "0"
 # at::parallel_for is a header template: it runs serially unless the extension itself is
 # compiled (and linked) with OpenMP
 OPENMP = ["-fopenmp"]
@@ -43,7 +48,7 @@ setup(
     description="HybridFlow: resharding toolkit, HybridEngine and RLHF runtime",
     packages=find_packages(include=["hybridflow_comm*", "engine*", "rlhf*"]),
     package_data={"rlhf": ["recipes/*.yaml", "planner/profiles/*.json"]},
-    ext_modules=[_extension(), _kernels_extension()],
+    ext_modules=[_extension(), *([_kernels_extension()] if CPU_KERNELS else [])],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     # optional, GPU only, not installed by `make test` / CI; the pin lives in the file

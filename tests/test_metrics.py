@@ -111,3 +111,23 @@ def test_plot_of_empty_run(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"step": 0}) + "\n")
     assert os.path.isfile(plot_metrics(str(path), str(tmp_path / "p.png")))
+
+
+def test_without_tensorboard_and_matplotlib_the_jsonl_is_written_and_a_line_says_so(
+        tmp_path, monkeypatch, capsys):
+    """The GPU image has neither package (bench/gpu_image.py): no event files, no PNG, one
+    line each on stderr, the records as always."""
+    import sys
+
+    for name in ("torch.utils.tensorboard", "tensorboard", "matplotlib"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ModuleNotFoundError
+    run = str(tmp_path / "run")
+    log = MetricsLogger(run, total_steps=1, tensorboard=True, progress=False)
+    log.log(0, {"reward/mean": 0.5})
+    assert log.close(plot=True) is None
+    assert [r["step"] for r in read_metrics(os.path.join(run, "metrics.jsonl"))] == [0]
+    assert os.listdir(run) == ["metrics.jsonl"]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert "no TensorBoard event files" in err[0] and "is not installed" in err[0]
+    assert "no metrics.png" in err[1] and "matplotlib is not installed" in err[1]
