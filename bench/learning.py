@@ -6,7 +6,7 @@
 ``--model smollm2-135m``: the real pretrained checkpoint (:mod:`rlhf.real_model`) instead of
 the main job's tiny SFT policy, on chat prompts that ask for the sum of two numbers from 1 to
 99 with the number only (examples/real_model: training rows and disjoint held-out rows, the
-reward 1 when the response's last integer is the sum), the real main job's GRPO settings
+reward 1 when the response's last number is the sum), the real main job's GRPO settings
 (:data:`rlhf.real_job.GRPO`).
 Both sides read the same rows in the same order (our prompt stream), TRL's as conversational
 prompts through the same chat template, and are scored by the same reward file.
@@ -60,6 +60,7 @@ if __package__ in (None, ""):  # run as a script (or by torchrun): the repo root
 
 from bench.peers import require_peer  # noqa: E402
 from bench.report import write_json  # noqa: E402
+from rlhf.real_model import NAME as REAL_MODEL  # noqa: E402
 
 # our loss_agg_mode -> TRL's loss_type with the same normalisation (one process, no grad accum)
 TRL_LOSS_TYPE = {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
@@ -75,7 +76,6 @@ def main_job_settings() -> tuple[str, list[str], str]:
     return main_job.SFT_DIR, list(main_job.RL_OVERRIDES), "rlhf.main_job.RL_OVERRIDES"
 
 
-REAL_MODEL = "smollm2-135m"
 
 
 def real_model_settings(work: str) -> tuple[str, list[str], str]:
@@ -84,11 +84,9 @@ def real_model_settings(work: str) -> tuple[str, list[str], str]:
     ``work``."""
     from rlhf import real_job
 
-    files = real_job.prepare(os.path.join(work, "data"),
-                             os.path.join(ROOT, real_job.DEFAULT_DIR))
-    return (next(f.split("=", 1)[1] for f in files if f.startswith("actor.model.init_from=")),
-            [*real_job.GRPO, *[f for f in files if not f.startswith("actor.model.")]],
-            "rlhf.real_job.GRPO")
+    model, rows = real_job.prepare(os.path.join(work, "data"),
+                                   os.path.join(ROOT, real_job.DEFAULT_DIR))
+    return model, [*real_job.GRPO, *rows], "rlhf.real_job.GRPO"
 
 
 def bench_overrides(rl: list[str], extra: list[str], sft_dir: str, work: str) -> list[str]:

@@ -39,8 +39,8 @@ import time
 
 from rlhf import real_job, sft
 from rlhf.metrics import read_metrics
+from rlhf.real_model import NAME as REAL_MODEL
 
-REAL_MODEL = "smollm2-135m"
 SFT_BASE_DIR = os.path.join("runs", "cache", "sft-base")
 SFT_DIR = os.path.join("runs", "cache", "sft-main")
 RUN_NAME = "main_grpo"

