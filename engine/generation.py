@@ -486,8 +486,10 @@ class GenerationEngine:
             tok, lp = self._decode_step(plan.paths.decode, static, out.ids[rows.at, i:i + 1],
                                         cache, tables, plen + i + 1,
                                         functools.partial(sample, rows=rows.mask, step=i + 1))
-            if routes is not None:  # the routing of the token fed at position plen + i
-                routes[rows.at, plen + i] = self.route_log.pop().to(torch.int16)
+            if routes is not None:  # the routing of the token fed at position plen + i;
+                # a row token i ended is still fed until compacted: its last token stays -1
+                fed = self.route_log.pop().to(torch.int16)
+                routes[rows.at, plen + i] = fed.masked_fill_(~rows.alive[rows.at, None, None], -1)
         graphs = 0 if static is None else static.graph_count
         capture_s = 0.0 if static is None else static.capture_s
         del cache, static  # the KV cache (and the graphs over it) live only for the call

@@ -185,8 +185,9 @@ def test_model_records_and_replays_every_layer():
     assert torch.equal(again, out)
 
 
-def generation_routes(model, prompts, mask, n_new: int, eos: int, **engine_kw):
-    """Greedy generation of ``model``'s weights with routes recorded."""
+def generation_routes(model, prompts, mask, n_new: int, eos: int, limits=None, **engine_kw):
+    """Greedy generation of ``model``'s weights with routes recorded (``limits``: the rows'
+    own ``max_new_tokens``)."""
     from engine.generation import GenerationEngine
     from engine.sampling import SamplingParams
     from hybridflow_comm.reshard import Resharder
@@ -196,7 +197,7 @@ def generation_routes(model, prompts, mask, n_new: int, eos: int, **engine_kw):
     engine = GenerationEngine(model.config, model.groups, record_routes=True, **engine_kw)
     engine.load_weights(resharder)
     out = engine.generate(prompts, mask, SamplingParams(max_new_tokens=n_new, temperature=0.0,
-                                                        eos_token_id=eos))
+                                                        eos_token_id=eos), limits)
     engine.release()
     resharder.to_training()
     return out
@@ -244,11 +245,14 @@ def test_generation_engine_checks_its_experts():
         GenerationEngine(dense, groups, experts=[0])
 
 
-@pytest.mark.parametrize("early_exit", [True, False])
-def test_generation_records_the_routing_a_training_forward_takes(early_exit):
+@pytest.mark.parametrize("early_exit,copies", [(True, 1), (False, 1), (True, 4)])
+def test_generation_records_the_routing_a_training_forward_takes(early_exit, copies):
     """The experts generation records for every fed token (shared prefill of identical
     prompts, decode steps, rows leaving early) equal those of one training forward over the
-    finished sequences; padding and each row's last token are -1."""
+    finished sequences; padding and each row's last token are -1, also where a finished row
+    is still fed because too few rows finished to compact (``copies`` x 4 rows whose own
+    limits end one row a step: 16 rows keep a finished row running; early_exit=False keeps
+    every row)."""
     from engine.layers import RouteTrace
     from tests.test_hf_families import prompts as family_prompts
 
@@ -258,9 +262,11 @@ def test_generation_records_the_routing_a_training_forward_takes(early_exit):
     load_full_state_dict(model, init_full_state_dict(cfg, seed=11, std=0.2))
     ids, mask = family_prompts()
     ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # a shared prompt
-    out = generation_routes(model, ids, mask, 12, eos=20, early_exit=early_exit)
+    ids, mask = ids.repeat(copies, 1), mask.repeat(copies, 1)
+    limits = None if copies == 1 else (torch.arange(4 * copies) + 1).clamp(max=12)
+    out = generation_routes(model, ids, mask, 12, eos=20, limits=limits, early_exit=early_exit)
     routes = out.routes
-    assert routes.shape == (4, out.input_ids.shape[1], cfg.num_layers, 2)
+    assert routes.shape == (4 * copies, out.input_ids.shape[1], cfg.num_layers, 2)
     trace = RouteTrace()
     with torch.no_grad():
         model.stage_forward(out.input_ids, out.attention_mask, routes=trace)
@@ -268,7 +274,7 @@ def test_generation_records_the_routing_a_training_forward_takes(early_exit):
     real = out.attention_mask.bool()
     last = real.long().cumsum(1) == real.long().sum(1, keepdim=True)  # each row's last token
     fed = real & ~(last & (torch.arange(real.shape[1]) >= out.prompt_length))
-    assert bool((routes[~real] == -1).all())
+    assert bool((routes[~fed] == -1).all())  # padding and each row's last token
     assert torch.equal(routes[fed].long(), want[fed])
     decoded = int(fed[:, out.prompt_length:].sum())
     assert decoded >= 20 and bool((out.response_mask == 0).any()), decoded  # some rows ended
