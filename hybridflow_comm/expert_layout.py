@@ -61,8 +61,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
-from hybridflow_comm.layout import (Groups, HybridLayout, _check_sizes, _divisors, _sorted,
-                                    add_layout_arguments, layout_from_arguments)
+from hybridflow_comm.layout import (Groups, HybridLayout, add_layout_arguments,
+                                    layout_from_arguments, sorted_groups)
+from hybridflow_comm.sizes import check_sizes, divisors
 
 
 class ExpertCoords(NamedTuple):
@@ -98,11 +99,11 @@ class ExpertLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.hybrid, HybridLayout):
             raise TypeError(f"hybrid must be a HybridLayout, got {self.hybrid!r}")
-        _check_sizes(num_experts=self.num_experts, ep=self.ep, gen_ep=self.gen_ep)
+        check_sizes(num_experts=self.num_experts, ep=self.ep, gen_ep=self.gen_ep)
         t = self.hybrid.train
         if (t.tp * t.dp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide the tp x dp = {t.tp * t.dp} ranks of a "
-                             f"training stage (choose ep from {_divisors(t.tp * t.dp)})")
+                             f"training stage (choose ep from {divisors(t.tp * t.dp)})")
         for name, size in (("ep", self.ep), ("gen_ep", self.gen_ep)):
             if self.num_experts % size:
                 raise ValueError(f"{name}={size} must divide num_experts={self.num_experts}")
@@ -229,7 +230,7 @@ class ExpertLayout:
         groups: dict[tuple, list[int]] = {}
         for r in range(self.hybrid.world_size):
             groups.setdefault((self.hybrid.train.coords(r).pp, *key(self.coords(r))), []).append(r)
-        return _sorted(list(groups.values()))
+        return sorted_groups(list(groups.values()))
 
     def ep_groups(self) -> Groups:
         """Training EP groups: the ranks of a stage with one ``(edp, etp)`` (token all-to-all)."""
@@ -247,7 +248,7 @@ class ExpertLayout:
         for group in h.family_groups("gen_tp"):
             for i in range(self.gen_etp):
                 groups.append([r for r in group if self.gen_piece(r).index == i])
-        return _sorted(groups)
+        return sorted_groups(groups)
 
     # Volume ----------------------------------------------------------------------------------
     def received_fraction(self) -> Fraction:

@@ -57,20 +57,13 @@ from typing import NamedTuple
 import torch  # noqa: F401  (loads libtorch, which hybridflow_comm._C links against)
 
 from hybridflow_comm import _C
+from hybridflow_comm.sizes import check_sizes, divisors
 
 Groups = list[list[int]]
 
 # Every group family, in the fixed order in which process groups are created.
 FAMILIES = ("train_tp", "train_pp", "train_dp", "gen_tp", "gen_pp", "gen_dp", "micro_dp",
             "micro_tp", "micro_pp", "train_mp", "world")
-
-
-def _check_sizes(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-        if value < 1:
-            raise ValueError(f"{name} must be a positive int, got {name}={value}")
 
 
 class TrainCoords(NamedTuple):
@@ -101,7 +94,7 @@ class ParallelLayout:
     dp: int
 
     def __post_init__(self) -> None:
-        _check_sizes(pp=self.pp, tp=self.tp, dp=self.dp)
+        check_sizes(pp=self.pp, tp=self.tp, dp=self.dp)
 
     @property
     def world_size(self) -> int:
@@ -128,11 +121,11 @@ class ParallelLayout:
                 for d in range(self.dp) for s in range(self.pp)]
 
     def pp_groups(self) -> Groups:
-        return _sorted([[self.rank(pp=s, tp=t, dp=d) for s in range(self.pp)]
+        return sorted_groups([[self.rank(pp=s, tp=t, dp=d) for s in range(self.pp)]
                         for d in range(self.dp) for t in range(self.tp)])
 
     def dp_groups(self) -> Groups:
-        return _sorted([[self.rank(pp=s, tp=t, dp=d) for d in range(self.dp)]
+        return sorted_groups([[self.rank(pp=s, tp=t, dp=d) for d in range(self.dp)]
                         for s in range(self.pp) for t in range(self.tp)])
 
 
@@ -151,16 +144,16 @@ class HybridLayout:
     def __post_init__(self) -> None:
         if not isinstance(self.train, ParallelLayout):
             raise TypeError(f"train must be a ParallelLayout, got {self.train!r}")
-        _check_sizes(pp_g=self.pp_g, tp_g=self.tp_g)
+        check_sizes(pp_g=self.pp_g, tp_g=self.tp_g)
         if self.train.tp % self.tp_g:
             raise ValueError(
                 f"tp_g={self.tp_g} must divide the training tp={self.train.tp} "
-                f"(choose tp_g from {_divisors(self.train.tp)})"
+                f"(choose tp_g from {divisors(self.train.tp)})"
             )
         if self.train.pp % self.pp_g:
             raise ValueError(
                 f"pp_g={self.pp_g} must divide the training pp={self.train.pp} "
-                f"(choose pp_g from {_divisors(self.train.pp)})"
+                f"(choose pp_g from {divisors(self.train.pp)})"
             )
 
     # Derived sizes -------------------------------------------------------------------------
@@ -214,7 +207,7 @@ class HybridLayout:
                 kw = dict(zip(fixed, fixed_idx)) | dict(zip(varied, var_idx))
                 group.append(self.gen_rank(**kw))
             groups.append(sorted(group))
-        return _sorted(groups)
+        return sorted_groups(groups)
 
     def gen_tp_groups(self) -> Groups:
         """Ranks that hold one generation replica's TP shards of one stage (stride micro_tp)."""
@@ -234,7 +227,7 @@ class HybridLayout:
         for g in self.micro_dp_groups():
             for j in range(self.micro_pp):
                 out.append(g[j * self.micro_tp:(j + 1) * self.micro_tp])
-        return _sorted(out)
+        return sorted_groups(out)
 
     def micro_pp_groups(self) -> Groups:
         """Ranks of one micro-DP group with the same micro-TP rank (one per training stage)."""
@@ -242,7 +235,7 @@ class HybridLayout:
         for g in self.micro_dp_groups():
             for i in range(self.micro_tp):
                 out.append(g[i::self.micro_tp])
-        return _sorted(out)
+        return sorted_groups(out)
 
     def model_parallel_groups(self) -> Groups:
         """Ranks of one training replica (all pp x tp ranks with the same dp rank)."""
@@ -267,7 +260,7 @@ class HybridLayout:
         }
         if family not in table:
             raise ValueError(f"family={family!r} is not one of {FAMILIES}")
-        return _sorted(table[family]())
+        return sorted_groups(table[family]())
 
     def describe(self) -> dict:
         """The training and generation group families as plain lists (what the CLI prints)."""
@@ -284,12 +277,10 @@ def _maths(pp: int, tp: int, dp: int, pp_g: int = 1, tp_g: int = 1) -> _C.Layout
     return _C.Layout(pp, tp, dp, pp_g, tp_g)
 
 
-def _sorted(groups: Groups) -> Groups:
+def sorted_groups(groups: Groups) -> Groups:
+    """Every group sorted, and the groups by their first rank (how group lists are compared
+    and printed)."""
     return sorted((sorted(g) for g in groups), key=lambda g: g[0])
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def parse_sizes(text: str, names: tuple[str, ...]) -> tuple[int, ...]:

@@ -87,6 +87,7 @@ from hybridflow_comm.expert_reshard import check_expert_specs, stacked_pieces
 from hybridflow_comm.flat_buffer import SlotSpec
 from hybridflow_comm.layout import ParallelLayout
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec, check_specs
+from hybridflow_comm.sizes import divisors
 from hybridflow_comm.transition import BUCKET_BYTES, check_bucket_bytes
 
 PACK_BYTES = 64 << 10  # default: blocks under 64 KiB travel packed
@@ -200,10 +201,6 @@ class SyncLayout:
         return spec.shape if g == 1 else (g, *spec.shard_shape(g))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_sync_specs(specs: list[ShardSpec], layout: SyncLayout) -> None:
     """Raise ValueError unless both layouts can shard every parameter (names the fix)."""
     if layout.experts is not None:
@@ -213,7 +210,7 @@ def check_sync_specs(specs: list[ShardSpec], layout: SyncLayout) -> None:
         check_specs(specs, layout.train)
     tp_g = layout.gen.tp
     parted = [s for s in specs if s.partition_dim is not None]
-    ok = _divisors(math.gcd(*(s.units for s in parted))) if parted else [tp_g]
+    ok = divisors(math.gcd(*(s.units for s in parted))) if parted else [tp_g]
     for s in parted:
         if s.units % tp_g:
             kind = {QKVFusion: "QKV groups (kv heads)", GateUpFusion: "gate/up row pairs"}.get(
@@ -684,7 +681,7 @@ def llama_specs(shape: ModelShape, pp: int) -> list[ShardSpec]:
     """
     if shape.layers % pp:
         raise ValueError(f"{shape.layers} layers cannot be split over pp={pp} "
-                         f"(choose pp from {_divisors(shape.layers)})")
+                         f"(choose pp from {divisors(shape.layers)})")
     h, dt, hd = shape.hidden, shape.dtype, shape.hidden // shape.heads
     per = shape.layers // pp
     specs = [ShardSpec("embed", (shape.vocab, h), dt, 0, 0,

@@ -3,7 +3,6 @@ ValueError naming the key and the offending value."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 MAX_COUNT = 10**7
@@ -59,10 +58,4 @@ def check_token_budget(section: str, max_tokens: int) -> None:
     key = f"{section}max_token_len_per_micro_batch"
     check_positive(**{key: max_tokens})
     check_at_most(MAX_COUNT, **{key: max_tokens})
-
-
-def divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in ascending order (O(sqrt n): ``n`` may come straight from a user)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
 

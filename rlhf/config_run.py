@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from hybridflow_comm.sizes import divisors
 from rlhf.config_checks import (MAX_COUNT, MAX_ROLLOUT_TOKENS, check_at_most, check_one_of,
-                                check_path, check_positive, check_seed, divisors)
+                                check_path, check_positive, check_seed)
 
 PLACEMENTS = ("colocated", "split", "standalone", "disaggregated", "auto")
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.sizes import divisors
 from rlhf.config import Config
-from rlhf.config_checks import divisors
 from rlhf.programs import algorithm
 from rlhf.programs.common import TRAINED_ROLES
 

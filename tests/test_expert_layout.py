@@ -15,7 +15,7 @@ from hybridflow_comm.expert_layout import ExpertLayout, Piece, main
 from hybridflow_comm.expert_reshard import check_expert_specs, plan_expert_transfers
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.shard_spec import GateUpFusion, ShardSpec
-from tests.test_layout import _divisors, all_hybrid_layouts
+from tests.test_layout import all_hybrid_layouts, divisors_by_trial
 
 NUM_EXPERTS = 16
 
@@ -24,8 +24,8 @@ def all_expert_sizes(max_world=16):
     """``(hybrid layout, ep, gen_ep)`` for every hybrid layout of tests/test_layout.py, every
     ep > 1 and every gen_ep dividing both ep and tp_g."""
     for hl in all_hybrid_layouts(max_world):
-        for ep in _divisors(hl.train.tp * hl.train.dp)[1:]:
-            for gen_ep in _divisors(ep):
+        for ep in divisors_by_trial(hl.train.tp * hl.train.dp)[1:]:
+            for gen_ep in divisors_by_trial(ep):
                 if hl.tp_g % gen_ep == 0:
                     yield hl, ep, gen_ep
 

@@ -11,19 +11,26 @@ import sys
 import pytest
 
 from hybridflow_comm.layout import HybridLayout, ParallelLayout, main
+from hybridflow_comm.sizes import divisors
 
 
-def _divisors(n):
+def divisors_by_trial(n):
+    """The reference: every candidate tried."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_divisors_match_trial_division():
+    for n in range(0, 400):
+        assert divisors(n) == divisors_by_trial(n), n
 
 
 def all_hybrid_layouts(max_world=16):
     for world in range(1, max_world + 1):
-        for pp in _divisors(world):
-            for tp in _divisors(world // pp):
+        for pp in divisors_by_trial(world):
+            for tp in divisors_by_trial(world // pp):
                 dp = world // (pp * tp)
-                for pp_g in _divisors(pp):
-                    for tp_g in _divisors(tp):
+                for pp_g in divisors_by_trial(pp):
+                    for tp_g in divisors_by_trial(tp):
                         yield HybridLayout(ParallelLayout(pp=pp, tp=tp, dp=dp), pp_g=pp_g, tp_g=tp_g)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.sizes import divisors
 from rlhf.planner.models import ModelShape
 
 
@@ -89,10 +90,6 @@ class Strategy:
             (f" ep{self.gen_ep}" if self.gen_ep > 1 else "")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def enumerate_strategies(shape: ModelShape, n: int, generates: bool,
                          max_tp: int | None = None) -> Iterator[Strategy]:
     """Every valid strategy of ``shape`` on ``n`` devices.
@@ -108,13 +105,13 @@ def enumerate_strategies(shape: ModelShape, n: int, generates: bool,
     ``tp_g`` whose expert sets pack (:class:`hybridflow_comm.expert_layout.ExpertLayout`).
     """
     experts = shape.config.num_experts
-    for pp in _divisors(n):
-        for tp in _divisors(n // pp):
+    for pp in divisors(n):
+        for tp in divisors(n // pp):
             if (max_tp and tp > max_tp) or not shape.check_parallel(pp, tp):
                 continue
             dp = n // (pp * tp)
-            eps = [e for e in _divisors(tp * dp) if experts % e == 0] if experts else [1]
-            gens = [(pp_g, tp_g) for pp_g in _divisors(pp) for tp_g in _divisors(tp)] \
+            eps = [e for e in divisors(tp * dp) if experts % e == 0] if experts else [1]
+            gens = [(pp_g, tp_g) for pp_g in divisors(pp) for tp_g in divisors(tp)] \
                 if generates else [(pp, tp)]
             for ep in eps:
                 for pp_g, tp_g in gens:
@@ -130,7 +127,7 @@ def _gen_eps(experts: int, pp: int, tp: int, dp: int, pp_g: int, tp_g: int, ep: 
         return [1]
     hybrid = HybridLayout(ParallelLayout(pp, tp, dp), pp_g, tp_g)
     out = []
-    for gen_ep in _divisors(math.gcd(ep, tp_g)):
+    for gen_ep in divisors(math.gcd(ep, tp_g)):
         try:
             ExpertLayout(hybrid, experts, ep=ep, gen_ep=gen_ep)
         except ValueError:  # no packing of the blocks for this gen_ep
