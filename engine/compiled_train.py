@@ -1,5 +1,6 @@
-"""The training model's decoder layers through one ``torch.compile``d function, forward and
-backward.
+"""The training model's decoder layers through ``torch.compile``d functions, forward and
+backward, for every kind of model: dense or a mixture of experts, with or without tensor
+parallelism and LoRA adapters.
 
 Eagerly, a layer of a training micro-batch is about 40 kernels forward and more backward.
 Beside the four products and the attention they are elementwise passes over ``[tokens, H]``
@@ -15,20 +16,42 @@ attention and a few fused loops::
     compiled  norm    qkv bias+split+rope     sdpa o add+norm        gu swiglu down add
               (and the backward likewise, the recomputed norms fused into their users)
 
-One function serves every layer of every model of the process: the layer's weights, the RoPE
-tables and the attention mask are arguments, so it compiles once per kind of call (with
-gradients or without, with a padding mask or causal, per dtype) and once more when sizes
-change (dynamo then makes them symbolic: any batch, sequence length or model size).  Past
-dynamo's recompile limit a new kind runs eagerly.  The results equal the eager layers up to
-float summation order: the fused norms keep their float32 intermediates, so in bf16 they are a
-little closer to float64 than the eager ones (tests/test_compiled_train.py).
+Which compiled function runs a layer (:func:`decoder_layer`)::
 
-Used where :func:`compile_applies`: without tensor parallelism (its collectives stay outside
-compiled code), on a dense model (a mixture's expert products are sized by the routing), without
-LoRA adapters, and with compiling enabled (``HYBRIDFLOW_COMPILE``); sequences packed on one row
-(:class:`engine.layers.PackedSeqs`, one attention per sequence) run eagerly.  Where the backend
-cannot compile (the backward is lowered with the forward, so a failure shows there), the
-layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
+    one TP rank, dense        whole layer       compiled_layer (LoRA deltas inside)
+    TP > 1, or experts        x ──copy──> [norm attention o_proj]  ──reduce──> + x = h
+                              h ──copy──> [norm gate_up swiglu down] ──reduce──> + h
+                                           compiled_attention / compiled_mlp; a mixture's
+                                           MLP is the routed block, eager
+
+The TP collectives stay outside compiled code, at the region boundaries.  Inside a region
+every rank computes its own shard's part with no communication: its output is a partial sum
+that the one all-reduce after it completes, a row-parallel LoRA delta included (``s B A_t
+x_t`` summed over the ranks is ``s B u``).  What the eager layers' mid-layer ``copy_to_tp``
+does to the gradients (sum them over the TP group), the region inputs get instead: the
+activations, and the replicated weights each rank applies to them (the norms, the
+column-parallel adapters' ``A``, the row-parallel adapters' ``B``), enter through
+:func:`engine.tp_ops.copy_to_tp`.  The norm sits inside the region, so its input's gradient
+is summed after the norm's backward rather than before: the same sum, rounded in another
+order.  A mixture of experts routes by data-dependent token counts (a host sync): its
+attention region is compiled, its MLP is :func:`engine.layers.mlp_block` (router loss, route
+traces and expert parallelism as eagerly).
+
+One function serves every layer of every model of the process: the layer's weights, the RoPE
+tables, the attention mask and the adapters are arguments, so it compiles once per kind of
+call (with gradients or without, with a padding mask or causal, per dtype, per set of
+adapted modules) and once more when sizes change (dynamo then makes them symbolic: any batch,
+sequence length or model size).  Past dynamo's recompile limit a new kind runs eagerly.  The
+results equal the eager layers up to float summation order: the fused norms keep their
+float32 intermediates, so in bf16 they are a little closer to float64 than the eager ones
+(tests/test_compiled_train.py; TP and LoRA: tests/test_engine_parallel.py).  LoRA dropout
+draws its masks from inductor's generator: the same distribution as eagerly, other masks.
+
+Used where :func:`engine.inductor.compile_applies` (``compile_layers``, None: on for CUDA, and
+compiling enabled, ``HYBRIDFLOW_COMPILE``); sequences packed on one row
+(:class:`engine.layers.PackedSeqs`, one attention per sequence) run eagerly.  Where the
+backend cannot compile (the backward is lowered with the forward, so a failure shows there),
+the layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
 """
 
 from __future__ import annotations
@@ -38,26 +61,114 @@ from collections.abc import Mapping
 import torch
 
 from engine import inductor
-from engine.layers import decoder_layer
+from engine.layers import LoraDeltas, MoeFn, MoeRouting, PackedSeqs, RouteTrace, RouterLoss, \
+    attention_block, decoder_layer as eager_layer, mlp_block, rms_norm, swiglu_block
+from engine.lora import ROW_PARALLEL, LayerLora
+from engine.tp_ops import copy_to_tp, reduce_from_tp
+from hybridflow_comm.groups import Group
+
+Adapters = tuple  # () or (a, b, scale, dropout): a LayerLora's tensors and settings
+
+REPLICATED = ("input_norm", "post_norm", "q_norm", "k_norm")
+"""The layer weights every TP rank applies whole inside a region (their gradients are
+summed over the TP group)."""
+ATTENTION = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj")
+"""The weights of the attention region (``o_proj_bias`` is added after the reduction)."""
+MLP = ("post_norm", "gate_up", "down_proj")
+
+
+def _lora(adapters: Adapters, q_per_group: int, head_dim: int) -> LayerLora | None:
+    """The region's adapters as a :class:`engine.lora.LayerLora` without a TP group."""
+    if not adapters:
+        return None
+    a, b, scale, dropout = adapters
+    return LayerLora(a=a, b=b, scale=scale, dropout=dropout, tp_group=None,
+                     q_per_group=q_per_group, head_dim=head_dim)
 
 
 def train_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None, q_per_group: int, head_dim: int,
-                eps: float) -> torch.Tensor:
-    """One decoder layer of ``x [B, S, H]`` without TP, KV cache or adapters (the function
-    that is compiled); ``mask``: boolean ``[B, 1, S, S]`` or None (causal)."""
-    return decoder_layer(x, w, (cos, sin), mask, q_per_group, head_dim, eps, None)
+                eps: float, *adapters) -> torch.Tensor:
+    """One decoder layer of ``x [B, S, H]`` on one TP rank, without KV cache (the function
+    that is compiled); ``mask``: boolean ``[B, 1, S, S]`` or None (causal); ``adapters``:
+    :data:`Adapters`."""
+    return eager_layer(x, w, (cos, sin), mask, q_per_group, head_dim, eps, None,
+                       lora=_lora(adapters, q_per_group, head_dim))
+
+
+def attention_part(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Tensor,
+                   sin: torch.Tensor, mask: torch.Tensor | None, q_per_group: int,
+                   head_dim: int, eps: float, *adapters) -> torch.Tensor:
+    """This rank's part of ``o_proj(attention(norm(x)))`` (a partial sum over the TP group;
+    ``w`` without ``o_proj_bias``)."""
+    return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), mask, q_per_group,
+                           head_dim, eps, None, lora=_lora(adapters, q_per_group, head_dim))
+
+
+def mlp_part(h: torch.Tensor, w: Mapping[str, torch.Tensor], q_per_group: int, head_dim: int,
+             eps: float, *adapters) -> torch.Tensor:
+    """This rank's part of ``down(swiglu(gate_up(norm(h))))`` (a partial sum)."""
+    return swiglu_block(rms_norm(h, w["post_norm"], eps), w, None,
+                        lora=_lora(adapters, q_per_group, head_dim))
 
 
 compiled_layer = inductor.Compiled(train_layer, min_numel=0, dynamic=None,
                                    backward_with_forward=True)
 """Compiled on first use, the backward with the forward; eager (with one warning) where the
 backend cannot compile."""
+compiled_attention = inductor.Compiled(attention_part, min_numel=0, dynamic=None,
+                                       backward_with_forward=True)
+compiled_mlp = inductor.Compiled(mlp_part, min_numel=0, dynamic=None,
+                                 backward_with_forward=True)
+COMPILED = (compiled_layer, compiled_attention, compiled_mlp)
 
 
-def compile_applies(compile_layers: bool | None, device: torch.device, tensor_parallel: bool,
-                    experts: bool, lora: bool) -> bool:
-    """Whether the training model's layers run :data:`compiled_layer`: ``compile_layers``
-    (None: on for CUDA) on a dense model without TP or LoRA, with compiling enabled."""
-    wanted = device.type == "cuda" if compile_layers is None else bool(compile_layers)
-    return wanted and not (tensor_parallel or experts or lora) and inductor.enabled()
+def _adapters(lora: LoraDeltas | None, modules: tuple[str, ...], group: Group | None
+              ) -> Adapters:
+    """The region's :data:`Adapters` of ``lora`` (a :class:`engine.lora.LayerLora`) over
+    ``modules``, the replicated matrices through ``copy_to_tp``; () without any."""
+    if lora is None or not any(m in lora.a for m in modules):
+        return ()
+    a = {m: t if m in ROW_PARALLEL else copy_to_tp(t, group)
+         for m, t in lora.a.items() if m in modules}
+    b = {m: copy_to_tp(t, group) if m in ROW_PARALLEL else t
+         for m, t in lora.b.items() if m in modules}
+    return a, b, lora.scale, lora.dropout
+
+
+def _region(w: Mapping[str, torch.Tensor], keys: tuple[str, ...], group: Group | None
+            ) -> dict[str, torch.Tensor]:
+    return {k: copy_to_tp(w[k], group) if k in REPLICATED else w[k] for k in keys if k in w}
+
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
+                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                  q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
+                  lora: LoraDeltas | None = None, routing: MoeRouting | None = None,
+                  router_loss: RouterLoss | None = None, trace: RouteTrace | None = None,
+                  moe: MoeFn | None = None) -> torch.Tensor:
+    """:func:`engine.layers.decoder_layer`'s result through compiled code (the module
+    docstring's table); ``mask`` a boolean mask or None, never packed sequences."""
+    assert not isinstance(mask, PackedSeqs), "packed sequences run the eager layers"
+    cos, sin = rope
+    tensor_parallel = tp_group is not None and tp_group.pg is not None
+    if not tensor_parallel and routing is None:
+        return compiled_layer(x, w, cos, sin, mask, q_per_group, head_dim, eps,
+                              *_adapters(lora, ATTENTION_MODULES + MLP_MODULES, None))
+    g = tp_group
+    attn = compiled_attention(copy_to_tp(x, g), _region(w, ATTENTION, g), cos, sin, mask,
+                              q_per_group, head_dim, eps,
+                              *_adapters(lora, ATTENTION_MODULES, g))
+    h = x + reduce_from_tp(attn, g)
+    if "o_proj_bias" in w:
+        h = h + w["o_proj_bias"]
+    if routing is not None:
+        return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, g, None, routing,
+                             router_loss, trace, moe)
+    mlp = compiled_mlp(copy_to_tp(h, g), _region(w, MLP, g), q_per_group, head_dim, eps,
+                       *_adapters(lora, MLP_MODULES, g))
+    return h + reduce_from_tp(mlp, g)

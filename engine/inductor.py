@@ -77,6 +77,14 @@ def enabled() -> bool:
     return _enabled
 
 
+def compile_applies(wanted: bool | None, device: torch.device) -> bool:
+    """The one compile rule of the engines' layers: ``wanted`` (None: on for CUDA, where
+    launches dominate small layers; off on the CPU, where a process compiles for a few
+    seconds per kind of call) while compiling is enabled."""
+    on = device.type == "cuda" if wanted is None else bool(wanted)
+    return on and _enabled
+
+
 try:
     from torch._dynamo.exc import FailOnRecompileLimitHit as _RecompileLimit
 except ImportError:  # pragma: no cover - a torch without it raises nothing of the kind

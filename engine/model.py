@@ -21,7 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
-from engine.compiled_train import compile_applies, compiled_layer
+from engine import compiled_train, inductor
 from engine.expert_parallel import ExpertParallel
 from engine.hf_shards import HFRead, hf_reads
 from engine.layers import PackedSeqs, RouteTrace, RouterLoss, add_loss_gradient, \
@@ -63,8 +63,9 @@ class ParallelLlama(nn.Module):
             (:mod:`engine.expert_parallel`).
         compile_layers: run the decoder layers through one ``torch.compile``d function
             (:mod:`engine.compiled_train`: the elementwise chains fused, forward and
-            backward); None: on for CUDA.  Only without TP, experts and LoRA; packed
-            micro-batches run eagerly.  The same results up to float summation order.
+            backward; with TP or experts, the regions between the collectives); None: on
+            for CUDA.  Packed micro-batches run eagerly.  The same results up to float
+            summation order.
     """
 
     def __init__(self, config: LlamaConfig, groups: HybridGroups, head: str = "lm",
@@ -111,8 +112,7 @@ class ParallelLlama(nn.Module):
             self.register_parameter(spec.name.replace(".", "_"), p)
         self.lora = lora
         self.adapters_enabled = lora is not None
-        self.compile_layers = compile_applies(compile_layers, buffer.device, train.tp > 1,
-                                              bool(config.num_experts), lora is not None)
+        self.compile_layers = inductor.compile_applies(compile_layers, buffer.device)
         self.adapter_specs: list[ShardSpec] = []
         self.adapter_params: dict[str, nn.Parameter] = {}
         self.adapter_buffer: FlatParamBuffer | None = None
@@ -272,16 +272,12 @@ class ParallelLlama(nn.Module):
         rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
-        compiled = self.compile_layers and not isinstance(mask, PackedSeqs)
+        layer = (compiled_train.decoder_layer
+                 if self.compile_layers and not isinstance(mask, PackedSeqs) else decoder_layer)
         for i in self.layer_ids:
-            if compiled:
-                x = compiled_layer(x, self.layer_weights(i), *rope, mask, c.q_per_group,
-                                   c.head_dim, c.rms_norm_eps)
-                continue
-            x = decoder_layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
-                              c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
-                              routing=c.routing, router_loss=router_loss, trace=routes,
-                              moe=self.moe)
+            x = layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
+                      c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
+                      routing=c.routing, router_loss=router_loss, trace=routes, moe=self.moe)
         if router_loss is not None and router_loss.terms and router_loss.weight:
             x = add_loss_gradient(x, router_loss.weighted())
         if self.is_last:

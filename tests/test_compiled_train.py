@@ -1,7 +1,8 @@
 """The training model's compiled decoder layers (engine/compiled_train.py) against the eager
 layers and float64: forward, log-probs and every parameter's gradient, causal and padded, two
-sequence lengths, with and without gradients; compiled here by inductor's CPU backend (Triton
-on a GPU)."""
+sequence lengths, with and without gradients, with LoRA adapters and a mixture of experts;
+compiled here by inductor's CPU backend (Triton on a GPU).  Tensor parallelism:
+tests/test_engine_parallel.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from engine import compiled_train, inductor
-from engine.compiled_train import compile_applies
 from engine.layers import PackedSeqs
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.lora import LoraConfig
@@ -22,21 +22,38 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 CFG = LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_layers=3,
                   num_heads=4, num_kv_heads=2, rope_theta=500.0, max_position_embeddings=64,
                   tie_word_embeddings=False, qkv_bias=True, model_type="qwen2")
+MOE = replace(CFG, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+              qkv_bias=False, qk_norm=True, model_type="qwen3_moe")
 GROUPS = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
 
 
 @pytest.fixture(autouse=True)
 def compile_on():
-    """Compiling on whatever HYBRIDFLOW_COMPILE says; every test ends with no fallback."""
+    """Compiling on whatever HYBRIDFLOW_COMPILE says, dynamo's variants counted from zero;
+    every test ends with no fallback: no failed compile, no call past the recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    for c in compiled_train.COMPILED:
+        c.eager_calls = 0
     previous = inductor.set_enabled(True)
     yield
     inductor.set_enabled(previous)
-    assert not compiled_train.compiled_layer._broken
+    assert not any(c._broken or c.eager_calls for c in compiled_train.COMPILED)
 
 
-def _model(cfg: LlamaConfig, compiled: bool) -> ParallelLlama:
-    model = ParallelLlama(cfg, GROUPS, compile_layers=compiled)
-    load_full_state_dict(model, init_full_state_dict(CFG, seed=3, std=0.2))
+def _graphs(fn) -> int:
+    """Dynamo's compiled variants of one of compiled_train's functions."""
+    return inductor.compile_counts().get(fn.__qualname__, {}).get("graphs", 0)
+
+
+def _model(cfg: LlamaConfig, compiled: bool, lora: LoraConfig | None = None) -> ParallelLlama:
+    model = ParallelLlama(cfg, GROUPS, compile_layers=compiled, lora=lora)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=3, std=0.2))
+    if lora is not None:  # B away from its zero start, so every adapter has a gradient
+        g = torch.Generator().manual_seed(5)
+        for p in model.adapter_params.values():
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
     return model
 
 
@@ -54,14 +71,15 @@ def _batch(batch: int, seq: int, padded: bool) -> tuple[torch.Tensor, torch.Tens
 def _pass(model: ParallelLlama, ids: torch.Tensor, mask: torch.Tensor | None, grad: bool,
           packed: PackedSeqs | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs of ``ids`` and, with ``grad``, every parameter's gradient of their sum."""
-    for p in model.params.values():
+    for p in (model.params | model.adapter_params).values():
         p.grad = None
     with torch.set_grad_enabled(grad):
         hidden = model.stage_forward(ids, mask, packed=packed)
         lp = model.head_outputs(hidden, ids, temperature=1.0)["log_probs"]
         if grad:
             (lp.double().sum() + 1e-3 * hidden.double().pow(2).sum()).backward()
-    grads = {n: p.grad.clone() for n, p in model.params.items() if p.grad is not None}
+    params = model.params | model.adapter_params
+    grads = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
     return lp.detach(), grads
 
 
@@ -70,18 +88,18 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def test_compile_applies():
+    """One rule for every kind of model: asked for (None: CUDA only) and compiling enabled;
+    TP, experts and LoRA no longer keep a model eager."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert compile_applies(None, cuda, False, False, False)
-    assert not compile_applies(None, cpu, False, False, False)
-    assert compile_applies(True, cpu, False, False, False)
-    assert not compile_applies(False, cuda, False, False, False)
-    for blocker in range(3):  # TP, experts, LoRA
-        assert not compile_applies(True, cuda, *(i == blocker for i in range(3)))
+    assert inductor.compile_applies(None, cuda) and not inductor.compile_applies(None, cpu)
+    assert inductor.compile_applies(True, cpu) and not inductor.compile_applies(False, cuda)
     inductor.set_enabled(False)
-    assert not compile_applies(True, cuda, False, False, False)
+    assert not inductor.compile_applies(True, cuda)
+    assert not ParallelLlama(CFG, GROUPS, compile_layers=True).compile_layers
     inductor.set_enabled(True)
     lora = LoraConfig(rank=2, alpha=4.0, target_modules=("q_proj",))
-    assert not ParallelLlama(CFG, GROUPS, lora=lora, compile_layers=True).compile_layers
+    assert ParallelLlama(CFG, GROUPS, lora=lora, compile_layers=True).compile_layers
+    assert ParallelLlama(MOE, GROUPS, compile_layers=True).compile_layers
     assert not ParallelLlama(CFG, GROUPS).compile_layers  # off on the CPU by default
 
 
@@ -165,3 +183,57 @@ def test_bf16_train_step_with_compiled_layers():
     # Adam's first step moves each master by about lr the gradient's way: the same ways
     assert float((moves[True].abs() > 5e-4).double().mean()) > 0.9
     assert float((moves[True].sign() == moves[False].sign()).double().mean()) > 0.95
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_layers_with_lora_match_eager(padded):
+    """LoRA adapters on every linear inside the compiled layer: log-probs, every adapter's
+    gradient (the base frozen), and the base model with the adapters off."""
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
+    eager, compiled = _model(CFG, False, lora), _model(CFG, True, lora)
+    ids, mask = _batch(3, 13, padded)
+    lp_e, g_e = _pass(eager, ids, mask, grad=True)
+    lp_c, g_c = _pass(compiled, ids, mask, grad=True)
+    real = mask[:, 1:].bool() if padded else torch.ones_like(lp_e, dtype=torch.bool)
+    assert torch.allclose(lp_c[real], lp_e[real], atol=2e-5, rtol=0)
+    assert g_c.keys() == g_e.keys() == compiled.adapter_params.keys()
+    for n in g_e:
+        assert _rel(g_c[n], g_e[n].double()) < 1e-5, n
+    with eager.adapters_disabled(), compiled.adapters_disabled():
+        base_e, _ = _pass(eager, ids, mask, grad=False)
+        base_c, _ = _pass(compiled, ids, mask, grad=False)
+    assert torch.allclose(base_c[real], base_e[real], atol=2e-5, rtol=0)
+    assert float((base_e[real] - lp_e[real]).abs().max()) > 1e-3  # the adapters mattered
+    assert _graphs(compiled_train.train_layer) >= 2  # with adapters and without
+
+
+def test_compiled_layers_of_a_mixture_match_eager():
+    """A mixture of experts (q/k norms, router loss) through the compiled attention region
+    and the routed MLP: log-probs, every gradient (router and experts included), the router
+    loss and the recorded routes; a replay of those routes gives the same pass."""
+    from engine.layers import RouteTrace, RouterLoss
+
+    ids, mask = _batch(3, 12, padded=True)
+    runs = {}
+    for compiled in (False, True):
+        model = _model(MOE, compiled)
+        for p in model.params.values():
+            p.grad = None
+        loss, trace = RouterLoss(0.5), RouteTrace()
+        hidden = model.stage_forward(ids, mask, router_loss=loss, routes=trace)
+        lp = model.head_outputs(hidden, ids, temperature=1.0)["log_probs"]
+        (lp.double().sum() + loss.weighted()).backward()
+        grads = {n: p.grad.clone() for n, p in model.params.items() if p.grad is not None}
+        with torch.no_grad():
+            replayed = model.stage_forward(ids, mask, routes=RouteTrace(replay=trace.recorded()))
+        runs[compiled] = lp.detach(), grads, float(loss.total().detach()), trace.recorded(), replayed
+    (lp_e, g_e, l_e, r_e, h_e), (lp_c, g_c, l_c, r_c, h_c) = runs[False], runs[True]
+    real = mask[:, 1:].bool()
+    assert torch.allclose(lp_c[real], lp_e[real], atol=2e-5, rtol=0)
+    assert abs(l_c - l_e) < 1e-5 and torch.equal(r_c, r_e)
+    assert any(".experts." in n for n in g_e) and g_c.keys() == g_e.keys()
+    for n in g_e:
+        assert _rel(g_c[n], g_e[n].double()) < 1e-5, n
+    assert torch.allclose(h_c, h_e, atol=2e-5, rtol=0)
+    assert _graphs(compiled_train.attention_part) >= 1
+    assert _graphs(compiled_train.train_layer) == _graphs(compiled_train.mlp_part) == 0
