@@ -22,9 +22,15 @@ SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 """SplitMix64's increment (gamma) and its two mixing multipliers, unsigned."""
 
 
+SEED_LIMIT = 1 << 63
+"""Seeds lie in ``[0, SEED_LIMIT)``: a run's seed (config ``seed``, ``data.seed``), a sampling
+call's (:class:`SeedStream` keeps all 63 bits) and each derived one (:func:`derive_seed`)."""
+
+
 def check_seed(name: str, seed: object) -> None:
-    """ValueError naming ``name`` unless ``seed`` is an int in ``[0, 2**63)``."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+    """ValueError naming ``name`` unless ``seed`` is an int in ``[0,`` :data:`SEED_LIMIT` ``)``
+    (a bool is not a seed)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"{name}={seed!r} must be an int in [0, 2**63)")
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.seeds import SEED_LIMIT, check_seed
+
+__all__ = ["MAX_COUNT", "MAX_MODEL_PARAMS", "MAX_ROLLOUT_TOKENS", "SEED_LIMIT", "check_at_most",
+           "check_one_of", "check_path", "check_positive", "check_seed", "check_token_budget"]
+
 MAX_COUNT = 10**7
 """Largest batch size, length, model dimension, layer, iteration or step count a config
 accepts: a typo such as ``data.prompts_per_iter=99999999999999999999`` stops at validation
@@ -14,9 +19,6 @@ MAX_ROLLOUT_TOKENS = 2**31
 (max_prompt_len + max_response_len)``: beyond it the batch's ids alone need 16 GiB."""
 MAX_MODEL_PARAMS = 2**40
 """Largest model a config accepts, in parameters estimated from its architecture."""
-SEED_LIMIT = 2**32
-"""Seeds lie in ``[0, SEED_LIMIT)`` (a run's seed; the sampling streams are hashed from it,
-:func:`engine.seeds.derive_seed`)."""
 
 
 def check_positive(**values: int | float) -> None:
@@ -32,12 +34,6 @@ def check_at_most(limit: int, **values: int | None) -> None:
         if v is not None and v > limit:
             raise ValueError(f"{name}={v!r} is larger than the sane maximum {limit:_}; use a "
                              f"smaller value")
-
-
-def check_seed(name: str, v: int) -> None:
-    """ValueError unless ``0 <= v <`` :data:`SEED_LIMIT`."""
-    if not 0 <= v < SEED_LIMIT:
-        raise ValueError(f"{name}={v!r} must be in [0, 2**32)")
 
 
 def check_path(name: str, v: str | None) -> None:

@@ -26,7 +26,7 @@ import pytest
 import torch.distributed
 
 from rlhf import train, train_launch
-from rlhf.config import MAX_COUNT, Config
+from rlhf.config import MAX_COUNT, SEED_LIMIT, Config
 from rlhf.config_io import _dataclass_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +104,7 @@ def _values(key: str, tp) -> list[tuple[str, str]]:
         out = [("str", "abc"), ("list", "[1, 2]"), ("map", "{a: 1}"), ("float", "1.5"),
                ("nan", ".nan"), ("inf", ".inf"), ("huge", "99999999999999999999"), ("neg", "-1")]
         if leaf not in UNBOUNDED:
-            out.append(("above_max", str(2**32 if leaf in SEEDS else MAX_COUNT + 1)))
+            out.append(("above_max", str(SEED_LIMIT if leaf in SEEDS else MAX_COUNT + 1)))
         return out + ([("zero", "0")] if leaf not in ZERO_OK else [])
     if kind is float:
         out = [("str", "abc"), ("list", "[1.0]"), ("nan", ".nan"), ("inf", ".inf"),
