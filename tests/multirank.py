@@ -12,7 +12,7 @@ loaded machine does not eat into it) raises too instead of hanging; the pool is 
 on the next call, since its ranks may be stuck in a collective.
 
 ``RankPool(4, nccl_rules=True)`` (or ``HYBRIDFLOW_TEST_NCCL_RULES=1`` in the environment of
-pytest, for every pool) installs :mod:`tests.nccl_rules` in every rank: each call then runs
+pytest, for every pool) installs :mod:`hybridflow_comm.nccl_rules` in every rank: each call then runs
 under NCCL's rules, on gloo.
 """
 
@@ -48,7 +48,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn, threads: int
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout_s))
     if nccl_rules:
-        from tests.nccl_rules import install
+        from hybridflow_comm.nccl_rules import install
 
         install("cpu")
     conn.send(("ok", None))  # up: the pool's start-up wait ends here
@@ -76,7 +76,7 @@ class RankPool:
         timeout_s: default time limit of one :meth:`run`, once the ranks are up.
         start_timeout_s: time limit of the ranks' start (imports, process group).
         pg_timeout_s: collective timeout inside the ranks.
-        nccl_rules: install :mod:`tests.nccl_rules` in every rank (default: when
+        nccl_rules: install :mod:`hybridflow_comm.nccl_rules` in every rank (default: when
             ``HYBRIDFLOW_TEST_NCCL_RULES=1``).
     """
 

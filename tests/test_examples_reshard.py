@@ -1,5 +1,5 @@
 """examples/reshard_*.py, each as a user runs it (``torchrun --nproc_per_node=4 EXAMPLE``),
-with NCCL's rules enforced in every rank (``-m tests.nccl_rules``: the script runs unchanged,
+with NCCL's rules enforced in every rank (``-m hybridflow_comm.nccl_rules``: the script runs unchanged,
 its collectives refused where NCCL would refuse them; the gloo-only host point-to-point path
 the rules switch off is covered by tests/test_reshard_multirank.py).
 
@@ -24,12 +24,12 @@ RESULT = re.compile(r"^(\w+): (\d+) tensors bit-exact, received ([\d.]+) MiB/ran
 def torchrun_example(name: str, timeout: float = 300,
                      nccl_rules: bool = False) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=4 EXAMPLE --device cpu``; with ``nccl_rules``, through
-    ``-m tests.nccl_rules`` (NCCL's rules enforced in every rank)."""
+    ``-m hybridflow_comm.nccl_rules`` (NCCL's rules enforced in every rank)."""
     # The scripts import hybridflow_comm like an installed package; the repository root on
     # PYTHONPATH makes that true for a checkout that was not pip-installed too.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    rules = ["-m", "tests.nccl_rules"] if nccl_rules else []
+    rules = ["-m", "hybridflow_comm.nccl_rules"] if nccl_rules else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "4", *rules, os.path.join(ROOT, "examples", f"{name}.py"), "--device", "cpu"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""tests/nccl_rules.py refuses what NCCL refuses: each rule fed its violation.
+"""hybridflow_comm/nccl_rules.py refuses what NCCL refuses: each rule fed its violation.
 
 Single-process checks run in a gloo world of one (the rule raises before the real call); the
 cross-rank comparison and the warm-up run on two ranks of a pool with the rules installed.
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import nccl_rules
+from hybridflow_comm import nccl_rules
 from tests.multirank import RankPool
-from tests.nccl_rules import NcclRuleError
+from hybridflow_comm.nccl_rules import NcclRuleError
 
 
 @pytest.fixture(scope="module")

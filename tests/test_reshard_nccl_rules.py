@@ -1,11 +1,11 @@
-"""The resharding suite again, under NCCL's rules (tests/nccl_rules.py in every rank), and the
+"""The resharding suite again, under NCCL's rules (hybridflow_comm/nccl_rules.py in every rank), and the
 expert-parallel layer's all-to-alls.
 
 Every multi-rank resharding test (the transitions of every layout and method, WeightSync,
 FSDP2, DTensor, megatron, plain state dicts, the public entries) runs here with its own
 assertions, on one 4-rank and one 2-rank pool whose ranks enforce the rules, so the
 collectives NCCL would run (in-place region all-gathers, no host point-to-point path) are the
-ones checked bit-exactly.  The examples run under ``torchrun -m tests.nccl_rules`` in
+ones checked bit-exactly.  The examples run under ``torchrun -m hybridflow_comm.nccl_rules`` in
 tests/test_examples_reshard.py.
 ``HYBRIDFLOW_TEST_NCCL_RULES=1 pytest ...`` runs any other multi-rank module the same way.
 """
@@ -45,9 +45,9 @@ CHECKS = [(4, check) for check in (
 
 def _rules_calls(rank, world):
     """Checked calls so far on this rank (raises when the rules are not installed)."""
-    from tests import nccl_rules
+    from hybridflow_comm import nccl_rules
 
-    return nccl_rules._RULES.calls
+    return nccl_rules.installed().calls
 
 
 @pytest.fixture(scope="module")

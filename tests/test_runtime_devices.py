@@ -85,12 +85,10 @@ def test_meta_default_mode_hooks_the_worker_thread_only():
     assert torch.empty(1).device == torch.device("cpu")  # this thread is untouched
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(ROOT, "tests", "nccl_rules.py")),
-                    reason="tests/nccl_rules.py is not there")
 def test_nccl_rules_mode_installs_the_rules_before_any_group():
     import torch.distributed as dist
 
-    from tests import nccl_rules
+    from hybridflow_comm import nccl_rules
 
     assert hooks_of_test_modes({TEST_NCCL_RULES_ENV: "1"}, torch.device("cpu")) is None
     try:
@@ -197,8 +195,6 @@ def test_rl_iteration_with_meta_as_the_default_device(tmp_path):
     assert record["memory/update/rss_gb"] < 64  # GiB: a reading in bytes, not a count
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(ROOT, "tests", "nccl_rules.py")),
-                    reason="tests/nccl_rules.py is not there")
 def test_two_rank_rl_iteration_under_nccl_rules(tmp_path):
     (record,) = _train(tmp_path, {TEST_NCCL_RULES_ENV: "1"}, nproc=2)
     assert record["perf/tokens"] > 0 and "memory/update/rss_gb" in record

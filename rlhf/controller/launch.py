@@ -47,7 +47,7 @@ Test modes, read here only (:func:`hooks_of_test_modes`), for tests and never fo
 ``HYBRIDFLOW_TEST_META_DEFAULT=1`` makes ``meta`` the default device of every worker thread
 (``torch.set_default_device``, which is per thread), so a tensor created without an explicit
 device fails the call that made it; ``HYBRIDFLOW_TEST_NCCL_RULES=1`` calls
-``tests.nccl_rules.install()`` at rank start, before any process group, so every collective
+``hybridflow_comm.nccl_rules.install()`` at rank start, before any process group, so every collective
 is checked against NCCL's rules on gloo.
 
 Start-up (see :mod:`.rendezvous` and :mod:`.handshake`): rank 0 listens on loopback or on
@@ -60,7 +60,6 @@ The listening socket closes as soon as every rank is in, so nothing can connect 
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import signal
 import socket
@@ -141,7 +140,9 @@ def hooks_of_test_modes(env: Mapping[str, str], device: torch.device
     the NCCL-rule mode is installed here, at once, for ``device`` (it must precede every
     process group)."""
     if env.get(TEST_NCCL_RULES_ENV) == "1":
-        importlib.import_module("tests.nccl_rules").install(device)
+        from hybridflow_comm import nccl_rules
+
+        nccl_rules.install(device)
     if env.get(TEST_META_DEFAULT_ENV) == "1":
         return lambda: torch.set_default_device("meta")
     return None

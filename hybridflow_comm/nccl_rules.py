@@ -1,4 +1,4 @@
-"""NCCL's rules, enforced on gloo: a test-only wrapper around torch.distributed's calls.
+"""NCCL's rules, enforced on gloo: a debug wrapper around torch.distributed's calls.
 
 gloo accepts what NCCL refuses (strided tensors, tags, host tensors in a device group, p2p on a
 communicator nobody initialised, gloo-only ops), so a CPU test suite can pass while the same
@@ -24,12 +24,15 @@ Calls torch makes inside its own functions (``all_gather_object``'s gathers) are
 
 In a job script (every rank, before its first collective)::
 
-    from tests import nccl_rules
+    from hybridflow_comm import nccl_rules
     nccl_rules.install("cpu")
 
-or run a script or module under the rules: ``torchrun ... -m tests.nccl_rules SCRIPT ARGS`` /
-``torchrun ... -m tests.nccl_rules -m MODULE ARGS``.  ``HYBRIDFLOW_TEST_NCCL_RULES=1`` makes
-:func:`install_from_env` (called by the test rank pools and the job modules) install it.
+or run a script or module under the rules: ``torchrun ... -m hybridflow_comm.nccl_rules SCRIPT
+ARGS`` / ``torchrun ... -m hybridflow_comm.nccl_rules -m MODULE ARGS``.
+``HYBRIDFLOW_TEST_NCCL_RULES=1`` makes :func:`install_from_env` (called by the test rank pools
+and the job modules) install it, and the RL runtime's ranks install it at start
+(:func:`rlhf.controller.launch.hooks_of_test_modes`).  The test suite runs its multi-rank
+checks under it; a run never installs it unless asked to.
 """
 
 from __future__ import annotations
@@ -301,15 +304,20 @@ def uninstall() -> None:
     _RULES = None
 
 
+def installed() -> Rules | None:
+    """The installed :class:`Rules` (None when the rules are not installed)."""
+    return _RULES
+
+
 def install_from_env(device: str | torch.device = "cpu") -> Rules | None:
     """:func:`install` when ``HYBRIDFLOW_TEST_NCCL_RULES=1``; else nothing."""
     return install(device) if os.environ.get(ENV) == "1" else None
 
 
 def main(argv: list[str]) -> None:
-    """``python -m tests.nccl_rules [-m MODULE | SCRIPT] ARGS...`` under the rules (cpu)."""
+    """``python -m hybridflow_comm.nccl_rules [-m MODULE | SCRIPT] ARGS...`` under the rules (cpu)."""
     if not argv:
-        raise SystemExit("usage: python -m tests.nccl_rules [-m MODULE | SCRIPT] [ARGS...]")
+        raise SystemExit("usage: python -m hybridflow_comm.nccl_rules [-m MODULE | SCRIPT] [ARGS...]")
     install("cpu")
     if argv[0] == "-m":
         sys.argv = argv[1:]
