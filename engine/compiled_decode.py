@@ -18,10 +18,19 @@ bucket arrives (dynamo then marks the changed sizes dynamic); compiled code is c
 replays, so the graph holds the fused kernels.  Results equal the eager layers up to float
 summation order (fused reductions), not bitwise.
 
-Used where :func:`compile_applies`: the static decode steps (dense KV cache, one stage) without
-tensor parallelism (the collectives of a TP group stay outside compiled code), with compiling
-enabled (``HYBRIDFLOW_COMPILE``); where the backend cannot compile it the layers run eagerly
-after one warning (:class:`engine.inductor.Compiled`).
+Used where the engine's ``compile_decode`` applies (:func:`engine.inductor.compile_applies`)
+on the static decode steps (dense KV cache, one stage).  Like the training layers
+(:mod:`engine.compiled_train`), a layer under tensor parallelism or with experts runs as two
+regions between the TP all-reduces::
+
+    one TP rank, dense   whole layer compiled (KV write and LoRA deltas inside)
+    TP > 1, or experts   [norm attention o_proj] --reduce--> + x = h
+                         [norm gate_up swiglu down] --reduce--> + h   (a mixture: the routed
+                                                                       MLP, eager)
+
+each region computing this rank's partial sum (a row-parallel LoRA delta included), the
+collectives and the experts' routing outside compiled code.  Where the backend cannot compile
+it the layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
 """
 
 from __future__ import annotations
@@ -31,8 +40,17 @@ import torch
 from engine import inductor
 from engine.forward_paths import Rope, StageLayers
 from engine.kv_cache import DecodeSlots, LayerSlots
-from engine.layers import decoder_layer
+from engine.layers import RouteTrace, attention_block, decoder_layer, mlp_block, rms_norm, \
+    swiglu_block
 from engine.lora import LayerLora
+from engine.tp_ops import reduce_from_tp
+
+
+def _lora(q_per_group: int, head_dim: int, lora_a: dict | None, lora_b: dict | None,
+          lora_scale: float) -> LayerLora | None:
+    return (LayerLora(a=lora_a, b=lora_b, scale=lora_scale, dropout=0.0, tp_group=None,
+                      q_per_group=q_per_group, head_dim=head_dim)
+            if lora_a is not None else None)
 
 
 def decode_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
@@ -45,42 +63,91 @@ def decode_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
     ``k_cache, v_cache [b, h_kv, max_len, D]`` (the function that is compiled), with the
     layer's LoRA adapters when ``lora_a``/``lora_b`` are given (tensors, not the
     :class:`engine.lora.LayerLora` object: one compiled function serves every layer)."""
-    lora = (LayerLora(a=lora_a, b=lora_b, scale=lora_scale, dropout=0.0, tp_group=None,
-                      q_per_group=q_per_group, head_dim=head_dim)
-            if lora_a is not None else None)
     return decoder_layer(x, w, (cos, sin), attn, q_per_group, head_dim, eps, None,
-                         kv_hook=LayerSlots(k_cache, v_cache, pos), lora=lora)
+                         kv_hook=LayerSlots(k_cache, v_cache, pos),
+                         lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
+
+
+def decode_attention_part(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
+                   sin: torch.Tensor, attn: torch.Tensor | None, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, pos: torch.Tensor, q_per_group: int, head_dim: int,
+                   eps: float, lora_a: dict[str, torch.Tensor] | None = None,
+                   lora_b: dict[str, torch.Tensor] | None = None,
+                   lora_scale: float = 1.0) -> torch.Tensor:
+    """This rank's partial ``o_proj(attention(norm(x)))`` of a decode step, writing the KV
+    cache as :func:`decode_layer` (``w`` without ``o_proj_bias``)."""
+    return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), attn, q_per_group,
+                           head_dim, eps, None, kv_hook=LayerSlots(k_cache, v_cache, pos),
+                           lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
+
+
+def decode_mlp_part(h: torch.Tensor, w: dict[str, torch.Tensor], q_per_group: int, head_dim: int,
+             eps: float, lora_a: dict[str, torch.Tensor] | None = None,
+             lora_b: dict[str, torch.Tensor] | None = None,
+             lora_scale: float = 1.0) -> torch.Tensor:
+    """This rank's partial ``down(swiglu(gate_up(norm(h))))``."""
+    return swiglu_block(rms_norm(h, w["post_norm"], eps), w, None,
+                        lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
 
 
 _compiled_layer = inductor.Compiled(decode_layer, min_numel=0, dynamic=None)
 """Compiled on first use, eager (with one warning) where the backend cannot compile."""
+_compiled_attention = inductor.Compiled(decode_attention_part, min_numel=0, dynamic=None)
+_compiled_mlp = inductor.Compiled(decode_mlp_part, min_numel=0, dynamic=None)
+COMPILED = (_compiled_layer, _compiled_attention, _compiled_mlp)
+
+ATTENTION_KEYS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj")
+MLP_KEYS = ("post_norm", "gate_up", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
-def compile_applies(compile_decode: bool | None, device: torch.device, static_decode: bool,
-                    tensor_parallel: bool) -> bool:
-    """Whether the static decode steps run compiled layers: ``compile_decode`` (None: on for
-    CUDA) where the steps are static, without TP, and compiling is enabled."""
-    wanted = device.type == "cuda" if compile_decode is None else bool(compile_decode)
-    return wanted and static_decode and not tensor_parallel and inductor.enabled()
+def _adapters(lora: LayerLora | None, modules: tuple[str, ...]) -> tuple:
+    """``(a, b, scale)`` of ``lora``'s adapters over ``modules``, or () without any."""
+    if lora is None or not any(m in lora.a for m in modules):
+        return ()
+    return ({m: t for m, t in lora.a.items() if m in modules},
+            {m: t for m, t in lora.b.items() if m in modules}, lora.scale)
 
 
 class CompiledDecodeLayers:
-    """The static decode step's layers of one stage through the compiled
-    :func:`decode_layer` (a :data:`engine.cuda_graphs.Layers`)."""
+    """The static decode step's layers of one stage through the compiled functions (a
+    :data:`engine.cuda_graphs.Layers`): one compiled layer on one dense TP rank, else the
+    two regions of the module docstring.  A mixture's layers record their experts into the
+    stage's ``route_log`` as the Python layers do."""
 
     def __init__(self, stage: StageLayers) -> None:
-        if stage.tensor_parallel:
-            raise ValueError("compiled decode layers run without tensor parallelism")
         self.stage = stage
         self.weights = tuple(dict(w) for w in stage.weights)
+        self.split = stage.tensor_parallel or stage.routing is not None
+        self.attention = tuple({k: w[k] for k in ATTENTION_KEYS if k in w} for w in self.weights)
+        self.mlp = tuple({k: w[k] for k in MLP_KEYS if k in w} for w in self.weights)
 
     def forward(self, x: torch.Tensor, slots: DecodeSlots, rope: Rope,
                 attn: torch.Tensor | None) -> torch.Tensor:
-        s, layer = self.stage, _compiled_layer
+        s = self.stage
         cos, sin = rope
+        trace = RouteTrace() if s.route_log is not None else None
         for j, w in enumerate(self.weights):
             lora = s.loras[j] if s.loras else None
-            adapters = ((dict(lora.a), dict(lora.b), lora.scale) if lora is not None else ())
-            x = layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
-                      s.q_per_group, s.head_dim, s.eps, *adapters)
+            if not self.split:
+                x = _compiled_layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
+                                    s.q_per_group, s.head_dim, s.eps,
+                                    *_adapters(lora, ATTENTION_MODULES + MLP_MODULES))
+                continue
+            part = _compiled_attention(x, self.attention[j], cos, sin, attn, slots.k[j],
+                                       slots.v[j], slots.pos, s.q_per_group, s.head_dim, s.eps,
+                                       *_adapters(lora, ATTENTION_MODULES))
+            h = x + reduce_from_tp(part, s.tp_group)
+            if "o_proj_bias" in w:
+                h = h + w["o_proj_bias"]
+            if s.routing is not None:
+                x = h + mlp_block(rms_norm(h, w["post_norm"], s.eps), w, s.tp_group, None,
+                                  s.routing, None, trace, s.moe)
+                continue
+            part = _compiled_mlp(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
+                                 *_adapters(lora, MLP_MODULES))
+            x = h + reduce_from_tp(part, s.tp_group)
+        if trace is not None:
+            s.route_log.append(trace.recorded())
         return x

@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 
-from engine.compiled_decode import CompiledDecodeLayers, compile_applies
+from engine import inductor
+from engine.compiled_decode import CompiledDecodeLayers
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
 from engine.lora import LayerLora, LoraConfig
 from engine.early_exit import RunningRows, check_every
@@ -238,9 +239,9 @@ class GenerationEngine:
             (:mod:`engine.cuda_graphs`); None: on for CUDA.  Only on one stage without TP and
             with the dense layout; elsewhere the steps run eagerly (same tokens).
         compile_decode: run the static decode steps' layers ``torch.compile``d
-            (:mod:`engine.compiled_decode`: the elementwise chains fused); None: on for CUDA.
-            Only where the steps are static and without TP; the same tokens up to float
-            summation order.
+            (:mod:`engine.compiled_decode`: the elementwise chains fused; with TP or experts
+            the regions between the collectives); None: on for CUDA.  Only where the steps
+            are static; the same tokens up to float summation order.
         record_routes: a mixture of experts records every token's experts in every layer
             (:attr:`GenerationOutput.routes`).
         experts: the experts whose pieces this rank holds and computes (generation expert
@@ -280,15 +281,15 @@ class GenerationEngine:
         self.fused_decode = self.kv_layout == "tiled" and resolve_kernels(
             fused_decode, config.dtype, config.layer_keys, self.device)
         # the dense layout's decode steps at static shapes (one stage: the step is embed +
-        # layers), captured as CUDA graphs where graphs_apply
+        # layers), compiled where asked, captured as CUDA graphs where graphs_apply (a mixture
+        # of experts sizes each expert's matmuls from the routing, read on the host every
+        # step: not captured)
         self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
-        # (a mixture of experts sizes each expert's matmuls from the routing, read on the
-        # host every step: neither captured nor compiled)
         self.cuda_graphs = (resolve_graphs(cuda_graphs, self.device) and self.static_decode
                             and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1)
                             and not config.num_experts)
-        self.compile_decode = compile_applies(compile_decode, self.device, self.static_decode,
-                                              layout.tp_g > 1) and not config.num_experts
+        self.compile_decode = self.static_decode and inductor.compile_applies(compile_decode,
+                                                                              self.device)
         self.static_layers: CompiledDecodeLayers | None = None
         self.adapters: Mapping[str, torch.Tensor] | None = None
         self.lora: LoraConfig | None = None
@@ -486,9 +487,10 @@ class GenerationEngine:
             tok, lp = self._decode_step(plan.paths.decode, static, out.ids[rows.at, i:i + 1],
                                         cache, tables, plen + i + 1,
                                         functools.partial(sample, rows=rows.mask, step=i + 1))
-            if routes is not None:  # the routing of the token fed at position plen + i;
-                # a row token i ended is still fed until compacted: its last token stays -1
-                fed = self.route_log.pop().to(torch.int16)
+            if routes is not None:  # the routing of the token fed at position plen + i
+                # (the running rows: a static step's bucket pads them); a row token i ended is
+                # still fed until compacted: its last token stays -1
+                fed = self.route_log.pop()[:rows.run.numel()].to(torch.int16)
                 routes[rows.at, plen + i] = fed.masked_fill_(~rows.alive[rows.at, None, None], -1)
         graphs = 0 if static is None else static.graph_count
         capture_s = 0.0 if static is None else static.capture_s

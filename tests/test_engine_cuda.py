@@ -287,3 +287,105 @@ def test_decode_throughput_eager_vs_graphs_is_printed():
     assert min(rates.values()) > 0
     first = outs["graphs"].responses[:, 0]
     assert float((outs["graphs+compiled"].responses[:, 0] == first).float().mean()) > 0.9
+
+
+MOE_CFG = replace(CFG, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+                  qk_norm=True, model_type="qwen3_moe")
+
+
+@pytest.mark.parametrize("kind", ["lora", "moe"])
+def test_compiled_training_layers_of_lora_and_moe_match_eager(kind):
+    """The compiled training layers on CUDA for LoRA adapters (inside the compiled layer) and
+    a mixture of experts (the compiled attention region, the routed MLP eager): bf16 log-probs
+    and gradients as the eager layers', nothing fallen back to eager."""
+    from engine import compiled_train
+    from engine.lora import LoraConfig, init_lora_state_dict
+    from engine.model import load_adapter_state_dict
+
+    cfg = MOE_CFG if kind == "moe" else CFG
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear") if kind == "lora" else None
+    full = init_full_state_dict(cfg, seed=3, std=STD)
+    ids, mask = prompts(4, 24, padded=True)
+    x, m = ids.to(CUDA), mask.to(CUDA)
+    outs = {}
+    for compiled in (False, True):
+        model = ParallelLlama(cfg, groups(), device=CUDA, lora=lora, compile_layers=compiled)
+        load_full_state_dict(model, full)
+        if lora is not None:
+            g = torch.Generator().manual_seed(5)
+            load_adapter_state_dict(model, {k: torch.randn(v.shape, generator=g) * 0.1
+                                            for k, v in init_lora_state_dict(cfg, lora).items()})
+        assert model.compile_layers == compiled
+        head = model.head_outputs(model.stage_forward(x, m), x, temperature=1.0)
+        keep = m[:, 1:].float()
+        (-(head["log_probs"] * keep).sum() / keep.sum()).backward()
+        outs[compiled] = (head["log_probs"].detach().float().cpu(),
+                          {n: p.grad.float().cpu() for n, p in model.trainable_params().items()})
+    assert not any(c._broken or c.eager_calls for c in compiled_train.COMPILED)
+    (lp_e, g_e), (lp_c, g_c) = outs[False], outs[True]
+    assert float((lp_c - lp_e).abs()[mask[:, 1:].bool()].max()) < 0.1
+    for n in g_e:
+        cos = torch.nn.functional.cosine_similarity(g_c[n].flatten(), g_e[n].flatten(), dim=0)
+        assert float(cos) > 0.98, (n, float(cos))
+
+
+def test_compiled_decode_of_a_mixture_matches_eager():
+    """A mixture's static decode steps on CUDA through the compiled attention regions (the
+    routed MLP eager, not captured): the eager steps' greedy tokens up to near-ties and its
+    recorded routes where the tokens agree."""
+    from engine import compiled_decode
+
+    full = init_full_state_dict(MOE_CFG, seed=3, std=STD)
+    model = model_on(MOE_CFG, full, CUDA)
+    ids, mask = prompts(6, 12, padded=True)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    outs = {}
+    for compiled in (False, True):
+        eng = GenerationEngine(MOE_CFG, model.groups, device=CUDA, compile_decode=compiled,
+                               record_routes=True)
+        eng.set_weights(model.params)
+        outs[compiled] = eng.generate(ids, mask, params)
+        assert outs[compiled].stats["compile_decode"] == compiled
+        assert not outs[compiled].stats["cuda_graphs"]
+    assert not any(c._broken or c.eager_calls for c in compiled_decode.COMPILED)
+    same = (outs[True].responses == outs[False].responses).cumprod(dim=1).bool()
+    assert float(same[:, :4].float().mean()) > 0.8  # bf16 near-ties may part a few rows
+    plen = ids.shape[1]
+    first = outs[True].routes[:, plen], outs[False].routes[:, plen]  # the first decode step
+    assert float((first[0] == first[1]).float().mean()) > 0.9
+
+
+def test_lora_decode_graphs_match_eager_steps():
+    """LoRA adapters in the decode steps replayed as CUDA graphs, with and without the
+    compiled layers: the eager steps' greedy tokens up to near-ties, graphs captured, the
+    adapters changing the tokens against the base model."""
+    from engine.lora import LoraConfig, init_lora_state_dict
+    from engine.model import load_adapter_state_dict
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
+    full = init_full_state_dict(CFG, seed=3, std=STD)
+    model = ParallelLlama(CFG, groups(), device=CUDA, lora=lora)
+    load_full_state_dict(model, full)
+    g = torch.Generator().manual_seed(5)
+    load_adapter_state_dict(model, {k: torch.randn(v.shape, generator=g) * 0.2
+                                    for k, v in init_lora_state_dict(CFG, lora).items()})
+    ids, mask = prompts(6, 12, padded=True)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    outs = {}
+    for name, graphs, compiled, adapters in (("eager", False, False, True),
+                                             ("graphs", True, False, True),
+                                             ("graphs+compiled", True, True, True),
+                                             ("base", False, False, False)):
+        eng = GenerationEngine(CFG, model.groups, device=CUDA, cuda_graphs=graphs,
+                               compile_decode=compiled)
+        if adapters:
+            eng.set_adapters(model.adapter_params, lora)
+        eng.set_weights(model.params)
+        outs[name] = eng.generate(ids, mask, params)
+        assert outs[name].stats["cuda_graphs"] == graphs
+        assert (outs[name].stats["graphs_captured"] > 0) == graphs
+    eager = outs["eager"].responses
+    assert torch.equal(outs["graphs"].responses, eager)  # the same static steps, replayed
+    same = (outs["graphs+compiled"].responses == eager).cumprod(dim=1).bool()
+    assert float(same[:, :4].float().mean()) > 0.8
+    assert not torch.equal(outs["base"].responses, eager)

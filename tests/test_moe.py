@@ -245,14 +245,16 @@ def test_generation_engine_checks_its_experts():
         GenerationEngine(dense, groups, experts=[0])
 
 
-@pytest.mark.parametrize("early_exit,copies", [(True, 1), (False, 1), (True, 4)])
-def test_generation_records_the_routing_a_training_forward_takes(early_exit, copies):
+@pytest.mark.parametrize("early_exit,copies,static", [
+    (True, 1, None), (False, 1, None), (True, 4, None), (True, 4, "eager"), (True, 4, "compiled")])
+def test_generation_records_the_routing_a_training_forward_takes(early_exit, copies, static):
     """The experts generation records for every fed token (shared prefill of identical
     prompts, decode steps, rows leaving early) equal those of one training forward over the
     finished sequences; padding and each row's last token are -1, also where a finished row
     is still fed because too few rows finished to compact (``copies`` x 4 rows whose own
     limits end one row a step: 16 rows keep a finished row running; early_exit=False keeps
-    every row)."""
+    every row; ``static``: the static steps of the dense cache, whose batch buckets pad the
+    running rows, eager or through the compiled attention regions, the routed MLP eager)."""
     from engine.layers import RouteTrace
     from tests.test_hf_families import prompts as family_prompts
 
@@ -264,7 +266,10 @@ def test_generation_records_the_routing_a_training_forward_takes(early_exit, cop
     ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # a shared prompt
     ids, mask = ids.repeat(copies, 1), mask.repeat(copies, 1)
     limits = None if copies == 1 else (torch.arange(4 * copies) + 1).clamp(max=12)
-    out = generation_routes(model, ids, mask, 12, eos=20, limits=limits, early_exit=early_exit)
+    kw = {} if static is None else dict(kv_layout="dense", compile_decode=static == "compiled")
+    out = generation_routes(model, ids, mask, 12, eos=20, limits=limits, early_exit=early_exit,
+                            **kw)
+    assert out.stats["compile_decode"] == (static == "compiled")
     routes = out.routes
     assert routes.shape == (4 * copies, out.input_ids.shape[1], cfg.num_layers, 2)
     trace = RouteTrace()

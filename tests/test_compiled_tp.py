@@ -1,9 +1,13 @@
-"""The compiled training layers under tensor parallelism (engine/compiled_train.py: the
-regions between the TP collectives) against the eager single-process model, on 2 gloo ranks
-at tp=2: a dense model with every optional weight (q/k/v and o_proj biases, q/k norms), LoRA
-adapters on every linear, and a mixture of experts with its router loss; forward log-probs,
-the loss, the gradient norm and every trained tensor's gradient of one step, each rank's
-shard of the reference's."""
+"""The compiled layers under tensor parallelism (engine/compiled_train.py and
+engine/compiled_decode.py: the regions between the TP collectives) against the eager
+single-process model, on 2 gloo ranks at tp=2 and tp_g=2.
+
+Training: a dense model with every optional weight (q/k/v and o_proj biases, q/k norms),
+LoRA adapters on every linear, and a mixture of experts with its router loss; forward
+log-probs, the loss, the gradient norm and every trained tensor's gradient of one step, each
+rank's shard of the reference's.  Generation: the dense model and the mixture, greedy, the
+static decode steps of the dense KV cache through the compiled regions: the single process's
+tokens (no near-tie) and log-probs."""
 
 from __future__ import annotations
 
@@ -11,13 +15,17 @@ from dataclasses import replace
 
 import torch
 
+from engine.generation import GenerationEngine
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.lora import LoraConfig, init_lora_state_dict
 from engine.model import ParallelLlama, load_adapter_state_dict, load_full_state_dict
+from engine.sampling import SamplingParams
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
+from hybridflow_comm.reshard import Resharder
 from hybridflow_comm.shard_spec import train_shard
+from tests.near_ties import assert_clear_picks
 
 DENSE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=4, num_kv_heads=2, tie_word_embeddings=False, qkv_bias=True,
@@ -27,6 +35,7 @@ MOE = replace(DENSE, qkv_bias=False, o_proj_bias=False, num_experts=4, num_exper
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
 KINDS = {"dense": (DENSE, None), "lora": (DENSE, LORA), "moe": (MOE, None)}
 ATOL = 2e-5
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 
 
 def micro_batches() -> list[dict]:
@@ -59,10 +68,10 @@ def weights(kind: str) -> tuple[dict, dict]:
     return full, adapters
 
 
-def build(kind: str, tp: int, compiled: bool) -> ParallelLlama | None:
+def build(kind: str, tp: int, compiled: bool, pp: int = 1) -> ParallelLlama | None:
     config, lora = KINDS[kind]
-    layout = HybridLayout(ParallelLayout(1, tp, 1), 1, tp)
-    groups = build_hybrid_groups(layout, pool=list(range(tp)))
+    layout = HybridLayout(ParallelLayout(pp, tp, 1), pp, tp)
+    groups = build_hybrid_groups(layout, pool=list(range(pp * tp)))
     if groups is None:
         return None
     model = ParallelLlama(config, groups, lora=lora, compile_layers=compiled)
@@ -77,7 +86,8 @@ def run(model: ParallelLlama) -> dict:
     """Log-probs, one step's metrics and the trained tensors' gradients by spec name."""
     eng = TrainEngine(model, OptimConfig(lr=1e-3, max_grad_norm=None))
     mbs = micro_batches()
-    out = {"log_probs": [o["log_probs"] for o in eng.forward(mbs, temperature=1.0)]}
+    outputs = eng.forward(mbs, temperature=1.0)
+    out = {"log_probs": [o["log_probs"] for o in outputs] if model.is_last else []}
     out["metrics"] = eng.train_step(mbs, loss, temperature=1.0)
     out["grads"] = {n: p.grad.clone() for n, p in model.trainable_params().items()}
     return out
@@ -88,13 +98,14 @@ def references() -> dict:
 
 
 def check_kinds(rank: int, world_size: int, refs: dict) -> int:
-    """On every rank: each kind at tp=2, compiled, against the single-process reference."""
+    """On every rank: each kind at tp=2, and the dense model on two pipeline stages,
+    compiled, against the single-process reference."""
     from engine import compiled_train, inductor
 
     inductor.set_enabled(True)
     checks = 0
-    for kind in KINDS:
-        model = build(kind, 2, compiled=True)
+    for kind, (pp, tp) in [(kind, (1, 2)) for kind in KINDS] + [("dense", (2, 1))]:
+        model = build(kind, tp, compiled=True, pp=pp)
         if model is None:
             continue
         assert model.compile_layers
@@ -106,20 +117,71 @@ def check_kinds(rank: int, world_size: int, refs: dict) -> int:
             assert abs(got["metrics"][key] - ref["metrics"][key]) < ATOL, \
                 (kind, key, got["metrics"], ref["metrics"])
         specs = {s.name: s for s in model.specs + model.adapter_specs}
-        assert got["grads"].keys() == ref["grads"].keys(), kind
+        local = {s.name for s in model.local_specs + model.local_adapter_specs}
+        assert got["grads"].keys() == local & ref["grads"].keys(), kind
         for name, grad in got["grads"].items():
             want = train_shard(ref["grads"][name], specs[name], model.layout, model.groups.rank)
             torch.testing.assert_close(grad, want, atol=ATOL, rtol=0,
                                        msg=lambda m: f"{kind} grad {name}: {m}")
             checks += 1
     counts = inductor.compile_counts()
-    for fn in (compiled_train.attention_part, compiled_train.mlp_part):
+    for fn in (compiled_train.train_layer, compiled_train.attention_part,
+               compiled_train.mlp_part):
         assert counts.get(fn.__qualname__, {}).get("graphs", 0) >= 1, (fn, counts)
     assert not any(c._broken or c.eager_calls for c in compiled_train.COMPILED), counts
     return checks
 
 
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, DENSE.vocab_size, (5, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[4, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def generate(model: ParallelLlama, **engine_kw):
+    """Greedy responses of :func:`prompts` from ``model``'s weights resharded to generation
+    (tp_g = tp)."""
+    resharder = Resharder(model.specs, model.groups, buffer=model.buffer)
+    resharder.to_generation()
+    engine = GenerationEngine(model.config, model.groups, **engine_kw)
+    engine.load_weights(resharder)
+    out = engine.generate(*prompts(), GREEDY)
+    engine.release()
+    resharder.to_training()
+    return out
+
+
+def check_generation(rank: int, world_size: int, refs: dict) -> int:
+    """On every rank: greedy generation at tp_g=2 through the compiled static decode steps
+    gives the single process's tokens and log-probs."""
+    from engine import compiled_decode, inductor
+
+    inductor.set_enabled(True)
+    for kind in ("dense", "moe"):
+        model = build(kind, 2, compiled=False)
+        if model is None:
+            return 0
+        out = generate(model, kv_layout="dense", compile_decode=True)
+        assert out.stats["compile_decode"], out.stats
+        assert torch.equal(out.input_ids, refs[kind].input_ids), kind
+        torch.testing.assert_close(out.log_probs, refs[kind].log_probs, atol=ATOL, rtol=0)
+    counts = inductor.compile_counts()
+    assert counts.get("decode_attention_part", {}).get("graphs", 0) >= 1, counts
+    assert counts.get("decode_mlp_part", {}).get("graphs", 0) >= 1, counts
+    assert not any(c._broken or c.eager_calls for c in compiled_decode.COMPILED), counts
+    return 2
+
+
 def test_compiled_layers_under_tp_match_single_process(pool2):
     refs = references()
     checks = pool2.run(check_kinds, refs)
-    assert min(checks) >= 30, checks
+    assert min(checks) >= 40, checks
+    gen_refs = {}
+    for kind in ("dense", "moe"):
+        model = build(kind, 1, compiled=False)
+        gen_refs[kind] = generate(model)
+        assert_clear_picks(model, gen_refs[kind], GREEDY)
+    assert pool2.run(check_generation, gen_refs) == [2, 2]
