@@ -52,7 +52,7 @@ def bench_device(args: argparse.Namespace) -> BenchDevice:
     from hybridflow_comm.devices import resolve_device, resolve_precision
 
     device = resolve_device(args.device)
-    return BenchDevice(device, resolve_precision(args.precision or "auto", device))
+    return BenchDevice(device, resolve_precision(args.precision or "auto", device).name)
 
 
 def sync(device: torch.device | str | None) -> None:

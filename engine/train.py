@@ -12,8 +12,10 @@ After the last backward of a step every bucket is all-reduced over the DP group 
 collective per bucket, never one per tensor), then divided by ``dp``.  Under expert
 parallelism the experts' gradients live in a second buffer, reduced over the expert-DP group.
 
-Mixed precision.  When the model's parameters are 16-bit (bf16), the optimizer trains
-float32 master weights and the parameters are their low-precision copies::
+Mixed precision.  The engine takes the run's resolved :class:`~hybridflow_comm.devices.
+Precision` (it never infers it from the tensors; parameters of another dtype are a
+ValueError).  Under ``bf16`` (``master_weights``) the optimizer trains float32 master weights
+and the parameters are their low-precision copies::
 
     model.params  (bf16 views of the FlatParamBuffer: forward, backward, the resharder)
     | embed_tokens | layers.0.input_norm | ... | lm_head |      p.grad: None between hooks
@@ -29,7 +31,7 @@ float32 master weights and the parameters are their low-precision copies::
           v
     model.params
 
-In float32 there are no masters: the parameters themselves are trained, exactly as above.
+In ``fp32`` there are no masters: the parameters themselves are trained, exactly as above.
 
 Between steps (while the actor generates) the masters and the Adam state can leave the device
 for host memory and the gradient buffer be freed (:meth:`TrainEngine.offload_train_state`,
@@ -56,6 +58,7 @@ from engine.micro_batches import PackedRows, pack_rows
 from engine.model import ParallelLlama, check_temperature
 from engine.optim_config import OptimConfig
 from engine.pipeline import PipelineExecutor, make_schedule
+from hybridflow_comm.devices import Precision
 
 LossFn = Callable[[dict, dict], torch.Tensor]
 
@@ -70,6 +73,19 @@ def _flat_offsets(params: dict[str, torch.Tensor]
         offsets[name] = sizes.get(p.dtype, 0)
         sizes[p.dtype] = offsets[name] + p.numel()
     return offsets, sizes
+
+
+def check_precision(params: dict[str, torch.Tensor], precision: Precision) -> None:
+    """ValueError naming the precision and the parameters whose dtype is not its
+    ``param_dtype`` (a model built in another precision than the engine was given)."""
+    wrong = {n: p.dtype for n, p in params.items() if p.dtype != precision.param_dtype}
+    if wrong:
+        shown = ", ".join(f"{n}: {d}" for n, d in list(wrong.items())[:3])
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise ValueError(f"precision={precision.name} trains {precision.param_dtype} "
+                         f"parameters, but {len(wrong)} of the model's are not ({shown}{more});"
+                         f" build the model in the run's precision (LlamaConfig.dtype="
+                         f"{precision.param_dtype})")
 
 
 def params_device(params: dict[str, torch.Tensor]) -> torch.device:
@@ -226,6 +242,10 @@ class TrainEngine:
     Args:
         model: the rank's model (its parameters are the flat-buffer views).
         optim: optimiser, clipping, bucketing and schedule settings.
+        precision: the run's resolved precision (:func:`hybridflow_comm.devices.
+            resolve_precision`): every parameter must be its ``param_dtype``, and
+            ``master_weights`` decides the float32 masters.  None: the precision of the
+            model's own ``config.dtype`` (a model built by hand in that dtype).
         frozen: forward only (a reference or reward model): no gradient buffer, no master
             weights, no optimizer state; :meth:`train_step` refuses.
 
@@ -235,7 +255,8 @@ class TrainEngine:
     first point-to-point message).
 
     Attributes:
-        masters: float32 master weights when the parameters are 16-bit (bf16), else None.
+        precision: the precision the engine trains in.
+        masters: float32 master weights under ``precision.master_weights`` (bf16), else None.
         train_params: what the optimizer steps, by name: the masters' parameters, or the
             model's own in float32; their ``.grad`` are the :class:`GradBuffer` views.
         offloaded: the training state parked in host memory, or None while it is on the
@@ -243,7 +264,10 @@ class TrainEngine:
     """
 
     def __init__(self, model: ParallelLlama, optim: OptimConfig | None = None, *,
-                 frozen: bool = False) -> None:
+                 precision: Precision | None = None, frozen: bool = False) -> None:
+        self.precision = precision if precision is not None \
+            else Precision.of_dtype(model.config.dtype)
+        check_precision({**model.params, **model.adapter_params}, self.precision)
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.groups = model.groups
@@ -260,8 +284,7 @@ class TrainEngine:
             return
         # what is trained: every parameter, or the LoRA adapters of a frozen base
         trained = model.trainable_params()
-        low = any(p.dtype.itemsize < 4 for p in trained.values())  # bf16/fp16 params
-        self.masters = MasterWeights(trained) if low else None
+        self.masters = MasterWeights(trained) if self.precision.master_weights else None
         self.train_params = trained if self.masters is None else self.masters.params
         # under expert parallelism the experts' gradients reduce over another group
         experts = [s.name for s in model.trainable_specs() if s.expert is not None] \

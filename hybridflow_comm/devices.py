@@ -4,7 +4,8 @@ One rank drives one device.  The choices are made once per process, before any p
 exists, so a bad request is a one-line ``ValueError`` and never a hang::
 
     device     auto -> cuda:<LOCAL_RANK> when CUDA is available, else cpu
-    precision  auto -> bf16 on cuda, fp32 on cpu
+    precision  auto -> bf16 on cuda, fp32 on cpu, into one :class:`Precision` value:
+               fp32 = fp32 parameters and compute, no master weights
                bf16 = bf16 parameters and compute; trained models keep fp32 master weights,
                fp32 gradients and fp32 optimizer state (engine.train)
 
@@ -21,13 +22,71 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved precision (no ``auto``): the one value the builders, the SFT entry and the
+    engines take, so that none of them decides it again from a name or a tensor.
+
+    Example::
+
+        precision = resolve_precision("auto", torch.device("cpu"))   # FP32
+        LlamaConfig(..., dtype=precision.param_dtype)
+        TrainEngine(model, optim, precision=precision)   # masters iff precision.master_weights
+    """
+
+    name: str
+    """``fp32`` or ``bf16``: the config's value once resolved (what the saved config says);
+    ``fp64`` for the tests' float64 reference models."""
+    param_dtype: torch.dtype
+    """Dtype of every parameter and of the compute (activations, KV cache)."""
+    master_weights: bool
+    """A trained model keeps float32 master weights, gradients and optimizer state beside its
+    16-bit parameters (:class:`engine.train.MasterWeights`)."""
+
+    @staticmethod
+    def named(name: str) -> Precision:
+        """The value of a resolved precision name (a resolved config's ``precision``).
+
+        Raises:
+            ValueError for ``auto`` (only :func:`resolve_precision` reads it, on the rank's
+            device) or an unknown name.
+        """
+        if name == "auto":
+            raise ValueError("precision='auto' is not resolved: it depends on the device "
+                             "(resolve it once per rank with rlhf.config.resolve_devices or "
+                             "hybridflow_comm.devices.resolve_precision)")
+        try:
+            return RESOLVED[name]
+        except KeyError:
+            raise ValueError(f"precision={name!r} must be one of {tuple(RESOLVED)}") from None
+
+    @staticmethod
+    def of_dtype(dtype: torch.dtype) -> Precision:
+        """The precision whose parameters are ``dtype`` (a model built by hand in its
+        config's dtype); ValueError for a dtype no precision trains."""
+        known = (*RESOLVED.values(), FP64)
+        for p in known:
+            if p.param_dtype == dtype:
+                return p
+        names = ", ".join(f"{p.name}: {p.param_dtype}" for p in known)
+        raise ValueError(f"no precision has {dtype} parameters ({names})")
+
+
+FP32 = Precision("fp32", torch.float32, master_weights=False)
+BF16 = Precision("bf16", torch.bfloat16, master_weights=True)
+RESOLVED = {p.name: p for p in (FP32, BF16)}
+"""Every resolved precision by name (the config's values other than ``auto``)."""
+FP64 = Precision("fp64", torch.float64, master_weights=False)
+"""Float64 reference models (tests compare against them); not a config value."""
 
 
 def local_rank(env: Mapping[str, str] | None = None) -> int:
@@ -70,9 +129,13 @@ def resolve_device(name: str = "auto", rank_on_node: int | None = None) -> torch
     return torch.device("cuda", index)
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``fp32`` or ``bf16`` for ``device`` (``auto``: bf16 on CUDA, fp32 on CPU).
+def resolve_precision(precision: str, device: torch.device) -> Precision:
+    """The precision a rank on ``device`` computes in: the one place ``auto`` is read (bf16 on
+    CUDA, fp32 on CPU).
 
+    Args:
+        precision: ``auto``, ``fp32`` or ``bf16`` (the config's ``precision``).
+        device: the rank's device (:func:`resolve_device`).
     Raises:
         ValueError when the device cannot compute in the requested precision.
     """
@@ -86,16 +149,12 @@ def resolve_precision(precision: str, device: torch.device) -> str:
                          f"native bf16 (compute capability "
                          f"{torch.cuda.get_device_capability(device)} < (8, 0)); use "
                          f"precision=fp32")
-    return precision
+    return Precision.named(precision)
 
 
 def precision_dtype(precision: str) -> torch.dtype:
-    """Parameter and compute dtype of a resolved precision."""
-    try:
-        return PRECISION_DTYPES[precision]
-    except KeyError:
-        raise ValueError(f"precision={precision!r} must be one of "
-                         f"{tuple(PRECISION_DTYPES)}") from None
+    """Parameter and compute dtype of a resolved precision name (:meth:`Precision.named`)."""
+    return Precision.named(precision).param_dtype
 
 
 def backend_for(device: torch.device) -> str:

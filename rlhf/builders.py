@@ -23,11 +23,9 @@ import importlib
 import inspect
 import os
 
-import torch
-
 from engine.hf_interop import INDEX_FILE, SINGLE_FILE, read_hf_head
 from engine.sampling import SamplingParams, derive_seed
-from hybridflow_comm.devices import resolve_precision
+from hybridflow_comm.devices import Precision
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.algos import KLLossTerm
 from rlhf.checkpoint import resolve_resume
@@ -140,7 +138,7 @@ def _check_model(cfg: Config, role: str) -> None:
                          f"{llama.hidden_size}, num_layers={llama.num_layers}, vocab_size="
                          f"{llama.vocab_size}), more than {MAX_MODEL_PARAMS:.2e}; use smaller "
                          f"model sizes")
-    init = model_spec(cfg, role, "lm").init_from
+    init = _init_from(cfg, role)
     if init is None:
         return
     if not any(os.path.isfile(os.path.join(init, f)) for f in (SINGLE_FILE, INDEX_FILE)):
@@ -198,23 +196,30 @@ def _check_dataset(cfg: Config, key: str, tokenizer) -> None:
                          f"{shortest}); raise it")
 
 
-def run_precision(cfg: Config) -> str:
-    """The run's parameter precision, ``fp32`` or ``bf16`` (a config that
-    :func:`rlhf.config.resolve_devices` has not resolved reads ``auto`` as fp32)."""
-    return resolve_precision(cfg.precision, torch.device("cpu"))
+def run_precision(cfg: Config) -> Precision:
+    """The value of the run's precision, which :func:`rlhf.config.resolve_devices` resolved
+    on this rank's device (ValueError naming the fix for a config still saying ``auto``).
+    Every model of the run is built in it and every trained role's engine takes it."""
+    return Precision.named(cfg.precision)
+
+
+def _init_from(cfg: Config, role: str) -> str | None:
+    """The HF folder the role's model starts from (None: a fresh init)."""
+    own = cfg.role(role).model
+    if own is None and role in ("reward_model", "cost_model"):
+        return None  # a reward model never starts from the policy checkpoint by accident
+    return (own or cfg.actor.model).init_from
 
 
 def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0,
                adapters: bool = True) -> ModelSpec:
-    """The role's model; ``adapters``: with the role's LoRA section (``<role>.lora``; False for
-    the reference, which is the actor's model without adapters)."""
+    """The role's model, its parameters in the run's precision (:func:`run_precision`);
+    ``adapters``: with the role's LoRA section (``<role>.lora``; False for the reference, which
+    is the actor's model without adapters)."""
     section = cfg.role(role)
-    own = section.model
-    init = (own or cfg.actor.model).init_from
-    if own is None and role in ("reward_model", "cost_model"):
-        init = None  # a reward model never starts from the policy checkpoint by accident
+    init = _init_from(cfg, role)
     lora = getattr(section, "lora", None) if adapters else None
-    config = cfg.model_of(role).llama(run_precision(cfg))
+    config = cfg.model_of(role).llama(run_precision(cfg).name)
     coef = getattr(section, "router_aux_loss_coef", None)
     if coef is not None and config.num_experts:
         config = dataclasses.replace(config, router_aux_loss_coef=float(coef))
@@ -240,8 +245,9 @@ def update_spec(cfg: Config, plan: WorldPlan, role: str) -> UpdateSpec:
 
 def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
     a = cfg.algo
-    return ActorSpec(model=model_spec(cfg, "actor", "lm"), optim=cfg.actor.optim,
-                     loss=cfg.actor.loss, update=update_spec(cfg, plan, "actor"), algo=a.name,
+    return ActorSpec(model=model_spec(cfg, "actor", "lm"), precision=run_precision(cfg),
+                     optim=cfg.actor.optim, loss=cfg.actor.loss,
+                     update=update_spec(cfg, plan, "actor"), algo=a.name,
                      kl_loss=KLLossTerm.of(a), temperature=cfg.data.temperature,
                      offload_during_generation=cfg.actor.offload_during_generation,
                      rollout=cfg.rollout, router_replay=cfg.actor.router_replay)
@@ -257,8 +263,9 @@ def reference_spec(cfg: Config) -> ReferenceSpec:
 def critic_spec(cfg: Config, plan: WorldPlan, role: str, seed_offset: int) -> CriticSpec:
     keys = ("cost_values", "cost_returns") if role == "cost_critic" else ("values", "returns")
     section = cfg.role(role)
-    return CriticSpec(model=model_spec(cfg, role, "value", seed_offset), optim=section.optim,
-                      loss=section.loss, update=update_spec(cfg, plan, role), algo=cfg.algo.name,
+    return CriticSpec(model=model_spec(cfg, role, "value", seed_offset),
+                      precision=run_precision(cfg), optim=section.optim, loss=section.loss,
+                      update=update_spec(cfg, plan, role), algo=cfg.algo.name,
                       value_key=keys[0], return_key=keys[1])
 
 
@@ -336,6 +343,14 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
     return roles
 
 
+def rollout_spec(cfg: Config, sync: SyncSpec) -> RolloutSpec:
+    """The rollout pool's workers: the actor's architecture in the run's precision."""
+    return RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg).name), sync=sync,
+                       rollout=cfg.rollout, init_from=cfg.actor.model.init_from, seed=cfg.seed,
+                       lora=cfg.actor.lora.engine_config(),
+                       record_routes=cfg.actor.router_replay)
+
+
 def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGroup
                  ) -> RolloutPool:
     """The rollout pool of a disaggregated run, connected to the actor for the weight push
@@ -345,12 +360,7 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
                     gen_ranks=g.pool, experts=None if a.ep == 1 else (
                         cfg.actor.model.llama().num_experts, a.ep, a.gen_pp, a.gen_tp))
     group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
-                      args=(RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)),
-                                        sync=sync, rollout=cfg.rollout,
-                                        init_from=cfg.actor.model.init_from, seed=cfg.seed,
-                                        lora=cfg.actor.lora.engine_config(),
-                                        record_routes=cfg.actor.router_replay),),
-                      values_in_replies=True)
+                      args=(rollout_spec(cfg, sync),), values_in_replies=True)
     for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective
         call.wait()
     return RolloutPool(group, actor, cfg.algo.max_staleness,

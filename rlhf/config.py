@@ -210,8 +210,9 @@ class Config:
 
 
 def resolve_devices(cfg: Config) -> tuple[Config, torch.device]:
-    """This rank's device and the config with ``device`` and ``precision`` resolved (no
-    ``auto`` left: the builders read the precision, the saved config says what ran).
+    """This rank's device and the config with ``device`` and ``precision`` resolved: the one
+    place a run reads ``auto`` (no ``auto`` left: the builders take the precision's value,
+    :func:`rlhf.builders.run_precision`, and the saved config says what ran).
 
     Raises:
         ValueError in one line when the machine cannot do what the config asks.
@@ -220,7 +221,7 @@ def resolve_devices(cfg: Config) -> tuple[Config, torch.device]:
 
     device = resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
-    return dataclasses.replace(cfg, device=device.type, precision=precision), device
+    return dataclasses.replace(cfg, device=device.type, precision=precision.name), device
 
 
 def _check_async(cfg: Config) -> None:

@@ -36,7 +36,6 @@ assistant turn) and its eos only; prompt tokens are masked.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import hashlib
 import json
@@ -52,9 +51,10 @@ import torch.distributed as dist
 
 from engine.hf_interop import read_hf_config, read_hf_head
 from engine.llama_spec import LlamaConfig
-from hybridflow_comm.devices import (init_process_group, precision_dtype, resolve_device,
-                                     resolve_precision)
+from hybridflow_comm.devices import Precision, init_process_group
 from hybridflow_comm.groups import Group
+from rlhf.builders import run_precision
+from rlhf.config import load_config, resolve_devices
 from rlhf.sft_builtin import main_builtin
 from rlhf.sft_loop import META, train_steps
 from rlhf.task import HFTokenizer, load_tokenizer
@@ -273,6 +273,9 @@ class UserSFT:
     data: str
     out: str
     config: LlamaConfig
+    """The checkpoint's architecture, its parameters in ``precision``."""
+    precision: Precision
+    """The run's resolved precision (:func:`run_device`)."""
     tok: HFTokenizer
     demos: tuple[Demo, ...]
     dropped: int
@@ -285,8 +288,9 @@ class UserSFT:
     max_len: int
 
 
-def prepare_user(a: argparse.Namespace, world: int) -> UserSFT:
-    """Check the arguments, the checkpoint folder and every row (ValueError naming the fix)."""
+def prepare_user(a: argparse.Namespace, world: int, precision: Precision) -> UserSFT:
+    """Check the arguments, the checkpoint folder and every row (ValueError naming the fix);
+    the model in ``precision`` (the run's, resolved: :func:`run_device`)."""
     for flag, v in (("--steps", a.steps), ("--batch", a.batch)):
         if v < 1:
             raise ValueError(f"{flag}={v} must be >= 1")
@@ -299,7 +303,8 @@ def prepare_user(a: argparse.Namespace, world: int) -> UserSFT:
     if not os.path.isfile(config_path):
         raise ValueError(f"--model {a.model!r} is not a transformers checkpoint folder: it has "
                          f"no config.json")
-    config, head = read_hf_config(a.model), read_hf_head(a.model)
+    config = read_hf_config(a.model, dtype=precision.param_dtype)
+    head = read_hf_head(a.model)
     if head != "lm":
         raise ValueError(f"--model {a.model!r} has a value head; SFT needs a *ForCausalLM "
                          f"checkpoint")
@@ -324,7 +329,8 @@ def prepare_user(a: argparse.Namespace, world: int) -> UserSFT:
     with open(config_path) as f:
         hf = json.load(f)
     token_ids = {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
-    return UserSFT(model_dir=a.model, data=a.data, out=a.out, config=config, tok=tok,
+    return UserSFT(model_dir=a.model, data=a.data, out=a.out, config=config,
+                   precision=precision, tok=tok,
                    demos=tuple(demos), dropped=dropped, token_ids=token_ids, steps=a.steps,
                    batch=a.batch, lr=a.lr, max_len=max_len)
 
@@ -345,7 +351,8 @@ def train_user(job: UserSFT, device: torch.device = torch.device("cpu")) -> dict
     spec = ModelSpec(config=job.config, head="lm", init_from=job.model_dir, seed=0,
                      fresh_head=False, lora=None, lora_init_from=None)
     result = train_steps(spec, world=world, steps=job.steps, lr=job.lr, batch_at=batch_at,
-                         loss_fn=weighted_nll, out=job.out, device=device)
+                         loss_fn=weighted_nll, out=job.out, device=device,
+                         precision=job.precision)
     if not dist.is_initialized() or dist.get_rank() == 0:
         _write_extras(job, result, world)
     if world > 1:
@@ -380,11 +387,12 @@ USER_OVERRIDES = ("device", "precision")
 """The run-config keys a ``--model`` run takes (as ``rlhf.train``: auto|cpu|cuda, auto|fp32|bf16)."""
 
 
-def device_overrides(overrides: list[str]) -> tuple[torch.device, str]:
-    """This rank's device and the resolved precision from ``device=`` / ``precision=``."""
-    given = dict(o.partition("=")[::2] for o in overrides)
-    device = resolve_device(given.get("device", "auto"))
-    return device, resolve_precision(given.get("precision", "auto"), device)
+def run_device(overrides: list[str]) -> tuple[torch.device, Precision]:
+    """This rank's device and precision from the ``device=`` / ``precision=`` overrides, read
+    and resolved by the run config as ``rlhf.train`` does (:func:`rlhf.config.resolve_devices`;
+    ValueError naming a bad value)."""
+    cfg, device = resolve_devices(load_config(overrides))
+    return device, run_precision(cfg)
 
 
 def main_user(a: argparse.Namespace) -> int:
@@ -392,10 +400,8 @@ def main_user(a: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     main_rank = os.environ.get("RANK", "0") == "0"
     try:
-        device, precision = device_overrides(a.overrides)
-        job = prepare_user(a, world)
-        job = dataclasses.replace(job, config=dataclasses.replace(
-            job.config, dtype=precision_dtype(precision)))
+        device, precision = run_device(a.overrides)
+        job = prepare_user(a, world, precision)
     except ValueError as e:
         if main_rank:
             print(f"[sft] error: {e}", file=sys.stderr, flush=True)

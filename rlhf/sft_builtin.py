@@ -17,8 +17,9 @@ import os
 
 import torch
 
+from hybridflow_comm.devices import Precision
 from hybridflow_comm.groups import Group
-from rlhf.builders import task_of
+from rlhf.builders import run_precision, task_of
 from rlhf.config import load_config, resolve_devices
 from rlhf.sft_loop import META, train_steps
 from rlhf.task import AdditionTask, CharTokenizer
@@ -47,15 +48,16 @@ def sft_loss(outputs: dict, mb: dict) -> torch.Tensor:
 
 def train_sft(spec: ModelSpec, task: AdditionTask, tok: CharTokenizer, *, out: str, steps: int,
               batch: int, lr: float, width: int, noise: float, carry_errors: float,
-              device: torch.device = torch.device("cpu")) -> dict:
-    """Train from ``spec`` on the task's demonstrations and save to ``out`` (with the
-    tokenizer); returns :func:`rlhf.sft_loop.train_steps`'s losses and time."""
+              device: torch.device, precision: Precision) -> dict:
+    """Train from ``spec`` (its config in ``precision``, the run's resolved one) on the task's
+    demonstrations and save to ``out`` (with the tokenizer); returns
+    :func:`rlhf.sft_loop.train_steps`'s losses and time."""
     def batch_at(step: int, _dp: Group) -> dict[str, torch.Tensor]:  # one rank: all rows
         records = task.noisy_sft_records(batch, step * batch, noise, carry_errors)
         return sft_batch(records, tok, width)
 
     result = train_steps(spec, world=1, steps=steps, lr=lr, batch_at=batch_at,
-                         loss_fn=sft_loss, out=out, device=device)
+                         loss_fn=sft_loss, out=out, device=device, precision=precision)
     tok.save(os.path.join(out, "tokenizer.json"))
     return result
 
@@ -76,7 +78,8 @@ def main_builtin(a: argparse.Namespace) -> int:
     torch.manual_seed(cfg.seed)
     task = task_of(cfg)
     start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
-    config = cfg.actor.model.llama(cfg.precision)
+    precision = run_precision(cfg)
+    config = cfg.actor.model.llama(precision.name)
     settings = {"model": config.to_dict(), "task": vars(task),  # the dtype included
                 "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
                 "noise": a.noise, "carry_errors": a.carry_errors,
@@ -93,7 +96,8 @@ def main_builtin(a: argparse.Namespace) -> int:
     spec = ModelSpec(config=config, head="lm", init_from=start, seed=cfg.seed,
                      fresh_head=False, lora=None, lora_init_from=None)
     result = train_sft(spec, task, tok, out=a.out, steps=a.steps, batch=a.batch, lr=a.lr,
-                       width=width, noise=a.noise, carry_errors=a.carry_errors, device=device)
+                       width=width, noise=a.noise, carry_errors=a.carry_errors, device=device,
+                       precision=precision)
     with open(os.path.join(a.out, META), "w") as f:
         json.dump({"settings": settings, **result}, f)
     print(f"[sft] saved {a.out} (loss {result['loss']:.4f}, {result['time_s']:.1f} s)")

@@ -13,6 +13,7 @@ import torch
 
 from engine.hf_interop import save_hf_checkpoint
 from engine.train import OptimConfig, TrainEngine
+from hybridflow_comm.devices import Precision
 from hybridflow_comm.groups import Group, build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.workers.common import build_model
@@ -34,7 +35,7 @@ def decayed_lr(lr: float, step: int, steps: int) -> float:
 
 def train_steps(spec: ModelSpec, *, world: int, steps: int, lr: float,
                 batch_at: Callable[[int, Group], dict[str, torch.Tensor]], loss_fn: Loss,
-                out: str, device: torch.device = torch.device("cpu")) -> dict:
+                out: str, device: torch.device, precision: Precision) -> dict:
     """Train ``spec``'s model for ``steps`` steps and save it to ``out``.
 
     Every rank of the world (one process, or every rank of an initialized process group) is a
@@ -42,19 +43,21 @@ def train_steps(spec: ModelSpec, *, world: int, steps: int, lr: float,
     writes.
 
     Args:
-        spec: the model and the weights it starts from.
+        spec: the model and the weights it starts from (its config in ``precision``).
         world: ranks taking part, all data parallel.
         steps, lr: steps and the peak learning rate (:func:`decayed_lr`).
         batch_at: ``(step, dp group) -> this rank's micro-batch`` of that step.
         loss_fn: the loss of a micro-batch (the model's mean NLL on its loss tokens).
         out: folder of the HF checkpoint.
         device: where the model lives; each micro-batch is moved there once.
+        precision: the run's resolved precision, which the training engine takes.
     Returns:
         ``first_loss`` (step 0, before any update), ``loss`` (last step), ``time_s``.
     """
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, world), 1, 1))
     model = build_model(spec, groups, device)
-    engine = TrainEngine(model, OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0))
+    engine = TrainEngine(model, OptimConfig(lr=lr, weight_decay=0.0, max_grad_norm=1.0),
+                         precision=precision)
     t0, first, loss = time.perf_counter(), float("nan"), float("nan")
     for step in range(steps):
         mb = {k: v.to(device) for k, v in batch_at(step, groups.train_dp).items()}

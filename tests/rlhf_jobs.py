@@ -19,7 +19,7 @@ import os
 import sys
 import traceback
 
-from rlhf.config import load_config
+from rlhf.config import load_config, resolve_devices
 from rlhf.controller import Controller, ControllerError, run
 from rlhf.planner.config_bridge import resolve_config
 from rlhf.builders import build_roles, check_run, tokenizer_of
@@ -43,7 +43,8 @@ def launch(spec: dict, folder, name: str = "spec", nproc: int = 2,
     return json.loads(out_path.read_text())
 
 
-QUIET = ["log.progress=false", "log.tensorboard=false", "log.plot=false"]
+QUIET = ["log.progress=false", "log.tensorboard=false", "log.plot=false",
+         "device=cpu"]  # the workers of run() compute on the host
 TINY = ["actor.model.hidden_size=32", "actor.model.intermediate_size=64",
         "actor.model.num_heads=4", "actor.model.num_kv_heads=2",
         "actor.model.num_layers=2"] + QUIET
@@ -61,7 +62,8 @@ def main(spec_path: str, out_path: str) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plans = {}
     for name, overrides in spec.items():  # every rank validates every run before any work
-        cfg = resolve_config(load_config(base_overrides(overrides) + overrides), world)
+        cfg, _ = resolve_devices(load_config(base_overrides(overrides) + overrides))
+        cfg = resolve_config(cfg, world)  # as rlhf.train_launch.checked_for_world
         plans[name] = (cfg, validate_for_world(cfg, world))
         check_run(cfg, tokenizer_of(cfg))  # as rlhf.train does before any process group
 
@@ -82,7 +84,7 @@ def main(spec_path: str, out_path: str) -> int:
 
 
 def reshard(ckpt: str, root: str, *overrides: str) -> int:
-    cfg = load_config(TINY + list(overrides))
+    cfg, _ = resolve_devices(load_config(TINY + list(overrides)))
     plan = validate_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
 
     def program(ctl: Controller) -> None:

@@ -159,13 +159,13 @@ def test_plain_values_tensors_and_numpy_roundtrip():
 def _runtime_objects() -> list:
     """Worker specs, configs and sampling parameters as the builders make them for a run."""
     from rlhf import builders
-    from rlhf.config import load_config
+    from rlhf.config import load_config, resolve_devices
     from rlhf.world_plan import validate_for_world
     from rlhf.task import CostRule
     from rlhf.workers import OverlongShaping, ScoreSpec
 
-    cfg = load_config(["algo=safe_rlhf", "actor.model.hidden_size=32",
-                       "actor.model.intermediate_size=64"])
+    cfg, _ = resolve_devices(load_config(["algo=safe_rlhf", "actor.model.hidden_size=32",
+                                          "actor.model.intermediate_size=64"]))
     plan = validate_for_world(cfg, 2)
     tok = builders.tokenizer_of(cfg)
     return [builders.actor_spec(cfg, plan), builders.critic_spec(cfg, plan, "critic", 1),

@@ -36,16 +36,16 @@ def test_requests_the_machine_cannot_meet(monkeypatch):
 
 def test_precision_defaults_and_refusals(monkeypatch):
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert devices.resolve_precision("auto", cpu) == "fp32"
-    assert devices.resolve_precision("bf16", cpu) == "bf16"
+    assert devices.resolve_precision("auto", cpu) is devices.FP32
+    assert devices.resolve_precision("bf16", cpu) is devices.BF16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: True)
-    assert devices.resolve_precision("auto", gpu) == "bf16"
+    assert devices.resolve_precision("auto", gpu) is devices.BF16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Tesla V100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (7, 0))
     with pytest.raises(ValueError, match="Tesla V100 has no native bf16"):
         devices.resolve_precision("auto", gpu)
-    assert devices.resolve_precision("fp32", gpu) == "fp32"
+    assert devices.resolve_precision("fp32", gpu) is devices.FP32
     with pytest.raises(ValueError, match="precision='fp16'"):
         devices.resolve_precision("fp16", cpu)
     assert devices.precision_dtype("bf16") is torch.bfloat16

@@ -311,6 +311,7 @@ BUDGET = 48  # tokens per micro-batch: 1 to 4 sequences each
 
 def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: int = B):
     from engine.train import OptimConfig
+    from hybridflow_comm.devices import Precision
     from rlhf.algos import KLLossTerm
     from rlhf.config import PolicyLossConfig, RolloutConfig, ValueLossConfig
     from rlhf.workers import (ActorSpec, ActorWorker, CriticSpec, CriticWorker, ModelSpec,
@@ -321,10 +322,10 @@ def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: 
     head = "lm" if role == "actor" else "value"
     model = ModelSpec(config=_config(dtype), head=head, init_from=None, seed=0, fresh_head=False,
                       lora=None, lora_init_from=None)
-    optim = OptimConfig(max_grad_norm=None)
+    optim, precision = OptimConfig(max_grad_norm=None), Precision.of_dtype(dtype)
     if role == "actor":
         cls, spec = ActorWorker, ActorSpec(
-            model=model, optim=optim,
+            model=model, precision=precision, optim=optim,
             loss=PolicyLossConfig(loss_agg_mode="token-mean", entropy_coeff=0.01),
             update=update, algo="grpo",
             kl_loss=KLLossTerm(coef=0.1, estimator="k3", log_ratio_clamp=20.0, k3_clamp=10.0),
@@ -332,7 +333,7 @@ def _worker(role: str, dtype, micro: int, max_tokens: int | None, groups, rows: 
             router_replay=False)
     else:
         cls, spec = CriticWorker, CriticSpec(
-            model=model, optim=optim,
+            model=model, precision=precision, optim=optim,
             loss=ValueLossConfig(value_clip=0.2, loss_agg_mode="seq-mean-token-mean"),
             update=update, algo="ppo", value_key="values", return_key="returns")
     w = cls.__new__(cls)
@@ -480,7 +481,7 @@ def test_budget_errors_come_before_the_collective(monkeypatch):
 # Config -------------------------------------------------------------------------------------
 def test_config_keys():
     from rlhf.builders import reference_spec, update_spec
-    from rlhf.config import load_config
+    from rlhf.config import load_config, resolve_devices
     from rlhf.world_plan import validate_for_world
 
     with pytest.raises(ValueError, match=r"actor.max_token_len_per_micro_batch=13 .* = 14"):
@@ -501,7 +502,7 @@ def test_config_keys():
     assert plan.roles["actor"].grad_accum == 0
     assert update_spec(cfg, plan, "actor").max_tokens == 64
     assert update_spec(load_config(args), plan, "actor").max_tokens is None
-    assert reference_spec(cfg).max_tokens == 64
+    assert reference_spec(resolve_devices(cfg)[0]).max_tokens == 64
 
 
 def test_padded_log_prob_pass_runs_micro_batches_of_micro_rows(monkeypatch):

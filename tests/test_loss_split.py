@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from hybridflow_comm.devices import FP32
 from rlhf import algos
 from rlhf.config import PolicyLossConfig
 from rlhf.workers.common import loss_denominator, micro_batch_denominator
@@ -229,14 +230,15 @@ def _worker(role: str, mode: str, rows: int, micro: int, groups):
         cls, spec = ActorWorker, ActorSpec(
             model=ModelSpec(config=config, head="lm", init_from=None, seed=0, fresh_head=False,
                             lora=None, lora_init_from=None),
-            optim=optim,
+            precision=FP32, optim=optim,
             loss=PolicyLossConfig(loss_agg_mode=mode, entropy_coeff=0.01, clip_ratio_c=3.0),
             update=update, algo="grpo", kl_loss=KL, temperature=1.0,
             offload_during_generation=False, rollout=RolloutConfig(), router_replay=False)
     else:
         cls, spec = CriticWorker, CriticSpec(
             model=ModelSpec(config=config, head="value", init_from=None, seed=0,
-                            fresh_head=False, lora=None, lora_init_from=None), optim=optim,
+                            fresh_head=False, lora=None, lora_init_from=None),
+            precision=FP32, optim=optim,
             loss=ValueLossConfig(value_clip=0.2, loss_agg_mode=mode), update=update,
             algo="ppo", value_key="values", return_key="returns")
     w = cls.__new__(cls)

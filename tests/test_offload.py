@@ -172,16 +172,18 @@ def test_state_comes_back_when_generation_raises():
 
 def test_config_key_reaches_the_actor_engine():
     from rlhf import builders
-    from rlhf.config import load_config
+    from rlhf.config import load_config, resolve_devices
     from rlhf.controller import Batch
     from rlhf.workers import ActorWorker
     from rlhf.world_plan import validate_for_world
 
     tiny = ["actor.model.hidden_size=32", "actor.model.intermediate_size=64",
             "actor.model.num_heads=4", "actor.model.num_kv_heads=2",
-            "actor.model.num_layers=2", "actor.layout.tp=1", "actor.layout.gen_tp=1"]
+            "actor.model.num_layers=2", "actor.layout.tp=1", "actor.layout.gen_tp=1",
+            "device=cpu"]
     for value in (False, True):
-        cfg = load_config([*tiny, f"actor.offload_during_generation={str(value).lower()}"])
+        cfg, _ = resolve_devices(load_config(
+            [*tiny, f"actor.offload_during_generation={str(value).lower()}"]))
         assert cfg.actor.offload_during_generation is value
         spec = builders.actor_spec(cfg, validate_for_world(cfg, 1))
         assert spec.offload_during_generation is value

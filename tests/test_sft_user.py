@@ -17,6 +17,7 @@ import pathlib
 import pytest
 import torch
 
+from hybridflow_comm.devices import FP32
 from rlhf import sft
 from rlhf.task import HFTokenizer
 from tests.example_data import build_example
@@ -202,7 +203,7 @@ def test_sft_run_lowers_the_response_loss_and_saves_an_hf_checkpoint(example, to
 
 
 def _dp_run(rank: int, world: int, args: dict) -> dict:
-    job = sft.prepare_user(argparse.Namespace(**args), world)
+    job = sft.prepare_user(argparse.Namespace(**args), world, FP32)
     return sft.train_user(job)
 
 
@@ -212,7 +213,7 @@ def test_data_parallel_matches_one_process(pool2, example, tmp_path):
     args = {"model": str(example / "llama"), "data": str(example / "sft.jsonl"), "steps": 3,
             "batch": 8, "lr": 3e-3, "max_len": None}
     one = sft.train_user(sft.prepare_user(argparse.Namespace(**args, out=str(tmp_path / "1")),
-                                          1))
+                                          1, FP32))
     two = pool2.run(_dp_run, dict(args, out=str(tmp_path / "2")))
     for key in ("first_loss", "loss"):
         assert two[0][key] == two[1][key] == pytest.approx(one[key], rel=1e-5)

@@ -77,9 +77,10 @@ def code_defaults(path: pathlib.Path) -> list[tuple[str, int, str]]:
 # ``seed`` is the run's seed in the config; the engine's seeds are per-call RNG seeds that the
 # runtime derives from it (SamplingParams.seed = derive_seed(seed, "rollout", step)), another
 # quantity.  ``device`` is the run's request (auto, cpu, cuda); the engines' ``device`` is the
-# torch.device a rank resolved from it (rlhf.config.resolve_devices).  ``rollout.engine`` names
-# the generation backend; a worker's ``engine`` is its TrainEngine object.
-NOT_THE_SAME_QUANTITY = {"seed", "device", "engine"}
+# torch.device a rank resolved from it (rlhf.config.resolve_devices); ``precision`` alike (auto,
+# fp32, bf16; the engines' is the resolved hybridflow_comm.devices.Precision).
+# ``rollout.engine`` names the generation backend; a worker's ``engine`` is its TrainEngine.
+NOT_THE_SAME_QUANTITY = {"seed", "device", "precision", "engine"}
 # Engine switches whose default is "off" (HF's and vLLM's too), so that direct engine users
 # need not name them; the runtime always passes the config's value (builders.sampling_of,
 # builders.actor_spec; a model's experts: the checkpoint's config.json or the config's

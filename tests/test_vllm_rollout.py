@@ -34,6 +34,7 @@ from engine.vllm_rollout import VLLMRollout, WeightBucket, plan_weight_buckets
 from engine.train import OptimConfig
 from engine.vllm_worker_ext import (DESCRIBE, LOAD_BUCKET, WORKER_EXTENSION,
                                     HybridflowWorkerExtension)
+from hybridflow_comm.devices import FP32
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from rlhf.builders import check_rollout_engine
@@ -598,7 +599,7 @@ def actor_worker(rollout: RolloutConfig) -> ActorWorker:
     spec = ActorSpec(
         model=ModelSpec(config=CFG, head="lm", init_from=None, seed=0, fresh_head=False,
                         lora=None, lora_init_from=None),
-        optim=OptimConfig(max_grad_norm=None), loss=PolicyLossConfig(),
+        precision=FP32, optim=OptimConfig(max_grad_norm=None), loss=PolicyLossConfig(),
         update=UpdateSpec(1, 4, 4, None), algo="grpo", kl_loss=None, temperature=1.0,
         offload_during_generation=False, rollout=rollout, router_replay=False)
     w = ActorWorker.__new__(ActorWorker)

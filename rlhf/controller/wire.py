@@ -96,6 +96,7 @@ PROJECT_CLASSES = frozenset({
     "engine.lora_config:LoraConfig",
     "engine.optim_config:OptimConfig",
     "engine.sampling:SamplingParams",
+    "hybridflow_comm.devices:Precision",
     "rlhf.algos.kl:KLLossTerm",
     "rlhf.config_roles:PolicyLossConfig",
     "rlhf.config_roles:ValueLossConfig",

@@ -43,7 +43,7 @@ class PolicyWorker(CheckpointedWorker):
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.model = build_model(spec.model, self.groups, self.device, self.experts)
-        self.train = TrainEngine(self.model, spec.optim)
+        self.train = TrainEngine(self.model, spec.optim, precision=spec.precision)
         # actor.loss.mode, else the algorithm's own registered policy loss
         self.pg_loss = get_policy_loss(spec.loss.mode or algorithm(spec.algo).policy_loss)
         self.checkpoint = ShardCheckpoint(self.model, self.train)

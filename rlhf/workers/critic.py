@@ -26,7 +26,7 @@ class CriticWorker(CheckpointedWorker):
     def __init__(self, spec: CriticSpec) -> None:
         self.spec = spec
         self.model = build_model(spec.model, self.groups, self.device, self.experts)
-        self.engine = TrainEngine(self.model, spec.optim)
+        self.engine = TrainEngine(self.model, spec.optim, precision=spec.precision)
         self.value_loss = algorithm(spec.algo).value_loss
         self.checkpoint = ShardCheckpoint(self.model, self.engine)
 

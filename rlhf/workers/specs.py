@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.llama_spec import LlamaConfig
-from engine.train import OptimConfig
-from rlhf.algos.kl import KLLossTerm
 from engine.lora import LoraConfig
+from engine.train import OptimConfig
+from hybridflow_comm.devices import Precision
+from rlhf.algos.kl import KLLossTerm
 from rlhf.config import PolicyLossConfig, RolloutConfig, ValueLossConfig
 from rlhf.task import CostRule
 
@@ -58,6 +59,9 @@ class ActorSpec:
     """The actor: model, optimizer, policy loss, update walk and the KL-loss term."""
 
     model: ModelSpec
+    precision: Precision
+    """The run's resolved precision (:func:`rlhf.builders.run_precision`): the model's
+    parameter dtype and whether the training engine keeps float32 master weights."""
     optim: OptimConfig
     loss: PolicyLossConfig
     update: UpdateSpec
@@ -97,6 +101,8 @@ class CriticSpec:
     """A value model (critic or Safe-RLHF cost critic)."""
 
     model: ModelSpec
+    precision: Precision
+    """As the actor's: the run's resolved precision, which its training engine takes."""
     optim: OptimConfig
     loss: ValueLossConfig
     update: UpdateSpec
