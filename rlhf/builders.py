@@ -34,7 +34,7 @@ from rlhf.controller import Controller, WorkerGroup
 from rlhf.planner.models import ModelShape
 from rlhf.programs import Roles, algorithm
 from rlhf.programs.async_rl import RolloutPool
-from rlhf.programs.common import VALUE_ROLES
+from rlhf.programs.registry import VALUE_ROLES
 from rlhf.task import (AdditionTask, CharTokenizer, CostRule, is_tokenizer_dir, load_tokenizer,
                        read_dataset)
 from rlhf.task.reward_fn import load_function

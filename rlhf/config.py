@@ -194,7 +194,7 @@ class Config:
         return tuple(r for r in roles if r != "reference" or not self.actor.lora.rank)
 
     def role(self, name: str) -> ActorConfig | CriticConfig | FrozenModelConfig:
-        from rlhf.programs.common import ROLES
+        from rlhf.programs.registry import ROLES
 
         if name not in ROLES:
             raise ValueError(f"role={name!r} is not one of {ROLES}")
@@ -262,7 +262,7 @@ def load_config(args: list[str] | None = None) -> Config:
         name = algo or "ppo"
         if name not in recipe_names():
             from rlhf.programs import algorithm, algorithm_names
-            from rlhf.programs.common import load_algorithm_module
+            from rlhf.programs.registry import load_algorithm_module
 
             # a user's algorithm (algo.module) names the shipped recipe it starts from
             module = next((a.partition("=")[2] for a in args or []

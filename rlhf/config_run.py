@@ -183,7 +183,7 @@ class AlgoConfig:
     def __post_init__(self) -> None:
         from rlhf.algos import KL_ESTIMATORS
         from rlhf.programs import algorithm_names
-        from rlhf.programs.common import load_algorithm_module
+        from rlhf.programs.registry import load_algorithm_module
 
         if self.module is not None:  # a user's file registers algorithms before the lookup
             load_algorithm_module(self.module)

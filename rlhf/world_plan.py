@@ -22,7 +22,7 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.sizes import divisors
 from rlhf.config import Config
 from rlhf.programs import algorithm
-from rlhf.programs.common import TRAINED_ROLES
+from rlhf.programs.registry import TRAINED_ROLES
 
 
 @dataclass(frozen=True)

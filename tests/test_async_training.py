@@ -45,7 +45,7 @@ from rlhf.metrics import PhaseTimer, read_metrics
 from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.programs import algorithm_names
 from rlhf.programs.async_rl import RolloutPool
-from rlhf.programs.common import advantages
+from rlhf.programs.steps import advantages
 from rlhf.workers.actor import ActorWorker, PolicyWorker
 from rlhf.workers.rollout import PushingActorWorker
 from rlhf.world_plan import validate_for_world

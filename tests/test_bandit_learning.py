@@ -35,7 +35,7 @@ from rlhf.config import load_config
 from rlhf.controller import Batch
 from rlhf.metrics import PhaseTimer
 from rlhf.programs import ALGORITHMS, Iteration, algorithm
-from rlhf.programs.common import advantages, shape_rewards
+from rlhf.programs.steps import advantages, shape_rewards
 
 N_PROMPTS, T, V, EOS = 4, 3, 5, 0
 FAVOURED = torch.tensor([1, 2, 3, 1])   # reward 1 iff the first token is this one

@@ -424,7 +424,8 @@ def test_the_tools_of_docs_tools_md_load_and_run(tmp_path):
 
 
 def test_a_colocated_actor_holds_its_generation_layout_for_all_turns(tok):
-    from rlhf.programs.common import ActorRollouts, Iteration
+    from rlhf.programs.iteration import Iteration
+    from rlhf.programs.rollout_sources import ActorRollouts
 
     class Done:
         def __init__(self, value):

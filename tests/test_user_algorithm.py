@@ -26,14 +26,14 @@ def readme_algorithm() -> str:
 def user_file(tmp_path):
     from rlhf.algos import POLICY_LOSSES
     from rlhf.programs import ALGORITHMS
-    from rlhf.programs import common
+    from rlhf.programs import registry
 
     path = tmp_path / "my_algo.py"
     path.write_text(readme_algorithm())
     yield str(path)
     ALGORITHMS.pop("my_grpo", None)
     POLICY_LOSSES.pop("truncated_pg", None)
-    common._USER_MODULES.pop(str(path.resolve()), None)
+    registry._USER_MODULES.pop(str(path.resolve()), None)
 
 
 def test_readme_algorithm_loads_and_its_loss_is_the_formula(user_file):

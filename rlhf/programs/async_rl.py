@@ -15,9 +15,9 @@ its calls one after the other in issue order, and the two pools run their queues
   earlier; its rows travel through the controller (a future passed on would make the rollout
   ranks send them only after the generations queued since).
 * The algorithm's own program trains on it: every program takes its rollouts through
-  :func:`~rlhf.programs.common.rollouts` (ReMax :func:`~rlhf.programs.common.greedy_rollouts`:
+  :func:`~rlhf.programs.steps.rollouts` (ReMax :func:`~rlhf.programs.steps.greedy_rollouts`:
   the greedy baseline is issued right behind the sampled generation, so the same weights
-  produce both; DAPO's refills :func:`~rlhf.programs.common.more_rollouts`: generated with the
+  produce both; DAPO's refills :func:`~rlhf.programs.steps.more_rollouts`: generated with the
   newest weights, behind the generations in flight).  Everything else runs on the training
   pool at train time, on the possibly stale rows: log-probs, reference, rewards and costs, the
   critics' values (PPO's GAE uses the current critic), the updates.
@@ -36,7 +36,7 @@ behaviour policy's log-probs ``mu`` are the rollout's own; the proximal policy's
 recomputed by the actor at train time (``algo.recompute_log_prob``, the batch's
 ``old_log_probs``); the clipped PPO ratio is ``pi / pi_prox`` and each token's term is weighted
 by ``min(pi_prox / mu, algo.tis_cap)`` (:func:`rlhf.algos.truncated_is_weights`, applied to the
-advantages by :func:`~rlhf.programs.common.advantages`)::
+advantages by :func:`~rlhf.programs.steps.advantages`)::
 
     L = - sum_t m_t min(pi_prox / mu, C) min(r_t A_t, clip(r_t, 1 - e, 1 + e) A_t) / sum_t m_t,
     r_t = pi(y_t) / pi_prox(y_t)
@@ -55,9 +55,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlhf.programs.common import Iteration, Rollout, group_heads
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.rollout_sources import IterationRollout, group_heads
 
-if TYPE_CHECKING:  # names of annotations only, as in rlhf.programs.common
+if TYPE_CHECKING:  # names of annotations only
     from engine.sampling import SamplingParams
     from rlhf.controller import Batch, Future, WorkerGroup
 
@@ -75,7 +76,7 @@ class _Generation:
 
 class RolloutPool:
     """The controller's handle on the rollout pool of a disaggregated run (a
-    :class:`~rlhf.programs.common.Rollouts`: every program takes its rollouts from it).
+    :class:`~rlhf.programs.rollout_sources.Rollouts`: every program takes its rollouts from it).
 
     Args:
         rollout: the rollout pool's group (:class:`rlhf.workers.rollout.RolloutWorker`).
@@ -119,7 +120,7 @@ class RolloutPool:
         self._pull = self.rollout.pull_weights(self.version)
         return done
 
-    def take(self, prompts: Batch, it: Iteration, greedy: bool) -> Rollout:
+    def take(self, prompts: Batch, it: Iteration, greedy: bool) -> IterationRollout:
         """This iteration's rollouts, and the ``rollout/`` metrics of their staleness.
 
         Issues generations until ``k + 1`` are in flight: ``prompts`` (this iteration's draw
@@ -150,7 +151,7 @@ class RolloutPool:
         assert base is None or bool((base["weights_version"] == batch["weights_version"][0])
                                     .all()), "the greedy baseline came from other weights"
         age = (self.version - batch["weights_version"]).float()
-        return Rollout(batch, base, {"rollout/staleness_mean": float(age.mean()),
+        return IterationRollout(batch, base, {"rollout/staleness_mean": float(age.mean()),
                                      "rollout/staleness_max": float(age.max()),
                                      "rollout/dropped": float(dropped),
                                      "rollout/weights_version":

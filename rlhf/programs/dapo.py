@@ -24,9 +24,11 @@ import math
 from engine.seeds import derive_seed
 from rlhf.algos import varied_groups
 from rlhf.controller import Batch
-from rlhf.programs.common import (Iteration, Roles, advantages, gather, means, more_rollouts,
-                                  old_log_probs, ref_log_probs, register_algorithm, rollouts,
-                                  shape_rewards, wait_phases)
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.roles import Roles
+from rlhf.programs.steps import (advantages, gather, means, more_rollouts, old_log_probs,
+                                 ref_log_probs, rollouts, shape_rewards, wait_phases)
 from rlhf.programs.grpo import grpo_advantage
 
 

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 from rlhf.algos import dr_grpo, grpo, grpo_passk
-from rlhf.programs.common import Iteration, critic_free, outcome_fields, register_algorithm
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.steps import critic_free, outcome_fields
 
 
 def grpo_advantage(batch, it: Iteration) -> dict:

@@ -18,7 +18,8 @@ gpg    plain policy gradient, no ratio, no clip                Chu et al. 2025
 
 from __future__ import annotations
 
-from rlhf.programs.common import critic_free, register_algorithm
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.steps import critic_free
 from rlhf.programs.grpo import grpo_advantage
 
 for _loss in ("gspo", "cispo", "clip_cov", "kl_cov", "gmpo", "sapo", "gpg"):

@@ -5,7 +5,9 @@ critic."""
 from __future__ import annotations
 
 from rlhf.algos import opo as opo_estimator
-from rlhf.programs.common import Iteration, critic_free, outcome_fields, register_algorithm
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.steps import critic_free, outcome_fields
 
 
 def opo_advantage(batch, it: Iteration) -> dict:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from rlhf.algos import gae
 from rlhf.controller import Batch
-from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather, means,
-                                  old_log_probs, ref_log_probs, register_algorithm,
-                                  rollouts, shape_rewards, wait_phases)
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.roles import Roles
+from rlhf.programs.steps import (advantages, field_of, gather, means, old_log_probs, ref_log_probs,
+                                 rollouts, shape_rewards, wait_phases)
 
 
 def gae_advantage(batch, it: Iteration) -> dict:

@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 from rlhf.algos import reinforce_pp, reinforce_pp_baseline
-from rlhf.programs.common import (Iteration, critic_free, field_of, outcome_fields,
-                                  register_algorithm)
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.steps import critic_free, field_of, outcome_fields
 
 
 def reinforce_pp_advantage(batch, it: Iteration) -> dict:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from rlhf.algos import remax as remax_estimator
 from rlhf.controller import Batch
-from rlhf.programs.common import (Iteration, Roles, advantages, field_of, gather,
-                                  greedy_rollouts, means, old_log_probs, ref_log_probs,
-                                  register_algorithm, shape_rewards, wait_phases)
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.roles import Roles
+from rlhf.programs.steps import (advantages, field_of, gather, greedy_rollouts, means,
+                                 old_log_probs, ref_log_probs, shape_rewards, wait_phases)
 
 
 def remax_advantage(batch, it: Iteration) -> dict:

@@ -4,7 +4,9 @@ of its prompt; no critic."""
 from __future__ import annotations
 
 from rlhf.algos import rloo as rloo_estimator
-from rlhf.programs.common import Iteration, critic_free, outcome_fields, register_algorithm
+from rlhf.programs.iteration import Iteration
+from rlhf.programs.registry import register_algorithm
+from rlhf.programs.steps import critic_free, outcome_fields
 
 
 def rloo_advantage(batch, it: Iteration) -> dict:

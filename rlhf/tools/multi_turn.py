@@ -29,7 +29,7 @@ import torch
 
 from engine.sampling import SamplingParams, derive_seed
 from rlhf.controller import Batch, Future
-from rlhf.programs.common import Rollout, Rollouts, group_heads
+from rlhf.programs.rollout_sources import IterationRollout, Rollouts, group_heads
 from rlhf.tools.calls import ToolResult, ToolRunner
 from rlhf.tools.catalog import ToolBox, ToolCatalog
 from rlhf.tools.chat import continuation, prompt_ids
@@ -275,10 +275,10 @@ class MultiTurn:
 
 
 class MultiTurnRollouts:
-    """A run's :class:`rlhf.programs.common.Rollouts` with tools: every rollout (the
+    """A run's :class:`rlhf.programs.rollout_sources.Rollouts` with tools: every rollout (the
     iteration's, ReMax's greedy ones, DAPO's refills, the held-out evaluation's) is a
     :class:`MultiTurn` loop whose turns the wrapped rollouts generate, with the newest
-    weights, in one :meth:`~rlhf.programs.common.Rollouts.session` (a colocated actor
+    weights, in one :meth:`~rlhf.programs.rollout_sources.Rollouts.session` (a colocated actor
     reshards to its generation layout once for all the turns)."""
 
     def __init__(self, inner: Rollouts, loop: MultiTurn) -> None:
@@ -287,13 +287,13 @@ class MultiTurnRollouts:
     def start(self, step: int) -> dict[str, float]:
         return self.inner.start(step)
 
-    def take(self, prompts: Batch, it, greedy: bool) -> Rollout:
+    def take(self, prompts: Batch, it, greedy: bool) -> IterationRollout:
         with self.inner.session() as held:
             batch, metrics = self.loop.run(prompts, it.sampling, self.inner.submit)
             base = self.loop.run(group_heads(prompts), it.greedy, self.inner.submit)[0] \
                 if greedy else None
         batch.meta["reshard_s"] += held["reshard_s"]
-        return Rollout(batch, base, metrics)
+        return IterationRollout(batch, base, metrics)
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
         with self.inner.session() as held:
