@@ -423,41 +423,77 @@ def test_the_tools_of_docs_tools_md_load_and_run(tmp_path):
     box.close()
 
 
+class Done:
+    """A finished call, as a worker group's future reads."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def wait(self):
+        return self
+
+    def get(self):
+        return self.value
+
+
+class FakeActor:
+    """An actor that logs its layout holds and generations (the scripted adder model)."""
+
+    def __init__(self, tok):
+        self.log, self.model = [], ScriptedModel(tok, adder)
+
+    holding = False
+
+    def hold_generation(self, hold):
+        if hold == self.holding:  # as the actor worker: a layout is held once
+            raise RuntimeError(f"hold_generation({hold}) but it is {self.holding}")
+        self.holding = hold
+        self.log.append(("hold", hold))
+        return Done([0.25, 0.5])
+
+    def generate_sequences(self, batch, sampling):
+        self.log.append(("generate", len(batch)))
+        return Done(self.model(batch, sampling))
+
+
 def test_a_colocated_actor_holds_its_generation_layout_for_all_turns(tok):
     from rlhf.programs.iteration import Iteration
     from rlhf.programs.rollout_sources import ActorRollouts
-
-    class Done:
-        def __init__(self, value):
-            self.value = value
-
-        def wait(self):
-            return self
-
-        def get(self):
-            return self.value
-
-    class FakeActor:
-        def __init__(self):
-            self.log, self.model = [], ScriptedModel(tok, adder)
-
-        def hold_generation(self, hold):
-            self.log.append(("hold", hold))
-            return Done([0.25, 0.5])
-
-        def generate_sequences(self, batch, sampling):
-            self.log.append(("generate", len(batch)))
-            return Done(self.model(batch, sampling))
-
     from rlhf.tools.multi_turn import MultiTurnRollouts
 
-    actor = FakeActor()
+    actor = FakeActor(tok)
     rollouts = MultiTurnRollouts(ActorRollouts(actor), loop(tok, catalog(add)))
     it = Iteration(algo=None, sampling=sampling(tok), greedy=sampling(tok), timer=None,
                    kl_ctrl=None, lagrange=None, mini_batch_size=2, more_prompts=None)
     out = rollouts.take(prompts(tok, [ROW], samples=2), it, greedy=False)
     assert actor.log == [("hold", True), ("generate", 2), ("generate", 2), ("hold", False)]
     assert out.batch.meta["reshard_s"] == 0.5  # the one transition (slowest rank)
+
+
+def test_multi_turn_rollouts_are_a_full_rollouts_source(tok):
+    """Every method of the Rollouts protocol, and a session around several multi-turn
+    rollouts holds the actor's generation layout once (the calls inside hold none)."""
+    from rlhf.programs.rollout_sources import ActorRollouts, Rollouts
+    from rlhf.tools.multi_turn import MultiTurnRollouts
+
+    protocol = [m for m in vars(Rollouts) if not m.startswith("_")]
+    assert sorted(protocol) == ["generate", "push", "session", "start", "submit", "take"]
+    assert [m for m in protocol if not callable(getattr(MultiTurnRollouts, m, None))] == []
+    actor = FakeActor(tok)
+    rollouts = MultiTurnRollouts(ActorRollouts(actor), loop(tok, catalog(add)))
+    rows = prompts(tok, [ROW], samples=2)
+    with rollouts.session() as held:
+        first = rollouts.generate(rows, sampling(tok))
+        second = rollouts.submit(rows, sampling(tok))
+    assert held["reshard_s"] == 0.5
+    assert actor.log == [("hold", True)] + [("generate", 2)] * 4 + [("hold", False)]
+    assert isinstance(second, Batch) and len(second) == len(first) == 2
+    assert torch.equal(second["input_ids"], first["input_ids"])
+    assert second.meta["reshard_s"] == first.meta["reshard_s"] == 0.0  # inside the block
+    assert rollouts.held is None
+    alone = rollouts.submit(rows, sampling(tok))  # outside a block: a session of its own
+    assert actor.log[-4:] == [("hold", True), ("generate", 2), ("generate", 2), ("hold", False)]
+    assert alone.meta["reshard_s"] == 0.5
 
 
 def test_sft_rows_with_tool_calls_train_on_the_assistants_tokens_only(tok):

@@ -57,8 +57,10 @@ class Rollouts(Protocol):
     def push(self) -> dict[str, float]:
         """The actor's weights changed (after each iteration's update)."""
 
-    def submit(self, prompts: Batch, sampling: SamplingParams) -> Future:
-        """:meth:`generate` issued without waiting for it (a turn of multi-turn rollouts)."""
+    def submit(self, prompts: Batch, sampling: SamplingParams) -> Future | Batch:
+        """:meth:`generate` issued without waiting for it (a turn of multi-turn rollouts): a
+        future of the rows, or the rows themselves from a source whose work cannot be left in
+        flight (:class:`rlhf.tools.multi_turn.MultiTurnRollouts`)."""
 
     def session(self) -> AbstractContextManager:
         """A block of several :meth:`generate` calls with the same weights (the turns of

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,7 +36,7 @@ from rlhf.tools.catalog import ToolBox, ToolCatalog
 from rlhf.tools.chat import continuation, prompt_ids
 from rlhf.tools.formats import ToolCall, get_format
 
-Generate = Callable[[Batch, SamplingParams], "Future | Batch"]
+Generate = Callable[[Batch, SamplingParams], Future | Batch]
 
 
 @dataclass
@@ -283,12 +284,14 @@ class MultiTurnRollouts:
 
     def __init__(self, inner: Rollouts, loop: MultiTurn) -> None:
         self.inner, self.loop = inner, loop
+        self.held: dict[str, float] | None = None
+        """The open :meth:`session`'s transition (``reshard_s``); None outside one."""
 
     def start(self, step: int) -> dict[str, float]:
         return self.inner.start(step)
 
     def take(self, prompts: Batch, it, greedy: bool) -> IterationRollout:
-        with self.inner.session() as held:
+        with self.session() as held:
             batch, metrics = self.loop.run(prompts, it.sampling, self.inner.submit)
             base = self.loop.run(group_heads(prompts), it.greedy, self.inner.submit)[0] \
                 if greedy else None
@@ -296,10 +299,31 @@ class MultiTurnRollouts:
         return IterationRollout(batch, base, metrics)
 
     def generate(self, prompts: Batch, sampling: SamplingParams) -> Batch:
-        with self.inner.session() as held:
+        with self.session() as held:
             batch = self.loop.run(prompts, sampling, self.inner.submit)[0]
         batch.meta["reshard_s"] += held["reshard_s"]
         return batch
 
+    def submit(self, prompts: Batch, sampling: SamplingParams) -> Batch:
+        """:meth:`generate`, run now: the turns wait on the controller for each other's tool
+        results, so nothing can be left in flight; the rows come back as they are."""
+        return self.generate(prompts, sampling)
+
     def push(self) -> dict[str, float]:
         return self.inner.push()
+
+    @contextmanager
+    def session(self):
+        """A block of several :meth:`generate`/:meth:`take` calls with the same weights: the
+        wrapped rollouts' session, opened once for the block (the calls inside open none, as
+        an actor cannot hold its generation layout twice).  Yields ``reshard_s`` as the
+        wrapped session does; 0 for a block inside an open one."""
+        if self.held is not None:
+            yield {"reshard_s": 0.0}
+            return
+        with self.inner.session() as held:
+            self.held = held
+            try:
+                yield held
+            finally:
+                self.held = None
