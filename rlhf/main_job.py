@@ -38,6 +38,7 @@ import sys
 import time
 
 from rlhf import real_job, sft
+from rlhf.config import load_config
 from rlhf.metrics import read_metrics
 from rlhf.real_model import NAME as REAL_MODEL
 
@@ -63,9 +64,6 @@ RL_OVERRIDES = [
 MOE_MODEL = ["actor.model.num_experts=4", "actor.model.num_experts_per_tok=2"]
 """``--moe``: the policy's MLPs as 4 experts, 2 per token."""
 
-DEVICE_KEYS = ("device=", "precision=")
-"""Overrides that the SFT phases take too (the run config's top-level keys)."""
-
 
 def variant(args: list[str], moe: bool) -> list[str]:
     """``args`` of the dense job, or of the ``--moe`` one: its own cache folders and run
@@ -83,11 +81,19 @@ def variant(args: list[str], moe: bool) -> list[str]:
     return out + (MOE_MODEL if MODEL[0] in args else [])
 
 
+def sft_device(overrides: list[str], moe: bool = False) -> list[str]:
+    """The SFT phases' ``device=`` and ``precision=``: the RL run's, as its config reads the
+    user's ``overrides`` (ValueError for a bad one, before any SFT step).  Each process
+    resolves ``auto`` for itself (:func:`rlhf.config.resolve_devices`)."""
+    cfg = load_config([*variant(RL_OVERRIDES, moe), *overrides])
+    return [f"device={cfg.device}", f"precision={cfg.precision}"]
+
+
 def warm_start(overrides: list[str] = (), moe: bool = False) -> str:
     """Both SFT phases (each reused when cached with the same settings), with the device and
-    precision of ``overrides``; the folder of the warm-start policy (:data:`SFT_DIR`, or
-    its ``-moe`` sibling)."""
-    device = [o for o in overrides if o.startswith(DEVICE_KEYS)]
+    precision of the RL run (:func:`sft_device`); the folder of the warm-start policy
+    (:data:`SFT_DIR`, or its ``-moe`` sibling)."""
+    device = sft_device(list(overrides), moe)
     for args in (SFT_BASE_ARGS, SFT_ARGS):
         args = [*variant(args, moe), *device]
         if sft.main(args) != 0:
@@ -122,7 +128,11 @@ def main(argv: list[str]) -> int:
         return real_job.main(a.nproc or real_job.NPROC, a.overrides)
     a.nproc = a.nproc or 4
     t0 = time.perf_counter()
-    warm_start(a.overrides, a.moe)
+    try:
+        warm_start(a.overrides, a.moe)
+    except ValueError as e:  # a bad override, named by the run config
+        print(f"[main_job] invalid configuration: {e}", file=sys.stderr, flush=True)
+        return 2
     t_sft = time.perf_counter() - t0
     run_dir = os.path.join("runs", variant([RUN_NAME], a.moe)[0])
     if not any(o.startswith("checkpoint.resume=") for o in a.overrides):

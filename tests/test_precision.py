@@ -2,7 +2,7 @@
 per rank (:func:`rlhf.config.resolve_devices`, on the rank's device) into one
 :class:`hybridflow_comm.devices.Precision`; the builders build every model in its
 ``param_dtype`` and hand it to the trained roles, whose :class:`engine.train.TrainEngine` keeps
-master weights when it says so; the SFT entry takes the same path.  Nothing
+master weights when it says so; the SFT entry and the main job take the same path.  Nothing
 downstream reads ``auto`` again or infers the precision from the tensors."""
 
 from __future__ import annotations
@@ -110,10 +110,17 @@ def test_precision_values():
         Precision.of_dtype(torch.float16)
 
 
-def test_sft_takes_the_run_configs_precision():
-    from rlhf import sft
+def test_sft_and_main_job_take_the_run_configs_precision():
+    from rlhf import main_job, sft
 
     assert sft.run_device(["device=cpu"]) == (torch.device("cpu"), FP32)
     assert sft.run_device(["device=cpu", "precision=bf16"]) == (torch.device("cpu"), BF16)
     with pytest.raises(ValueError, match="precision='half' must be one of"):
         sft.run_device(["precision=half"])
+    # the main job hands the RL run's device and precision (as its config reads the user's
+    # overrides) to the SFT phases, which resolve them as rlhf.train does
+    assert main_job.sft_device([]) == ["device=auto", "precision=auto"]
+    assert main_job.sft_device(["iterations=3", "precision=bf16", "device=cpu"]) == \
+        ["device=cpu", "precision=bf16"]
+    with pytest.raises(ValueError, match="precision='half' must be one of"):
+        main_job.sft_device(["precision=half"])
