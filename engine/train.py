@@ -75,19 +75,6 @@ def _flat_offsets(params: dict[str, torch.Tensor]
     return offsets, sizes
 
 
-def check_precision(params: dict[str, torch.Tensor], precision: Precision) -> None:
-    """ValueError naming the precision and the parameters whose dtype is not its
-    ``param_dtype`` (a model built in another precision than the engine was given)."""
-    wrong = {n: p.dtype for n, p in params.items() if p.dtype != precision.param_dtype}
-    if wrong:
-        shown = ", ".join(f"{n}: {d}" for n, d in list(wrong.items())[:3])
-        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-        raise ValueError(f"precision={precision.name} trains {precision.param_dtype} "
-                         f"parameters, but {len(wrong)} of the model's are not ({shown}{more});"
-                         f" build the model in the run's precision (LlamaConfig.dtype="
-                         f"{precision.param_dtype})")
-
-
 def params_device(params: dict[str, torch.Tensor]) -> torch.device:
     """The one device every tensor of ``params`` lives on."""
     devices = {p.device for p in params.values()}
@@ -267,7 +254,7 @@ class TrainEngine:
                  precision: Precision | None = None, frozen: bool = False) -> None:
         self.precision = precision if precision is not None \
             else Precision.of_dtype(model.config.dtype)
-        check_precision({**model.params, **model.adapter_params}, self.precision)
+        self.precision.check_params({**model.params, **model.adapter_params})
         self.model = model
         self.optim_cfg = optim or OptimConfig()
         self.groups = model.groups

@@ -69,6 +69,18 @@ class Precision:
         except KeyError:
             raise ValueError(f"precision={name!r} must be one of {tuple(RESOLVED)}") from None
 
+    def check_params(self, params: Mapping[str, torch.Tensor]) -> None:
+        """ValueError naming this precision and the parameters whose dtype is not its
+        ``param_dtype`` (a model built in another precision than the engine was given)."""
+        wrong = {n: p.dtype for n, p in params.items() if p.dtype != self.param_dtype}
+        if wrong:
+            shown = ", ".join(f"{n}: {d}" for n, d in list(wrong.items())[:3])
+            more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+            raise ValueError(f"precision={self.name} trains {self.param_dtype} parameters, but "
+                             f"{len(wrong)} of the model's are not ({shown}{more}); build the "
+                             f"model in the run's precision (LlamaConfig.dtype="
+                             f"{self.param_dtype})")
+
     @staticmethod
     def of_dtype(dtype: torch.dtype) -> Precision:
         """The precision whose parameters are ``dtype`` (a model built by hand in its
