@@ -125,11 +125,13 @@ class BenchShape:
             dtype=dtype or self.dtype)
 
     def model_shape(self):
-        """The :class:`hybridflow_comm.sync_plan.ModelShape` of this shape (weight-sync plans)."""
-        from hybridflow_comm.sync_plan import ModelShape
-        return ModelShape(hidden=self.hidden, layers=self.layers, heads=self.heads,
-                          kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab,
-                          dtype=self.dtype, tied=self.tied)
+        """The :class:`hybridflow_comm.model_shape.ModelShape` of this shape's dense layers
+        (weight-sync plans)."""
+        from hybridflow_comm.model_shape import DecoderSizes, ModelShape
+        return ModelShape(self.name, DecoderSizes(
+            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ffn,
+            num_layers=self.layers, num_heads=self.heads, num_kv_heads=self.kv_heads,
+            dtype=self.dtype, tie_word_embeddings=self.tied))
 
     def describe(self) -> dict:
         """The row as JSON-ready values (each bench records it beside its figures)."""

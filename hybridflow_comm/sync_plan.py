@@ -86,6 +86,7 @@ from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.expert_reshard import check_expert_specs, stacked_pieces
 from hybridflow_comm.flat_buffer import SlotSpec
 from hybridflow_comm.layout import ParallelLayout
+from hybridflow_comm.model_shape import DecoderSizes, ModelShape
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec, check_specs
 from hybridflow_comm.sizes import divisors
 from hybridflow_comm.transition import BUCKET_BYTES, check_bucket_bytes
@@ -582,36 +583,16 @@ def plan_sync(specs: list[ShardSpec], layout: SyncLayout, bucket_bytes: int = BU
 # Model shapes (the CLI's --hf-config / --dims; bench/shapes.py makes them for the benches) -------
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """Sizes of a Llama-like decoder.
-
-    Attributes:
-        hidden: model width H.
-        layers: decoder layers (split evenly over the training stages).
-        heads / kv_heads: query and key/value heads.
-        ffn: SwiGLU width F.
-        vocab: vocabulary size V.
-        dtype: element type of every parameter.
-        tied: the LM head is the embedding (no ``lm_head`` spec when pp == 1).
-    """
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    dtype: torch.dtype = torch.bfloat16
-    tied: bool = True
-
-
 # The CLI's default model when neither --hf-config nor --dims is given: a small Llama
 # (bench/shapes.py's ``tiny`` sizes; the toolkit cannot import bench).
 DEFAULT_DIMS = "256,4,8,4,704,4096"
 _DIM_NAMES = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab")
-_HF_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers",
-            "heads": "num_attention_heads", "ffn": "intermediate_size", "vocab": "vocab_size"}
+_DIM_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+               "vocab_size")
+"""The ``--dims`` entries' :class:`DecoderSizes` fields, in order."""
+_HF_KEYS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+            "num_heads": "num_attention_heads", "intermediate_size": "intermediate_size",
+            "vocab_size": "vocab_size"}
 
 
 def model_shape_from_dims(text: str, dtype: torch.dtype = torch.bfloat16,
@@ -621,7 +602,9 @@ def model_shape_from_dims(text: str, dtype: torch.dtype = torch.bfloat16,
     if len(parts) != len(_DIM_NAMES) or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"dims={text!r} must be six positive integers H,L,Q,G,F,V "
                          f"({','.join(_DIM_NAMES)}), e.g. {DEFAULT_DIMS}")
-    return _checked(ModelShape(*(int(p) for p in parts), dtype=dtype, tied=tied), f"dims={text!r}")
+    sizes = DecoderSizes(**dict(zip(_DIM_FIELDS, (int(p) for p in parts))), dtype=dtype,
+                         tie_word_embeddings=tied)
+    return _checked(ModelShape(f"dims {text}", sizes), f"dims={text!r}")
 
 
 def model_shape_from_hf_config(path: str) -> ModelShape:
@@ -648,7 +631,7 @@ def model_shape_from_hf_config(path: str) -> ModelShape:
     if missing:
         raise ValueError(f"hf_config={file!r} lacks {missing} (a decoder's config.json has them)")
     sizes = {name: cfg[key] for name, key in _HF_KEYS.items()}
-    sizes["kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    sizes["num_kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise ValueError(f"hf_config={file!r}: {bad} must be positive integers")
@@ -657,18 +640,19 @@ def model_shape_from_hf_config(path: str) -> ModelShape:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"hf_config={file!r}: dtype={name!r} is not a torch dtype")
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim * sizes["heads"] != sizes["hidden"]:
+    if head_dim is not None and head_dim * sizes["num_heads"] != sizes["hidden_size"]:
         raise ValueError(f"hf_config={file!r}: head_dim={head_dim} x num_attention_heads="
-                         f"{sizes['heads']} != hidden_size={sizes['hidden']} (not a Llama "
-                         f"layout these plans describe)")
-    shape = ModelShape(**sizes, dtype=dtype, tied=bool(cfg.get("tie_word_embeddings", False)))
+                         f"{sizes['num_heads']} != hidden_size={sizes['hidden_size']} (not a "
+                         f"Llama layout these plans describe)")
+    shape = ModelShape(file, DecoderSizes(
+        **sizes, dtype=dtype, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False))))
     return _checked(shape, f"hf_config={file!r}")
 
 
 def _checked(shape: ModelShape, origin: str) -> ModelShape:
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
-        raise ValueError(f"{origin}: hidden={shape.hidden} must be a multiple of heads="
-                         f"{shape.heads}, itself a multiple of kv_heads={shape.kv_heads}")
+    if shape.hidden_size % shape.num_heads or shape.num_heads % shape.num_kv_heads:
+        raise ValueError(f"{origin}: hidden={shape.hidden_size} must be a multiple of heads="
+                         f"{shape.num_heads}, itself a multiple of kv_heads={shape.num_kv_heads}")
     return shape
 
 
@@ -679,25 +663,33 @@ def llama_specs(shape: ModelShape, pp: int) -> list[ShardSpec]:
         gate_up [2F, H] gate/up-fused | down_proj [H, F] dim 1 | norms [H] replicated
         lm_head [V, H] dim 0 (last stage; only when untied or pp > 1)
     """
-    if shape.layers % pp:
-        raise ValueError(f"{shape.layers} layers cannot be split over pp={pp} "
-                         f"(choose pp from {divisors(shape.layers)})")
-    h, dt, hd = shape.hidden, shape.dtype, shape.hidden // shape.heads
-    per = shape.layers // pp
-    specs = [ShardSpec("embed", (shape.vocab, h), dt, 0, 0,
-                       hf_names=("model.embed_tokens.weight",))]
-    for i in range(shape.layers):
+    c = shape.config
+    extras = {k: getattr(c, k) for k in ("num_experts", "qkv_bias", "o_proj_bias", "qk_norm")
+              if getattr(c, k)}
+    if extras or shape.value_head:
+        raise ValueError(f"{shape.name}: llama_specs describes a dense Llama with an LM head, "
+                         f"not {extras or 'a value head'} (engine.llama_spec.llama_shard_specs "
+                         f"does)")
+    layers, heads, kv_heads, ffn = (shape.num_layers, shape.num_heads, shape.num_kv_heads,
+                                    shape.intermediate_size)
+    if layers % pp:
+        raise ValueError(f"{layers} layers cannot be split over pp={pp} "
+                         f"(choose pp from {divisors(layers)})")
+    h, dt, hd, vocab = shape.hidden_size, shape.dtype, shape.head_dim, shape.vocab_size
+    per = layers // pp
+    specs = [ShardSpec("embed", (vocab, h), dt, 0, 0, hf_names=("model.embed_tokens.weight",))]
+    for i in range(layers):
         p, st = f"model.layers.{i}.", i // per
         specs += [
             ShardSpec(p + "input_norm", (h,), dt, None, st),
-            ShardSpec(p + "qkv", ((shape.heads + 2 * shape.kv_heads) * hd, h), dt, 0, st,
-                      QKVFusion(shape.heads, shape.kv_heads, hd)),
-            ShardSpec(p + "o_proj", (h, shape.heads * hd), dt, 1, st),
+            ShardSpec(p + "qkv", ((heads + 2 * kv_heads) * hd, h), dt, 0, st,
+                      QKVFusion(heads, kv_heads, hd)),
+            ShardSpec(p + "o_proj", (h, heads * hd), dt, 1, st),
             ShardSpec(p + "post_norm", (h,), dt, None, st),
-            ShardSpec(p + "gate_up", (2 * shape.ffn, h), dt, 0, st, GateUpFusion()),
-            ShardSpec(p + "down_proj", (h, shape.ffn), dt, 1, st),
+            ShardSpec(p + "gate_up", (2 * ffn, h), dt, 0, st, GateUpFusion()),
+            ShardSpec(p + "down_proj", (h, ffn), dt, 1, st),
         ]
     specs.append(ShardSpec("norm", (h,), dt, None, pp - 1))
-    if not shape.tied or pp > 1:
-        specs.append(ShardSpec("lm_head", (shape.vocab, h), dt, 0, pp - 1))
+    if not shape.tie_word_embeddings or pp > 1:
+        specs.append(ShardSpec("lm_head", (vocab, h), dt, 0, pp - 1))
     return specs

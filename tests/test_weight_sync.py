@@ -210,13 +210,33 @@ def test_model_shape_from_hf_config_matches_transformers(tmp_path, tied, dtype):
     cfg.save_pretrained(tmp_path)
     for path in (tmp_path, tmp_path / "config.json"):
         shape = model_shape_from_hf_config(str(path))
-        assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.ffn, shape.vocab,
-                shape.tied, shape.dtype) == (cfg.hidden_size, cfg.num_hidden_layers,
-                                             cfg.num_attention_heads, cfg.num_key_value_heads,
-                                             cfg.intermediate_size, cfg.vocab_size, tied, dtype)
+        assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads,
+                shape.intermediate_size, shape.vocab_size, shape.tie_word_embeddings,
+                shape.dtype) == (cfg.hidden_size, cfg.num_hidden_layers,
+                                 cfg.num_attention_heads, cfg.num_key_value_heads,
+                                 cfg.intermediate_size, cfg.vocab_size, tied, dtype)
     with torch.device("meta"):
         hf = LlamaForCausalLM(cfg)
     assert sum(s.numel for s in llama_specs(shape, 1)) == sum(p.numel() for p in hf.parameters())
+
+
+def test_one_model_shape_for_the_planner_and_the_sync_plans():
+    """The planner's shapes are the sync plans' (one type): the specs of a preset hold the
+    parameters the planner counts, at every pipeline split; a shape the dense specs cannot
+    describe is refused, naming what it has."""
+    from hybridflow_comm.model_shape import ModelShape
+    from rlhf.planner import PRESETS
+    from rlhf.planner import ModelShape as PlannerShape
+
+    assert PlannerShape is ModelShape
+    for name in ("tiny", "tiny-4l", "llama-7b"):
+        shape = PRESETS[name]
+        for pp in (1, 2):
+            assert sum(s.numel for s in llama_specs(shape, pp)) == shape.params, (name, pp)
+    with pytest.raises(ValueError, match=r"dense Llama with an LM head, not \{'num_experts'"):
+        llama_specs(PRESETS["qwen3-30b-a3b"], 1)
+    with pytest.raises(ValueError, match="not a value head"):
+        llama_specs(PRESETS["tiny"].as_value_model(), 1)
 
 
 def test_model_shape_errors_name_the_value(tmp_path):
