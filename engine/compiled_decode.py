@@ -25,11 +25,15 @@ regions between the TP all-reduces::
 
     one TP rank, dense   whole layer compiled (KV write and LoRA deltas inside)
     TP > 1, or experts   [norm attention o_proj] --reduce--> + x = h
-                         [norm gate_up swiglu down] --reduce--> + h   (a mixture: the routed
-                                                                       MLP, eager)
+                         [norm gate_up swiglu down] --reduce--> + h   (a mixture: [norm
+                                                                       route experts])
 
 each region computing this rank's partial sum (a row-parallel LoRA delta included), the
-collectives and the experts' routing outside compiled code.  Where the backend cannot compile
+collectives outside compiled code.  A mixture's region is the sync-free block of
+:mod:`engine.moe_static` (every held expert over the step's few rows), returning the experts
+each token was routed to beside its output, so that a captured step records routes too.
+The same functions run the static steps eagerly (:data:`EAGER`), so one layer code serves
+eager, compiled and captured steps.  Where the backend cannot compile
 it the layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
 """
 
@@ -40,9 +44,10 @@ import torch
 from engine import inductor
 from engine.forward_paths import Rope, StageLayers
 from engine.kv_cache import DecodeSlots, LayerSlots
-from engine.layers import RouteTrace, attention_block, decoder_layer, mlp_block, rms_norm, \
+from engine.layers import MoeRouting, RouteTrace, attention_block, decoder_layer, rms_norm, \
     swiglu_block
 from engine.lora import LayerLora
+from engine.moe_static import static_moe_block
 from engine.tp_ops import reduce_from_tp
 
 
@@ -90,14 +95,25 @@ def decode_mlp_part(h: torch.Tensor, w: dict[str, torch.Tensor], q_per_group: in
                         lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
 
 
-_compiled_layer = inductor.Compiled(decode_layer, min_numel=0, dynamic=None)
-"""Compiled on first use, eager (with one warning) where the backend cannot compile."""
-_compiled_attention = inductor.Compiled(decode_attention_part, min_numel=0, dynamic=None)
-_compiled_mlp = inductor.Compiled(decode_mlp_part, min_numel=0, dynamic=None)
-COMPILED = (_compiled_layer, _compiled_attention, _compiled_mlp)
+def decode_moe_part(h: torch.Tensor, w: dict[str, torch.Tensor], eps: float, top_k: int,
+                    norm_topk: bool, experts: tuple[int, ...] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's partial mixture-of-experts MLP of ``norm(h)`` at static shapes
+    (:func:`engine.moe_static.static_moe_block`: no host sync) and the experts each token was
+    routed to, ``[N, k]``."""
+    trace = RouteTrace()
+    out = static_moe_block(rms_norm(h, w["post_norm"], eps), w, MoeRouting(top_k, norm_topk),
+                           None, trace=trace, experts=experts)
+    return out, trace.chosen[0]
+
+
+EAGER = (decode_layer, decode_attention_part, decode_mlp_part, decode_moe_part)
+"""The step's functions run eagerly (the static steps without ``compile_decode``)."""
+COMPILED = tuple(inductor.Compiled(fn, min_numel=0, dynamic=None) for fn in EAGER)
+"""The same, compiled on first use; eager (with one warning) where the backend cannot
+compile."""
 
 ATTENTION_KEYS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj")
-MLP_KEYS = ("post_norm", "gate_up", "down_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
@@ -110,44 +126,60 @@ def _adapters(lora: LayerLora | None, modules: tuple[str, ...]) -> tuple:
             {m: t for m, t in lora.b.items() if m in modules}, lora.scale)
 
 
-class CompiledDecodeLayers:
-    """The static decode step's layers of one stage through the compiled functions (a
-    :data:`engine.cuda_graphs.Layers`): one compiled layer on one dense TP rank, else the
-    two regions of the module docstring.  A mixture's layers record their experts into the
-    stage's ``route_log`` as the Python layers do."""
+class StaticDecodeLayers:
+    """The static decode step's layers of one stage (a :data:`engine.cuda_graphs.Layers`),
+    eager or compiled: one function per layer on one dense TP rank, else the two regions of
+    the module docstring.  A mixture's MLP is :func:`decode_moe_part` (no host sync, so the
+    step can be captured); with the stage's ``route_log`` each step appends its experts,
+    ``[b, layers, k]``, and keeps them as :attr:`routes`.
 
-    def __init__(self, stage: StageLayers) -> None:
-        self.stage = stage
+    Args:
+        stage: the stage's weights and settings.
+        compiled: run :data:`COMPILED` (else :data:`EAGER`).
+        experts: the experts this rank holds (generation EP; None: all).
+    """
+
+    def __init__(self, stage: StageLayers, compiled: bool,
+                 experts: tuple[int, ...] | None = None) -> None:
+        self.stage, self.compiled = stage, compiled
+        self.layer, self.attention_part, self.mlp_part, self.moe_part = \
+            COMPILED if compiled else EAGER
+        self.experts = None if experts is None else tuple(sorted(experts))
         self.weights = tuple(dict(w) for w in stage.weights)
         self.split = stage.tensor_parallel or stage.routing is not None
         self.attention = tuple({k: w[k] for k in ATTENTION_KEYS if k in w} for w in self.weights)
-        self.mlp = tuple({k: w[k] for k in MLP_KEYS if k in w} for w in self.weights)
+        self.mlp = tuple({k: v for k, v in w.items() if k not in ATTENTION_KEYS
+                          and k != "o_proj_bias"} for w in self.weights)
+        self.routes: torch.Tensor | None = None
+        """The last step's experts ``[b, layers, k]`` (a mixture recording routes)."""
 
     def forward(self, x: torch.Tensor, slots: DecodeSlots, rope: Rope,
                 attn: torch.Tensor | None) -> torch.Tensor:
         s = self.stage
         cos, sin = rope
-        trace = RouteTrace() if s.route_log is not None else None
+        chosen = []
         for j, w in enumerate(self.weights):
             lora = s.loras[j] if s.loras else None
             if not self.split:
-                x = _compiled_layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
-                                    s.q_per_group, s.head_dim, s.eps,
-                                    *_adapters(lora, ATTENTION_MODULES + MLP_MODULES))
+                x = self.layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
+                               s.q_per_group, s.head_dim, s.eps,
+                               *_adapters(lora, ATTENTION_MODULES + MLP_MODULES))
                 continue
-            part = _compiled_attention(x, self.attention[j], cos, sin, attn, slots.k[j],
+            part = self.attention_part(x, self.attention[j], cos, sin, attn, slots.k[j],
                                        slots.v[j], slots.pos, s.q_per_group, s.head_dim, s.eps,
                                        *_adapters(lora, ATTENTION_MODULES))
             h = x + reduce_from_tp(part, s.tp_group)
             if "o_proj_bias" in w:
                 h = h + w["o_proj_bias"]
             if s.routing is not None:
-                x = h + mlp_block(rms_norm(h, w["post_norm"], s.eps), w, s.tp_group, None,
-                                  s.routing, None, trace, s.moe)
-                continue
-            part = _compiled_mlp(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
-                                 *_adapters(lora, MLP_MODULES))
+                part, experts = self.moe_part(h, self.mlp[j], s.eps, s.routing.top_k,
+                                              s.routing.norm_topk, self.experts)
+                chosen.append(experts)
+            else:
+                part = self.mlp_part(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
+                                     *_adapters(lora, MLP_MODULES))
             x = h + reduce_from_tp(part, s.tp_group)
-        if trace is not None:
-            s.route_log.append(trace.recorded())
+        if s.route_log is not None and chosen:
+            self.routes = torch.stack(chosen, dim=1)
+            s.route_log.append(self.routes)
         return x

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from engine import inductor
-from engine.compiled_decode import CompiledDecodeLayers
+from engine.compiled_decode import StaticDecodeLayers
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
 from engine.lora import LayerLora, LoraConfig
 from engine.early_exit import RunningRows, check_every
@@ -290,7 +290,7 @@ class GenerationEngine:
                             and not config.num_experts)
         self.compile_decode = self.static_decode and inductor.compile_applies(compile_decode,
                                                                               self.device)
-        self.static_layers: CompiledDecodeLayers | None = None
+        self.static_layers: StaticDecodeLayers | None = None
         self.adapters: Mapping[str, torch.Tensor] | None = None
         self.lora: LoraConfig | None = None
         self.early_exit, self.greedy_loop = early_exit, greedy_loop
@@ -352,7 +352,8 @@ class GenerationEngine:
         self.weights, self.weights_version = weights, version
         # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)
-        self.static_layers = CompiledDecodeLayers(stage) if self.compile_decode else None
+        self.static_layers = (StaticDecodeLayers(stage, self.compile_decode, self.experts)
+                              if self.static_decode else None)
         self.block_rows = None
         if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
             from engine import _kernels  # built: the kernel paths exist only then
