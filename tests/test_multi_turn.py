@@ -407,6 +407,36 @@ def test_setup_refuses_a_sandbox_that_cannot_isolate(tok, monkeypatch, tmp_path)
         setup.multi_turn_of(cfg, object())  # the built-in task's tokenizer
 
 
+def test_a_runs_tool_files_load_once(tok, tmp_path):
+    """The run's check and its roles both build the loop (rlhf.builders.check_run,
+    build_roles): one catalog, the user's file executed once."""
+    from types import SimpleNamespace
+
+    import rlhf.tools.setup as setup
+
+    runs = tmp_path / "imports.txt"
+    (tmp_path / "once_tools.py").write_text(f"""
+import rlhf.tools
+
+with open({str(runs)!r}, "a") as f:
+    f.write("imported\\n")
+
+@rlhf.tools.tool
+def twice(x: int) -> int:
+    \"\"\"Double.
+
+    Args:
+        x: a number
+    \"\"\"
+    return 2 * x
+""")
+    cfg = SimpleNamespace(rollout=RolloutConfig(tools=str(tmp_path / "once_tools.py")),
+                          data=SimpleNamespace(max_prompt_len=64, max_response_len=64))
+    checked, built = setup.multi_turn_of(cfg, tok), setup.multi_turn_of(cfg, tok)
+    assert checked.catalog is built.catalog and sorted(built.catalog.tools) == ["twice"]
+    assert runs.read_text() == "imported\n"
+
+
 def test_the_tools_of_docs_tools_md_load_and_run(tmp_path):
     import pathlib
 

@@ -31,9 +31,20 @@ def check_sandbox(sandbox) -> None:
                          f"isolation, or rollout.sandbox.backend=sandbox_fusion")
 
 
+_CATALOGS: dict[tuple[str, SandboxConfig], ToolCatalog] = {}
+
+
 def tool_catalog(spec: str, sandbox: SandboxConfig | None = None) -> ToolCatalog:
-    """The tools of ``spec`` (``rollout.tools`` or ``rlhf.sft --tools``)."""
-    return load_catalog(spec, builtin_tools(sandbox or SandboxConfig()))
+    """The tools of ``spec`` (``rollout.tools`` or ``rlhf.sft --tools``), loaded once per
+    process: the run's check (:func:`rlhf.builders.check_run`) and its roles
+    (:func:`rlhf.builders.build_roles`) both read the run's loop (:func:`multi_turn_of`), and a
+    user's tool file runs its module code once.  The catalog holds no trajectory's state (each
+    trajectory opens its own :class:`~rlhf.tools.catalog.ToolBox`), so one serves every loop.
+    A spec that fails to load is not kept: the next call raises again."""
+    key = (str(spec), sandbox or SandboxConfig())
+    if key not in _CATALOGS:
+        _CATALOGS[key] = load_catalog(key[0], builtin_tools(key[1]))
+    return _CATALOGS[key]
 
 
 def multi_turn_of(cfg, tokenizer) -> MultiTurn | None:
