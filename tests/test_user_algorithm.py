@@ -90,3 +90,21 @@ def test_bad_modules_and_names(tmp_path, user_file):
     with pytest.raises(ValueError, match=r"actor.loss.mode='nope' is not a registered policy "
                                          r"loss; choose from \[.*'gspo'"):
         load_config(["algo=grpo", "actor.loss.mode=nope"])
+
+
+def test_the_former_module_of_the_shared_steps_still_imports():
+    """A user's algorithm file written against rlhf.programs.common keeps importing the
+    names the README showed, each the new module's object, with a DeprecationWarning."""
+    import importlib
+
+    from rlhf.programs import registry, rollout_sources, steps
+    from rlhf.programs.iteration import Iteration
+
+    common = importlib.import_module("rlhf.programs.common")
+    for name, want in (("register_algorithm", registry.register_algorithm),
+                       ("critic_free", steps.critic_free), ("field_of", steps.field_of),
+                       ("Iteration", Iteration), ("Rollout", rollout_sources.IterationRollout)):
+        with pytest.warns(DeprecationWarning, match=f"rlhf.programs.common.{name} moved"):
+            assert getattr(common, name) is want
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        common.nothing_here
