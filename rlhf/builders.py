@@ -219,7 +219,7 @@ def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0,
     section = cfg.role(role)
     init = _init_from(cfg, role)
     lora = getattr(section, "lora", None) if adapters else None
-    config = cfg.model_of(role).llama(run_precision(cfg).name)
+    config = cfg.model_of(role).llama(run_precision(cfg))
     coef = getattr(section, "router_aux_loss_coef", None)
     if coef is not None and config.num_experts:
         config = dataclasses.replace(config, router_aux_loss_coef=float(coef))
@@ -255,7 +255,7 @@ def actor_spec(cfg: Config, plan: WorldPlan) -> ActorSpec:
 
 def reference_spec(cfg: Config) -> ReferenceSpec:
     return ReferenceSpec(model=model_spec(cfg, "actor", "lm", adapters=False),
-                         temperature=cfg.data.temperature,
+                         precision=run_precision(cfg), temperature=cfg.data.temperature,
                          max_tokens=token_budget(cfg, "actor"),
                          micro_batch_size=cfg.data.micro_batch_size)
 
@@ -291,7 +291,7 @@ def _rule_group(ctl: Controller, plan: WorldPlan, cls: type, args: ScoreSpec,
 
 def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
     """Create every worker group of the run (collective over the job, in a fixed order)."""
-    p, r = plan.roles, cfg.reward
+    p, r, precision = plan.roles, cfg.reward, run_precision(cfg)
 
     def group(role: str, cls: type, *args) -> WorkerGroup:
         # the programs read every output: values come with the replies (no fetch round trip)
@@ -316,25 +316,25 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
                                factor=r.overlong_penalty_factor) if r.overlong_buffer else None
     if "reward_model" in p:
         reward = group("reward_model", RewardWorker, ScoreSpec(
-            model=model_spec(cfg, "reward_model", "value", 3), model_weight=r.model_weight,
-            rule_weights=rules, cost_rule=None, function=None, tokenizer=tok,
-            overlong=overlong))
+            model=model_spec(cfg, "reward_model", "value", 3), precision=precision,
+            model_weight=r.model_weight, rule_weights=rules, cost_rule=None, function=None,
+            tokenizer=tok, overlong=overlong))
     else:
         reward = _rule_group(ctl, plan, RewardWorker, ScoreSpec(
-            model=None, model_weight=0.0, rule_weights=rules, cost_rule=None,
-            function=r.function, tokenizer=tok, overlong=overlong), "reward")
+            model=None, precision=precision, model_weight=0.0, rule_weights=rules,
+            cost_rule=None, function=r.function, tokenizer=tok, overlong=overlong), "reward")
     cost = None
     if algorithm(cfg.algo.name).cost:
         if "cost_model" in p:
             cost = group("cost_model", CostWorker, ScoreSpec(
-                model=model_spec(cfg, "cost_model", "value", 4), model_weight=1.0,
-                rule_weights={}, cost_rule=None, function=None,
+                model=model_spec(cfg, "cost_model", "value", 4), precision=precision,
+                model_weight=1.0, rule_weights={}, cost_rule=None, function=None,
                 tokenizer=tok, overlong=None))  # the cost is the cost model's score
         else:
             rule = CostRule(r.forbidden_digit, r.max_answer_len)
             cost = _rule_group(ctl, plan, CostWorker, ScoreSpec(
-                model=None, model_weight=0.0, rule_weights={}, cost_rule=rule, function=None,
-                tokenizer=tok, overlong=None), "cost")
+                model=None, precision=precision, model_weight=0.0, rule_weights={},
+                cost_rule=rule, function=None, tokenizer=tok, overlong=None), "cost")
     roles = Roles(actor=actor, reward=reward, reference=reference, critic=critic,
                   cost_critic=cost_critic, cost=cost, rollout=rollout)
     loop = multi_turn_of(cfg, tokenizer_of(cfg))
@@ -345,7 +345,7 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
 
 def rollout_spec(cfg: Config, sync: SyncSpec) -> RolloutSpec:
     """The rollout pool's workers: the actor's architecture in the run's precision."""
-    return RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg).name), sync=sync,
+    return RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)), sync=sync,
                        rollout=cfg.rollout, init_from=cfg.actor.model.init_from, seed=cfg.seed,
                        lora=cfg.actor.lora.engine_config(),
                        record_routes=cfg.actor.router_replay)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.lora_config import LoraConfig
 from engine.optim_config import OptimConfig
 from rlhf.config_checks import (MAX_COUNT, check_at_most, check_one_of, check_path,
                                 check_positive, check_token_budget)
+
+if TYPE_CHECKING:  # an annotation only: importing this module loads no torch
+    from hybridflow_comm.devices import Precision
 
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "tie_word_embeddings", "num_experts", "num_experts_per_tok")
@@ -70,20 +73,21 @@ class ModelConfig:
                              f"a dense MLP)")
         check_at_most(MAX_COUNT, num_experts=self.num_experts)
 
-    def llama(self, precision: str = "fp32"):
+    def llama(self, precision: Precision | None = None):
         """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
         architecture, with this section's explicit fields; ValueError naming both values of
         any field that disagrees with the checkpoint.
 
         Args:
-            precision: the run's resolved precision (``fp32`` or ``bf16``, the run config's
-                ``precision``): the parameter dtype, whatever dtype the checkpoint stores.
+            precision: the run's resolved precision (:func:`rlhf.builders.run_precision`): its
+                ``param_dtype`` is the parameters' dtype, whatever dtype the checkpoint
+                stores.  None: fp32, for a caller that reads the architecture only.
         """
         from engine.hf_interop import read_hf_config
         from engine.llama_spec import LlamaConfig
-        from hybridflow_comm.devices import precision_dtype
+        from hybridflow_comm.devices import FP32
 
-        dtype = precision_dtype(precision)
+        dtype = (FP32 if precision is None else precision).param_dtype
         explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
         if self.init_from is None:
             arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit

@@ -79,7 +79,7 @@ def main_builtin(a: argparse.Namespace) -> int:
     task = task_of(cfg)
     start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
     precision = run_precision(cfg)
-    config = cfg.actor.model.llama(precision.name)
+    config = cfg.actor.model.llama(precision)
     settings = {"model": config.to_dict(), "task": vars(task),  # the dtype included
                 "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
                 "noise": a.noise, "carry_errors": a.carry_errors,

@@ -24,7 +24,8 @@ from engine.hf_interop import save_hf_checkpoint
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
-from rlhf.builders import task_of
+from hybridflow_comm.devices import Precision
+from rlhf.builders import run_precision, task_of
 from rlhf.config import load_config, resolve_devices
 from rlhf.task import CharTokenizer, CostRule
 from rlhf.workers.common import build_model, last_token_index
@@ -65,12 +66,17 @@ def accuracy(engine: TrainEngine, batch: dict) -> float:
 
 
 def train_rm(args: ModelSpec, kind: str, task, rule: CostRule, tok: CharTokenizer, *, out: str,
-             steps: int, batch: int, lr: float, width: int,
+             steps: int, batch: int, lr: float, width: int, precision: Precision,
              device: torch.device = torch.device("cpu")) -> dict:
-    """Train and save; returns held-out pair accuracy before and after."""
+    """Train and save; returns held-out pair accuracy before and after.
+
+    Args:
+        precision: the run's resolved precision (:func:`rlhf.builders.run_precision`), in
+            which ``args.config`` builds the model and the engine trains it.
+    """
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     model = build_model(args, groups, device)
-    engine = TrainEngine(model, OptimConfig(lr=lr, max_grad_norm=1.0))
+    engine = TrainEngine(model, OptimConfig(lr=lr, max_grad_norm=1.0), precision=precision)
     def on_device(b: dict) -> dict:
         return {k: v.to(device) for k, v in b.items()}
 
@@ -101,13 +107,14 @@ def main(argv: list[str]) -> int:
         print(f"[train_rm] invalid configuration: {e}", file=sys.stderr, flush=True)
         return 2
     role = "reward_model" if a.kind == "reward" else "cost_model"
-    args = ModelSpec(config=cfg.model_of(role).llama(cfg.precision), head="value",
-                     init_from=a.init,
+    precision = run_precision(cfg)
+    args = ModelSpec(config=cfg.model_of(role).llama(precision), head="value", init_from=a.init,
                      seed=cfg.seed + 3, fresh_head=False, lora=None, lora_init_from=None)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), out=a.out,
-                   steps=a.steps, batch=a.batch, lr=a.lr, width=width, device=device)
+                   steps=a.steps, batch=a.batch, lr=a.lr, width=width, precision=precision,
+                   device=device)
     print(f"[train_rm] saved {a.out}: held-out pair accuracy {res['accuracy_before']:.3f} -> "
           f"{res['accuracy_after']:.3f}", flush=True)
     return 0

@@ -170,7 +170,8 @@ def _runtime_objects() -> list:
     tok = builders.tokenizer_of(cfg)
     return [builders.actor_spec(cfg, plan), builders.critic_spec(cfg, plan, "critic", 1),
             builders.reference_spec(cfg), builders.sampling_of(cfg, 3, tok),
-            ScoreSpec(model=None, model_weight=0.0, rule_weights={"exact": 1.0},
+            ScoreSpec(model=None, precision=builders.run_precision(cfg), model_weight=0.0,
+                      rule_weights={"exact": 1.0},
                       cost_rule=CostRule("7", 4), function=None, tokenizer=None,
                       overlong=OverlongShaping(max_len=6, buffer=2, factor=0.5))]
 

@@ -382,6 +382,7 @@ def test_dynamic_packed_update_equals_padded(padded, role):
 
 
 def test_reference_log_probs_by_token_budget():
+    from hybridflow_comm.devices import Precision
     from rlhf.workers import ModelSpec, ReferenceSpec, ReferenceWorker
 
     batch, mask = _rollout(), _rollout()["response_mask"].bool()
@@ -391,7 +392,8 @@ def test_reference_log_probs_by_token_budget():
             spec = ReferenceSpec(model=ModelSpec(config=_config(dtype), head="lm",
                                                  init_from=None, seed=0, fresh_head=False,
                                                  lora=None, lora_init_from=None),
-                                 temperature=0.9, max_tokens=budget, micro_batch_size=3)
+                                 precision=Precision.of_dtype(dtype), temperature=0.9,
+                                 max_tokens=budget, micro_batch_size=3)
             w = ReferenceWorker.__new__(ReferenceWorker)
             w.groups = _single_groups()
             w.__init__(spec)

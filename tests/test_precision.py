@@ -1,8 +1,8 @@
 """Precision from the command line to the engines: ``precision=auto|fp32|bf16`` is resolved once
 per rank (:func:`rlhf.config.resolve_devices`, on the rank's device) into one
 :class:`hybridflow_comm.devices.Precision`; the builders build every model in its
-``param_dtype`` and hand it to the trained roles, whose :class:`engine.train.TrainEngine` keeps
-master weights when it says so; the SFT entry and the main job take the same path.  Nothing
+``param_dtype`` and hand it to every role's :class:`engine.train.TrainEngine` (trained roles
+keep master weights when it says so; the frozen reference, reward and cost models take it too); the SFT entry and the main job take the same path.  Nothing
 downstream reads ``auto`` again or infers the precision from the tensors."""
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def _worker(cls, spec):
 @CASES
 def test_config_precision_reaches_the_engines(given, precision):
     """auto on cpu -> fp32; bf16 -> bf16 parameters with fp32 masters, in training and in
-    the generation engine's config (the actor's and the rollout pool's)."""
-    from rlhf.workers import ActorWorker, CriticWorker
+    the generation engine's config (the actor's and the rollout pool's); the frozen models'
+    engines (reference, reward model) take the same value."""
+    from rlhf.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, ScoreSpec
     from rlhf.workers.rollout import SyncSpec
 
     cfg, device = resolve_devices(load_config([*TINY, f"precision={given}"]))
@@ -55,9 +56,12 @@ def test_config_precision_reaches_the_engines(given, precision):
     dtype = precision.param_dtype
     actor_spec = builders.actor_spec(cfg, plan)
     critic_spec = builders.critic_spec(cfg, plan, "critic", 1)
-    for spec in (actor_spec, critic_spec):
+    reference_spec = builders.reference_spec(cfg)
+    reward_spec = ScoreSpec(model=builders.model_spec(cfg, "reward_model", "value", 3),
+                            precision=precision, model_weight=1.0, rule_weights={},
+                            cost_rule=None, function=None, tokenizer=None, overlong=None)
+    for spec in (actor_spec, critic_spec, reference_spec, reward_spec):
         assert spec.precision is precision and spec.model.config.dtype == dtype
-    assert builders.reference_spec(cfg).model.config.dtype == dtype
     sync = SyncSpec(train=(1, 1, 1), gen=(1, 1, 1), train_ranks=(0,), gen_ranks=(1,))
     assert builders.rollout_spec(cfg, sync).config.dtype == dtype
 
@@ -69,6 +73,11 @@ def test_config_precision_reaches_the_engines(given, precision):
         assert (engine.masters is not None) is precision.master_weights
         assert {p.dtype for p in engine.train_params.values()} == {torch.float32}
     assert actor.engine.rollout.engine.config.dtype == dtype  # generation
+    reference = _worker(ReferenceWorker, reference_spec)
+    reward = _worker(RewardWorker, reward_spec)
+    for model, engine in ((reference.model, reference.engine), (reward.model, reward.engine)):
+        assert engine.precision is precision and engine.frozen and engine.masters is None
+        assert {p.dtype for p in model.params.values()} == {dtype}
 
 
 def test_builders_refuse_an_unresolved_precision():

@@ -247,6 +247,7 @@ def test_resume_on_other_world_size_and_layout(tmp_path):
 def test_train_cost_model_bradley_terry(tmp_path):
     from engine.hf_interop import read_hf_config
     from engine.llama_spec import LlamaConfig
+    from hybridflow_comm.devices import FP32
     from rlhf.task import AdditionTask, CharTokenizer, CostRule
     from rlhf.train_rm import train_rm
     from rlhf.workers.specs import ModelSpec
@@ -258,7 +259,7 @@ def test_train_cost_model_bradley_terry(tmp_path):
                      lora=None, lora_init_from=None)
     res = train_rm(spec, "cost", AdditionTask(1, 2), CostRule("7"),
                    CharTokenizer.build(), out=str(tmp_path / "cm"), steps=60, batch=32, lr=3e-3,
-                   width=14)
+                   width=14, precision=FP32)
     assert res["accuracy_after"] > 0.9 > res["accuracy_before"]
     assert read_hf_config(str(tmp_path / "cm")) == cfg
 

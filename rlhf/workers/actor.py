@@ -211,7 +211,7 @@ class ReferenceWorker(CheckpointedWorker):
     def __init__(self, spec: ReferenceSpec) -> None:
         self.spec = spec
         self.model = build_model(spec.model, self.groups, self.device, self.experts)
-        self.engine = TrainEngine(self.model, frozen=True)
+        self.engine = TrainEngine(self.model, precision=spec.precision, frozen=True)
         self.checkpoint = ShardCheckpoint(self.model)
 
     @protocol(THREE_D_PROTO, phase="log_probs")

@@ -43,7 +43,8 @@ class _ScoreWorker(CheckpointedWorker):
         self.function = FunctionReward(args.function) if args.function else None
         self.model = build_model(args.model, self.groups, self.device, self.experts) \
             if args.model else None
-        self.engine = TrainEngine(self.model, frozen=True) if self.model is not None else None
+        self.engine = TrainEngine(self.model, precision=args.precision, frozen=True) \
+            if self.model is not None else None
         self.checkpoint = ShardCheckpoint(self.model)  # no model: nothing to save
         self.rules = CompositeReward.from_weights(args.rule_weights) \
             if any(args.rule_weights.values()) else None

@@ -88,6 +88,8 @@ class ReferenceSpec:
     """The frozen reference policy."""
 
     model: ModelSpec
+    precision: Precision
+    """As the actor's: the run's resolved precision, which its forward-only engine takes."""
     temperature: float
     """As the actor's: the KL compares the two policies' distributions at one temperature."""
     max_tokens: int | None
@@ -120,6 +122,9 @@ class ScoreSpec:
 
     model: ModelSpec | None
     """Scalar model (reward or cost model); None = rules only."""
+    precision: Precision
+    """As the actor's: the run's resolved precision, which the model's forward-only engine
+    takes (unused without a model)."""
     model_weight: float
     """Weight of the model's score."""
     rule_weights: dict[str, float]
