@@ -99,6 +99,7 @@ from bench.timing import BenchDevice, add_device_arguments, bench_device, \
 from engine import forward_paths  # noqa: E402
 from engine import generation as generation_mod  # noqa: E402
 from engine import layers as layers_mod  # noqa: E402
+from engine import moe as moe_mod  # noqa: E402
 from engine.generation import GenerationEngine  # noqa: E402
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict, gather_full_state_dict, \
     load_hf_checkpoint, read_hf_config  # noqa: E402
@@ -564,6 +565,8 @@ def decode_profile(w: Workload, eng: GenerationEngine) -> dict:
     patches = [(layers_mod, "attention", "attention"),
                (layers_mod, "column_linear", "layer_matmuls"),
                (layers_mod, "row_linear", "layer_matmuls"),
+               (moe_mod, "column_linear", "layer_matmuls"),
+               (moe_mod, "row_linear", "layer_matmuls"),
                (generation_mod, "column_linear", "lm_head"),
                (generation_mod, "sample_next", "sampling")]
     if forward_paths._kernels is not None:

@@ -15,13 +15,13 @@ product itself::
     scores = q @ k.T * scale [B * h_kv, qpg * S, S]        + mask bias (0 / -inf), softmax
     out  = probs @ v         [B * h_kv, qpg * S, D]     -> [B, S, h_q * D]
 
-Used by :func:`engine.layers.attention` without a KV cache, for a causal or boolean mask,
+Used by :func:`engine.attention.attention` without a KV cache, for a causal or boolean mask,
 where the scores stay under :data:`MAX_SCORE_BYTES` (longer sequences keep the flash kernel,
 whose memory does not grow with ``S^2``): those of the whole batch under autograd (the
 backward keeps them), those of one sequence without it, the batch then taken in chunks (the
 reference forward of 64 sequences of 192 tokens at ``small``); and where the products reach
 :data:`engine.onednn.MIN_MACS`.  Every query row must see at least
-one key (:func:`engine.layers.causal_mask` always lets a row see itself).
+one key (:func:`engine.attention.causal_mask` always lets a row see itself).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ draws its masks from inductor's generator: the same distribution as eagerly, oth
 
 Used where :func:`engine.inductor.compile_applies` (``compile_layers``, None: on for CUDA, and
 compiling enabled, ``HYBRIDFLOW_COMPILE``); sequences packed on one row
-(:class:`engine.layers.PackedSeqs`, one attention per sequence) run eagerly.  Where the
+(:class:`engine.attention.PackedSeqs`, one attention per sequence) run eagerly.  Where the
 backend cannot compile (the backward is lowered with the forward, so a failure shows there),
 the layers run eagerly after one warning (:class:`engine.inductor.Compiled`).
 """
@@ -61,9 +61,12 @@ from collections.abc import Mapping
 import torch
 
 from engine import inductor
-from engine.layers import LoraDeltas, MoeFn, MoeRouting, PackedSeqs, RouteTrace, RouterLoss, \
-    attention_block, decoder_layer as eager_layer, mlp_block, rms_norm, swiglu_block
+from engine.attention import PackedSeqs
+from engine.layers import LayerSpec, LoraDeltas, attention_block, decoder_layer as eager_layer, \
+    mlp_block, swiglu_block
 from engine.lora import ROW_PARALLEL, LayerLora
+from engine.moe import RouteRecord, RouterLossTerms
+from engine.norm import rms_norm
 from engine.tp_ops import copy_to_tp, reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -92,7 +95,7 @@ def train_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Tenso
     """One decoder layer of ``x [B, S, H]`` on one TP rank, without KV cache (the function
     that is compiled); ``mask``: boolean ``[B, 1, S, S]`` or None (causal); ``adapters``:
     :data:`Adapters`."""
-    return eager_layer(x, w, (cos, sin), mask, q_per_group, head_dim, eps, None,
+    return eager_layer(x, w, (cos, sin), mask, LayerSpec(q_per_group, head_dim, eps),
                        lora=_lora(adapters, q_per_group, head_dim))
 
 
@@ -101,8 +104,9 @@ def attention_part(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Te
                    head_dim: int, eps: float, *adapters) -> torch.Tensor:
     """This rank's part of ``o_proj(attention(norm(x)))`` (a partial sum over the TP group;
     ``w`` without ``o_proj_bias``)."""
-    return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), mask, q_per_group,
-                           head_dim, eps, None, lora=_lora(adapters, q_per_group, head_dim))
+    return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), mask,
+                           LayerSpec(q_per_group, head_dim, eps),
+                           lora=_lora(adapters, q_per_group, head_dim))
 
 
 def mlp_part(h: torch.Tensor, w: Mapping[str, torch.Tensor], q_per_group: int, head_dim: int,
@@ -147,28 +151,29 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                   rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                  q_per_group: int, head_dim: int, eps: float, tp_group: Group | None,
-                  lora: LoraDeltas | None = None, routing: MoeRouting | None = None,
-                  router_loss: RouterLoss | None = None, trace: RouteTrace | None = None,
-                  moe: MoeFn | None = None) -> torch.Tensor:
+                  spec: LayerSpec, lora: LoraDeltas | None = None,
+                  router_loss: RouterLossTerms | None = None, trace: RouteRecord | None = None
+                  ) -> torch.Tensor:
     """:func:`engine.layers.decoder_layer`'s result through compiled code (the module
-    docstring's table); ``mask`` a boolean mask or None, never packed sequences."""
+    docstring's table); ``mask`` a boolean mask or None, never packed sequences.  The
+    compiled functions take ``spec``'s sizes as plain values (no process group or block
+    object reaches compiled code)."""
     assert not isinstance(mask, PackedSeqs), "packed sequences run the eager layers"
     cos, sin = rope
-    tensor_parallel = tp_group is not None and tp_group.pg is not None
-    if not tensor_parallel and routing is None:
-        return compiled_layer(x, w, cos, sin, mask, q_per_group, head_dim, eps,
+    sizes = spec.q_per_group, spec.head_dim, spec.eps
+    g = spec.tp_group
+    tensor_parallel = g is not None and g.pg is not None
+    if not tensor_parallel and spec.routing is None:
+        return compiled_layer(x, w, cos, sin, mask, *sizes,
                               *_adapters(lora, ATTENTION_MODULES + MLP_MODULES, None))
-    g = tp_group
     attn = compiled_attention(copy_to_tp(x, g), _region(w, ATTENTION, g), cos, sin, mask,
-                              q_per_group, head_dim, eps,
-                              *_adapters(lora, ATTENTION_MODULES, g))
+                              *sizes, *_adapters(lora, ATTENTION_MODULES, g))
     h = x + reduce_from_tp(attn, g)
     if "o_proj_bias" in w:
         h = h + w["o_proj_bias"]
-    if routing is not None:
-        return h + mlp_block(rms_norm(h, w["post_norm"], eps), w, g, None, routing,
-                             router_loss, trace, moe)
-    mlp = compiled_mlp(copy_to_tp(h, g), _region(w, MLP, g), q_per_group, head_dim, eps,
+    if spec.routing is not None:
+        return h + mlp_block(rms_norm(h, w["post_norm"], spec.eps), w, spec, None, router_loss,
+                             trace)
+    mlp = compiled_mlp(copy_to_tp(h, g), _region(w, MLP, g), *sizes,
                        *_adapters(lora, MLP_MODULES, g))
     return h + reduce_from_tp(mlp, g)

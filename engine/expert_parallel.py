@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.layers import MoeRouting, RouterLoss, RouteTrace, expert_ffn, route
+from engine.moe import MoeRouting, RouteRecord, RouterLossTerms, expert_ffn, route
 from engine.tp_ops import copy_to_tp, reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -73,7 +73,7 @@ def exchange_counts(counts: torch.Tensor, group: Group) -> torch.Tensor:
 
 def moe_block_ep(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
                  num_experts: int, ep_group: Group, tp_group: Group | None,
-                 router_loss: RouterLoss | None = None, trace: RouteTrace | None = None
+                 router_loss: RouterLossTerms | None = None, trace: RouteRecord | None = None
                  ) -> torch.Tensor:
     """Dropless top-k mixture of SwiGLU experts under expert parallelism (module docstring):
     ``x [..., H]`` (replicated over TP) -> ``[..., H]``.
@@ -120,14 +120,14 @@ def moe_block_ep(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRou
 @dataclass(frozen=True)
 class ExpertParallel:
     """:func:`moe_block_ep` over one EP group, as the MoE block of a decoder layer
-    (:class:`engine.layers.MoeFn`)."""
+    (:class:`engine.moe.MoeFn`)."""
 
     group: Group
     num_experts: int
 
     def __call__(self, x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
-                 tp_group: Group | None, router_loss: RouterLoss | None = None,
-                 trace: RouteTrace | None = None) -> torch.Tensor:
+                 tp_group: Group | None, router_loss: RouterLossTerms | None = None,
+                 trace: RouteRecord | None = None) -> torch.Tensor:
         return moe_block_ep(x, w, routing, self.num_experts, self.group, tp_group,
                             router_loss, trace)
 

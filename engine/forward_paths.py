@@ -42,6 +42,7 @@ rows, so dropping finished rows (:mod:`engine.early_exit`) never switches a prod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
@@ -50,8 +51,10 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVCache
-from engine.layers import LoraDeltas, MoeFn, MoeRouting, RouteTrace, decoder_layer
+from engine.layers import LayerSpec, LoraDeltas, decoder_layer
 from engine.llama_spec import LAYER_KEYS
+from engine.moe import MoeFn, MoeRouting
+from engine.route_trace import RouteTrace
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -88,7 +91,7 @@ class StageLayers:
     """The layers' mixture-of-experts routing (None: dense MLPs); only the Python layers read
     experts."""
     moe: MoeFn | None = None
-    """The mixture-of-experts block (None: :func:`engine.layers.moe_block` over every
+    """The mixture-of-experts block (None: :func:`engine.moe.moe_block` over every
     expert; generation EP: over this rank's experts)."""
     route_log: list[torch.Tensor] | None = None
     """Where the Python layers append each forward's ``[tokens, layers, k]`` experts (None:
@@ -97,6 +100,12 @@ class StageLayers:
     @property
     def tensor_parallel(self) -> bool:
         return self.tp_group is not None and self.tp_group.pg is not None
+
+    @functools.cached_property
+    def layer_spec(self) -> LayerSpec:
+        """The settings every layer of the stage shares (:class:`engine.layers.LayerSpec`)."""
+        return LayerSpec(self.q_per_group, self.head_dim, self.eps, self.tp_group, self.routing,
+                         self.moe)
 
 
 class LayerPath(Protocol):
@@ -116,7 +125,7 @@ class LayerPath(Protocol):
 
         ``rope`` is the step's ``(cos, sin)`` ``[B, S, D]``; ``attn`` the boolean
         ``[B, 1, S, length + S]`` mask over the cached and new keys (True = attend), or None
-        where no key is padding (causal; :func:`engine.layers.attention`).
+        where no key is padding (causal; :func:`engine.attention.attention`).
         """
 
 
@@ -209,9 +218,8 @@ class PythonLayers:
         s = self.stage
         trace = RouteTrace() if s.route_log is not None else None
         for j, w in enumerate(s.weights):
-            x = decoder_layer(x, w, rope, attn, s.q_per_group, s.head_dim, s.eps, s.tp_group,
-                              kv_hook=cache.hook(j), lora=s.loras[j] if s.loras else None,
-                              routing=s.routing, trace=trace, moe=s.moe)
+            x = decoder_layer(x, w, rope, attn, s.layer_spec, kv_hook=cache.hook(j),
+                              lora=s.loras[j] if s.loras else None, trace=trace)
         if trace is not None:
             s.route_log.append(trace.recorded())
         return x

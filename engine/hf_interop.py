@@ -38,9 +38,9 @@ from safetensors.torch import save_file
 
 from engine.hf_families import family, family_of_hf
 from engine.hf_shards import hf_shapes, shard_parts
-from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig
 from engine.model import ParallelLlama
+from engine.rope import RopeScaling
 from hybridflow_comm.shard_spec import ShardSpec
 
 SINGLE_FILE = "model.safetensors"

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.hf_families import family
-from engine.layers import MoeRouting, RopeScaling
+from engine.moe import MoeRouting
+from engine.rope import RopeScaling
 from hybridflow_comm.shard_spec import GateUpFusion, QKVFusion, ShardSpec
 
 HEADS = ("lm", "value")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers import PackedSeqs
+from engine.attention import PackedSeqs
 
 
 # Partitioning -------------------------------------------------------------------------------

@@ -22,14 +22,18 @@ import torch
 from torch import nn
 
 from engine import compiled_train, inductor
+from engine.attention import PackedSeqs, causal_mask
 from engine.expert_parallel import ExpertParallel
 from engine.hf_shards import HFRead, hf_reads
-from engine.layers import PackedSeqs, RouteTrace, RouterLoss, add_loss_gradient, \
-    causal_mask, decoder_layer, position_ids_from_mask, rms_norm, rope_tables
+from engine.layers import LayerSpec, decoder_layer
 from engine.llama_spec import LAYER_KEYS  # noqa: F401  (re-exported: engine.model.LAYER_KEYS)
 from engine.llama_spec import LlamaConfig, head_weight_name, llama_shard_specs
 from engine.lora import LayerLora, LoraConfig, init_lora_state_dict, lora_shard_specs
 from engine.micro_batches import PackedRows
+from engine.norm import rms_norm
+from engine.rope import position_ids_from_mask, rope_tables
+from engine.route_trace import RouteTrace
+from engine.router_loss import RouterLoss, add_loss_gradient
 from engine.tp_ops import column_linear, linear_log_prob_entropy, vocab_embedding, \
     vocab_log_prob_entropy
 from hybridflow_comm.flat_buffer import FlatParamBuffer
@@ -103,6 +107,8 @@ class ParallelLlama(nn.Module):
                 groups.rank), device=buffer.device)
             self.expert_buffer.release_generation_slots()  # generation-only until a transition
             self.moe = ExpertParallel(self.experts.ep, config.num_experts)
+        self.layer_spec = LayerSpec(config.q_per_group, config.head_dim, config.rms_norm_eps,
+                                    self.tp_group, config.routing, self.moe)
         self.params: dict[str, nn.Parameter] = {}
         for spec in self.local_specs:
             home = buffer if self.expert_buffer is None or spec.expert is None \
@@ -242,10 +248,10 @@ class ParallelLlama(nn.Module):
                 ``router_loss.weighted()`` (training; ignored by a dense model).
             routes: a mixture of experts' routing of this stage's layers, recorded into it
                 and, where it holds ``replay [tokens, layers of this stage, k]`` (the tokens
-                flattened as ``inputs``), replayed (:class:`engine.layers.RouteTrace`).
+                flattened as ``inputs``), replayed (:class:`engine.route_trace.RouteTrace`).
             packed: the inputs are sequences packed on one row (``B = 1``, no
                 ``attention_mask``; :mod:`engine.micro_batches`): each attends only to itself
-                (one causal attention per sequence, :func:`engine.layers.attention`).
+                (one causal attention per sequence, :func:`engine.attention.attention`).
 
         Returns:
             Hidden states ``[B, S, H]`` (normalised on the last stage).
@@ -275,9 +281,8 @@ class ParallelLlama(nn.Module):
         layer = (compiled_train.decoder_layer
                  if self.compile_layers and not isinstance(mask, PackedSeqs) else decoder_layer)
         for i in self.layer_ids:
-            x = layer(x, self.layer_weights(i), rope, mask, c.q_per_group, c.head_dim,
-                      c.rms_norm_eps, self.tp_group, lora=self.layer_lora(i),
-                      routing=c.routing, router_loss=router_loss, trace=routes, moe=self.moe)
+            x = layer(x, self.layer_weights(i), rope, mask, self.layer_spec,
+                      lora=self.layer_lora(i), router_loss=router_loss, trace=routes)
         if router_loss is not None and router_loss.terms and router_loss.weight:
             x = add_loss_gradient(x, router_loss.weighted())
         if self.is_last:

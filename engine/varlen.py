@@ -1,7 +1,7 @@
 """Packed sequences' causal attention in one call on CUDA: torch's variable-length flash
 attention (``torch.nn.attention.varlen.varlen_attn``, forward and backward).
 
-A packed micro-batch (:class:`engine.layers.PackedSeqs`, padding removed) is one row of ``T``
+A packed micro-batch (:class:`engine.attention.PackedSeqs`, padding removed) is one row of ``T``
 tokens holding ``n`` sequences; each attends only to itself.  Elsewhere that is one SDPA call
 per sequence, which on a GPU launches ``n`` attention kernels (and their backward) per layer
 for a micro-batch of often dozens of short sequences.  The varlen kernel takes the row and the
@@ -73,7 +73,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Args:
         cu_seqlens: the sequences' boundaries ``[n + 1]`` int32 on ``q``'s device, made once
-            per micro-batch (:meth:`engine.layers.PackedSeqs.boundaries`), not per layer.
+            per micro-batch (:meth:`engine.attention.PackedSeqs.boundaries`), not per layer.
         longest: the longest sequence's length (host data: no sync to read it).
         attn: the ``varlen_attn`` to call (default torch's).
     """

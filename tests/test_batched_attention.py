@@ -1,6 +1,6 @@
 """engine.batched_attention (grouped-query attention by batched oneDNN products) against a
 float64 reference written out head by head: causal and padding masks, one and several query
-heads per KV head, the gradients of q, k and v; where engine.layers.attention uses it and where
+heads per KV head, the gradients of q, k and v; where engine.attention.attention uses it and where
 it keeps scaled_dot_product_attention, and that both give the same values."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from engine import batched_attention, layers, onednn
+from engine import attention as attention_mod, batched_attention, onednn
 
 pytestmark = pytest.mark.skipif(not onednn.batched(),
                                 reason="needs oneDNN and the engine._kernels extension")
@@ -53,7 +53,7 @@ def padding_rows(b, s, seed):
 
 def padding_mask(b, s, seed):
     """:func:`padding_rows` as the layers' boolean ``[B, 1, S, S]`` causal mask."""
-    return layers.causal_mask(padding_rows(b, s, seed), b, s)
+    return attention_mod.causal_mask(padding_rows(b, s, seed), b, s)
 
 
 @pytest.mark.parametrize("h_q, h_kv", [(6, 2), (4, 4), (8, 1)])
@@ -85,11 +85,11 @@ def test_layers_choose_it_for_short_sequences_and_agree_with_flash(monkeypatch):
     budget = batched_attention.MAX_SCORE_BYTES
     for m in (None, mask):
         monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", budget)
-        short = layers.attention(q, k, v, m)
+        short = attention_mod.attention(q, k, v, m)
         assert chosen.pop()
         # above the score budget: scaled_dot_product_attention (flash) does the same work
         monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", b * 4 * s * s * 4 - 1)
-        long = layers.attention(q, k, v, m)
+        long = attention_mod.attention(q, k, v, m)
         assert not chosen
         torch.testing.assert_close(short, long, atol=2e-6, rtol=0)
 
@@ -112,7 +112,7 @@ def test_without_autograd_long_batches_go_in_chunks(monkeypatch):
     with torch.no_grad():
         for m in (None, mask):
             assert batched_attention.applies(q, k, m)
-            got = layers.attention(q, k, v, m)
+            got = attention_mod.attention(q, k, v, m)
             assert calls == [2 * 2, 2 * 2, 1 * 2]  # B * h_kv per chunk
             calls.clear()
             torch.testing.assert_close(got.double(), reference(q, k, v, m), atol=1e-5, rtol=0)
@@ -123,8 +123,8 @@ def test_without_autograd_long_batches_go_in_chunks(monkeypatch):
 def test_packed_sequences_each_attend_to_themselves():
     lengths = (5, 1, 12)
     q, k, v = operands(1, sum(lengths), 4, 2, 8, seed=11)
-    packed = layers.PackedSeqs((0, 5, 6, 18))
-    out = layers.attention(q, k, v, packed)
+    packed = attention_mod.PackedSeqs((0, 5, 6, 18))
+    out = attention_mod.attention(q, k, v, packed)
     starts = packed.cu_seqlens
     want = torch.cat([reference(q[:, a:e], k[:, a:e], v[:, a:e], None)
                       for a, e in zip(starts, starts[1:])], dim=1)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import compiled_train, inductor
-from engine.layers import PackedSeqs
+from engine.attention import PackedSeqs
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.lora import LoraConfig
 from engine.model import ParallelLlama, load_full_state_dict
@@ -211,7 +211,8 @@ def test_compiled_layers_of_a_mixture_match_eager():
     """A mixture of experts (q/k norms, router loss) through the compiled attention region
     and the routed MLP: log-probs, every gradient (router and experts included), the router
     loss and the recorded routes; a replay of those routes gives the same pass."""
-    from engine.layers import RouteTrace, RouterLoss
+    from engine.route_trace import RouteTrace
+    from engine.router_loss import RouterLoss
 
     ids, mask = _batch(3, 12, padded=True)
     runs = {}

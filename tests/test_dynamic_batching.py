@@ -24,9 +24,10 @@ import math
 import pytest
 import torch
 
-from engine.layers import PackedSeqs, attention, position_ids_from_mask
+from engine.attention import PackedSeqs, attention
 from engine.micro_batches import (_lpt, count_micro_batches, first_fit_decreasing, pack_rows,
                                   partition_by_tokens)
+from engine.rope import position_ids_from_mask
 
 EPS32 = torch.finfo(torch.float32).eps  # 2**-23: a float32 ulp at 1 (>= one ulp of x at |x|)
 

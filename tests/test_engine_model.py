@@ -268,7 +268,8 @@ def test_layer_functions_read_generation_forms_in_place():
     """A tp=2 training layout regrouped to tp_g=1: the generation region of one rank holds both
     training shards; the layer functions consume it as is (column weights concatenated on dim
     0, row weights stacked ``[m, out, in/m]``) and match the full weights."""
-    from engine.layers import decoder_layer, rope_tables
+    from engine.layers import LayerSpec, decoder_layer
+    from engine.rope import rope_tables
     from engine.model import LAYER_KEYS
     from hybridflow_comm.flat_buffer import FlatParamBuffer
     from hybridflow_comm.shard_spec import slot_specs, train_shard
@@ -292,7 +293,7 @@ def test_layer_functions_read_generation_forms_in_place():
         buf.gen_view("layers.1.o_proj").data_ptr()
     x = torch.randn(2, 6, CFG.hidden_size, generator=torch.Generator().manual_seed(0))
     rope = rope_tables(torch.arange(6).expand(2, 6), CFG.head_dim, CFG.rope_theta)
-    args = (rope, None, CFG.q_per_group, CFG.head_dim, CFG.rms_norm_eps, None)
+    args = (rope, None, LayerSpec(CFG.q_per_group, CFG.head_dim, CFG.rms_norm_eps))
     torch.testing.assert_close(decoder_layer(x, gen_w, *args), decoder_layer(x, full_w, *args),
                                atol=1e-6, rtol=1e-5)
 

@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from engine.expert_parallel import moe_block_ep
 from engine.hybrid_engine import HybridEngine
-from engine.layers import MoeRouting, RouterLoss, moe_block
 from engine.lora import LoraConfig
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
+from engine.moe import MoeRouting, moe_block
+from engine.router_loss import RouterLoss
 from engine.sampling import SamplingParams
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.expert_layout import ExpertLayout
@@ -136,7 +137,7 @@ def check_all_to_all_bytes(rank, world, cases):
     for one layer over a balanced routing replayed on the TP group's ``tp * E`` tokens: token
     ``n``'s slot ``j`` goes to expert ``(n // tp * k + j) % E``, so every rank's share sends
     ``k`` rows to each expert."""
-    from engine.layers import RouteTrace
+    from engine.route_trace import RouteTrace
 
     sent, real = [], dist.all_to_all_single
 

@@ -27,9 +27,9 @@ from engine.generation import GenerationEngine
 from engine.hf_interop import config_from_hf, config_to_hf, load_hf_checkpoint, \
     read_hf_config, read_hf_head
 from engine.hf_shards import hf_reads, hf_shapes, shard_parts
-from engine.layers import RopeScaling
 from engine.llama_spec import LlamaConfig, llama_shard_specs
 from engine.model import ParallelLlama
+from engine.rope import RopeScaling
 from engine.train import TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout

@@ -205,7 +205,7 @@ def test_cache_is_keyed_by_cpu_capability_unless_the_user_chose_one(tmp_path):
 
 def _swiglu_reference(gu: torch.Tensor, grad: torch.Tensor):
     """Autograd of the formula in float64: the output and the gradient of ``<out, grad>``."""
-    from engine.layers import swiglu_formula
+    from engine.mlp import swiglu_formula
 
     gu = gu.double().requires_grad_()
     out = swiglu_formula(gu)
@@ -215,23 +215,23 @@ def _swiglu_reference(gu: torch.Tensor, grad: torch.Tensor):
 
 @pytest.mark.parametrize("numel", [4 * 6 * 32 * 2, MIN_NUMEL * 2], ids=["eager", "compiled"])
 def test_swiglu_node_matches_float64_autograd(compile_on, numel, monkeypatch):
-    """engine.layers.swiglu without the C++ kernel (one autograd node; compiled above the
+    """engine.mlp.swiglu without the C++ kernel (one autograd node; compiled above the
     threshold) against autograd of the formula in float64: output and the interleaved
     gradient of gate and up."""
-    from engine import layers
+    from engine import cpu_ops, mlp
 
-    monkeypatch.setattr(layers, "_kernels", None)  # the kernel: tests/test_swiglu_kernel.py
+    monkeypatch.setattr(cpu_ops, "_kernels", None)  # the kernel: tests/test_swiglu_kernel.py
 
     g = torch.Generator().manual_seed(5)
     gu = torch.randn(4, numel // (4 * 32 * 2), 32, 2, generator=g) * 3
     grad = torch.randn(gu.shape[:-1], generator=g)
     want_out, want_grad = _swiglu_reference(gu, grad)
     x = gu.clone().requires_grad_()
-    out = layers.swiglu(x)
+    out = mlp.swiglu(x)
     out.backward(grad)
     assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_SwiGLUBackward"
-    assert layers._compiled_swiglu.uses_compiled(gu) == (numel >= MIN_NUMEL)
+    assert mlp._compiled_swiglu.uses_compiled(gu) == (numel >= MIN_NUMEL)
     for a, b in ((out, want_out), (x.grad, want_grad)):
         assert float((a.double() - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
     with torch.no_grad():  # inference: the same values, no node
-        assert torch.equal(layers.swiglu(gu), out.detach())
+        assert torch.equal(mlp.swiglu(gu), out.detach())

@@ -1,4 +1,4 @@
-"""Masked grouped-query attention (engine/layers.py ``repeat_kv_heads``): on CUDA each
+"""Masked grouped-query attention (engine/attention.py ``repeat_kv_heads``): on CUDA each
 key/value head is repeated for its query heads so that SDPA's memory-efficient kernel takes the
 padding mask (with ``enable_gqa`` SDPA would fall back to its math kernel); the same results as
 SDPA's own group broadcast, on the CPU in float64 and on a GPU with the math kernel barred."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import layers
-from engine.layers import attention, causal_mask, repeat_kv_heads
+from engine import attention as attention_mod
+from engine.attention import attention, causal_mask, repeat_kv_heads
 
 
 def test_repeat_kv_heads_only_on_cuda_with_a_mask_and_groups():
@@ -33,7 +33,7 @@ def _operands(device, dtype, generator_seed=0):
 def test_repeated_heads_equal_the_broadcast_groups(monkeypatch):
     (q, k, v), mask, am = _operands("cpu", torch.float64)
     want = attention(q, k, v, mask)
-    monkeypatch.setattr(layers, "repeat_kv_heads", lambda *a: True)
+    monkeypatch.setattr(attention_mod, "repeat_kv_heads", lambda *a: True)
     got = attention(q, k, v, mask)
     real = am.bool()
     torch.testing.assert_close(got[real], want[real], atol=1e-12, rtol=0)

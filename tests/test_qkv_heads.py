@@ -11,7 +11,10 @@ import math
 import pytest
 import torch
 
-from engine import batched_attention, layers, onednn
+from engine import batched_attention, onednn
+from engine.attention import PackedSeqs, causal_mask
+from engine.layers import LayerSpec, attention_block
+from engine.rope import apply_rope, position_ids_from_mask, rope_tables
 from tests.test_batched_attention import padding_rows
 
 pytestmark = pytest.mark.skipif(batched_attention._kernels is None or not onednn.batched(),
@@ -30,8 +33,8 @@ def case(b, s, h_kv, qpg, d, bias, seed):
     qkv = torch.randn(b, s, width, generator=g).requires_grad_()
     w = {"qkv_bias": torch.randn(width, generator=g).requires_grad_()} if bias else {}
     mask2d = padding_rows(b, s, seed)
-    cos, sin = layers.rope_tables(layers.position_ids_from_mask(mask2d), d, 10000.0)
-    return qkv, w, (cos, sin), layers.causal_mask(mask2d, b, s)
+    cos, sin = rope_tables(position_ids_from_mask(mask2d), d, 10000.0)
+    return qkv, w, (cos, sin), causal_mask(mask2d, b, s)
 
 
 def python_heads(qkv, bias, cos, sin, qpg, d, dtype=torch.float32):
@@ -41,8 +44,8 @@ def python_heads(qkv, bias, cos, sin, qpg, d, dtype=torch.float32):
     x = qkv.to(dtype) + (0 if bias is None else bias.to(dtype))
     x = x.unflatten(-1, (h_kv, qpg + 2, d))
     c, sn = cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
-    q = layers.apply_rope(x[..., :qpg, :].flatten(2, 3), c.squeeze(2), sn.squeeze(2))
-    k = layers.apply_rope(x[..., qpg, :], c.squeeze(2), sn.squeeze(2))
+    q = apply_rope(x[..., :qpg, :].flatten(2, 3), c.squeeze(2), sn.squeeze(2))
+    k = apply_rope(x[..., qpg, :], c.squeeze(2), sn.squeeze(2))
     v = x[..., qpg + 1, :]
     qg = q.view(b, s, h_kv, qpg, d).permute(0, 2, 3, 1, 4).reshape(b * h_kv, qpg * s, d)
     kg, vg = (t.permute(0, 2, 1, 3).reshape(b * h_kv, s, d) for t in (k, v))
@@ -102,7 +105,7 @@ def layer_weights(h, h_kv, qpg, d, bias, seed):
 
 
 def run_block(x, w, rope, mask, qpg, d):
-    out = layers.attention_block(x, w, rope, mask, qpg, d, 1e-6, None)
+    out = attention_block(x, w, rope, mask, LayerSpec(qpg, d, 1e-6))
     g = torch.Generator().manual_seed(11)
     dy = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, [x, *w.values()], dy)
@@ -115,7 +118,7 @@ def test_layers_take_it_with_the_python_paths_values(masked, monkeypatch):
     _, _, rope, mask = case(b, s, h_kv, qpg, d, False, seed=3)
     mask = mask if masked else None
     if not masked:  # plain causal: positions 0..S-1
-        rope = layers.rope_tables(torch.arange(s).expand(b, s), d, 10000.0)
+        rope = rope_tables(torch.arange(s).expand(b, s), d, 10000.0)
     w = layer_weights(h, h_kv, qpg, d, True, seed=4)
     x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(6)).requires_grad_()
     fused, fused_grads = run_block(x, w, rope, mask, qpg, d)
@@ -145,18 +148,18 @@ def test_where_it_does_not_apply():
     wq = layer_weights(h, h_kv, qpg, d, False, seed=9)
     wq.update(q_norm=torch.ones(d), k_norm=torch.ones(d))
     x = torch.randn(b, s, h, requires_grad=True)
-    out = layers.attention_block(x, wq, (cos, sin), mask, qpg, d, 1e-6, None)
+    out = attention_block(x, wq, (cos, sin), mask, LayerSpec(qpg, d, 1e-6))
     assert "_QKVHeadsBackward" not in graph_names(out)
     w = layer_weights(h, h_kv, qpg, d, False, seed=10)
-    out = layers.attention_block(x, w, (cos, sin), mask, qpg, d, 1e-6, None,
+    out = attention_block(x, w, (cos, sin), mask, LayerSpec(qpg, d, 1e-6),
                                  kv_hook=lambda k, v: (k, v))
     assert "_QKVHeadsBackward" not in graph_names(out)
-    packed = layers.PackedSeqs((0, 4, 9))
-    rope = layers.rope_tables(packed.position_ids(), d, 10000.0)
-    out = layers.attention_block(x[:1], w, rope, packed, qpg, d, 1e-6, None)
+    packed = PackedSeqs((0, 4, 9))
+    rope = rope_tables(packed.position_ids(), d, 10000.0)
+    out = attention_block(x[:1], w, rope, packed, LayerSpec(qpg, d, 1e-6))
     assert "_QKVHeadsBackward" not in graph_names(out)
     assert "_QKVHeadsBackward" in graph_names(
-        layers.attention_block(x, w, (cos, sin), mask, qpg, d, 1e-6, None))
+        attention_block(x, w, (cos, sin), mask, LayerSpec(qpg, d, 1e-6)))
 
 
 def test_bad_arguments_raise():
@@ -189,9 +192,9 @@ def test_chunked_without_autograd(monkeypatch):
     monkeypatch.setattr(batched_attention._QKVHeads, "apply",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.no_grad():
-        got = layers.attention_block(x, w, rope, mask, qpg, d, 1e-6, None)
+        got = attention_block(x, w, rope, mask, LayerSpec(qpg, d, 1e-6))
         assert calls == [2, 2, 1]
         monkeypatch.setattr(batched_attention, "MAX_SCORE_BYTES", 0)  # flash, Python path
-        want = layers.attention_block(x, w, rope, mask, qpg, d, 1e-6, None)
+        want = attention_block(x, w, rope, mask, LayerSpec(qpg, d, 1e-6))
     assert calls == [2, 2, 1]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """The C++ RMSNorm (``engine._kernels.rms_norm_forward/backward``, run by
-:func:`engine.layers.rms_norm` for float32 CPU tensors) against the formula in float64 and its
+:func:`engine.norm.rms_norm` for float32 CPU tensors) against the formula in float64 and its
 autograd gradients; where the layers choose it and where the formula; the model's layers and
 final norm on it."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import layers
+from engine import cpu_ops, norm
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from hybridflow_comm.groups import build_hybrid_groups
@@ -45,10 +45,10 @@ def test_kernel_matches_formula_and_gradient(shape, threads):
     torch.set_num_threads(threads)
     try:
         xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
-        got = layers.rms_norm(xf, wf, EPS)
+        got = norm.rms_norm(xf, wf, EPS)
         dx, dw = torch.autograd.grad(got, [xf, wf], dy)
         with torch.no_grad():  # inference calls the kernel directly: the same values
-            nograd = layers.rms_norm(x, w, EPS)
+            nograd = norm.rms_norm(x, w, EPS)
     finally:
         torch.set_num_threads(before)
     assert on_kernel(got)
@@ -58,7 +58,7 @@ def test_kernel_matches_formula_and_gradient(shape, threads):
         tol = 1e-6 * shape[-1] ** 0.5 * max(1.0, b.abs().max().item() if b.numel() else 0.0)
         torch.testing.assert_close(a.detach().double(), b, rtol=0, atol=tol)
     # and the float32 formula the other dtypes run, within the same rounding
-    torch.testing.assert_close(got.detach(), layers.rms_norm_formula(x, w, EPS), rtol=1e-5,
+    torch.testing.assert_close(got.detach(), norm.rms_norm_formula(x, w, EPS), rtol=1e-5,
                                atol=1e-6)
 
 
@@ -68,7 +68,7 @@ def test_strided_input_and_weight_are_copied_not_refused():
     gen = torch.Generator().manual_seed(4)
     base = torch.randn(16, 6, generator=gen).requires_grad_()
     wbase = torch.randn(32, generator=gen).requires_grad_()
-    got = layers.rms_norm(base.t(), wbase[::2], EPS)  # [6, 16], weight stride 2
+    got = norm.rms_norm(base.t(), wbase[::2], EPS)  # [6, 16], weight stride 2
     assert on_kernel(got)
     dy = torch.randn(6, 16, generator=gen)
     dx, dw = torch.autograd.grad(got, [base, wbase], dy)
@@ -81,31 +81,31 @@ def test_strided_input_and_weight_are_copied_not_refused():
 
 def test_formula_where_the_kernel_does_not_apply():
     """Other dtypes, a broadcast weight and code traced by ``torch.compile`` run the formula:
-    the same bits as :func:`engine.layers.rms_norm_formula`."""
+    the same bits as :func:`engine.norm.rms_norm_formula`."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 5, 8, generator=gen)
     w = torch.randn(8, generator=gen)
     for xi, wi in ((x.double(), w.double()), (x.bfloat16(), w.bfloat16()),
                    (x, w.double()), (x, w.expand(5, 8))):
-        got = layers.rms_norm(xi.requires_grad_(), wi, EPS)
+        got = norm.rms_norm(xi.requires_grad_(), wi, EPS)
         assert not on_kernel(got)
-        assert torch.equal(got, layers.rms_norm_formula(xi, wi, EPS))
+        assert torch.equal(got, norm.rms_norm_formula(xi, wi, EPS))
     # dynamo cannot trace the extension: fullgraph would raise if the kernel were called
-    traced = torch.compile(layers.rms_norm, backend="eager", fullgraph=True)
-    assert torch.equal(traced(x, w, EPS), layers.rms_norm_formula(x, w, EPS))
+    traced = torch.compile(norm.rms_norm, backend="eager", fullgraph=True)
+    assert torch.equal(traced(x, w, EPS), norm.rms_norm_formula(x, w, EPS))
     torch._dynamo.reset()
 
 
 def test_bad_arguments_raise_and_no_double_backward():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="does not match hidden size"):
-        layers._kernels.rms_norm_forward(x, torch.ones(7), EPS)
+        cpu_ops._kernels.rms_norm_forward(x, torch.ones(7), EPS)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        layers._kernels.rms_norm_forward(x.t(), torch.ones(4), EPS)
+        cpu_ops._kernels.rms_norm_forward(x.t(), torch.ones(4), EPS)
     with pytest.raises(RuntimeError, match="float32"):
-        layers._kernels.rms_norm_forward(x.double(), torch.ones(8, dtype=torch.float64), EPS)
+        cpu_ops._kernels.rms_norm_forward(x.double(), torch.ones(8, dtype=torch.float64), EPS)
     xg = x.clone().requires_grad_()
-    (g,) = torch.autograd.grad(layers.rms_norm(xg, torch.ones(8), EPS).pow(2).sum(), [xg],
+    (g,) = torch.autograd.grad(norm.rms_norm(xg, torch.ones(8), EPS).pow(2).sum(), [xg],
                                create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
@@ -151,11 +151,11 @@ def test_model_norms_run_on_the_kernel(head, monkeypatch):
         (out * torch.linspace(0.5, 1.5, out.shape[-1], dtype=dtype)).sum().backward()
         return out.detach(), {n: p.grad for n, p in model.params.items()}
 
-    counting = _Counting(layers._kernels)
-    monkeypatch.setattr(layers, "_kernels", counting)
+    counting = _Counting(cpu_ops._kernels)
+    monkeypatch.setattr(cpu_ops, "_kernels", counting)
     got, got_g = run(torch.float32)
     assert counting.calls == {"rms_norm_forward": 2 * 3 + 1, "rms_norm_backward": 2 * 3 + 1}
-    monkeypatch.setattr(layers, "_kernels", None)
+    monkeypatch.setattr(cpu_ops, "_kernels", None)
     ref, ref_g = run(torch.float32)
     want, want_g = run(torch.float64)
     for name, a, b, truth in [(key, got, ref, want)] + [

@@ -1,5 +1,5 @@
 """The C++ SwiGLU (``engine._kernels.swiglu_forward/backward``, run by
-:func:`engine.layers.swiglu` for float32 CPU tensors) against autograd of the formula in
+:func:`engine.mlp.swiglu` for float32 CPU tensors) against autograd of the formula in
 float64: whole vectors of 16 pairs and the zero-padded tail, one and two threads, extreme
 gates (the clamped exponential), strided inputs, and the checks on bad operands."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import layers
+from engine import cpu_ops, mlp
 
 pytest.importorskip("engine._kernels")
 from engine import _kernels  # noqa: E402
@@ -72,7 +72,7 @@ def test_bad_operands_are_refused():
 
 
 def test_layers_run_the_kernel_for_float32_cpu(monkeypatch):
-    """engine.layers.swiglu: the kernel for float32 CPU tensors (forward and the node's
+    """engine.mlp.swiglu: the kernel for float32 CPU tensors (forward and the node's
     backward), the compiled formula for other dtypes."""
     calls = []
 
@@ -81,12 +81,12 @@ def test_layers_run_the_kernel_for_float32_cpu(monkeypatch):
             calls.append(name)
             return getattr(_kernels, name)
 
-    monkeypatch.setattr(layers, "_kernels", Spy())
+    monkeypatch.setattr(cpu_ops, "_kernels", Spy())
     gu = torch.randn(2, 24, 2, requires_grad=True)
-    layers.swiglu(gu).sum().backward()
+    mlp.swiglu(gu).sum().backward()
     assert calls == ["swiglu_forward", "swiglu_backward"]
     calls.clear()
-    out = layers.swiglu(gu.detach().double())
+    out = mlp.swiglu(gu.detach().double())
     assert calls == [] and out.dtype == torch.float64
     want, _ = reference(gu.detach(), torch.ones(2, 24))
-    assert close(layers.swiglu(gu.detach()), want)
+    assert close(mlp.swiglu(gu.detach()), want)

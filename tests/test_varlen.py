@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import varlen
-from engine.layers import PackedSeqs, _packed_attention
+from engine.attention import PackedSeqs, _packed_attention
 from engine.varlen import call_arguments, causal_attention
 
 SIGNATURES = {  # torch 2.10, 2.11, 2.12 and later

@@ -91,10 +91,10 @@ _ENCODABLE: set[type] = {list, tuple, dict, set, frozenset, bytearray, pickle.Pi
 """Types whose instances the encoder passes to pickle as they are."""
 
 PROJECT_CLASSES = frozenset({
-    "engine.layers:RopeScaling",
     "engine.llama_spec:LlamaConfig",
     "engine.lora_config:LoraConfig",
     "engine.optim_config:OptimConfig",
+    "engine.rope:RopeScaling",
     "engine.sampling:SamplingParams",
     "hybridflow_comm.devices:Precision",
     "rlhf.algos.kl:KLLossTerm",
