@@ -44,10 +44,12 @@ import torch
 from engine import inductor
 from engine.forward_paths import Rope, StageLayers
 from engine.kv_cache import DecodeSlots, LayerSlots
-from engine.layers import MoeRouting, RouteTrace, attention_block, decoder_layer, rms_norm, \
-    swiglu_block
+from engine.layers import LayerSpec, attention_block, decoder_layer, swiglu_block
 from engine.lora import LayerLora
+from engine.moe import MoeRouting
 from engine.moe_static import static_moe_block
+from engine.norm import rms_norm
+from engine.route_trace import RouteTrace
 from engine.tp_ops import reduce_from_tp
 
 
@@ -68,7 +70,7 @@ def decode_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
     ``k_cache, v_cache [b, h_kv, max_len, D]`` (the function that is compiled), with the
     layer's LoRA adapters when ``lora_a``/``lora_b`` are given (tensors, not the
     :class:`engine.lora.LayerLora` object: one compiled function serves every layer)."""
-    return decoder_layer(x, w, (cos, sin), attn, q_per_group, head_dim, eps, None,
+    return decoder_layer(x, w, (cos, sin), attn, LayerSpec(q_per_group, head_dim, eps),
                          kv_hook=LayerSlots(k_cache, v_cache, pos),
                          lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
 
@@ -81,8 +83,9 @@ def decode_attention_part(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torc
                    lora_scale: float = 1.0) -> torch.Tensor:
     """This rank's partial ``o_proj(attention(norm(x)))`` of a decode step, writing the KV
     cache as :func:`decode_layer` (``w`` without ``o_proj_bias``)."""
-    return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), attn, q_per_group,
-                           head_dim, eps, None, kv_hook=LayerSlots(k_cache, v_cache, pos),
+    return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), attn,
+                           LayerSpec(q_per_group, head_dim, eps),
+                           kv_hook=LayerSlots(k_cache, v_cache, pos),
                            lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
 
 

@@ -1,7 +1,7 @@
 """A mixture-of-experts block at static shapes: no host sync, so a decode step that holds it
 can be compiled whole and captured as a CUDA graph.
 
-:func:`engine.layers.moe_block` runs each expert over the tokens routed to it, sized by a
+:func:`engine.moe.moe_block` runs each expert over the tokens routed to it, sized by a
 count read on the host (``bincount(...).tolist()``): the fewest products, but a sync per
 layer and shapes that change every step.  Here every held expert runs over every token of
 the step, and the routing weights, scattered to a dense ``[N, E]`` gate that is zero where an
@@ -15,9 +15,9 @@ Per step this reads each held expert's weights once, as the routed block does on
 expert has a token (at a decode batch of ``E / k`` rows or more); it multiplies ``E / k``
 times the routed block's products, which at a decode step's few rows cost less than reading
 the weights.  A prefill or training batch keeps the routed block.  The results equal
-:func:`engine.layers.moe_block`'s up to float summation order (each token's experts are
+:func:`engine.moe.moe_block`'s up to float summation order (each token's experts are
 summed in expert order; the unchosen ones add exact zeros); routes are recorded in, or
-replayed from, a :class:`engine.layers.RouteTrace` alike.
+replayed from, a :class:`engine.route_trace.RouteTrace` alike.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from engine.layers import MoeRouting, RouteTrace, expert_ffn, route
+from engine.moe import MoeRouting, RouteRecord, expert_ffn, route
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -40,9 +40,9 @@ def routing_gate(weights: torch.Tensor, chosen: torch.Tensor, num_experts: int) 
 
 def static_moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
                      tp_group: Group | None, router_loss: None = None,
-                     trace: RouteTrace | None = None, experts: Sequence[int] | None = None
+                     trace: RouteRecord | None = None, experts: Sequence[int] | None = None
                      ) -> torch.Tensor:
-    """:func:`engine.layers.moe_block`'s output for ``x [..., H]`` at static shapes (the module
+    """:func:`engine.moe.moe_block`'s output for ``x [..., H]`` at static shapes (the module
     docstring; the same signature): every held expert (``experts``, default all) over every
     token, no host sync.  ``tp_group``: the experts' TP group, whose all-reduce completes the
     partial sums (None: this rank's partial sum is returned, for a caller that reduces it).

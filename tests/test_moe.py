@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from engine.hf_interop import config_from_hf, config_to_hf
-from engine.layers import MoeRouting, experts_mask, moe_block
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.lora import ATTENTION, LoraConfig
 from engine.megatron_backend import transformer_config
 from engine.model import ParallelLlama, load_full_state_dict
+from engine.moe import MoeRouting, experts_mask, moe_block
 from engine.train import OptimConfig, TrainEngine
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
@@ -143,7 +143,7 @@ def test_router_replay_imposes_the_recorded_experts():
     bit; after the router has changed, replay keeps the recorded experts (weights from the
     new probabilities, as a float64 loop with those experts computes), and a negative entry
     leaves that token to the router."""
-    from engine.layers import RouteTrace
+    from engine.route_trace import RouteTrace
 
     g = torch.Generator().manual_seed(8)
     E, H, F, N = 5, 16, 12, 10
@@ -176,7 +176,7 @@ def test_model_records_and_replays_every_layer():
     model = ParallelLlama(cfg, groups)
     load_full_state_dict(model, init_full_state_dict(cfg, seed=4))
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-    from engine.layers import RouteTrace
+    from engine.route_trace import RouteTrace
 
     trace = RouteTrace()
     out = model.stage_forward(ids, routes=trace)
@@ -255,7 +255,7 @@ def test_generation_records_the_routing_a_training_forward_takes(early_exit, cop
     limits end one row a step: 16 rows keep a finished row running; early_exit=False keeps
     every row; ``static``: the static steps of the dense cache, whose batch buckets pad the
     running rows, eager or through the compiled attention regions, the routed MLP eager)."""
-    from engine.layers import RouteTrace
+    from engine.route_trace import RouteTrace
     from tests.test_hf_families import prompts as family_prompts
 
     cfg = config_from_hf(hf_config("qwen3_moe").to_dict())
@@ -290,7 +290,7 @@ def test_train_engine_replays_a_micro_batchs_routes(remove_padding):
     """A micro-batch's ``routes`` steer every layer of the training engine's forward (padded
     and packed): imposed experts give the model's own forward with that replay, its own
     recorded routes give its plain forward."""
-    from engine.layers import RouteTrace
+    from engine.route_trace import RouteTrace
 
     cfg = config_from_hf(hf_config("mixtral").to_dict())
     groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
@@ -405,7 +405,7 @@ def test_router_loss_and_its_gradient_match_transformers(tmp_path, name):
     the same sum (routers included)."""
     import transformers
 
-    from engine.layers import RouterLoss
+    from engine.router_loss import RouterLoss
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config(name)).float().eval()
@@ -442,7 +442,7 @@ def test_static_block_equals_the_routed_block():
     the whole block, a partition of the experts summed (generation EP), a replay of recorded
     routes (the same experts recorded), and compiled through inductor with no graph break."""
     from engine import inductor
-    from engine.layers import RouteTrace
+    from engine.route_trace import RouteTrace
     from engine.moe_static import static_moe_block
 
     g = torch.Generator().manual_seed(9)
