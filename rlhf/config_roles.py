@@ -309,11 +309,11 @@ class ActorConfig:
     base with the adapters off: no reference model is built."""
     router_aux_loss_coef: float | None = None
     """A mixture of experts: weight of the routers' load-balancing loss in every update
-    (engine.layers.RouterLoss, logged as actor/router_aux_loss); None = the checkpoint's
+    (engine.router_loss.RouterLoss, logged as actor/router_aux_loss); None = the checkpoint's
     ``router_aux_loss_coef``.  A dense model refuses a value."""
     router_replay: bool = False
     """A mixture of experts: generation records the experts every layer sent each token to,
-    and the log-prob passes, the reference and the update replay them (engine.layers.
+    and the log-prob passes, the reference and the update replay them (engine.route_trace.
     RouteTrace): the experts of the rollout, the current router's probabilities of them."""
 
     def __post_init__(self) -> None:
