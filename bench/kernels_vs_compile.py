@@ -278,7 +278,7 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     from engine import _kernels
     from engine.forward_paths import LAYER_PATHS
     from engine.forward_paths import uses_row_lanes
-    from engine.kv_cache import KVCache, tile_keys
+    from engine.kv_cache import TiledKVCache, tile_keys
     from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 
     p, r = s.shape.prompt_len, s.shape.response_len
@@ -292,8 +292,8 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     attn = causal_mask(mask, n, p)
     x = torch.randn(n, p, s.h, generator=gen)
     eager = LAYER_PATHS["python"].build(stages[True])  # every prefill runs the Python layers
-    fns = {name: stage_step(forward, KVCache(s.layers, n, p, s.g, s.d, torch.float32), x, rope,
-                            attn, 0, p)
+    fns = {name: stage_step(forward, TiledKVCache(s.layers, n, p, s.g, s.d, torch.float32), x,
+                            rope, attn, 0, p)
            for name, forward in (("eager", eager.forward), ("compiled", compiled(eager.forward)))}
     rows += measure("prefill+bias", fns, repeat, {})
     # decode: one token per row after a cache of P + R/2 positions
@@ -309,7 +309,7 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
         v0 = torch.randn(s.layers, batch, s.g, c + 1, s.d, generator=gen)
 
         def cache():
-            kv = KVCache(s.layers, batch, c + 1, s.g, s.d, torch.float32)
+            kv = TiledKVCache(s.layers, batch, c + 1, s.g, s.d, torch.float32)
             kv.k.copy_(tile_keys(k0))
             kv.v.copy_(v0)
             kv.advance(c)

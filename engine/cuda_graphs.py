@@ -23,17 +23,22 @@ run eagerly (``capture=False``, also the CPU tests' path) gives the graph's bits
 The price of static shapes: attention reads all ``L`` positions of the key bucket at every
 step, the mask zeroing those not yet written (SDPA takes no per-row key lengths, which flash
 attention's ``cache_seqlens`` would): at most :data:`KEY_STEP` - 1 positions more than the
-filled ones.  Over all ``max_len`` positions instead, a call of a short prompt and 512 new
+filled ones.  Over all the cache's positions instead, a call of a short prompt and 512 new
 tokens would read about 1.5 times the keys and values (at Qwen2.5-0.5B's batch 128 they are
-up to half the bytes of the weights per step).
+up to half the bytes of the weights per step).  Key buckets are cut from the cache's
+``positions`` (its buffers' length, which only grows), not from one call's ``max_len``, so
+calls of other prompt lengths reuse the same graphs.
 
 Graphs are used only where the whole step can be captured (:func:`graphs_apply`): a CUDA
 device, one stage (``pp_g == 1``: a pipeline's send/recv and broadcast per step stay eager)
 and no tensor parallelism (``tp_g == 1``: capturing NCCL collectives needs the communicator
 on the capturing stream, which the generation TP group, possibly gloo, does not promise).
-Everywhere else the same static step runs eagerly.  A call captures its graphs lazily, the
-first time a (bucket, key bucket) runs (the KV cache, and so the addresses, are per call),
-all sharing one memory pool; they live until the call ends.
+Everywhere else the same static step runs eagerly.  A :class:`StaticDecode` lives as long as
+its KV cache's buffers and the weights' addresses (:mod:`engine.decode_memory`: across calls
+and, where kept, iterations): it captures a (bucket, key bucket) the first time one runs, all
+its graphs sharing one memory pool, and replays it in every later call.  A capture does not
+empty torch's allocator cache (``torch.cuda.graph`` does, which would hand the training
+blocks back to the driver at every capture): the graph's pool takes what it needs.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import DenseKVCache
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
@@ -99,32 +104,42 @@ class _Bucket:
     cos: torch.Tensor
     sin: torch.Tensor
     attn: torch.Tensor
-    """``[b, 1, 1, max_len]``; a key bucket's steps read its first ``L`` positions."""
+    """``[b, 1, 1, positions]``; a key bucket's steps read its first ``L`` positions."""
     graphs: dict[int, tuple[torch.Tensor, torch.cuda.CUDAGraph]] = field(default_factory=dict)
     """Key bucket -> (output buffer, graph)."""
 
 
 class StaticDecode:
-    """The decode steps of one generation call at the shapes of their batch bucket.
+    """The decode steps at the shapes of their batch bucket, over one dense KV cache's
+    buffers, kept across the calls that reuse the cache.
 
     Args:
         embed: ``ids [b, 1] -> x [b, 1, H]`` (the first stage's embedding).
         layers: the stage's decode layer path's ``forward``.
-        cache: the call's KV cache, dense layout, capacity at least ``bucket(batch)``.
+        cache: the dense KV cache, capacity at least ``bucket(batch)`` of every call.
         capture: record each bucket's step as a CUDA graph (CUDA only); False runs the same
             step eagerly.
     """
 
-    def __init__(self, embed: Embed, layers: Layers, cache: KVCache, capture: bool) -> None:
-        if capture and cache.k_buf.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA cache, got {cache.k_buf.device}")
-        self.embed, self.layers, self.cache, self.capture = embed, layers, cache, capture
-        self.device = cache.k_buf.device
-        self.positions = torch.arange(cache.max_len, device=self.device)  # [max_len]
+    def __init__(self, embed: Embed, layers: Layers, cache: DenseKVCache, capture: bool
+                 ) -> None:
+        self.device = cache.k.device
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA cache, got {self.device}")
+        self.cache, self.capture = cache, capture
+        self.positions = torch.arange(cache.positions, device=self.device)  # [positions]
         self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
         self.buckets: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None  # shared by buckets
         self.stream: torch.cuda.Stream | None = None  # of the warm-ups and captures
+        self.begin_call(embed, layers)
+
+    def begin_call(self, embed: Embed | None, layers: Layers | None) -> None:
+        """A new call's step functions (new weights at the same addresses, a call's plan;
+        None between calls: they hold the weights), and its capture counters at zero."""
+        self.embed, self.layers = embed, layers
+        self.captured = 0
+        """Graphs captured in this call."""
         self.capture_s = 0.0
         """Wall seconds of this call's warm-ups and captures (the device synchronised before
         and after each, so the queued steps are not in it): what a timing of the steps
@@ -138,7 +153,8 @@ class StaticDecode:
         Args:
             ids: ``[R, 1]`` the rows' last tokens.
             cos, sin: ``[R, 1, D]`` RoPE of the new position.
-            keys_ok: ``[R, 1, 1, >= max_len]`` bool, the key positions that are not padding.
+            keys_ok: ``[R, 1, 1, > cache.length]`` bool, the key positions that are not
+                padding (those past its last are masked as unwritten).
 
         Returns:
             ``[R, 1, H]`` hidden states (a view of the bucket's output buffer: read it before
@@ -148,25 +164,30 @@ class StaticDecode:
         if length >= self.cache.max_len:
             raise RuntimeError(f"KV cache overflow: {length + 1} > max_len="
                                f"{self.cache.max_len}")
-        keys = key_bucket(length + 1, self.cache.max_len)
+        keys = key_bucket(length + 1, self.cache.positions)
         buf = self._bucket(r)
         buf.ids[:r].copy_(ids)
         buf.cos[:r].copy_(cos)
         buf.sin[:r].copy_(sin)
-        torch.logical_and(keys_ok[..., :keys], self.positions[:keys] <= length,
-                          out=buf.attn[:r, ..., :keys])
+        given = min(keys, keys_ok.shape[-1])  # past the call's own positions: unwritten
+        torch.logical_and(keys_ok[..., :given], self.positions[:given] <= length,
+                          out=buf.attn[:r, ..., :given])
+        if given < keys:
+            buf.attn[:r, ..., given:keys] = False
         self.pos.fill_(length)  # a host scalar into a device tensor: no sync
         if not self.capture:
             return self._run(buf, keys)[:r]
         if keys not in buf.graphs:
             buf.graphs[keys] = self._capture(buf, keys)
+            self.captured += 1
         out, graph = buf.graphs[keys]
         graph.replay()
         return out[:r]
 
     @property
     def graph_count(self) -> int:
-        """CUDA graphs captured in this call (one per batch bucket and key bucket run)."""
+        """CUDA graphs held (one per batch bucket and key bucket run since the cache was
+        made)."""
         return sum(len(b.graphs) for b in self.buckets.values())
 
     def _bucket(self, rows: int) -> _Bucket:
@@ -176,13 +197,12 @@ class StaticDecode:
         return self.buckets[b]
 
     def _new_bucket(self, b: int) -> _Bucket:
-        c, d = self.cache, self.cache.k_buf.shape[-1]
-        dtype = c.k_buf.dtype
+        d, dtype = self.cache.k.shape[-1], self.cache.k.dtype
         buf = _Bucket(ids=torch.zeros(b, 1, dtype=torch.long, device=self.device),
                       cos=torch.zeros(b, 1, d, dtype=dtype, device=self.device),
                       sin=torch.zeros(b, 1, d, dtype=dtype, device=self.device),
                       # pad rows see every key: never a row without one (no NaN)
-                      attn=torch.ones(b, 1, 1, c.max_len, dtype=torch.bool,
+                      attn=torch.ones(b, 1, 1, self.cache.positions, dtype=torch.bool,
                                       device=self.device))
         return buf
 
@@ -194,25 +214,30 @@ class StaticDecode:
                            buf.attn[..., :keys])
 
     def _capture(self, buf: _Bucket, keys: int) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
-        """Warm the step up on a side stream, then record it (torch.cuda.graph).  The warm-up
+        """Warm the step up on a side stream, then record it (``capture_begin`` /
+        ``capture_end``: ``torch.cuda.graph`` without its ``empty_cache()``).  The warm-up
         writes position ``pos`` of the cache with the step's own keys and values (its inputs
         are in the buffers already), which the replay that follows writes again."""
         torch.cuda.synchronize(self.device)  # the steps queued so far are not the capture's
         t0 = time.perf_counter()
         with torch.cuda.device(self.device):
-            # one side stream for every warm-up and capture of the call: the BLAS handles and
-            # workspaces made for it in the warm-up are the capture's, and captures that share
-            # a pool share their stream (torch.cuda.graph's note on memory sharing)
+            # one side stream for every warm-up and capture: the BLAS handles and workspaces
+            # made for it in the warm-up are the capture's, and captures that share a pool
+            # share their stream (torch.cuda.graph's note on memory sharing)
             if self.stream is None:
                 self.stream = torch.cuda.Stream()
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 for _ in range(WARMUP_STEPS):
                     self._run(buf, keys)
+                torch.cuda.synchronize(self.device)  # what torch.cuda.graph waits for
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(self.pool)
+                try:
+                    out = self._run(buf, keys)
+                finally:
+                    graph.capture_end()
             torch.cuda.current_stream().wait_stream(self.stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                out = self._run(buf, keys)
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
         return out, graph

@@ -36,7 +36,9 @@ kernels; dense on CUDA, read in place by SDPA.  On the dense layout with one sta
 steps run at the static shapes of their batch bucket (:class:`engine.cuda_graphs.
 StaticDecode`: embedding and layers; the sampler runs after it on the device), replayed as
 CUDA graphs where :func:`engine.cuda_graphs.graphs_apply` (``cuda_graphs``), eagerly
-elsewhere with the same bits.
+elsewhere with the same bits.  The engine allocates its cache once and keeps it, and the
+graphs over it, from call to call, growing it only for a call that needs more, until
+:meth:`GenerationEngine.release` (:mod:`engine.decode_memory`).
 
 Early exit (``early_exit=True``, the default) stops computing the rows that have finished
 (:mod:`engine.early_exit`, which states what it guarantees).  A call runs in numbered phases
@@ -57,12 +59,13 @@ import torch
 from engine import inductor
 from engine.compiled_decode import StaticDecodeLayers
 from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
+from engine.decode_memory import DecodeMemory
 from engine.lora import LayerLora, LoraConfig
 from engine.early_exit import RunningRows, check_every
 from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
     plan_call, resolve_kernels
-from engine.kv_cache import KVCache, kv_cache_nbytes, resolve_layout
+from engine.kv_cache import KV_CACHES, KVCache, kv_cache_nbytes, resolve_layout
 from engine.layers import causal_mask, experts_mask, moe_block, position_ids_from_mask, \
     rms_norm, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
@@ -247,6 +250,9 @@ class GenerationEngine:
         experts: the experts whose pieces this rank holds and computes (generation expert
             parallelism: :meth:`hybridflow_comm.expert_layout.ExpertLayout.gen_experts`, the
             TP all-reduce adding the rest); None: every expert.
+        keep_cache: :meth:`release` keeps the KV cache and the decode graphs for the next
+            weights (a generation-only process, or memory to spare during training); False
+            drops them, so that training gets their memory back (:mod:`engine.decode_memory`).
 
     Attributes:
         boundary: how a step enters and leaves this stage (:class:`engine.forward_paths.
@@ -260,7 +266,7 @@ class GenerationEngine:
                  greedy_loop: bool = True, device: torch.device | str = "cpu",
                  kv_layout: str | None = None, cuda_graphs: bool | None = None,
                  compile_decode: bool | None = None, record_routes: bool = False,
-                 experts: Sequence[int] | None = None) -> None:
+                 experts: Sequence[int] | None = None, keep_cache: bool = False) -> None:
         layout = groups.layout
         config.check_parallel(layout.pp_g, layout.tp_g)
         self.config, self.groups = config, groups
@@ -305,6 +311,9 @@ class GenerationEngine:
         self.weights_version: int | None = None
         self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
         self.block_rows: int | None = None  # the decode kernels' small-M row block (plan_call)
+        self.keep_cache = keep_cache
+        self.memory = DecodeMemory(KV_CACHES[self.kv_layout], self.device, self.cuda_graphs)
+        self._weights_key: tuple | None = None  # the addresses a captured step reads
 
     # Weights ---------------------------------------------------------------------------------
     @property
@@ -350,6 +359,8 @@ class GenerationEngine:
                 moe_block, experts=self.experts,
                 held_mask=experts_mask(self.experts, c.num_experts, self.device)))
         self.weights, self.weights_version = weights, version
+        self._weights_key = _addresses(weights, self.required_weights(), self.adapters,
+                                       self.lora)
         # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
         self.paths = choose_paths(stage, self.fused_decode and not loras)
         self.static_layers = (StaticDecodeLayers(stage, self.compile_decode, self.experts)
@@ -390,26 +401,43 @@ class GenerationEngine:
         self.set_weights(resharder.generation_params(), resharder.version)
 
     def release(self) -> None:
-        """Drop the references to the generation views (back to training)."""
+        """Drop the references to the generation views (back to training), and the KV cache
+        and decode graphs unless ``keep_cache``."""
         self.weights, self.weights_version, self.paths = None, None, None
         self.static_layers, self.block_rows = None, None
         self.adapters, self.lora = None, None
+        self.memory.release(keep=self.keep_cache)
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
-        """Bytes the KV cache of one call takes on this rank."""
-        return kv_cache_nbytes(**self._kv_cache_sizes(batch, prompt_length, max_new_tokens))
+        """Bytes the KV cache of one call takes on this rank (the cache the engine holds
+        is as large as the largest call's since it was made)."""
+        return kv_cache_nbytes(**self._kv_cache_sizes(batch, prompt_length, max_new_tokens),
+                               layout=self.kv_layout)
 
     def _kv_cache_sizes(self, rows: int, prompt_length: int, max_new_tokens: int,
                         batch: int | None = None) -> dict:
-        """:class:`KVCache` arguments of one call of ``batch`` sequences (default ``rows``)
-        whose prefill runs ``rows``: the last new token is never fed back; static decode
-        steps need the rows of the batch's bucket."""
-        capacity = bucket(batch or rows) if self.static_decode else None
+        """KV cache arguments (:data:`engine.kv_cache.KV_CACHES`) of one call of ``batch``
+        sequences (default ``rows``) whose prefill runs ``rows``: the last new token is never
+        fed back; the capacity holds the batch (the prefill's rows copied to it), static
+        decode steps the rows of the batch's bucket."""
+        batch = batch or rows
         return dict(num_layers=len(self.layer_ids), batch=rows,
                     max_len=prompt_length + max_new_tokens - 1, kv_heads=self.kv_heads,
                     head_dim=self.config.head_dim, dtype=self.config.dtype,
-                    layout=self.kv_layout, capacity=capacity)
+                    capacity=bucket(batch) if self.static_decode else batch)
+
+    def _call_cache(self, rows: int, batch: int, prompt_length: int, max_new_tokens: int,
+                    plan: CallPlan) -> tuple[KVCache, StaticDecode | None]:
+        """The held KV cache reset for a call (grown where it needs more) and, where the
+        decode steps are static, the steps over it (:mod:`engine.decode_memory`)."""
+        cache = self.memory.cache_for(**self._kv_cache_sizes(rows, prompt_length,
+                                                             max_new_tokens, batch))
+        if not self.static_decode:
+            return cache, None
+        layers = (self.static_layers.forward if self.static_layers is not None
+                  else plan.paths.decode.forward)
+        return cache, self.memory.static_decode(self._embed, layers, self._weights_key)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -441,12 +469,7 @@ class GenerationEngine:
         prompt = _padded_prompt(input_ids, mask, sampling)
         distinct, copies = distinct_prompts(prompt, mask)
         plan = self._plan(batch, limits, sampling)
-        cache = KVCache(**self._kv_cache_sizes(distinct.numel(), plen, n_new, batch),
-                        device=self.device)
-        layers = (self.static_layers.forward if self.static_layers is not None
-                  else plan.paths.decode.forward)
-        static = (StaticDecode(self._embed, layers, cache, capture=self.cuda_graphs)
-                  if self.static_decode else None)
+        cache, static = self._call_cache(distinct.numel(), batch, plen, n_new, plan)
         rows = RunningRows(limits, sampling.eos_token_id)
         out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
         routes = None
@@ -493,9 +516,8 @@ class GenerationEngine:
                 # still fed until compacted: its last token stays -1
                 fed = self.route_log.pop()[:rows.run.numel()].to(torch.int16)
                 routes[rows.at, plen + i] = fed.masked_fill_(~rows.alive[rows.at, None, None], -1)
-        graphs = 0 if static is None else static.graph_count
+        graphs = 0 if static is None else static.captured  # this call's new graphs
         capture_s = 0.0 if static is None else static.capture_s
-        del cache, static  # the KV cache (and the graphs over it) live only for the call
         # 4. output
         new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
         elapsed = time.perf_counter() - t0
@@ -644,6 +666,14 @@ def distinct_prompts(prompt: torch.Tensor, mask: torch.Tensor
     slot = torch.empty_like(order)
     slot[order] = torch.arange(order.numel(), device=device)
     return distinct, slot[group]
+
+
+def _addresses(weights: Mapping[str, torch.Tensor], names: Sequence[str],
+               adapters: Mapping[str, torch.Tensor] | None, lora: LoraConfig | None) -> tuple:
+    """What a captured decode step reads of the weights and adapters: every tensor's address
+    and layout, and the adapters' settings (equal keys: the graphs stay valid)."""
+    tensors = [weights[n] for n in names] + list((adapters or {}).values())
+    return (lora, *((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors))
 
 
 def _padded_prompt(input_ids: torch.Tensor, mask: torch.Tensor,

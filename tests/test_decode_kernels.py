@@ -15,7 +15,7 @@ from engine import _kernels
 from engine.generation import GenerationEngine
 from engine.forward_paths import (DECODE, LAYER_PATHS, PREFILL, KernelStage, PythonLayers,
                                   StageLayers)
-from engine.kv_cache import KVCache, tile_keys, untile_keys
+from engine.kv_cache import KVCache, TiledKVCache, tile_keys, untile_keys
 from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 from engine.llama_spec import LAYER_KEYS, LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
@@ -94,7 +94,7 @@ def test_layer_path_matches_reference(name, stacked, qkv_bias, plen, threads):
     steps = [(torch.randn(B, plen, H, generator=gen), 0, plen, causal_mask(mask, B, plen))]
     steps += [(torch.randn(B, 1, H, generator=gen), pos, pos + 1, keys_ok[..., :pos + 1])
               for pos in range(plen, plen + N_DECODE)]
-    ref_cache, cache = (KVCache(LAYERS, B, plen + N_DECODE, G, D, torch.float32)
+    ref_cache, cache = (TiledKVCache(LAYERS, B, plen + N_DECODE, G, D, torch.float32)
                         for _ in range(2))
     ran = 0
     old = torch.get_num_threads()
@@ -181,7 +181,7 @@ def test_decode_attention_loops_match_float64(qpg, d, pos):
 def test_decode_attention_rejects_bad_shapes():
     gen = torch.Generator().manual_seed(0)
     w = weights(gen)
-    cache = KVCache(1, B, 8, G, D, torch.float32)
+    cache = TiledKVCache(1, B, 8, G, D, torch.float32)
     x, cos = torch.randn(B, H), torch.randn(B, D)
     ok = torch.ones(B, 8, dtype=torch.bool)
     args = (x, w["input_norm"], EPS, w["qkv"], w["o_proj"], cos, cos, cache.k[0], cache.v[0])
@@ -206,7 +206,7 @@ def test_decode_layers_rejects_bad_weight_shapes(threads):
     on the shared step (2 threads) as on the single call."""
     gen = torch.Generator().manual_seed(1)
     good = weights(gen)
-    cache = KVCache(1, B, 8, G, D, torch.float32)
+    cache = TiledKVCache(1, B, 8, G, D, torch.float32)
     cache.k.zero_(), cache.v.zero_()
     x, cos = torch.randn(B, H), torch.randn(B, D)
     ok = torch.ones(B, 8, dtype=torch.bool)
@@ -418,13 +418,13 @@ def test_decode_layers_same_bits_on_any_thread_count(batch, stacked, qkv_bias, r
     _, mask, cos, sin = setup_cache(gen, pos, batch, max_len - pos)
     rope = (cos[:, pos:pos + 1], sin[:, pos:pos + 1])
     attn = mask.bool()[:, None, None, :pos + 1]
-    start = KVCache(LAYERS, batch, max_len, G, D, torch.float32)
+    start = TiledKVCache(LAYERS, batch, max_len, G, D, torch.float32)
     start.k.normal_(generator=gen)
     start.v.normal_(generator=gen)
     start.advance(pos)
 
     def run(threads: int, layer_path):
-        cache = KVCache(LAYERS, batch, max_len, G, D, torch.float32)
+        cache = TiledKVCache(LAYERS, batch, max_len, G, D, torch.float32)
         cache.k.copy_(start.k)
         cache.v.copy_(start.v)
         cache.advance(pos)

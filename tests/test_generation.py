@@ -1,6 +1,6 @@
 """Single-process tests of the generation engine: transformers' generate, a cache-free loop
-reference, sampling rules, determinism, bad input, KV-cache sizing and release, and storage
-identity of the weights with the resharded flat buffer."""
+reference, sampling rules, determinism, bad input, the KV cache's sizing, reuse, growth and
+release, and storage identity of the weights with the resharded flat buffer."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import weakref
 import pytest
 import torch
 
-from engine import generation as generation_mod
 from engine.generation import GenerationEngine
 from engine.hf_interop import config_to_hf, full_to_hf_state_dict
-from engine.kv_cache import KVCache
 from engine.llama_spec import LlamaConfig, init_full_state_dict, llama_shard_specs
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams, SeedStream, sample_next
@@ -207,25 +205,53 @@ def test_bad_prompts_raise_before_work():
                      max_new_tokens=torch.tensor([1, 2, 5, 1]))
 
 
-def test_kv_cache_sized_and_released(monkeypatch):
-    _, _, _, eng = build()
-    made: list[weakref.ref] = []
-
-    class Tracked(KVCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(weakref.ref(self))
-            made.append(weakref.ref(self.k))
-
-    monkeypatch.setattr(generation_mod, "KVCache", Tracked)
+def test_kv_cache_sized_kept_grown_and_released():
+    """The engine allocates its KV cache once: a second call of the same sizes, and a smaller
+    one, reuse the storage (same tokens as a fresh engine); a larger call grows it (the old
+    storage freed); release() drops it, unless the engine keeps it."""
+    model, _, resharder, eng = build()
+    greedy = SamplingParams(max_new_tokens=9, temperature=0.0)
     ids, mask = prompts(batch=3, plen=5)
-    out = eng.generate(ids, mask, SamplingParams(max_new_tokens=9, temperature=0.0))
+    out = eng.generate(ids, mask, greedy)
     # 2 layers * 3 rows * 2 kv heads * 16 dims * 4 bytes * positions: (5 + 9 - 1) of V, and of
     # K one tile of KEY_TILE (64) positions
     assert out.stats["kv_cache_bytes"] == 2 * 3 * 2 * 16 * 4 * (13 + 64)
-    assert out.stats["kv_cache_bytes"] == eng.kv_cache_bytes(3, 5, 9)
+    assert out.stats["kv_cache_bytes"] == eng.kv_cache_bytes(3, 5, 9) == eng.memory.nbytes
+    cache = eng.memory.cache
+    ptr, storage = cache.k.data_ptr(), weakref.ref(cache.k.untyped_storage())
+    again = eng.generate(ids, mask, greedy)
+    assert eng.memory.cache is cache and cache.k.data_ptr() == ptr
+    assert torch.equal(again.input_ids, out.input_ids)
+    assert torch.equal(again.log_probs, out.log_probs)
+    small_ids, small_mask = prompts(batch=2, plen=4, seed=3)
+    small = eng.generate(small_ids, small_mask, greedy)
+    assert eng.memory.cache is cache and cache.k.data_ptr() == ptr
+    fresh = GenerationEngine(CFG, model.groups)
+    fresh.load_weights(resharder)
+    assert torch.equal(small.input_ids, fresh.generate(small_ids, small_mask, greedy).input_ids)
+    big_ids, big_mask = prompts(batch=5, plen=7, seed=4)
+    longer = SamplingParams(max_new_tokens=12, temperature=0.0)
+    big = eng.generate(big_ids, big_mask, longer)
+    assert eng.memory.cache is not cache and eng.memory.nbytes == eng.kv_cache_bytes(5, 7, 12)
+    del cache
     gc.collect()
-    assert len(made) == 2 and all(r() is None for r in made)
+    assert storage() is None  # the smaller storage went when the larger one came
+    want = fresh.generate(big_ids, big_mask, longer)
+    assert torch.equal(big.input_ids, want.input_ids)
+    assert torch.equal(big.log_probs, want.log_probs)
+    storage = weakref.ref(eng.memory.cache.k.untyped_storage())
+    eng.release()
+    gc.collect()
+    assert eng.memory.cache is None and storage() is None
+    kept = GenerationEngine(CFG, model.groups, keep_cache=True)
+    kept.load_weights(resharder)
+    first = kept.generate(ids, mask, greedy)
+    cache = kept.memory.cache
+    kept.release()
+    kept.load_weights(resharder)
+    assert kept.memory.cache is cache
+    assert torch.equal(kept.generate(ids, mask, greedy).input_ids, first.input_ids)
+    assert kept.memory.cache is cache
 
 
 def test_weights_are_views_of_the_flat_buffer():

@@ -20,7 +20,7 @@ import torch
 from engine.early_exit import COMPACT_DIVISOR, RunningRows, decode_rows
 from engine.forward_paths import ROW_LANES_MIN_ROWS, uses_row_lanes
 from engine.generation import GenerationEngine, GenerationOutput
-from engine.kv_cache import KEY_TILE, KVCache, untile_keys
+from engine.kv_cache import KEY_TILE, TiledKVCache, untile_keys
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine import sampling
@@ -256,8 +256,8 @@ def test_running_rows_keep_the_alive_rows_in_order():
 
 def test_kv_cache_keeps_rows():
     g = torch.Generator().manual_seed(0)
-    cache = KVCache(num_layers=3, batch=6, max_len=11, kv_heads=2, head_dim=4,
-                    dtype=torch.float32)
+    cache = TiledKVCache(num_layers=3, batch=6, max_len=11, kv_heads=2, head_dim=4,
+                         dtype=torch.float32)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)
     cache.length = 7
@@ -459,7 +459,7 @@ def test_greedy_decode_checks_its_operands():
         pytest.skip("C++ kernels not built")
     w, d = eng.weights, eng.paths.decode
     plen, b = 4, 2
-    cache = KVCache(**eng._kv_cache_sizes(b, plen, N_NEW))
+    cache = TiledKVCache(**eng._kv_cache_sizes(b, plen, N_NEW))
     tables = torch.zeros(b, plen + N_NEW, CFG.head_dim)
     keys = torch.ones(b, plen + N_NEW, dtype=torch.bool)
 

@@ -1,5 +1,6 @@
-"""The KV cache's two layouts (engine/kv_cache.py) against plain concatenation, and a
-generation on the dense layout (the CUDA one, forced on the CPU) against the tiled one.
+"""The KV cache's two classes (engine/kv_cache.py) against plain concatenation, and a
+generation on the dense layout (the CUDA one, forced on the CPU) against the tiled one
+(their reuse across calls: tests/test_kv_cache_reuse.py).
 
 Keys of the tiled layout live in tiles of KEY_TILE positions; a step's keys may cross a tile
 boundary (a prefill longer than a tile, or a decode step at the first position of a tile).
@@ -19,8 +20,8 @@ from engine import cuda_graphs
 from engine.cuda_graphs import BUCKET_STEP, SMALL_BUCKETS, StaticDecode, bucket, key_bucket, \
     resolve_graphs
 from engine.generation import GenerationEngine
-from engine.kv_cache import KEY_TILE, KVCache, key_tiles, kv_cache_nbytes, resolve_layout, \
-    tile_keys, untile_keys
+from engine.kv_cache import KEY_TILE, KV_CACHES, DenseKVCache, TiledKVCache, key_tiles, \
+    kv_cache_nbytes, resolve_layout, tile_keys, untile_keys
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
@@ -37,7 +38,7 @@ B, G, D = 3, 2, 8
 def test_hook_writes_and_returns_every_step_across_tiles(steps, layout):
     g = torch.Generator().manual_seed(sum(steps))
     max_len = sum(steps)
-    cache = KVCache(2, B, max_len, G, D, torch.float32, layout=layout)
+    cache = KV_CACHES[layout](2, B, max_len, G, D, torch.float32)
     if layout == "tiled":
         assert cache.k.shape == (2, B, G, key_tiles(max_len), D, KEY_TILE)
     else:
@@ -61,7 +62,7 @@ def test_hook_writes_and_returns_every_step_across_tiles(steps, layout):
 
 
 def test_overflow_raises_before_writing():
-    cache = KVCache(1, B, KEY_TILE + 1, G, D, torch.float32)
+    cache = TiledKVCache(1, B, KEY_TILE + 1, G, D, torch.float32)
     cache.hook(0)(torch.ones(B, KEY_TILE, G, D), torch.ones(B, KEY_TILE, G, D))
     cache.advance(KEY_TILE)
     with pytest.raises(RuntimeError, match="KV cache overflow: 66 > max_len=65"):
@@ -81,14 +82,14 @@ def test_tile_round_trip_and_sizes():
     inside_one_tile = untile_keys(tiles, 1, 5)
     inside_one_tile.add_(1.0)  # a copy, never a view of the cache
     assert torch.equal(untile_keys(tiles, 1, 5), keys[..., 1:5])
-    cache = KVCache(3, B, 2 * KEY_TILE + 5, G, D, torch.float32)
+    cache = TiledKVCache(3, B, 2 * KEY_TILE + 5, G, D, torch.float32)
     assert cache.nbytes == kv_cache_nbytes(3, B, 2 * KEY_TILE + 5, G, D, torch.float32)
     assert cache.nbytes == 3 * B * G * D * 4 * (3 * KEY_TILE + 2 * KEY_TILE + 5)
 
 
 def test_keep_rows_copies_whole_tiles_of_the_kept_rows():
     g = torch.Generator().manual_seed(1)
-    cache = KVCache(2, 4, 2 * KEY_TILE, G, D, torch.float32)
+    cache = TiledKVCache(2, 4, 2 * KEY_TILE, G, D, torch.float32)
     n = KEY_TILE + 9
     cache.hook(0)(torch.randn(4, n, G, D, generator=g), torch.randn(4, n, G, D, generator=g))
     cache.hook(1)(torch.randn(4, n, G, D, generator=g), torch.randn(4, n, G, D, generator=g))
@@ -102,18 +103,19 @@ def test_keep_rows_copies_whole_tiles_of_the_kept_rows():
 
 
 def test_dense_hook_returns_views_of_the_cache():
-    cache = KVCache(1, B, 10, G, D, torch.float32, layout="dense")
+    cache = DenseKVCache(1, B, 10, G, D, torch.float32)
     k, v = cache.hook(0)(torch.ones(B, 4, G, D), torch.ones(B, 4, G, D))
     assert k.shape == (B, 4, G, D)
     for got, buf in ((k, cache.k_buf), (v, cache.v_buf)):  # no copy of the cache
         assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
     assert getattr(cache.hook(0), "stacked_decode", False)
-    assert not getattr(KVCache(1, B, 10, G, D, torch.float32).hook(0), "stacked_decode", False)
+    assert not getattr(TiledKVCache(1, B, 10, G, D, torch.float32).hook(0), "stacked_decode",
+                       False)
 
 
 def test_dense_keep_rows_moves_rows_within_its_buffers():
     g = torch.Generator().manual_seed(2)
-    cache = KVCache(2, 3, 20, G, D, torch.float32, layout="dense", capacity=8)
+    cache = DenseKVCache(2, 3, 20, G, D, torch.float32, capacity=8)
     n = 7
     for layer in range(2):
         cache.hook(layer)(torch.randn(3, n, G, D, generator=g), torch.randn(3, n, G, D,
@@ -134,7 +136,7 @@ def test_dense_keep_rows_moves_rows_within_its_buffers():
 
 def test_decode_slots_write_at_the_device_position():
     g = torch.Generator().manual_seed(3)
-    cache = KVCache(2, 2, 6, G, D, torch.float32, layout="dense", capacity=4)
+    cache = DenseKVCache(2, 2, 6, G, D, torch.float32, capacity=4)
     prompt = [torch.randn(2, 3, G, D, generator=g) for _ in range(2)]
     for layer in range(2):
         cache.hook(layer)(prompt[layer], prompt[layer] * 2)
@@ -148,8 +150,9 @@ def test_decode_slots_write_at_the_device_position():
     assert not k[:, 4:].any() and not cache.k_buf[0, :, :, 3].any()  # layer 0 untouched
     with pytest.raises(ValueError, match="capacity"):
         cache.slots(5, torch.tensor([3]))
-    with pytest.raises(ValueError, match="dense"):
-        KVCache(1, 2, 6, G, D, torch.float32).slots(2, torch.tensor([0]))
+    with pytest.raises(ValueError, match="positions 6"):
+        cache.slots(2, torch.tensor([3]), positions=7)
+    assert not hasattr(TiledKVCache(1, 2, 6, G, D, torch.float32), "slots")  # dense only
 
 
 def test_layouts_resolve_by_device_and_size_their_bytes():
@@ -157,11 +160,11 @@ def test_layouts_resolve_by_device_and_size_their_bytes():
     assert resolve_layout("dense", "cpu") == "dense"
     with pytest.raises(ValueError, match="'flat'"):
         resolve_layout("flat", "cpu")
-    cache = KVCache(3, B, 70, G, D, torch.bfloat16, layout="dense", capacity=B + 2)
+    cache = DenseKVCache(3, B, 70, G, D, torch.bfloat16, capacity=B + 2)
     assert cache.nbytes == kv_cache_nbytes(3, B, 70, G, D, torch.bfloat16, "dense", B + 2)
     assert cache.nbytes == 2 * 3 * (B + 2) * G * 70 * D * 2
     with pytest.raises(ValueError, match="capacity=2 < batch=3"):
-        KVCache(1, 3, 4, G, D, torch.float32, layout="dense", capacity=2)
+        DenseKVCache(1, 3, 4, G, D, torch.float32, capacity=2)
 
 
 def test_buckets_are_the_smallest_allowed_size_that_holds_the_rows():
@@ -198,13 +201,13 @@ def test_dense_steps_attend_over_their_key_buckets(monkeypatch, early_exit):
     params = SamplingParams(max_new_tokens=14, temperature=0.0, eos_token_id=7)
     limits = torch.tensor([14, 3, 14, 9, 14] * 2)
     seen = []
-    slots = KVCache.slots
+    slots = DenseKVCache.slots
 
     def spy(cache, rows, pos, positions=None):
         seen.append((cache.length, positions))
         return slots(cache, rows, pos, positions)
 
-    monkeypatch.setattr(KVCache, "slots", spy)
+    monkeypatch.setattr(DenseKVCache, "slots", spy)
     outs = {}
     for layout in ("tiled", "dense"):
         eng = GenerationEngine(CFG, model.groups, fused_decode=False, kv_layout=layout,
@@ -294,7 +297,7 @@ def test_dense_layout_refuses_the_kernels():
         GenerationEngine(CFG, groups, kv_layout="dense", cuda_graphs=True)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA cache"):
         StaticDecode(lambda ids: ids, lambda *a: a[0],
-                     KVCache(1, 2, 4, G, D, torch.float32, layout="dense"), capture=True)
+                     DenseKVCache(1, 2, 4, G, D, torch.float32), capture=True)
     eng = GenerationEngine(CFG, groups, kv_layout="dense")
     assert not eng.fused_decode and eng.static_decode and not eng.cuda_graphs
     assert eng.kv_cache_bytes(10, 6, 12) == kv_cache_nbytes(

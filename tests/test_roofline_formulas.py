@@ -4,7 +4,7 @@ FLOPs: torch's FlopCounterMode over the Python layers of the engine (the C++ ker
 invisible to it), attention through SDPA's math backend so that its products show as
 ``aten.bmm``.  That backend computes the full S x S score matrix; the causal share of it is
 counted independently as the lower triangle of the mask.  Bytes: the weights a decode step
-reads and the filled positions of a :class:`engine.kv_cache.KVCache`.
+reads and the filled positions of a :class:`engine.kv_cache.TiledKVCache`.
 """
 
 import dataclasses
@@ -18,7 +18,7 @@ from bench import roofline
 from bench.shapes import SHAPES, BenchShape
 from engine import onednn
 from engine.generation import GenerationEngine
-from engine.kv_cache import KVCache
+from engine.kv_cache import TiledKVCache
 from engine.llama_spec import init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams
@@ -119,8 +119,8 @@ def test_decode_step_flops_and_bytes(name, batch):
     weights = sum(w.nbytes for n, w in read.items() if w.dim() == 2 and n != untied_embedding)
     # K and V of the filled positions: V's bytes twice (the cache pads K's positions to whole
     # tiles, which the step never reads)
-    kv = 2 * KVCache(shape.layers, batch, plen + 1, shape.kv_heads, shape.head_dim,
-                     shape.dtype).v.nbytes
+    kv = 2 * TiledKVCache(shape.layers, batch, plen + 1, shape.kv_heads, shape.head_dim,
+                          shape.dtype).v.nbytes
     assert roofline.decode_step_bytes(shape, batch, plen + 1) == weights + kv
 
 
