@@ -10,7 +10,8 @@ iteration of the paper's workflow::
         out = engine.generate_sequences(prompts)    # (2) each generation replica generates its
                                                     #     share, (3) all-gather inside the
                                                     #     micro-DP group -> training data layout
-    # leaving the block: (4) back to training; the training shard never moved
+    # leaving the block: (4) back to training; the training shard never moved, the rollout
+    #                     drops the weights and (unless it keeps them) its KV cache and graphs
     engine.train.train_step(...)                    # (5) losses and update
 
 Data layout of step (2)-(3) for one training DP rank with ``B`` prompts and micro-DP size m::
@@ -55,7 +56,9 @@ class Rollout(Protocol):
         """Generate for this generation replica's prompts."""
 
     def release(self) -> None:
-        """Drop every reference to the generation weights and caches."""
+        """Drop every reference to the generation weights, and give back the memory of the
+        caches (KV cache, decode graphs) unless the backend was built to keep them
+        (:class:`GenerationEngine` ``keep_cache``): training runs next."""
 
 
 class HybridEngine:
@@ -64,7 +67,10 @@ class HybridEngine:
     Args:
         model: this rank's training model (its buffer becomes the resharder's).
         optim: optimiser settings of the training engine.
-        rollout: generation backend (default: :class:`GenerationEngine` on the layout).
+        rollout: generation backend (default: :class:`GenerationEngine` on the layout, whose
+            KV cache and decode graphs serve every call of a generation block and are
+            dropped on the way back to training; one built with ``keep_cache=True`` keeps
+            them across iterations).
         verify: checksum-verify the generation weights after every transition (the dense
             ones under expert parallelism).
         train: the training engine of ``model`` when the caller built it (then ``optim`` is

@@ -1,6 +1,7 @@
 """The engines on a CUDA device (skipped without one): bf16 generation (dense KV cache, with
 and without CUDA graphs) against transformers' greedy generate of the same bf16 model, graph
-replay against the same static steps run eagerly (bitwise), the training model's bf16 forward
+replay against the same static steps run eagerly (bitwise), a second call replaying the
+first call's graphs over the engine's KV cache, the training model's bf16 forward
 and backward (eager and compiled layers) against the float32 CPU model, the sampler's
 uniforms and its compiled whole-vocabulary modes on the GPU against the CPU's, and a printed
 (never asserted) decode throughput of eager steps against graphs.
@@ -250,6 +251,41 @@ def test_graph_replay_equals_the_eager_static_steps_bitwise(temperature, monkeyp
     assert torch.equal(graph.input_ids, eager.input_ids)
     assert torch.equal(graph.attention_mask, eager.attention_mask)
     assert torch.equal(graph.log_probs, eager.log_probs)
+
+
+def test_a_second_call_replays_the_first_calls_graphs(monkeypatch):
+    """The KV cache and the graphs are the engine's: a second call of the same sizes captures
+    nothing and writes the same buffers, with the bits of the first call and of a fresh
+    engine; no capture empties torch's allocator cache (the training blocks stay cached);
+    release() drops the cache and the graphs."""
+    emptied = []
+    empty_cache = torch.cuda.empty_cache
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: emptied.append(True) or empty_cache())
+    full = init_full_state_dict(CFG, seed=6, std=STD)
+    model = model_on(CFG, full, CUDA)
+    ids, mask = prompts(12, 9, padded=True)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=4)
+    engines = []
+    for _ in range(2):
+        engines.append(GenerationEngine(CFG, model.groups, device=CUDA, cuda_graphs=True,
+                                        compile_decode=False))
+        engines[-1].set_weights(model.params)
+    eng, fresh = engines
+    first = eng.generate(ids, mask, params)
+    ptr, static = eng.memory.cache.k_buf.data_ptr(), eng.memory.static
+    second = eng.generate(ids, mask, params)
+    assert first.stats["graphs_captured"] >= 1 and first.stats["capture_s"] > 0
+    assert second.stats["graphs_captured"] == 0 and second.stats["capture_s"] == 0
+    assert eng.memory.cache.k_buf.data_ptr() == ptr and eng.memory.static is static
+    assert static.graph_count == first.stats["graphs_captured"]
+    want = fresh.generate(ids, mask, params)
+    for out in (first, second):
+        assert torch.equal(out.input_ids, want.input_ids)
+        assert torch.equal(out.log_probs, want.log_probs)
+    assert not emptied
+    eng.release()
+    assert eng.memory.cache is None and eng.memory.static is None
 
 
 QWEN_LIKE = LlamaConfig(vocab_size=32768, hidden_size=512, intermediate_size=1536,

@@ -181,6 +181,12 @@ def test_single_process_cycle_and_misuse():
                 pass
         out = engine.generate_sequences(ids, mask, SamplingParams(max_new_tokens=5,
                                                                   temperature=0.0))
+        cache = engine.rollout.memory.cache  # kept for the block's next calls
+        again = engine.generate_sequences(ids, mask, SamplingParams(max_new_tokens=5,
+                                                                    temperature=0.0))
+        assert engine.rollout.memory.cache is cache and torch.equal(again.input_ids,
+                                                                    out.input_ids)
+    assert engine.rollout.memory.cache is None  # back to training: its memory given back
     assert stats.version == 2 and out.input_ids.shape == (3, P + 5)
     assert logprob_gap(engine, out) < LP_ATOL
 
