@@ -57,6 +57,7 @@ class DecodeMemory:
         positions = max_len
         if held is not None:
             capacity, positions = max(capacity, held.capacity), max(max_len, held.positions)
+        del held
         self.release()  # the old buffers and graphs go before the new ones are allocated
         self.cache = self.cache_type(num_layers, batch, max_len, kv_heads, head_dim, dtype,
                                      self.device, capacity=capacity, positions=positions)

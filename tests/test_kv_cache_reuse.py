@@ -6,6 +6,8 @@ dense cache, and a second call's tokens those of a fresh engine.  Captures are f
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -81,16 +83,26 @@ def test_reset_reuses_the_storage_with_zeros_past_the_length(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_decode_memory_reuses_grows_and_releases(layout):
     """A call that fits reuses the cache; one that does not gets a cache grown to the larger
-    of each size; the static steps stay while the cache and the weights' addresses do."""
-    mem = DecodeMemory(KV_CACHES[layout], torch.device("cpu"), capture=False)
+    of each size (the old one freed first); the static steps stay while the cache and the
+    weights' addresses do."""
+    made: list[weakref.ref] = []
+
+    def cache_type(*args, **kwargs):
+        assert all(r() is None for r in made), "the old cache is freed before the new one"
+        made.append(weakref.ref(cache := KV_CACHES[layout](*args, **kwargs)))
+        return cache
+
+    mem = DecodeMemory(cache_type, torch.device("cpu"), capture=False)
     sizes = dict(num_layers=2, kv_heads=G, head_dim=D, dtype=F32)
     a = mem.cache_for(batch=3, max_len=20, capacity=4, **sizes)
     assert mem.cache_for(batch=2, max_len=12, capacity=4, **sizes) is a
     assert (a.rows, a.max_len, a.length) == (2, 12, 0)
+    del a
     b = mem.cache_for(batch=1, max_len=30, capacity=4, **sizes)
-    assert b is not a and (b.capacity, b.positions) == (4, 30)
+    assert len(made) == 2 and (b.capacity, b.positions) == (4, 30)
+    del b
     c = mem.cache_for(batch=8, max_len=10, capacity=16, **sizes)
-    assert c is not b and (c.capacity, c.positions) == (16, 30) and mem.nbytes == c.nbytes
+    assert len(made) == 3 and (c.capacity, c.positions) == (16, 30) and mem.nbytes == c.nbytes
     if layout == "dense":
         embed, layers = (lambda ids: ids), (lambda *a: a[0])
         static = mem.static_decode(embed, layers, weights_key=1)
