@@ -7,8 +7,8 @@ interleaved_median_times`) on the same inputs, after a correctness check against
 reference (below).  Rows (``B x S`` tokens, the shape's sizes)::
 
     operation             kernel (engine._kernels)             reference (engine.layers)
-    train_rms_norm        layers.rms_norm fwd+bwd (C++)        rms_norm_formula       [4, P+R, H]
-    train_swiglu          layers.swiglu fwd+bwd (C++)          swiglu_formula   [4, P+R, F, 2]
+    train_rms_norm        norm.rms_norm fwd+bwd (C++)          rms_norm_formula       [4, P+R, H]
+    train_swiglu          mlp.swiglu fwd+bwd (C++)             swiglu_formula   [4, P+R, F, 2]
     decode_b{1,32}        KernelStage / KernelLayers           PythonLayers, one step of the
                                                                stage at a cache of P + R/2
 
@@ -21,7 +21,7 @@ time the eager reference against its compiled form with the q/k/v bias of the Qw
 prefill): ``train_layer+bias`` (decoder_layer forward + backward, ``[4, P+R, H]``),
 ``train_attention+bias`` (attention_block), ``prefill+bias`` (PythonLayers, whole stage,
 ``[n, P]``), ``decode_b{1,32}+bias``.  Eager runs the engine's own code, RMSNorm on the C++
-kernel included; ``torch.compile`` traces the formula instead (:func:`engine.layers.rms_norm`).
+kernel included; ``torch.compile`` traces the formula instead (:func:`engine.norm.rms_norm`).
 Weights are seeded (std ``1/sqrt(fan_in)``), the training mask is an RL micro-batch's
 (left-padded prompts, right-padded responses).
 
@@ -76,8 +76,8 @@ TRAIN_BATCH = 4
 """Sequences of a training micro-batch (the RL update's)."""
 DECODE_BATCHES = (1, 32)
 KERNEL_CODE = {  # what a verdict keeps or deletes
-    "train_rms_norm": "csrc/engine/rms_norm.cpp (engine.layers.rms_norm on float32 CPU)",
-    "train_swiglu": "csrc/engine/swiglu.cpp (engine.layers.swiglu on float32 CPU)",
+    "train_rms_norm": "csrc/engine/rms_norm.cpp (engine.norm.rms_norm on float32 CPU)",
+    "train_swiglu": "csrc/engine/swiglu.cpp (engine.mlp.swiglu on float32 CPU)",
     "kernel_stage": "decode_layer.cpp decode_layers (+ shared_step.cpp, kv_attention.cpp, "
                     "small_gemm.cpp)",
     "kernel_layers": "decode_layer.cpp decode_attention/decode_mlp (+ kv_attention.cpp, "
@@ -204,28 +204,33 @@ def train_step(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: dict[str, to
 
 
 def training_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
-    from engine import layers
+    from engine.attention import causal_mask
+    from engine.layers import LayerSpec, attention_block, decoder_layer
+    from engine.mlp import swiglu, swiglu_formula
+    from engine.norm import rms_norm, rms_norm_formula
+    from engine.rope import position_ids_from_mask, rope_tables
 
     batch = TRAIN_BATCH
     mask2d = rl_attention_mask(s, batch, gen)
-    mask = layers.causal_mask(mask2d, batch, s.seq)
-    rope = layers.rope_tables(layers.position_ids_from_mask(mask2d), s.d, s.theta)
+    mask = causal_mask(mask2d, batch, s.seq)
+    rope = rope_tables(position_ids_from_mask(mask2d), s.d, s.theta)
+    spec = LayerSpec(s.qpg, s.d, s.eps)
     x = torch.randn(batch, s.seq, s.h, generator=gen).requires_grad_()
     dy = torch.randn(batch, s.seq, s.h, generator=gen)
     norm = {"input_norm": (1 + 0.1 * torch.randn(s.h, generator=gen)).requires_grad_()}
     wb = {k: t.requires_grad_() for k, t in layer_weights(s, gen, bias=True).items()}
 
     def ref_norm(x, w):
-        return layers.rms_norm_formula(x, w["input_norm"], s.eps)
+        return rms_norm_formula(x, w["input_norm"], s.eps)
 
     def kernel_norm(x, w):  # float32 CPU: the C++ kernel (an autograd Function)
-        return layers.rms_norm(x, w["input_norm"], s.eps)
+        return rms_norm(x, w["input_norm"], s.eps)
 
     def ref_layer(x, w):
-        return layers.decoder_layer(x, w, rope, mask, s.qpg, s.d, s.eps, None)
+        return decoder_layer(x, w, rope, mask, spec)
 
     def ref_attn(x, w):
-        return layers.attention_block(x, w, rope, mask, s.qpg, s.d, s.eps, None)
+        return attention_block(x, w, rope, mask, spec)
 
     fns = {"kernel": train_step(kernel_norm, x, norm, dy),
            "eager": train_step(ref_norm, x, norm, dy),
@@ -235,10 +240,10 @@ def training_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     dgu = torch.randn(batch, s.seq, s.f, generator=gen)
 
     def ref_swiglu(gu, w):
-        return layers.swiglu_formula(gu)
+        return swiglu_formula(gu)
 
     def kernel_swiglu(gu, w):  # float32 CPU: the C++ kernel (an autograd Function)
-        return layers.swiglu(gu)
+        return swiglu(gu)
 
     fns = {"kernel": train_step(kernel_swiglu, gu, {}, dgu),
            "eager": train_step(ref_swiglu, gu, {}, dgu),
@@ -278,8 +283,9 @@ def generation_rows(s: Sizes, gen: torch.Generator, repeat: int) -> list[dict]:
     from engine import _kernels
     from engine.forward_paths import LAYER_PATHS
     from engine.forward_paths import uses_row_lanes
+    from engine.attention import causal_mask
     from engine.kv_cache import TiledKVCache, tile_keys
-    from engine.layers import causal_mask, position_ids_from_mask, rope_tables
+    from engine.rope import position_ids_from_mask, rope_tables
 
     p, r = s.shape.prompt_len, s.shape.response_len
     stages = {False: stage_layers(s, gen, bias=False), True: stage_layers(s, gen, bias=True)}

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from engine import _kernels
+from engine.attention import causal_mask
 from engine.generation import GenerationEngine
 from engine.forward_paths import (DECODE, LAYER_PATHS, PREFILL, KernelStage, PythonLayers,
                                   StageLayers)
 from engine.kv_cache import KVCache, TiledKVCache, tile_keys, untile_keys
-from engine.layers import causal_mask, position_ids_from_mask, rope_tables
 from engine.llama_spec import LAYER_KEYS, LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
+from engine.rope import position_ids_from_mask, rope_tables
 from engine.sampling import SamplingParams
 from hybridflow_comm.groups import build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
