@@ -43,10 +43,10 @@ import torch
 
 from engine import batched_attention
 from engine.attention import KVHook, PackedSeqs, attention, causal_mask
-from engine.mlp import swiglu, swiglu_formula
+from engine.mlp import swiglu
 from engine.moe import MoeFn, MoeRouting, RouteRecord, RouterLossTerms, experts_mask, \
     moe_block
-from engine.norm import rms_norm, rms_norm_formula
+from engine.norm import rms_norm
 from engine.rope import apply_rope, position_ids_from_mask, rope_tables
 from engine.route_trace import RouteTrace
 from engine.router_loss import RouterLoss
@@ -57,8 +57,7 @@ __all__ = [
     "LayerSpec", "LoraDeltas", "attention_block", "decoder_layer", "mlp_block", "swiglu_block",
     # names of the parts that modules edited elsewhere still import from here
     "RouteTrace", "RouterLoss", "causal_mask", "experts_mask", "moe_block",
-    "position_ids_from_mask", "rms_norm", "rms_norm_formula", "rope_tables", "swiglu",
-    "swiglu_formula",
+    "position_ids_from_mask", "rms_norm", "rope_tables",
 ]
 
 
