@@ -50,7 +50,7 @@ class Precision:
     """Dtype of every parameter and of the compute (activations, KV cache)."""
     master_weights: bool
     """A trained model keeps float32 master weights, gradients and optimizer state beside its
-    16-bit parameters (:class:`engine.train.MasterWeights`)."""
+    16-bit parameters (:class:`engine.train_state.MasterWeights`)."""
 
     @staticmethod
     def named(name: str) -> Precision:

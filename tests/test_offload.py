@@ -1,6 +1,6 @@
-"""Training state offloaded during generation (engine.train.OffloadedState): the masters, Adam
-state and gradient buffer leave the device (their storages at 0 bytes, every view kept) and
-come back bit for bit; a HybridEngine that offloads generates and trains exactly as one that
+"""Training state offloaded during generation (engine.train_state.OffloadedState): the masters,
+Adam state and gradient buffer leave the device (their storages at 0 bytes, every view kept)
+and come back bit for bit; a HybridEngine that offloads generates and trains exactly as one that
 does not; actor.offload_during_generation reaches the actor's engine."""
 
 from __future__ import annotations
