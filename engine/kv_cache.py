@@ -45,12 +45,12 @@ A step writes its keys and values in place at ``[length, length + S)`` (a slice 
 a captured decode step writes at a device position, :class:`DecodeSlots`) and attention reads
 ``[0, length + S)`` as views (``[B, S_kv, h_kv, D]`` by a transpose, never a copy):
 SDPA's kernels read D-contiguous rows of a strided sequence dim.  The hooks of this layout
-carry ``stacked_decode``: a one-token step attends with each KV group's query heads stacked
-as rows (:func:`engine.attention.decode_attention`), so no kernel expands the cache per query
-head.  Positions past ``length`` are zeros or finite leftovers of dropped rows (never NaN:
-a masked position's zero weight times its value must stay zero); :meth:`DenseKVCache.reset_`
-zeroes the buffers.  Its shape never changes, so every address a captured step recorded
-stays valid from call to call.
+carry ``stacked_decode = True`` (the tiled layout's ``False``): a one-token step attends with
+each KV group's query heads stacked as rows (:func:`engine.attention.decode_attention`), so
+no kernel expands the cache per query head.  Positions past ``length`` are zeros or finite
+leftovers of dropped rows (never NaN: a masked position's zero weight times its value must
+stay zero); :meth:`DenseKVCache.reset_` zeroes the buffers.  Its shape never changes, so
+every address a captured step recorded stays valid from call to call.
 
 :meth:`KVCache.advance` moves ``length`` once every layer of the step has run.
 :meth:`KVCache.keep_rows_` drops finished sequences (early exit, :mod:`engine.early_exit`) in
@@ -276,6 +276,7 @@ class TiledKVCache:
             return (untile_keys(self.k[layer], 0, end).permute(0, 3, 1, 2),
                     self.v[layer, :, :, :end].transpose(1, 2))
 
+        append.stacked_decode = False  # every KV cache's hook says which attention it takes
         return append
 
     def keys(self, start: int, end: int) -> torch.Tensor:

@@ -108,9 +108,8 @@ def test_dense_hook_returns_views_of_the_cache():
     assert k.shape == (B, 4, G, D)
     for got, buf in ((k, cache.k_buf), (v, cache.v_buf)):  # no copy of the cache
         assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-    assert getattr(cache.hook(0), "stacked_decode", False)
-    assert not getattr(TiledKVCache(1, B, 10, G, D, torch.float32).hook(0), "stacked_decode",
-                       False)
+    assert cache.hook(0).stacked_decode is True
+    assert TiledKVCache(1, B, 10, G, D, torch.float32).hook(0).stacked_decode is False
 
 
 def test_dense_keep_rows_moves_rows_within_its_buffers():
