@@ -134,9 +134,9 @@ class StaticDecode:
         self.stream: torch.cuda.Stream | None = None  # of the warm-ups and captures
         self.begin_call(embed, layers)
 
-    def begin_call(self, embed: Embed | None, layers: Layers | None) -> None:
-        """A new call's step functions (new weights at the same addresses, a call's plan;
-        None between calls: they hold the weights), and its capture counters at zero."""
+    def begin_call(self, embed: Embed, layers: Layers) -> None:
+        """A new call's step functions (new weights at the same addresses, a call's plan),
+        and its capture counters at zero."""
         self.embed, self.layers = embed, layers
         self.captured = 0
         """Graphs captured in this call."""
@@ -144,6 +144,10 @@ class StaticDecode:
         """Wall seconds of this call's warm-ups and captures (the device synchronised before
         and after each, so the queued steps are not in it): what a timing of the steps
         leaves out."""
+
+    def end_call(self) -> None:
+        """Drop the call's step functions (they hold the weights; the graphs do not)."""
+        self.embed = self.layers = None
 
     def step(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys_ok: torch.Tensor) -> torch.Tensor:

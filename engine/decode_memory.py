@@ -88,6 +88,6 @@ class DecodeMemory:
         (which hold the weights) are dropped."""
         if keep:
             if self.static is not None:
-                self.static.begin_call(None, None)
+                self.static.end_call()
             return
         self.cache, self.static, self._static_key = None, None, None

@@ -518,6 +518,8 @@ class GenerationEngine:
                 routes[rows.at, plen + i] = fed.masked_fill_(~rows.alive[rows.at, None, None], -1)
         graphs = 0 if static is None else static.captured  # this call's new graphs
         capture_s = 0.0 if static is None else static.capture_s
+        if static is not None:
+            static.end_call()  # kept for the next call, without this call's weights
         # 4. output
         new_tokens = int(out.mask.sum())  # its sync waits for the device: time_s includes it
         elapsed = time.perf_counter() - t0
