@@ -66,8 +66,10 @@ from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelSta
     LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
     plan_call, resolve_kernels
 from engine.kv_cache import KV_CACHES, KVCache, kv_cache_nbytes, resolve_layout
-from engine.layers import causal_mask, experts_mask, moe_block, position_ids_from_mask, \
-    rms_norm, rope_tables
+from engine.attention import causal_mask
+from engine.moe import experts_mask, moe_block
+from engine.norm import rms_norm
+from engine.rope import position_ids_from_mask, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import same_device
 from engine.sampling import SamplingParams, SeedStream, sample_next
@@ -118,7 +120,7 @@ class StepTables:
     """``[R, 1, 1, P + N]`` bool: the key positions a query may attend (not left padding)."""
     padded: bool
     """Some prompt has left padding: the steps need masks; without, attention is causal and
-    mask-free (SDPA's ``is_causal``, :func:`engine.layers.attention`)."""
+    mask-free (SDPA's ``is_causal``, :func:`engine.attention.attention`)."""
 
     @classmethod
     def build(cls, mask: torch.Tensor, n_new: int, config: LlamaConfig) -> StepTables:

@@ -42,22 +42,16 @@ from typing import Protocol
 import torch
 
 from engine import batched_attention
-from engine.attention import KVHook, PackedSeqs, attention, causal_mask
+from engine.attention import KVHook, PackedSeqs, attention
 from engine.mlp import swiglu
-from engine.moe import MoeFn, MoeRouting, RouteRecord, RouterLossTerms, experts_mask, \
-    moe_block
+from engine.moe import MoeFn, MoeRouting, RouteRecord, RouterLossTerms, moe_block
 from engine.norm import rms_norm
-from engine.rope import apply_rope, position_ids_from_mask, rope_tables
-from engine.route_trace import RouteTrace
-from engine.router_loss import RouterLoss
+from engine.rope import apply_rope
 from engine.tp_ops import column_linear, copy_to_tp, row_linear
 from hybridflow_comm.groups import Group
 
 __all__ = [
     "LayerSpec", "LoraDeltas", "attention_block", "decoder_layer", "mlp_block", "swiglu_block",
-    # names of the parts that modules edited elsewhere still import from here
-    "RouteTrace", "RouterLoss", "causal_mask", "experts_mask", "moe_block",
-    "position_ids_from_mask", "rms_norm", "rope_tables",
 ]
 
 
@@ -77,7 +71,7 @@ class LayerSpec:
     """What every decoder layer of one model (or generation stage) shares, built once::
 
         spec = LayerSpec(q_per_group=4, head_dim=64, eps=1e-6)   # one rank, dense
-        rope = rope_tables(torch.arange(seq).expand(batch, seq), 64, 10000.0)
+        rope = engine.rope.rope_tables(torch.arange(seq).expand(batch, seq), 64, 10000.0)
         for w in layer_weights:
             x = decoder_layer(x, w, rope, None, spec)               # causal, no KV cache
     """

@@ -33,7 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engine.layers import RouteTrace, RouterLoss
+from engine.route_trace import RouteTrace
+from engine.router_loss import RouterLoss
 from engine.micro_batches import PackedRows, pack_rows
 from engine.model import ParallelLlama, check_temperature
 from engine.optim_config import OptimConfig
@@ -266,7 +267,7 @@ class TrainEngine:
             ``loss`` (each rank's mean over its micro-batches, averaged over DP ranks),
             ``grad_norm`` (before clipping), ``lr``; identical on every rank.  A mixture of
             experts also minimises its load-balancing loss with weight
-            ``config.router_aux_loss_coef`` (:class:`engine.layers.RouterLoss`, the mean over
+            ``config.router_aux_loss_coef`` (:class:`engine.router_loss.RouterLoss`, the mean over
             layers and micro-batches) and returns it as ``router_aux_loss`` (unweighted,
             averaged over DP ranks).
         """
