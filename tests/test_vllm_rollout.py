@@ -720,6 +720,25 @@ def test_wave_rows():
         assert rows == batch or rows == cap or (budget is not None and (rows + 1) * row > budget)
 
 
+def test_wave_budget_counts_the_held_kv_cache_as_free(monkeypatch):
+    """On a GPU a wave's KV budget is a fraction of the free memory plus the cache the engine
+    holds from its earlier calls (reused or replaced by the next wave), so the later waves of
+    a block are sized as the first."""
+    class Engine:  # what kv_budget reads of a GenerationEngine
+        device = torch.device("cuda")
+        memory = types.SimpleNamespace(nbytes=0)
+
+    engine = Engine()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000, 8000))
+    waves = WavedGeneration(engine, max_num_seqs=None, kv_fraction=0.5)
+    assert waves.kv_budget() == 500
+    engine.memory.nbytes = 600  # the first wave's cache, held: free memory fell by as much
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (400, 8000))
+    assert waves.kv_budget() == 500
+    engine.device = torch.device("cpu")
+    assert waves.kv_budget() is None
+
+
 # The rollout section of the config ----------------------------------------------------------
 
 

@@ -103,12 +103,14 @@ class WavedGeneration:
         self.engine.release()
 
     def kv_budget(self) -> int | None:
-        """Bytes one wave's KV cache may take; None on the CPU (no budget)."""
+        """Bytes one wave's KV cache may take; None on the CPU (no budget).  The KV cache the
+        engine holds from its earlier calls counts as free: a wave reuses it (or replaces
+        it), so later waves of a block are sized as the first."""
         device = self.engine.device
         if device.type != "cuda":
             return None
         free, _total = torch.cuda.mem_get_info(device)  # host ints: a sizing decision
-        return int(free * self.kv_fraction)
+        return int((free + self.engine.memory.nbytes) * self.kv_fraction)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  sampling: SamplingParams) -> GenerationOutput:
