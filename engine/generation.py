@@ -31,13 +31,13 @@ stages are not overlapped across steps (no micro-batching): simple, not fast.
 Every rank of a generation replica (its TP x PP group) must pass the same prompts and
 settings; the sampled tokens are then identical on all of them (see :mod:`engine.sampling`).
 
-The KV cache has a layout per device (:mod:`engine.kv_cache`): tiled on the CPU, for the C++
-kernels; dense on CUDA, read in place by SDPA.  On the dense layout with one stage the decode
-steps run at the static shapes of their batch bucket (:class:`engine.cuda_graphs.
-StaticDecode`: embedding and layers; the sampler runs after it on the device), replayed as
-CUDA graphs where :func:`engine.cuda_graphs.graphs_apply` (``cuda_graphs``), eagerly
-elsewhere with the same bits.  The engine allocates its cache once and keeps it, and the
-graphs over it, from call to call, growing it only for a call that needs more, until
+What differs by device is a decode backend picked once when the engine is built
+(:mod:`engine.decode_backend`): :class:`engine.decode_cpu.CpuDecode` (tiled KV cache, the C++
+kernels, their heads, one-call greedy finish) or :class:`engine.decode_cuda.CudaDecode` (dense
+KV cache read in place by SDPA, decode steps at the static shapes of their batch bucket,
+compiled where ``compile_decode``, replayed as CUDA graphs where ``cuda_graphs``; the same
+bits eagerly).  The backend allocates its cache once and keeps it, and the graphs over it,
+from call to call, growing it only for a call that needs more, until
 :meth:`GenerationEngine.release` (:mod:`engine.decode_memory`).
 
 Early exit (``early_exit=True``, the default) stops computing the rows that have finished
@@ -57,26 +57,23 @@ from typing import Any
 import torch
 
 from engine import inductor
-from engine.compiled_decode import StaticDecodeLayers
-from engine.cuda_graphs import StaticDecode, bucket, graphs_apply, resolve_graphs
+from engine.cuda_graphs import StaticDecode, graphs_apply, resolve_graphs
+from engine.decode_backend import DecodeBackend, Head, Responses, StepTables
+from engine.decode_cpu import CpuDecode
+from engine.decode_cuda import CudaDecode
 from engine.decode_memory import DecodeMemory
 from engine.lora import LayerLora, LoraConfig
 from engine.early_exit import RunningRows, check_every
-from engine.forward_paths import CallPlan, ForwardPaths, KernelLayers, KernelStage, \
-    LayerPath, PipelineStage, Rope, Sample, SingleStage, StageLayers, choose_paths, \
-    plan_call, resolve_kernels
-from engine.kv_cache import KV_CACHES, KVCache, kv_cache_nbytes, resolve_layout
-from engine.attention import causal_mask
+from engine.forward_paths import CallPlan, ForwardPaths, LayerPath, PipelineStage, Rope, \
+    Sample, SingleStage, StageLayers, plan_call, resolve_kernels
+from engine.kv_cache import KVCache, kv_cache_nbytes, resolve_layout
 from engine.moe import experts_mask, moe_block
-from engine.norm import rms_norm
-from engine.rope import position_ids_from_mask, rope_tables
 from engine.llama_spec import LlamaConfig, head_weight_name
 from engine.model import same_device
-from engine.sampling import SamplingParams, SeedStream, sample_next
-from engine.tp_ops import column_linear, vocab_embedding
+from engine.sampling import SamplingParams, SeedStream
+from engine.tp_ops import vocab_embedding
 from hybridflow_comm.comm import all_gather_tensor
 from hybridflow_comm.groups import HybridGroups
-
 
 @dataclass
 class GenerationOutput:
@@ -106,74 +103,6 @@ class GenerationOutput:
     @property
     def response_mask(self) -> torch.Tensor:
         return self.attention_mask[:, self.prompt_length:]
-
-
-@dataclass
-class StepTables:
-    """A call's per-row tables over every position ``[0, P + N)``, as if every new token were
-    real (a finished row's later positions are never read)."""
-
-    cos: torch.Tensor
-    """``[R, P + N, D]`` RoPE."""
-    sin: torch.Tensor
-    keys_ok: torch.Tensor
-    """``[R, 1, 1, P + N]`` bool: the key positions a query may attend (not left padding)."""
-    padded: bool
-    """Some prompt has left padding: the steps need masks; without, attention is causal and
-    mask-free (SDPA's ``is_causal``, :func:`engine.attention.attention`)."""
-
-    @classmethod
-    def build(cls, mask: torch.Tensor, n_new: int, config: LlamaConfig) -> StepTables:
-        full = torch.cat([mask, torch.ones(mask.shape[0], n_new, dtype=torch.long,
-                                           device=mask.device)], dim=1)
-        cos, sin = rope_tables(position_ids_from_mask(full), config.head_dim, config.rope_theta,
-                               config.dtype, config.rope_scaling)
-        # one device-to-host sync a call (the prompts are validated on the host already)
-        return cls(cos, sin, full.bool()[:, None, None, :], padded=not bool(mask.all()))
-
-    def prompt(self, rows: torch.Tensor, length: int, mask: torch.Tensor
-               ) -> tuple[Rope, torch.Tensor | None]:
-        """RoPE and attention mask (None: no padding) of the prefill of ``rows``' prompts of
-        ``length`` tokens, whose attention mask is ``mask [B, P]``."""
-        attn = causal_mask(mask[rows], rows.numel(), length) if self.padded else None
-        return (self.cos[rows, :length], self.sin[rows, :length]), attn
-
-    def decode(self, end: int) -> tuple[Rope, torch.Tensor | None]:
-        """RoPE of position ``end - 1`` and the key mask over ``[0, end)`` (None: no
-        padding)."""
-        return ((self.cos[:, end - 1:end], self.sin[:, end - 1:end]),
-                self.keys_ok[..., :end] if self.padded else None)
-
-    def keep_rows(self, keep: torch.Tensor) -> StepTables:
-        return StepTables(self.cos[keep], self.sin[keep], self.keys_ok[keep], self.padded)
-
-
-@dataclass
-class Responses:
-    """The response columns of a call's output, filled step by step."""
-
-    ids: torch.Tensor
-    """``[B, N]`` int64, ``pad`` after a row's end."""
-    mask: torch.Tensor
-    """``[B, N]`` int64, 1 for real tokens."""
-    log_probs: torch.Tensor
-    """``[B, N]`` float32, 0 where masked."""
-    pad: int
-
-    @classmethod
-    def empty(cls, batch: int, n_new: int, pad: int, device: torch.device) -> Responses:
-        return cls(torch.full((batch, n_new), pad, dtype=torch.long, device=device),
-                   torch.zeros(batch, n_new, dtype=torch.long, device=device),
-                   torch.zeros(batch, n_new, dtype=torch.float32, device=device), pad)
-
-    def record(self, step: int, rows: RunningRows, tokens: torch.Tensor,
-               log_probs: torch.Tensor) -> None:
-        """Step ``step``'s ``tokens`` and ``log_probs`` ``[R]`` of the running rows; a row
-        that had already finished gets padding."""
-        live = rows.alive[rows.at]
-        self.ids[rows.at, step] = torch.where(live, tokens, self.pad)
-        self.mask[rows.at, step] = live.long()
-        self.log_probs[rows.at, step] = torch.where(live, log_probs, 0.0)
 
 
 def check_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -282,40 +211,54 @@ class GenerationEngine:
         self.tp_group, self.pp_group = groups.gen_tp, groups.gen_pp
         self.kv_heads = config.num_kv_heads // layout.tp_g
         self.device = torch.device(device)
+        self.experts = _check_experts(experts, config)
+        # the decode backend, picked once by the KV cache layout (engine.decode_backend)
         self.kv_layout = resolve_layout(kv_layout, self.device)
         if self.kv_layout == "dense" and fused_decode:
             raise ValueError("fused_decode=True reads the tiled KV cache; kv_layout='dense' "
                              "decodes on the Python layers (fused_decode=None or False)")
+        graphs = resolve_graphs(cuda_graphs, self.device)
         self.fused_decode = self.kv_layout == "tiled" and resolve_kernels(
             fused_decode, config.dtype, config.layer_keys, self.device)
         # the dense layout's decode steps at static shapes (one stage: the step is embed +
         # layers), compiled where asked, captured as CUDA graphs where graphs_apply (a mixture
-        # of experts sizes each expert's matmuls from the routing, read on the host every
-        # step: not captured)
+        # of experts records its routes outside the step: not captured)
         self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
-        self.cuda_graphs = (resolve_graphs(cuda_graphs, self.device) and self.static_decode
-                            and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1)
-                            and not config.num_experts)
+        self.cuda_graphs = (graphs and self.static_decode and not config.num_experts
+                            and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1))
         self.compile_decode = self.static_decode and inductor.compile_applies(compile_decode,
                                                                               self.device)
-        self.static_layers: StaticDecodeLayers | None = None
+        self.backend: DecodeBackend = (
+            CpuDecode(self.device, self.fused_decode, greedy_loop) if self.kv_layout == "tiled"
+            else CudaDecode(self.device, self.static_decode, self.cuda_graphs,
+                            self.compile_decode, self.experts))
         self.adapters: Mapping[str, torch.Tensor] | None = None
         self.lora: LoraConfig | None = None
-        self.early_exit, self.greedy_loop = early_exit, greedy_loop
+        self.early_exit = early_exit
         self.route_log: list[torch.Tensor] | None = \
             [] if record_routes and config.num_experts else None
-        self.experts = _check_experts(experts, config)
         self.boundary = (SingleStage() if self.num_stages == 1 else
                          PipelineStage(group=self.pp_group, stage=self.stage,
                                        hidden_size=config.hidden_size, dtype=config.dtype,
                                        device=self.device))
         self.weights: Mapping[str, torch.Tensor] | None = None
         self.weights_version: int | None = None
-        self.paths: ForwardPaths | None = None  # chosen by set_weights for their form
-        self.block_rows: int | None = None  # the decode kernels' small-M row block (plan_call)
         self.keep_cache = keep_cache
-        self.memory = DecodeMemory(KV_CACHES[self.kv_layout], self.device, self.cuda_graphs)
-        self._weights_key: tuple | None = None  # the addresses a captured step reads
+
+    @property
+    def paths(self) -> ForwardPaths | None:
+        """The layer paths of the current weights, chosen by :meth:`set_weights`."""
+        return self.backend.paths
+
+    @property
+    def block_rows(self) -> int | None:
+        """The decode kernels' small-M row block where the steps run them (plan_call)."""
+        return self.backend.block_rows
+
+    @property
+    def memory(self) -> DecodeMemory:
+        """The KV cache (and static steps) the backend holds from call to call."""
+        return self.backend.memory
 
     # Weights ---------------------------------------------------------------------------------
     @property
@@ -361,16 +304,8 @@ class GenerationEngine:
                 moe_block, experts=self.experts,
                 held_mask=experts_mask(self.experts, c.num_experts, self.device)))
         self.weights, self.weights_version = weights, version
-        self._weights_key = _addresses(weights, self.required_weights(), self.adapters,
-                                       self.lora)
-        # LoRA adapters run on the Python layers or the compiled step (the kernels lack them)
-        self.paths = choose_paths(stage, self.fused_decode and not loras)
-        self.static_layers = (StaticDecodeLayers(stage, self.compile_decode, self.experts)
-                              if self.static_decode else None)
-        self.block_rows = None
-        if isinstance(self.paths.decode, (KernelStage, KernelLayers)):
-            from engine import _kernels  # built: the kernel paths exist only then
-            self.block_rows = _kernels.small_gemm_max_rows
+        self.backend.set_weights(stage, _addresses(weights, self.required_weights(),
+                                                   self.adapters, self.lora))
 
     def set_adapters(self, adapters: Mapping[str, torch.Tensor] | Any | None,
                      lora: LoraConfig | None = None) -> None:
@@ -405,10 +340,9 @@ class GenerationEngine:
     def release(self) -> None:
         """Drop the references to the generation views (back to training), and the KV cache
         and decode graphs unless ``keep_cache``."""
-        self.weights, self.weights_version, self.paths = None, None, None
-        self.static_layers, self.block_rows = None, None
+        self.weights, self.weights_version = None, None
         self.adapters, self.lora = None, None
-        self.memory.release(keep=self.keep_cache)
+        self.backend.release(self.keep_cache)
 
     # Generation ------------------------------------------------------------------------------
     def kv_cache_bytes(self, batch: int, prompt_length: int, max_new_tokens: int) -> int:
@@ -427,19 +361,7 @@ class GenerationEngine:
         return dict(num_layers=len(self.layer_ids), batch=rows,
                     max_len=prompt_length + max_new_tokens - 1, kv_heads=self.kv_heads,
                     head_dim=self.config.head_dim, dtype=self.config.dtype,
-                    capacity=bucket(batch) if self.static_decode else batch)
-
-    def _call_cache(self, rows: int, batch: int, prompt_length: int, max_new_tokens: int,
-                    plan: CallPlan) -> tuple[KVCache, StaticDecode | None]:
-        """The held KV cache reset for a call (grown where it needs more) and, where the
-        decode steps are static, the steps over it (:mod:`engine.decode_memory`)."""
-        cache = self.memory.cache_for(**self._kv_cache_sizes(rows, prompt_length,
-                                                             max_new_tokens, batch))
-        if not self.static_decode:
-            return cache, None
-        layers = (self.static_layers.forward if self.static_layers is not None
-                  else plan.paths.decode.forward)
-        return cache, self.memory.static_decode(self._embed, layers, self._weights_key)
+                    capacity=self.backend.capacity(batch))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -471,7 +393,10 @@ class GenerationEngine:
         prompt = _padded_prompt(input_ids, mask, sampling)
         distinct, copies = distinct_prompts(prompt, mask)
         plan = self._plan(batch, limits, sampling)
-        cache, static = self._call_cache(distinct.numel(), batch, plen, n_new, plan)
+        # the held KV cache reset for the call (grown where it needs more), and the backend's
+        # static steps over it where it has them (engine.decode_memory)
+        cache, static = self.backend.call_cache(
+            self._kv_cache_sizes(distinct.numel(), plen, n_new, batch), self._embed, plan)
         rows = RunningRows(limits, sampling.eos_token_id)
         out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
         routes = None
@@ -504,7 +429,9 @@ class GenerationEngine:
                 if alive == 0:
                     break
                 if plan.greedy_rest:  # no row leaves: the remaining steps in one kernel call
-                    self._greedy_rest(plan.paths.decode, out, i, cache, tables, sampling, rows)
+                    self.backend.greedy_rest(plan.paths.decode, out, i, cache, tables,
+                                             sampling, rows, self.weights["embed_tokens"],
+                                             self._head())
                     break
                 keep = rows.compact(alive) if self.early_exit else None
                 if keep is not None:
@@ -538,8 +465,7 @@ class GenerationEngine:
                    "compactions": rows.compactions,
                    "tokens_per_s": new_tokens / max(elapsed, 1e-9),
                    "kv_cache_bytes": self.kv_cache_bytes(batch, plen, n_new),
-                   "kv_layout": self.kv_layout, "cuda_graphs": self.cuda_graphs,
-                   "compile_decode": self.compile_decode, "graphs_captured": graphs,
+                   **self.backend.stats(), "graphs_captured": graphs,
                    "capture_s": capture_s,
                    "weights_version": self.weights_version})
 
@@ -559,31 +485,12 @@ class GenerationEngine:
         rows_stay = bool((limits == n_new).all()) and (  # a host sync, once per call
             sampling.eos_token_id is None or sampling.min_new_tokens >= n_new - 1)
         whole_vocab = self.tp_group is None or self.tp_group.pg is None
-        kernel_loop = (self.greedy_loop and isinstance(self.boundary, SingleStage)
-                       and isinstance(self.paths.decode, KernelStage))
+        kernel_loop = self.backend.kernel_loop(isinstance(self.boundary, SingleStage))
         return plan_call(self.paths, batch, self.block_rows, rows_stay,
                          head_in_place=self.is_last
                          and self.weights[self.head_name].stride(1) == 1,
                          greedy_one_rank=sampling.greedy and whole_vocab,
                          kernel_loop=kernel_loop)
-
-    def _greedy_rest(self, decode: KernelStage, out: Responses, step: int, cache: KVCache,
-                     tables: StepTables, sampling: SamplingParams, rows: RunningRows) -> None:
-        """The greedy decode steps after ``step`` of every row in one kernel call, written to
-        ``out``; the cache advances by their number."""
-        from engine import _kernels
-        s, n_new = decode.stage, sampling.max_new_tokens
-        steps = n_new - 1 - step
-        banned = [sampling.banned_token(j) for j in range(step + 1, n_new)]
-        out.ids[:, step + 1:], out.log_probs[:, step + 1:] = _kernels.greedy_decode(
-            out.ids[:, step], steps, self.weights["embed_tokens"], decode.flat_weights, s.eps,
-            tables.cos, tables.sin, cache.k, cache.v, cache.length, tables.keys_ok[:, 0, 0],
-            s.q_per_group, decode.qkv_biases, self.weights["norm"], self.config.rms_norm_eps,
-            self.weights[self.head_name], [-1 if b is None else b for b in banned],
-            row_lanes=decode.row_lanes)
-        out.mask[:, step + 1:] = 1
-        cache.advance(steps)
-        rows.count_steps(steps)
 
     @staticmethod
     def _check_limits(limits: torch.Tensor | None, batch: int, n_new: int,
@@ -622,32 +529,18 @@ class GenerationEngine:
         """First stage: ``ids [B, S]`` -> ``[B, S, H]``."""
         return vocab_embedding(ids, self.weights["embed_tokens"], self.tp_group)
 
+    def _head(self) -> Head:
+        """The last stage's final norm and LM head."""
+        return Head(self.weights["norm"], self.config.rms_norm_eps, self.weights[self.head_name],
+                    self.tp_group)
+
     def _sample(self, x: torch.Tensor, sampling: SamplingParams, stream: SeedStream,
                 plan: CallPlan, rows: torch.Tensor | None = None, step: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Last stage: the next token of every row from the last position of ``x [R, S, H]``
         (``rows``: the running rows of the full batch, None = all; ``step``: tokens each row
-        has produced, for ``sampling.min_new_tokens``)."""
-        w = self.weights[self.head_name]  # [V/t_g, H]: column-parallel, no comm forward
-        if plan.head == "greedy_head":
-            # the whole vocabulary here and argmax only: norm, head and choice in one call
-            # (the same bits as the three below, without the Python between them)
-            from engine import _kernels
-            banned = sampling.banned_token(step)
-            return _kernels.greedy_head(x[:, -1], self.weights["norm"],
-                                        self.config.rms_norm_eps, w,
-                                        -1 if banned is None else banned,
-                                        row_lanes=plan.row_lanes)
-        h = rms_norm(x[:, -1], self.weights["norm"], self.config.rms_norm_eps)  # [R, H]
-        if plan.head == "small_linear":
-            # a few rows: the kernels' product reads the head in place on every intra-op
-            # thread (BLAS packs the whole [V/t_g, H] weight first)
-            from engine import _kernels
-            logits = _kernels.small_linear(h.contiguous(), w, row_lanes=plan.row_lanes)
-        else:
-            logits = column_linear(h, w, self.tp_group)  # [R, V/t_g]
-        return sample_next(logits, sampling, self.tp_group, stream, rows, step)
-
+        has produced, for ``sampling.min_new_tokens``), by the backend's head."""
+        return self.backend.sample(self._head(), x, sampling, stream, plan, rows, step)
 
 def distinct_prompts(prompt: torch.Tensor, mask: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
