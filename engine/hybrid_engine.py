@@ -30,7 +30,8 @@ from typing import Protocol
 
 import torch
 
-from engine.generation import GenerationEngine, GenerationOutput, check_prompts
+from engine.generation import GenerationEngine
+from engine.generation_io import GenerationOutput, check_prompts
 from engine.model import ParallelLlama
 from engine.sampling import SamplingParams, derive_seed
 from engine.train import OptimConfig, TrainEngine

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.generation import GenerationOutput
+from engine.generation_io import GenerationOutput
 from engine.sampling import SamplingParams, derive_seed
 from engine.vllm_worker_ext import DESCRIBE, LOAD_BUCKET, WORKER_EXTENSION
 from hybridflow_comm.groups import Group

@@ -19,7 +19,8 @@ import torch
 
 from engine.early_exit import COMPACT_DIVISOR, RunningRows, decode_rows
 from engine.forward_paths import ROW_LANES_MIN_ROWS, uses_row_lanes
-from engine.generation import GenerationEngine, GenerationOutput
+from engine.generation import GenerationEngine
+from engine.generation_io import GenerationOutput
 from engine.kv_cache import KEY_TILE, TiledKVCache, untile_keys
 from engine.llama_spec import LlamaConfig, init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generation import GenerationEngine, GenerationOutput
+from engine.generation import GenerationEngine
+from engine.generation_io import GenerationOutput
 from engine.llama_spec import init_full_state_dict
 from engine.model import ParallelLlama, load_full_state_dict
 from engine.sampling import SamplingParams, SeedStream, sample_next

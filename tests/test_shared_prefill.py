@@ -1,4 +1,4 @@
-"""Shared prefill (engine.generation.distinct_prompts): identical prompts in a batch (the samples
+"""Shared prefill (engine.generation_io.distinct_prompts): identical prompts in a batch (the samples
 of one prompt in GRPO) are prefilled once and their KV cache is copied to each sequence.
 
 References that do not share the prefill: a direct loop for the row grouping, the cache-free
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.generation import GenerationEngine, distinct_prompts
+from engine.generation import GenerationEngine
+from engine.generation_io import distinct_prompts
 from engine.sampling import SamplingParams
 from tests.near_ties import assert_clear_picks, assert_no_near_tie, step_logits
 from tests.test_generation import loop_reference

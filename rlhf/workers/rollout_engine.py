@@ -26,7 +26,8 @@ from dataclasses import replace
 
 import torch
 
-from engine.generation import GenerationEngine, GenerationOutput
+from engine.generation import GenerationEngine
+from engine.generation_io import GenerationOutput
 from engine.hf_interop import config_to_hf
 from engine.llama_spec import LlamaConfig
 from engine.lora import LoraConfig
