@@ -133,8 +133,9 @@ class StaticDecodeLayers:
     """The static decode step's layers of one stage (a :data:`engine.cuda_graphs.Layers`),
     eager or compiled: one function per layer on one dense TP rank, else the two regions of
     the module docstring.  A mixture's MLP is :func:`decode_moe_part` (no host sync, so the
-    step can be captured); with the stage's ``route_log`` each step appends its experts,
-    ``[b, layers, k]``, and keeps them as :attr:`routes`.
+    step can be captured); where the stage records routes (its ``route_log``) a step returns
+    ``(x, routes [b, layers, k])``, outputs a captured step rewrites at each replay, else
+    ``x``.
 
     Args:
         stage: the stage's weights and settings.
@@ -153,11 +154,10 @@ class StaticDecodeLayers:
         self.attention = tuple({k: w[k] for k in ATTENTION_KEYS if k in w} for w in self.weights)
         self.mlp = tuple({k: v for k, v in w.items() if k not in ATTENTION_KEYS
                           and k != "o_proj_bias"} for w in self.weights)
-        self.routes: torch.Tensor | None = None
-        """The last step's experts ``[b, layers, k]`` (a mixture recording routes)."""
+        self.records_routes = stage.routing is not None and stage.route_log is not None
 
-    def forward(self, x: torch.Tensor, slots: DecodeSlots, rope: Rope,
-                attn: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slots: DecodeSlots, rope: Rope, attn: torch.Tensor | None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         s = self.stage
         cos, sin = rope
         chosen = []
@@ -182,7 +182,6 @@ class StaticDecodeLayers:
                 part = self.mlp_part(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
                                      *_adapters(lora, MLP_MODULES))
             x = h + reduce_from_tp(part, s.tp_group)
-        if s.route_log is not None and chosen:
-            self.routes = torch.stack(chosen, dim=1)
-            s.route_log.append(self.routes)
+        if self.records_routes:
+            return x, torch.stack(chosen, dim=1)
         return x

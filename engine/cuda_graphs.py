@@ -59,8 +59,11 @@ WARMUP_STEPS = 2
 """Eager runs of a step on a side stream before it is captured (cuBLAS and SDPA pick and
 initialise their kernels outside the capture)."""
 
+StepOutput = torch.Tensor | tuple[torch.Tensor, ...]
+"""A step's output: ``x [b, 1, H]``, or ``x`` and more per-row outputs (a mixture's routes
+``[b, layers, k]``); a captured step's are rewritten at each replay."""
 Layers = Callable[[torch.Tensor, object, tuple[torch.Tensor, torch.Tensor], torch.Tensor],
-                  torch.Tensor]  # (x, cache with .hook, rope, attn) -> x: LayerPath.forward
+                  StepOutput]  # (x, cache with .hook, rope, attn) -> x: LayerPath.forward
 Embed = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -105,7 +108,7 @@ class _Bucket:
     sin: torch.Tensor
     attn: torch.Tensor
     """``[b, 1, 1, positions]``; a key bucket's steps read its first ``L`` positions."""
-    graphs: dict[int, tuple[torch.Tensor, torch.cuda.CUDAGraph]] = field(default_factory=dict)
+    graphs: dict[int, tuple[StepOutput, torch.cuda.CUDAGraph]] = field(default_factory=dict)
     """Key bucket -> (output buffer, graph)."""
 
 
@@ -162,7 +165,8 @@ class StaticDecode:
 
         Returns:
             ``[R, 1, H]`` hidden states (a view of the bucket's output buffer: read it before
-            the next step).
+            the next step), with the step's other outputs' ``R`` rows where the layers return
+            more (:data:`StepOutput`).
         """
         r, length = ids.shape[0], self.cache.length
         if length >= self.cache.max_len:
@@ -180,13 +184,13 @@ class StaticDecode:
             buf.attn[:r, ..., given:keys] = False
         self.pos.fill_(length)  # a host scalar into a device tensor: no sync
         if not self.capture:
-            return self._run(buf, keys)[:r]
+            return _rows(self._run(buf, keys), r)
         if keys not in buf.graphs:
             buf.graphs[keys] = self._capture(buf, keys)
             self.captured += 1
         out, graph = buf.graphs[keys]
         graph.replay()
-        return out[:r]
+        return _rows(out, r)
 
     @property
     def graph_count(self) -> int:
@@ -210,14 +214,14 @@ class StaticDecode:
                                       device=self.device))
         return buf
 
-    def _run(self, buf: _Bucket, keys: int) -> torch.Tensor:
+    def _run(self, buf: _Bucket, keys: int) -> StepOutput:
         """The step of ``buf``'s bucket and key bucket ``keys`` over its buffers (eager, or
         inside a capture)."""
         slots = self.cache.slots(buf.ids.shape[0], self.pos, keys)
         return self.layers(self.embed(buf.ids), slots, (buf.cos, buf.sin),
                            buf.attn[..., :keys])
 
-    def _capture(self, buf: _Bucket, keys: int) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
+    def _capture(self, buf: _Bucket, keys: int) -> tuple[StepOutput, torch.cuda.CUDAGraph]:
         """Warm the step up on a side stream, then record it (``capture_begin`` /
         ``capture_end``: ``torch.cuda.graph`` without its ``empty_cache()``).  The warm-up
         writes position ``pos`` of the cache with the step's own keys and values (its inputs
@@ -245,3 +249,8 @@ class StaticDecode:
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
         return out, graph
+
+
+def _rows(out: StepOutput, rows: int) -> StepOutput:
+    """The first ``rows`` rows of each of a step's outputs."""
+    return out[:rows] if isinstance(out, torch.Tensor) else tuple(t[:rows] for t in out)

@@ -153,10 +153,10 @@ class GenerationEngine:
         self.fused_decode = self.kv_layout == "tiled" and resolve_kernels(
             fused_decode, config.dtype, config.layer_keys, self.device)
         # the dense layout's decode steps at static shapes (one stage: the step is embed +
-        # layers), compiled where asked, captured as CUDA graphs where graphs_apply (a mixture
-        # of experts records its routes outside the step: not captured)
+        # layers, a mixture's by the sync-free block), compiled where asked, captured as CUDA
+        # graphs where graphs_apply
         self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
-        self.cuda_graphs = (graphs and self.static_decode and not config.num_experts
+        self.cuda_graphs = (graphs and self.static_decode
                             and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1))
         self.compile_decode = self.static_decode and inductor.compile_applies(compile_decode,
                                                                               self.device)
@@ -443,6 +443,9 @@ class GenerationEngine:
             return self._step(path, ids, cache, *tables.decode(end), sample)
         x = static.step(ids, tables.cos[:, end - 1:end], tables.sin[:, end - 1:end],
                         tables.keys_ok)
+        if isinstance(x, tuple):  # a mixture's step: its routes too
+            x, routes = x
+            self.route_log.append(routes)
         cache.advance(1)
         return self.boundary.leave(x, sample)
 

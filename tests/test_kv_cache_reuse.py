@@ -122,7 +122,13 @@ class _ReplayEager:
         self.static, self.buf, self.keys, self.out = static, buf, keys, out
 
     def replay(self) -> None:
-        self.out.copy_(self.static._run(self.buf, self.keys))
+        outs = self.static._run(self.buf, self.keys)
+        for held, new in zip(_tensors(self.out), _tensors(outs)):
+            held.copy_(new)
+
+
+def _tensors(out) -> tuple:
+    return (out,) if isinstance(out, torch.Tensor) else out
 
 
 def _fake_capture(self: StaticDecode, buf, keys: int):

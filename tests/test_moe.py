@@ -472,3 +472,37 @@ def test_static_block_equals_the_routed_block():
         torch.testing.assert_close(compiled(x), got, atol=1e-5, rtol=1e-5)
     finally:
         inductor.set_enabled(previous)
+
+
+def test_captured_steps_of_a_mixture_record_its_routes(monkeypatch):
+    """A mixture's static decode steps are captured (the sync-free block; captures faked on
+    the CPU by a "graph" whose replay rewrites the captured outputs, tests/test_kv_cache_reuse
+    .py): the routes come out of the replayed step itself, and tokens and routes equal the
+    eager static steps'."""
+    from engine.cuda_graphs import StaticDecode
+    from engine.generation import GenerationEngine
+    from engine.sampling import SamplingParams
+    from tests.test_hf_families import prompts as family_prompts
+    from tests.test_kv_cache_reuse import _fake_capture
+
+    monkeypatch.setattr(StaticDecode, "_capture", _fake_capture)
+    cfg = config_from_hf(hf_config("qwen3_moe").to_dict())
+    groups = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    model = ParallelLlama(cfg, groups)
+    load_full_state_dict(model, init_full_state_dict(cfg, seed=11, std=0.2))
+    ids, mask = family_prompts()
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_id=20)
+    eng = GenerationEngine(cfg, groups, kv_layout="dense", record_routes=True)
+    eng.set_weights(model.params)
+    eager = eng.generate(ids, mask, params)
+    static = eng.memory.static
+    static.capture = True  # from now on every step is a "graph" replay
+    replayed = eng.generate(ids, mask, params)
+    assert replayed.stats["graphs_captured"] == static.graph_count >= 1
+    assert torch.equal(replayed.input_ids, eager.input_ids)
+    assert torch.equal(replayed.routes, eager.routes)
+    fed = eager.attention_mask.bool().clone()
+    fed[:, eager.prompt_length:] &= eager.response_mask.cumsum(1) < eager.response_mask.sum(
+        1, keepdim=True)
+    assert bool((replayed.routes[:, eager.prompt_length:][fed[:, eager.prompt_length:]]
+                 >= 0).all())  # every fed response token has its experts
