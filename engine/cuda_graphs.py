@@ -1,14 +1,15 @@
 """Decode steps at static shapes per batch bucket, replayed as CUDA graphs.
 
-A CUDA graph records the kernels of one decode step (embedding and every layer of the stage)
-with all addresses fixed; ``graph.replay()`` then launches them in one call, with no Python
+A CUDA graph records the kernels of one decode step of a generation stage (the first stage's
+embedding and every layer of the stage) with all addresses fixed; ``graph.replay()`` then launches them in one call, with no Python
 and no per-kernel launch cost.  As in vLLM and nano-vllm, one graph per batch bucket: the
 running rows ``R`` are padded to the smallest bucket ``b >= R`` (:func:`bucket`)::
 
     buckets      1 2 4 8 16 32 48 64 ... (multiples of 16)
     key buckets  L = 128 256 384 ... max_len: the step at position pos attends over the
                  cache's first key_bucket(pos + 1) positions
-    inputs       ids [b, 1] int64, cos/sin [b, 1, D], attn [b, 1, 1, L] bool (a view of
+    inputs       ids [b, 1] int64 (a later pipeline stage: the hidden states [b, 1, H] it
+                 received), cos/sin [b, 1, D], attn [b, 1, 1, L] bool (a view of
                  [b, 1, 1, max_len]), pos [1] int64 (the position written, = cache.length)
     cache        rows [0, b) and positions [0, L) of the dense KV cache's buffers
                  (engine.kv_cache.DecodeSlots), the key mask hiding those past pos
@@ -30,9 +31,10 @@ up to half the bytes of the weights per step).  Key buckets are cut from the cac
 calls of other prompt lengths reuse the same graphs.
 
 Graphs are used only where the whole step can be captured (:func:`graphs_apply`): a CUDA
-device, one stage (``pp_g == 1``: a pipeline's send/recv and broadcast per step stay eager)
-and no tensor parallelism (``tp_g == 1``: capturing NCCL collectives needs the communicator
-on the capturing stream, which the generation TP group, possibly gloo, does not promise).
+device and no tensor parallelism (``tp_g == 1``: capturing NCCL collectives needs the
+communicator on the capturing stream, which the generation TP group, possibly gloo, does not
+promise).  On pipeline stages each stage captures its own step; the hidden states sent and
+received between the stages and the tokens broadcast back stay outside the graphs.
 Everywhere else the same static step runs eagerly.  A :class:`StaticDecode` lives as long as
 its KV cache's buffers and the weights' addresses (:mod:`engine.decode_memory`: across calls
 and, where kept, iterations): it captures a (bucket, key bucket) the first time one runs, all
@@ -86,9 +88,10 @@ def key_bucket(keys: int, max_len: int) -> int:
     return min(max_len, -(-keys // KEY_STEP) * KEY_STEP)
 
 
-def graphs_apply(device: torch.device, stages: int, tensor_parallel: bool) -> bool:
-    """Whether a decode step can be captured as a CUDA graph (pure; module docstring)."""
-    return device.type == "cuda" and stages == 1 and not tensor_parallel
+def graphs_apply(device: torch.device, tensor_parallel: bool) -> bool:
+    """Whether a stage's decode step can be captured as a CUDA graph (pure; module
+    docstring)."""
+    return device.type == "cuda" and not tensor_parallel
 
 
 def resolve_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
@@ -103,7 +106,8 @@ def resolve_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
 class _Bucket:
     """The static buffers of one bucket and its graph per key bucket (captured steps)."""
 
-    ids: torch.Tensor
+    inputs: torch.Tensor
+    """``[b, 1]`` token ids (first stage) or ``[b, 1, H]`` hidden states (later stages)."""
     cos: torch.Tensor
     sin: torch.Tensor
     attn: torch.Tensor
@@ -117,14 +121,15 @@ class StaticDecode:
     buffers, kept across the calls that reuse the cache.
 
     Args:
-        embed: ``ids [b, 1] -> x [b, 1, H]`` (the first stage's embedding).
+        embed: ``ids [b, 1] -> x [b, 1, H]`` (the first stage's embedding); None on a later
+            pipeline stage, whose steps take the hidden states it received.
         layers: the stage's decode layer path's ``forward``.
         cache: the dense KV cache, capacity at least ``bucket(batch)`` of every call.
         capture: record each bucket's step as a CUDA graph (CUDA only); False runs the same
             step eagerly.
     """
 
-    def __init__(self, embed: Embed, layers: Layers, cache: DenseKVCache, capture: bool
+    def __init__(self, embed: Embed | None, layers: Layers, cache: DenseKVCache, capture: bool
                  ) -> None:
         self.device = cache.k.device
         if capture and self.device.type != "cuda":
@@ -137,7 +142,7 @@ class StaticDecode:
         self.stream: torch.cuda.Stream | None = None  # of the warm-ups and captures
         self.begin_call(embed, layers)
 
-    def begin_call(self, embed: Embed, layers: Layers) -> None:
+    def begin_call(self, embed: Embed | None, layers: Layers) -> None:
         """A new call's step functions (new weights at the same addresses, a call's plan),
         and its capture counters at zero."""
         self.embed, self.layers = embed, layers
@@ -152,13 +157,14 @@ class StaticDecode:
         """Drop the call's step functions (they hold the weights; the graphs do not)."""
         self.embed = self.layers = None
 
-    def step(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def step(self, inputs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys_ok: torch.Tensor) -> torch.Tensor:
         """One decode step of the ``R`` running rows at position ``cache.length`` (the cache
         does not advance).
 
         Args:
-            ids: ``[R, 1]`` the rows' last tokens.
+            inputs: ``[R, 1]`` the rows' last tokens (first stage), or ``[R, 1, H]`` the
+                hidden states the stage received.
             cos, sin: ``[R, 1, D]`` RoPE of the new position.
             keys_ok: ``[R, 1, 1, > cache.length]`` bool, the key positions that are not
                 padding (those past its last are masked as unwritten).
@@ -168,13 +174,13 @@ class StaticDecode:
             the next step), with the step's other outputs' ``R`` rows where the layers return
             more (:data:`StepOutput`).
         """
-        r, length = ids.shape[0], self.cache.length
+        r, length = inputs.shape[0], self.cache.length
         if length >= self.cache.max_len:
             raise RuntimeError(f"KV cache overflow: {length + 1} > max_len="
                                f"{self.cache.max_len}")
         keys = key_bucket(length + 1, self.cache.positions)
-        buf = self._bucket(r)
-        buf.ids[:r].copy_(ids)
+        buf = self._bucket(r, inputs)
+        buf.inputs[:r].copy_(inputs)
         buf.cos[:r].copy_(cos)
         buf.sin[:r].copy_(sin)
         given = min(keys, keys_ok.shape[-1])  # past the call's own positions: unwritten
@@ -198,15 +204,15 @@ class StaticDecode:
         made)."""
         return sum(len(b.graphs) for b in self.buckets.values())
 
-    def _bucket(self, rows: int) -> _Bucket:
+    def _bucket(self, rows: int, inputs: torch.Tensor) -> _Bucket:
         b = bucket(rows)
         if b not in self.buckets:
-            self.buckets[b] = self._new_bucket(b)
+            self.buckets[b] = self._new_bucket(b, inputs)
         return self.buckets[b]
 
-    def _new_bucket(self, b: int) -> _Bucket:
+    def _new_bucket(self, b: int, inputs: torch.Tensor) -> _Bucket:
         d, dtype = self.cache.k.shape[-1], self.cache.k.dtype
-        buf = _Bucket(ids=torch.zeros(b, 1, dtype=torch.long, device=self.device),
+        buf = _Bucket(inputs=inputs.new_zeros(b, *inputs.shape[1:]),
                       cos=torch.zeros(b, 1, d, dtype=dtype, device=self.device),
                       sin=torch.zeros(b, 1, d, dtype=dtype, device=self.device),
                       # pad rows see every key: never a row without one (no NaN)
@@ -217,8 +223,9 @@ class StaticDecode:
     def _run(self, buf: _Bucket, keys: int) -> StepOutput:
         """The step of ``buf``'s bucket and key bucket ``keys`` over its buffers (eager, or
         inside a capture)."""
-        slots = self.cache.slots(buf.ids.shape[0], self.pos, keys)
-        return self.layers(self.embed(buf.ids), slots, (buf.cos, buf.sin),
+        slots = self.cache.slots(buf.inputs.shape[0], self.pos, keys)
+        x = buf.inputs if self.embed is None else self.embed(buf.inputs)
+        return self.layers(x, slots, (buf.cos, buf.sin),
                            buf.attn[..., :keys])
 
     def _capture(self, buf: _Bucket, keys: int) -> tuple[StepOutput, torch.cuda.CUDAGraph]:

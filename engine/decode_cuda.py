@@ -2,9 +2,10 @@
 that SDPA reads in place, decode steps at the static shapes of their batch bucket
 (:class:`engine.cuda_graphs.StaticDecode` over :class:`engine.compiled_decode.
 StaticDecodeLayers`), compiled where ``compile_decode`` and replayed as CUDA graphs where
-``cuda_graphs``; the head by BLAS and the sampler on the device.  On pipeline stages the
-steps run the Python layers over the dense cache.  Every part but the capture runs on the CPU
-as well (``kv_layout="dense"``), eagerly or through inductor.
+``cuda_graphs``, each pipeline stage its own step (the hidden states sent and received
+between them outside the graphs); the head by BLAS and the sampler on the device.  Every part
+but the capture runs on the CPU as well (``kv_layout="dense"``), eagerly or through
+inductor.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class CudaDecode:
 
     Args:
         device: where the cache lives.
-        static: the decode steps run at static shapes (one generation stage).
+        static: the decode steps run at static shapes.
         cuda_graphs: the static steps are captured and replayed (CUDA only).
         compile_decode: the static steps' layers run compiled.
         experts: the experts this rank holds (generation EP; None: all).

@@ -63,7 +63,7 @@ class DecodeMemory:
                                      self.device, capacity=capacity, positions=positions)
         return self.cache
 
-    def static_decode(self, embed: Embed, layers: Layers, weights_key: object
+    def static_decode(self, embed: Embed | None, layers: Layers, weights_key: object
                       ) -> StaticDecode:
         """The static steps over the held dense cache for a call that runs ``embed`` and
         ``layers``; those of the calls before (their buckets and graphs) while the weights

@@ -98,12 +98,13 @@ class GenerationEngine:
             there and the prompts are moved there.  The C++ kernels run on the CPU only.
         kv_layout: the KV cache's layout (:mod:`engine.kv_cache`): ``"tiled"`` (the C++
             kernels' layout), ``"dense"`` (read in place by SDPA; its decode steps run at the
-            static shapes of :class:`engine.cuda_graphs.StaticDecode` on one stage), or None:
-            dense on CUDA, tiled elsewhere.  The dense layout decodes on the Python layers
-            (``fused_decode`` False).
+            static shapes of :class:`engine.cuda_graphs.StaticDecode`, each pipeline stage's
+            its own), or None: dense on CUDA, tiled elsewhere.  The dense layout decodes on
+            the Python layers (``fused_decode`` False).
         cuda_graphs: replay the decode steps as CUDA graphs per batch bucket
-            (:mod:`engine.cuda_graphs`); None: on for CUDA.  Only on one stage without TP and
-            with the dense layout; elsewhere the steps run eagerly (same tokens).
+            (:mod:`engine.cuda_graphs`, each pipeline stage its own); None: on for CUDA.  Only
+            without TP and with the dense layout; elsewhere the steps run eagerly (same
+            tokens).
         compile_decode: run the static decode steps' layers ``torch.compile``d
             (:mod:`engine.compiled_decode`: the elementwise chains fused; with TP or experts
             the regions between the collectives); None: on for CUDA.  Only where the steps
@@ -152,12 +153,12 @@ class GenerationEngine:
         graphs = resolve_graphs(cuda_graphs, self.device)
         self.fused_decode = self.kv_layout == "tiled" and resolve_kernels(
             fused_decode, config.dtype, config.layer_keys, self.device)
-        # the dense layout's decode steps at static shapes (one stage: the step is embed +
-        # layers, a mixture's by the sync-free block), compiled where asked, captured as CUDA
-        # graphs where graphs_apply
-        self.static_decode = self.kv_layout == "dense" and layout.pp_g == 1
-        self.cuda_graphs = (graphs and self.static_decode
-                            and graphs_apply(self.device, layout.pp_g, layout.tp_g > 1))
+        # the dense layout's decode steps at static shapes (a stage's step: the first stage's
+        # embedding and the stage's layers, a mixture's by the sync-free block), compiled
+        # where asked, captured as CUDA graphs where graphs_apply
+        self.static_decode = self.kv_layout == "dense"
+        self.cuda_graphs = graphs and self.static_decode and graphs_apply(self.device,
+                                                                          layout.tp_g > 1)
         self.compile_decode = self.static_decode and inductor.compile_applies(compile_decode,
                                                                               self.device)
         self.backend: DecodeBackend = (
@@ -328,7 +329,8 @@ class GenerationEngine:
         # the held KV cache reset for the call (grown where it needs more), and the backend's
         # static steps over it where it has them (engine.decode_memory)
         cache, static = self.backend.call_cache(
-            self._kv_cache_sizes(distinct.numel(), plen, n_new, batch), self._embed, plan)
+            self._kv_cache_sizes(distinct.numel(), plen, n_new, batch),
+            self._embed if self.is_first else None, plan)
         rows = RunningRows(limits, sampling.eos_token_id)
         out = Responses.empty(batch, n_new, sampling.pad_token_id, self.device)
         routes = None
@@ -438,10 +440,13 @@ class GenerationEngine:
                      cache: KVCache, tables: StepTables, end: int, sample: Sample
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step of ``ids [R, 1]`` at position ``end - 1``: by ``path``, or at the
-        static shapes of ``static`` (embed and layers; the sampler eager after it)."""
+        static shapes of ``static`` (the first stage's embedding and the stage's layers; a
+        later stage's hidden states received before it, sent and the sampler run after
+        it)."""
         if static is None:
             return self._step(path, ids, cache, *tables.decode(end), sample)
-        x = static.step(ids, tables.cos[:, end - 1:end], tables.sin[:, end - 1:end],
+        inputs = ids if self.is_first else self.boundary.enter(ids, self._embed)
+        x = static.step(inputs, tables.cos[:, end - 1:end], tables.sin[:, end - 1:end],
                         tables.keys_ok)
         if isinstance(x, tuple):  # a mixture's step: its routes too
             x, routes = x

@@ -6,8 +6,9 @@ Training: a dense model with every optional weight (q/k/v and o_proj biases, q/k
 LoRA adapters on every linear, and a mixture of experts with its router loss; forward
 log-probs, the loss, the gradient norm and every trained tensor's gradient of one step, each
 rank's shard of the reference's.  Generation: the dense model and the mixture, greedy, the
-static decode steps of the dense KV cache through the compiled regions: the single process's
-tokens (no near-tie) and log-probs."""
+static decode steps of the dense KV cache through the compiled regions at tp_g=2, and on two
+pipeline stages (each stage's own static step: eager, compiled, and replayed as faked
+graphs): the single process's tokens (no near-tie) and log-probs."""
 
 from __future__ import annotations
 
@@ -141,38 +142,53 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def generate(model: ParallelLlama, **engine_kw):
+def generate(model: ParallelLlama, calls: int = 1, replay: bool = False, **engine_kw):
     """Greedy responses of :func:`prompts` from ``model``'s weights resharded to generation
-    (tp_g = tp)."""
+    (its layout's pp_g, tp_g), by ``calls`` calls of one engine; ``replay``: the calls after
+    the first replay their static steps as "graphs" (captures faked on the CPU,
+    tests/test_kv_cache_reuse.py).  Returns the last call's output."""
     resharder = Resharder(model.specs, model.groups, buffer=model.buffer)
     resharder.to_generation()
     engine = GenerationEngine(model.config, model.groups, **engine_kw)
     engine.load_weights(resharder)
-    out = engine.generate(*prompts(), GREEDY)
+    for call in range(calls):
+        out = engine.generate(*prompts(), GREEDY)
+        if replay:
+            engine.memory.static.capture = True
     engine.release()
     resharder.to_training()
     return out
 
 
 def check_generation(rank: int, world_size: int, refs: dict) -> int:
-    """On every rank: greedy generation at tp_g=2 through the compiled static decode steps
-    gives the single process's tokens and log-probs."""
+    """On every rank: greedy generation at tp_g=2 through the compiled static decode steps,
+    and on two pipeline stages through static steps eager, compiled and replayed (faked
+    captures: each stage's own step), gives the single process's tokens and log-probs."""
     from engine import compiled_decode, inductor
+    from engine.cuda_graphs import StaticDecode
+    from tests.test_kv_cache_reuse import _fake_capture
 
+    StaticDecode._capture = _fake_capture  # a rank process of this module only
     inductor.set_enabled(True)
-    for kind in ("dense", "moe"):
-        model = build(kind, 2, compiled=False)
+    checks = 0
+    runs = [(kind, tp, pp, kw) for kind in ("dense", "moe") for tp, pp, kw in (
+        (2, 1, dict(compile_decode=True)), (1, 2, dict(compile_decode=True)),
+        (1, 2, dict(compile_decode=False, calls=2, replay=True)))]
+    for kind, tp, pp, kw in runs:
+        model = build(kind, tp, compiled=False, pp=pp)
         if model is None:
-            return 0
-        out = generate(model, kv_layout="dense", compile_decode=True)
-        assert out.stats["compile_decode"], out.stats
-        assert torch.equal(out.input_ids, refs[kind].input_ids), kind
+            continue
+        out = generate(model, kv_layout="dense", **kw)
+        assert out.stats["compile_decode"] == kw["compile_decode"], out.stats
+        assert out.stats["graphs_captured"] == 0 or kw.get("replay"), out.stats
+        assert torch.equal(out.input_ids, refs[kind].input_ids), (kind, tp, pp, kw)
         torch.testing.assert_close(out.log_probs, refs[kind].log_probs, atol=ATOL, rtol=0)
+        checks += 1
     counts = inductor.compile_counts()
-    assert counts.get("decode_attention_part", {}).get("graphs", 0) >= 1, counts
-    assert counts.get("decode_mlp_part", {}).get("graphs", 0) >= 1, counts
+    for name in ("decode_attention_part", "decode_mlp_part", "decode_moe_part", "decode_layer"):
+        assert counts.get(name, {}).get("graphs", 0) >= 1, (name, counts)
     assert not any(c._broken or c.eager_calls for c in compiled_decode.COMPILED), counts
-    return 2
+    return checks
 
 
 def test_compiled_layers_under_tp_match_single_process(pool2):
@@ -184,4 +200,4 @@ def test_compiled_layers_under_tp_match_single_process(pool2):
         model = build(kind, 1, compiled=False)
         gen_refs[kind] = generate(model)
         assert_clear_picks(model, gen_refs[kind], GREEDY)
-    assert pool2.run(check_generation, gen_refs) == [2, 2]
+    assert pool2.run(check_generation, gen_refs) == [6, 6]

@@ -154,12 +154,12 @@ def test_dense_engine_keeps_its_cache_and_static_steps_across_calls(monkeypatch)
     static.capture = True  # from now on "captured" (replayed eagerly: the same bits)
     second = eng.generate(ids, mask, params, max_new_tokens=limits)
     assert second.stats["graphs_captured"] == static.graph_count >= 3
-    buckets = {b: buf.ids.data_ptr() for b, buf in static.buckets.items()}
+    buckets = {b: buf.inputs.data_ptr() for b, buf in static.buckets.items()}
     third = eng.generate(ids, mask, params, max_new_tokens=limits)
     assert eng.memory.cache is cache and eng.memory.static is static
     assert third.stats["graphs_captured"] == 0 and third.stats["capture_s"] == 0
     assert static.embed is None and static.layers is None  # no weights held between calls
-    assert {b: buf.ids.data_ptr() for b, buf in static.buckets.items()} == buckets
+    assert {b: buf.inputs.data_ptr() for b, buf in static.buckets.items()} == buckets
     fresh = GenerationEngine(CFG, model.groups, kv_layout="dense")
     fresh.set_weights(model.params)
     want = fresh.generate(ids, mask, params, max_new_tokens=limits)
