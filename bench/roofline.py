@@ -45,8 +45,9 @@ A decode of N tokens after a prompt of P reads contexts P + 1 .. P + N - 1 in it
 steps (mean ``P + N/2``); the step time is ``(t(N tokens) - t(1 token)) / (N - 1)`` of greedy
 generations on :class:`engine.generation.GenerationEngine` (its default path: the C++ decode
 kernels where they apply, see ``decode_path``), each ``t`` without the call's CUDA graph
-warm-ups and captures (``capture_s`` of its stats: the graphs live for one call, and only the
-N-token call has decode steps to capture), after an untimed round that compiles.  Its limit
+warm-ups and captures (``capture_s`` of its stats: a call captures the (batch bucket, key
+bucket) steps no earlier call of the engine ran, and the engine keeps them), after an untimed
+round that compiles.  Its limit
 is ``max(FLOPs / peak, bytes / read_bytes_per_s)``: at batch 1 the weight bytes bind
 (read-only bandwidth, since a decode step only reads them), at batch 32 usually the FLOPs.
 
