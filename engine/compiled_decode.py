@@ -44,8 +44,10 @@ import torch
 from engine import inductor
 from engine.forward_paths import Rope, StageLayers
 from engine.kv_cache import DecodeSlots, LayerSlots
-from engine.layers import LayerSpec, attention_block, decoder_layer, swiglu_block
+from engine.layers import ATTENTION_KEYS, LayerSpec, attention_block, decoder_layer, \
+    swiglu_block
 from engine.lora import LayerLora
+from engine.lora_config import ATTENTION, MLP
 from engine.moe import MoeRouting
 from engine.moe_static import static_moe_block
 from engine.norm import rms_norm
@@ -76,11 +78,12 @@ def decode_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
 
 
 def decode_attention_part(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
-                   sin: torch.Tensor, attn: torch.Tensor | None, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, pos: torch.Tensor, q_per_group: int, head_dim: int,
-                   eps: float, lora_a: dict[str, torch.Tensor] | None = None,
-                   lora_b: dict[str, torch.Tensor] | None = None,
-                   lora_scale: float = 1.0) -> torch.Tensor:
+                          sin: torch.Tensor, attn: torch.Tensor | None, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, pos: torch.Tensor, q_per_group: int,
+                          head_dim: int, eps: float,
+                          lora_a: dict[str, torch.Tensor] | None = None,
+                          lora_b: dict[str, torch.Tensor] | None = None,
+                          lora_scale: float = 1.0) -> torch.Tensor:
     """This rank's partial ``o_proj(attention(norm(x)))`` of a decode step, writing the KV
     cache as :func:`decode_layer` (``w`` without ``o_proj_bias``)."""
     return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), attn,
@@ -89,10 +92,10 @@ def decode_attention_part(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torc
                            lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
 
 
-def decode_mlp_part(h: torch.Tensor, w: dict[str, torch.Tensor], q_per_group: int, head_dim: int,
-             eps: float, lora_a: dict[str, torch.Tensor] | None = None,
-             lora_b: dict[str, torch.Tensor] | None = None,
-             lora_scale: float = 1.0) -> torch.Tensor:
+def decode_mlp_part(h: torch.Tensor, w: dict[str, torch.Tensor], q_per_group: int,
+                    head_dim: int, eps: float, lora_a: dict[str, torch.Tensor] | None = None,
+                    lora_b: dict[str, torch.Tensor] | None = None,
+                    lora_scale: float = 1.0) -> torch.Tensor:
     """This rank's partial ``down(swiglu(gate_up(norm(h))))``."""
     return swiglu_block(rms_norm(h, w["post_norm"], eps), w, None,
                         lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
@@ -115,10 +118,6 @@ EAGER = (decode_layer, decode_attention_part, decode_mlp_part, decode_moe_part)
 COMPILED = tuple(inductor.Compiled(fn, min_numel=0, dynamic=None) for fn in EAGER)
 """The same, compiled on first use; eager (with one warning) where the backend cannot
 compile."""
-
-ATTENTION_KEYS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj")
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _adapters(lora: LayerLora | None, modules: tuple[str, ...]) -> tuple:
@@ -166,11 +165,11 @@ class StaticDecodeLayers:
             if not self.split:
                 x = self.layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
                                s.q_per_group, s.head_dim, s.eps,
-                               *_adapters(lora, ATTENTION_MODULES + MLP_MODULES))
+                               *_adapters(lora, ATTENTION + MLP))
                 continue
             part = self.attention_part(x, self.attention[j], cos, sin, attn, slots.k[j],
                                        slots.v[j], slots.pos, s.q_per_group, s.head_dim, s.eps,
-                                       *_adapters(lora, ATTENTION_MODULES))
+                                       *_adapters(lora, ATTENTION))
             h = x + reduce_from_tp(part, s.tp_group)
             if "o_proj_bias" in w:
                 h = h + w["o_proj_bias"]
@@ -180,7 +179,7 @@ class StaticDecodeLayers:
                 chosen.append(experts)
             else:
                 part = self.mlp_part(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
-                                     *_adapters(lora, MLP_MODULES))
+                                     *_adapters(lora, MLP))
             x = h + reduce_from_tp(part, s.tp_group)
         if self.records_routes:
             return x, torch.stack(chosen, dim=1)

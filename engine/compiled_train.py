@@ -62,9 +62,10 @@ import torch
 
 from engine import inductor
 from engine.attention import PackedSeqs
-from engine.layers import LayerSpec, LoraDeltas, attention_block, decoder_layer as eager_layer, \
-    mlp_block, swiglu_block
+from engine.layers import ATTENTION_KEYS, MLP_KEYS, REPLICATED_KEYS, LayerSpec, LoraDeltas, \
+    attention_block, decoder_layer as eager_layer, mlp_block, swiglu_block
 from engine.lora import ROW_PARALLEL, LayerLora
+from engine.lora_config import ATTENTION, MLP
 from engine.moe import RouteRecord, RouterLossTerms
 from engine.norm import rms_norm
 from engine.tp_ops import copy_to_tp, reduce_from_tp
@@ -72,12 +73,6 @@ from hybridflow_comm.groups import Group
 
 Adapters = tuple  # () or (a, b, scale, dropout): a LayerLora's tensors and settings
 
-REPLICATED = ("input_norm", "post_norm", "q_norm", "k_norm")
-"""The layer weights every TP rank applies whole inside a region (their gradients are
-summed over the TP group)."""
-ATTENTION = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj")
-"""The weights of the attention region (``o_proj_bias`` is added after the reduction)."""
-MLP = ("post_norm", "gate_up", "down_proj")
 
 
 def _lora(adapters: Adapters, q_per_group: int, head_dim: int) -> LayerLora | None:
@@ -142,11 +137,9 @@ def _adapters(lora: LoraDeltas | None, modules: tuple[str, ...], group: Group | 
 
 def _region(w: Mapping[str, torch.Tensor], keys: tuple[str, ...], group: Group | None
             ) -> dict[str, torch.Tensor]:
-    return {k: copy_to_tp(w[k], group) if k in REPLICATED else w[k] for k in keys if k in w}
+    return {k: copy_to_tp(w[k], group) if k in REPLICATED_KEYS else w[k] for k in keys if k in w}
 
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
@@ -165,15 +158,15 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     tensor_parallel = g is not None and g.pg is not None
     if not tensor_parallel and spec.routing is None:
         return compiled_layer(x, w, cos, sin, mask, *sizes,
-                              *_adapters(lora, ATTENTION_MODULES + MLP_MODULES, None))
-    attn = compiled_attention(copy_to_tp(x, g), _region(w, ATTENTION, g), cos, sin, mask,
-                              *sizes, *_adapters(lora, ATTENTION_MODULES, g))
+                              *_adapters(lora, ATTENTION + MLP, None))
+    attn = compiled_attention(copy_to_tp(x, g), _region(w, ATTENTION_KEYS, g), cos, sin, mask,
+                              *sizes, *_adapters(lora, ATTENTION, g))
     h = x + reduce_from_tp(attn, g)
     if "o_proj_bias" in w:
         h = h + w["o_proj_bias"]
     if spec.routing is not None:
         return h + mlp_block(rms_norm(h, w["post_norm"], spec.eps), w, spec, None, router_loss,
                              trace)
-    mlp = compiled_mlp(copy_to_tp(h, g), _region(w, MLP, g), *sizes,
-                       *_adapters(lora, MLP_MODULES, g))
+    mlp = compiled_mlp(copy_to_tp(h, g), _region(w, MLP_KEYS, g), *sizes,
+                       *_adapters(lora, MLP, g))
     return h + reduce_from_tp(mlp, g)

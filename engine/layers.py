@@ -51,8 +51,18 @@ from engine.tp_ops import column_linear, copy_to_tp, row_linear
 from hybridflow_comm.groups import Group
 
 __all__ = [
-    "LayerSpec", "LoraDeltas", "attention_block", "decoder_layer", "mlp_block", "swiglu_block",
+    "ATTENTION_KEYS", "MLP_KEYS", "REPLICATED_KEYS", "LayerSpec", "LoraDeltas",
+    "attention_block", "decoder_layer", "mlp_block", "swiglu_block",
 ]
+
+ATTENTION_KEYS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o_proj")
+"""The weights of a layer's attention half up to its TP reduction (``o_proj_bias`` is added
+after it)."""
+MLP_KEYS = ("post_norm", "gate_up", "down_proj")
+"""The weights of a dense layer's MLP half (a mixture's: ``post_norm``, ``router``,
+``experts.*``)."""
+REPLICATED_KEYS = ("input_norm", "post_norm", "q_norm", "k_norm")
+"""The layer weights every TP rank holds whole and applies to its replicated input."""
 
 
 class LoraDeltas(Protocol):
