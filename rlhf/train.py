@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import yaml
@@ -40,6 +41,11 @@ if TYPE_CHECKING:  # annotations only: the world plan loads the C++ extension
 INVALID = (ValueError, TypeError, OverflowError, OSError, OmegaConfBaseException,
            yaml.YAMLError, RecursionError)
 CHECK_FLAG = "--check"
+OTHER_RANKS_EXIT_AFTER_S = 2.0
+"""Seconds a rank other than 0 waits before it exits on an invalid configuration: every rank
+finds the error alike, and a worker that exits first has torchrun terminate the others,
+rank 0 (which prints the one line) included, even before it printed when the machine is
+loaded."""
 
 
 def single_process_env() -> None:
@@ -84,6 +90,8 @@ def main(argv: list[str]) -> int:
     except INVALID as e:
         if rank0:
             print(f"[rlhf] invalid configuration: {one_line(e)}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every worker once one exits: rank 0 must print its line first
+            time.sleep(OTHER_RANKS_EXIT_AFTER_S)
         return 2
     if check_only:
         if rank0:
