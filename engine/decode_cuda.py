@@ -26,7 +26,6 @@ class CudaDecode:
 
     Args:
         device: where the cache lives.
-        static: the decode steps run at static shapes.
         cuda_graphs: the static steps are captured and replayed (CUDA only).
         compile_decode: the static steps' layers run compiled.
         experts: the experts this rank holds (generation EP; None: all).
@@ -34,9 +33,9 @@ class CudaDecode:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, static: bool, cuda_graphs: bool,
-                 compile_decode: bool, experts: tuple[int, ...] | None) -> None:
-        self.static, self.cuda_graphs, self.compile_decode = static, cuda_graphs, compile_decode
+    def __init__(self, device: torch.device, cuda_graphs: bool, compile_decode: bool,
+                 experts: tuple[int, ...] | None) -> None:
+        self.cuda_graphs, self.compile_decode = cuda_graphs, compile_decode
         self.experts = experts
         self.memory = DecodeMemory(DenseKVCache, device, cuda_graphs)
         self.paths = None
@@ -46,8 +45,7 @@ class CudaDecode:
 
     def set_weights(self, stage: StageLayers, weights_key: object) -> None:
         self.paths = choose_paths(stage, False)
-        self.layers = (StaticDecodeLayers(stage, self.compile_decode, self.experts)
-                       if self.static else None)
+        self.layers = StaticDecodeLayers(stage, self.compile_decode, self.experts)
         self.weights_key = weights_key
 
     def release(self, keep_cache: bool) -> None:
@@ -56,13 +54,11 @@ class CudaDecode:
 
     def capacity(self, batch: int) -> int:
         """The static steps run the rows of the batch's bucket."""
-        return bucket(batch) if self.static else batch
+        return bucket(batch)
 
     def call_cache(self, sizes: dict, embed, plan: CallPlan
-                   ) -> tuple[DenseKVCache, StaticDecode | None]:
+                   ) -> tuple[DenseKVCache, StaticDecode]:
         cache = self.memory.cache_for(**sizes)
-        if not self.static:
-            return cache, None
         return cache, self.memory.static_decode(embed, self.layers.forward, self.weights_key)
 
     def kernel_loop(self, single_stage: bool) -> bool:

@@ -163,8 +163,7 @@ class GenerationEngine:
                                                                               self.device)
         self.backend: DecodeBackend = (
             CpuDecode(self.device, self.fused_decode, greedy_loop) if self.kv_layout == "tiled"
-            else CudaDecode(self.device, self.static_decode, self.cuda_graphs,
-                            self.compile_decode, self.experts))
+            else CudaDecode(self.device, self.cuda_graphs, self.compile_decode, self.experts))
         self.adapters: Mapping[str, torch.Tensor] | None = None
         self.lora: LoraConfig | None = None
         self.early_exit = early_exit
