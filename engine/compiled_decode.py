@@ -46,7 +46,7 @@ from engine.forward_paths import Rope, StageLayers
 from engine.kv_cache import DecodeSlots, LayerSlots
 from engine.layers import ATTENTION_KEYS, LayerSpec, attention_block, decoder_layer, \
     swiglu_block
-from engine.lora import LayerLora
+from engine.lora import compiled_adapters, lora_from_values
 from engine.lora_config import ATTENTION, MLP
 from engine.moe import MoeRouting
 from engine.moe_static import static_moe_block
@@ -55,50 +55,36 @@ from engine.route_trace import RouteTrace
 from engine.tp_ops import reduce_from_tp
 
 
-def _lora(q_per_group: int, head_dim: int, lora_a: dict | None, lora_b: dict | None,
-          lora_scale: float) -> LayerLora | None:
-    return (LayerLora(a=lora_a, b=lora_b, scale=lora_scale, dropout=0.0, tp_group=None,
-                      q_per_group=q_per_group, head_dim=head_dim)
-            if lora_a is not None else None)
-
-
 def decode_layer(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
                  sin: torch.Tensor, attn: torch.Tensor | None, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, pos: torch.Tensor, q_per_group: int, head_dim: int,
-                 eps: float, lora_a: dict[str, torch.Tensor] | None = None,
-                 lora_b: dict[str, torch.Tensor] | None = None,
-                 lora_scale: float = 1.0) -> torch.Tensor:
+                 eps: float, *adapters) -> torch.Tensor:
     """One decode layer of ``x [b, 1, H]`` writing its keys and values at ``pos`` of
     ``k_cache, v_cache [b, h_kv, max_len, D]`` (the function that is compiled), with the
-    layer's LoRA adapters when ``lora_a``/``lora_b`` are given (tensors, not the
-    :class:`engine.lora.LayerLora` object: one compiled function serves every layer)."""
+    layer's LoRA ``adapters`` (:func:`engine.lora.compiled_adapters`: tensors, not the
+    :class:`engine.lora.LayerLora` object, so one compiled function serves every layer)."""
     return decoder_layer(x, w, (cos, sin), attn, LayerSpec(q_per_group, head_dim, eps),
                          kv_hook=LayerSlots(k_cache, v_cache, pos),
-                         lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
+                         lora=lora_from_values(adapters, q_per_group, head_dim))
 
 
 def decode_attention_part(x: torch.Tensor, w: dict[str, torch.Tensor], cos: torch.Tensor,
                           sin: torch.Tensor, attn: torch.Tensor | None, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, pos: torch.Tensor, q_per_group: int,
-                          head_dim: int, eps: float,
-                          lora_a: dict[str, torch.Tensor] | None = None,
-                          lora_b: dict[str, torch.Tensor] | None = None,
-                          lora_scale: float = 1.0) -> torch.Tensor:
+                          head_dim: int, eps: float, *adapters) -> torch.Tensor:
     """This rank's partial ``o_proj(attention(norm(x)))`` of a decode step, writing the KV
     cache as :func:`decode_layer` (``w`` without ``o_proj_bias``)."""
     return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), attn,
                            LayerSpec(q_per_group, head_dim, eps),
                            kv_hook=LayerSlots(k_cache, v_cache, pos),
-                           lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
+                           lora=lora_from_values(adapters, q_per_group, head_dim))
 
 
 def decode_mlp_part(h: torch.Tensor, w: dict[str, torch.Tensor], q_per_group: int,
-                    head_dim: int, eps: float, lora_a: dict[str, torch.Tensor] | None = None,
-                    lora_b: dict[str, torch.Tensor] | None = None,
-                    lora_scale: float = 1.0) -> torch.Tensor:
+                    head_dim: int, eps: float, *adapters) -> torch.Tensor:
     """This rank's partial ``down(swiglu(gate_up(norm(h))))``."""
     return swiglu_block(rms_norm(h, w["post_norm"], eps), w, None,
-                        lora=_lora(q_per_group, head_dim, lora_a, lora_b, lora_scale))
+                        lora=lora_from_values(adapters, q_per_group, head_dim))
 
 
 def decode_moe_part(h: torch.Tensor, w: dict[str, torch.Tensor], eps: float, top_k: int,
@@ -118,14 +104,6 @@ EAGER = (decode_layer, decode_attention_part, decode_mlp_part, decode_moe_part)
 COMPILED = tuple(inductor.Compiled(fn, min_numel=0, dynamic=None) for fn in EAGER)
 """The same, compiled on first use; eager (with one warning) where the backend cannot
 compile."""
-
-
-def _adapters(lora: LayerLora | None, modules: tuple[str, ...]) -> tuple:
-    """``(a, b, scale)`` of ``lora``'s adapters over ``modules``, or () without any."""
-    if lora is None or not any(m in lora.a for m in modules):
-        return ()
-    return ({m: t for m, t in lora.a.items() if m in modules},
-            {m: t for m, t in lora.b.items() if m in modules}, lora.scale)
 
 
 class StaticDecodeLayers:
@@ -165,11 +143,11 @@ class StaticDecodeLayers:
             if not self.split:
                 x = self.layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
                                s.q_per_group, s.head_dim, s.eps,
-                               *_adapters(lora, ATTENTION + MLP))
+                               *compiled_adapters(lora, ATTENTION + MLP, None))
                 continue
             part = self.attention_part(x, self.attention[j], cos, sin, attn, slots.k[j],
                                        slots.v[j], slots.pos, s.q_per_group, s.head_dim, s.eps,
-                                       *_adapters(lora, ATTENTION))
+                                       *compiled_adapters(lora, ATTENTION, None))
             h = x + reduce_from_tp(part, s.tp_group)
             if "o_proj_bias" in w:
                 h = h + w["o_proj_bias"]
@@ -179,7 +157,7 @@ class StaticDecodeLayers:
                 chosen.append(experts)
             else:
                 part = self.mlp_part(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
-                                     *_adapters(lora, MLP))
+                                     *compiled_adapters(lora, MLP, None))
             x = h + reduce_from_tp(part, s.tp_group)
         if self.records_routes:
             return x, torch.stack(chosen, dim=1)

@@ -64,34 +64,21 @@ from engine import inductor
 from engine.attention import PackedSeqs
 from engine.layers import ATTENTION_KEYS, MLP_KEYS, REPLICATED_KEYS, LayerSpec, LoraDeltas, \
     attention_block, decoder_layer as eager_layer, mlp_block, swiglu_block
-from engine.lora import ROW_PARALLEL, LayerLora
+from engine.lora import compiled_adapters, lora_from_values
 from engine.lora_config import ATTENTION, MLP
 from engine.moe import RouteRecord, RouterLossTerms
 from engine.norm import rms_norm
 from engine.tp_ops import copy_to_tp, reduce_from_tp
 from hybridflow_comm.groups import Group
 
-Adapters = tuple  # () or (a, b, scale, dropout): a LayerLora's tensors and settings
-
-
-
-def _lora(adapters: Adapters, q_per_group: int, head_dim: int) -> LayerLora | None:
-    """The region's adapters as a :class:`engine.lora.LayerLora` without a TP group."""
-    if not adapters:
-        return None
-    a, b, scale, dropout = adapters
-    return LayerLora(a=a, b=b, scale=scale, dropout=dropout, tp_group=None,
-                     q_per_group=q_per_group, head_dim=head_dim)
-
-
 def train_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None, q_per_group: int, head_dim: int,
                 eps: float, *adapters) -> torch.Tensor:
     """One decoder layer of ``x [B, S, H]`` on one TP rank, without KV cache (the function
-    that is compiled); ``mask``: boolean ``[B, 1, S, S]`` or None (causal); ``adapters``:
-    :data:`Adapters`."""
+    that is compiled); ``mask``: boolean ``[B, 1, S, S]`` or None (causal); ``adapters``: the
+    layer's LoRA adapters (:func:`engine.lora.compiled_adapters`)."""
     return eager_layer(x, w, (cos, sin), mask, LayerSpec(q_per_group, head_dim, eps),
-                       lora=_lora(adapters, q_per_group, head_dim))
+                       lora=lora_from_values(adapters, q_per_group, head_dim))
 
 
 def attention_part(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Tensor,
@@ -101,14 +88,14 @@ def attention_part(x: torch.Tensor, w: Mapping[str, torch.Tensor], cos: torch.Te
     ``w`` without ``o_proj_bias``)."""
     return attention_block(rms_norm(x, w["input_norm"], eps), w, (cos, sin), mask,
                            LayerSpec(q_per_group, head_dim, eps),
-                           lora=_lora(adapters, q_per_group, head_dim))
+                           lora=lora_from_values(adapters, q_per_group, head_dim))
 
 
 def mlp_part(h: torch.Tensor, w: Mapping[str, torch.Tensor], q_per_group: int, head_dim: int,
              eps: float, *adapters) -> torch.Tensor:
     """This rank's part of ``down(swiglu(gate_up(norm(h))))`` (a partial sum)."""
     return swiglu_block(rms_norm(h, w["post_norm"], eps), w, None,
-                        lora=_lora(adapters, q_per_group, head_dim))
+                        lora=lora_from_values(adapters, q_per_group, head_dim))
 
 
 compiled_layer = inductor.Compiled(train_layer, min_numel=0, dynamic=None,
@@ -120,19 +107,6 @@ compiled_attention = inductor.Compiled(attention_part, min_numel=0, dynamic=None
 compiled_mlp = inductor.Compiled(mlp_part, min_numel=0, dynamic=None,
                                  backward_with_forward=True)
 COMPILED = (compiled_layer, compiled_attention, compiled_mlp)
-
-
-def _adapters(lora: LoraDeltas | None, modules: tuple[str, ...], group: Group | None
-              ) -> Adapters:
-    """The region's :data:`Adapters` of ``lora`` (a :class:`engine.lora.LayerLora`) over
-    ``modules``, the replicated matrices through ``copy_to_tp``; () without any."""
-    if lora is None or not any(m in lora.a for m in modules):
-        return ()
-    a = {m: t if m in ROW_PARALLEL else copy_to_tp(t, group)
-         for m, t in lora.a.items() if m in modules}
-    b = {m: copy_to_tp(t, group) if m in ROW_PARALLEL else t
-         for m, t in lora.b.items() if m in modules}
-    return a, b, lora.scale, lora.dropout
 
 
 def _region(w: Mapping[str, torch.Tensor], keys: tuple[str, ...], group: Group | None
@@ -158,9 +132,9 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     tensor_parallel = g is not None and g.pg is not None
     if not tensor_parallel and spec.routing is None:
         return compiled_layer(x, w, cos, sin, mask, *sizes,
-                              *_adapters(lora, ATTENTION + MLP, None))
+                              *compiled_adapters(lora, ATTENTION + MLP, None))
     attn = compiled_attention(copy_to_tp(x, g), _region(w, ATTENTION_KEYS, g), cos, sin, mask,
-                              *sizes, *_adapters(lora, ATTENTION, g))
+                              *sizes, *compiled_adapters(lora, ATTENTION, g))
     h = x + reduce_from_tp(attn, g)
     if "o_proj_bias" in w:
         h = h + w["o_proj_bias"]
@@ -168,5 +142,5 @@ def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
         return h + mlp_block(rms_norm(h, w["post_norm"], spec.eps), w, spec, None, router_loss,
                              trace)
     mlp = compiled_mlp(copy_to_tp(h, g), _region(w, MLP_KEYS, g), *sizes,
-                       *_adapters(lora, MLP, g))
+                       *compiled_adapters(lora, MLP, g))
     return h + reduce_from_tp(mlp, g)

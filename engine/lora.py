@@ -173,3 +173,29 @@ class LayerLora:
         gate = torch.zeros_like(up) if gate is None else gate
         up = torch.zeros_like(gate) if up is None else up
         return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def compiled_adapters(lora: LayerLora | None, modules: tuple[str, ...], group: Group | None
+                      ) -> tuple:
+    """``lora``'s adapters over ``modules`` as plain values for a compiled function,
+    ``(a, b, scale, dropout)``, or ``()`` without any: the TP group left out, the replicated
+    matrices (column-parallel ``A``, row-parallel ``B``) through ``copy_to_tp`` on ``group``
+    (identity forward, their gradients summed), so that one compiled function serves every
+    layer and :func:`lora_from_values` rebuilds a group-free :class:`LayerLora` inside it."""
+    if lora is None or not any(m in lora.a for m in modules):
+        return ()
+    a = {m: t if m in ROW_PARALLEL else copy_to_tp(t, group)
+         for m, t in lora.a.items() if m in modules}
+    b = {m: copy_to_tp(t, group) if m in ROW_PARALLEL else t
+         for m, t in lora.b.items() if m in modules}
+    return a, b, lora.scale, lora.dropout
+
+
+def lora_from_values(adapters: tuple, q_per_group: int, head_dim: int) -> LayerLora | None:
+    """The :class:`LayerLora` (no TP group: this rank's partial deltas) of
+    :func:`compiled_adapters`' values, or None for ``()``."""
+    if not adapters:
+        return None
+    a, b, scale, dropout = adapters
+    return LayerLora(a=a, b=b, scale=scale, dropout=dropout, tp_group=None,
+                     q_per_group=q_per_group, head_dim=head_dim)
