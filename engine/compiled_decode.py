@@ -132,6 +132,12 @@ class StaticDecodeLayers:
         self.mlp = tuple({k: v for k, v in w.items() if k not in ATTENTION_KEYS
                           and k != "o_proj_bias"} for w in self.weights)
         self.records_routes = stage.routing is not None and stage.route_log is not None
+        loras = stage.loras or (None,) * len(self.weights)
+        # each layer's adapters as the compiled functions take them, made once
+        self.adapters = tuple(compiled_adapters(lora, ATTENTION + MLP, None) for lora in loras)
+        self.attention_adapters = tuple(compiled_adapters(lora, ATTENTION, None)
+                                        for lora in loras)
+        self.mlp_adapters = tuple(compiled_adapters(lora, MLP, None) for lora in loras)
 
     def forward(self, x: torch.Tensor, slots: DecodeSlots, rope: Rope, attn: torch.Tensor | None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -139,15 +145,14 @@ class StaticDecodeLayers:
         cos, sin = rope
         chosen = []
         for j, w in enumerate(self.weights):
-            lora = s.loras[j] if s.loras else None
             if not self.split:
                 x = self.layer(x, w, cos, sin, attn, slots.k[j], slots.v[j], slots.pos,
                                s.q_per_group, s.head_dim, s.eps,
-                               *compiled_adapters(lora, ATTENTION + MLP, None))
+                               *self.adapters[j])
                 continue
             part = self.attention_part(x, self.attention[j], cos, sin, attn, slots.k[j],
                                        slots.v[j], slots.pos, s.q_per_group, s.head_dim, s.eps,
-                                       *compiled_adapters(lora, ATTENTION, None))
+                                       *self.attention_adapters[j])
             h = x + reduce_from_tp(part, s.tp_group)
             if "o_proj_bias" in w:
                 h = h + w["o_proj_bias"]
@@ -157,7 +162,7 @@ class StaticDecodeLayers:
                 chosen.append(experts)
             else:
                 part = self.mlp_part(h, self.mlp[j], s.q_per_group, s.head_dim, s.eps,
-                                     *compiled_adapters(lora, MLP, None))
+                                     *self.mlp_adapters[j])
             x = h + reduce_from_tp(part, s.tp_group)
         if self.records_routes:
             return x, torch.stack(chosen, dim=1)
