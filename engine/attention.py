@@ -10,6 +10,8 @@ Shapes use B batch, S queries, S_kv keys, D head dim, ``h_q`` query and ``h_kv``
     boolean mask, no cache               engine.batched_attention (short float32 CPU) or SDPA
     packed sequences (PackedSeqs)        engine.varlen (CUDA bf16/fp16) or one causal
                                          attention per sequence
+    packed, in traced code (PackedBounds) engine.varlen (CUDA bf16/fp16) or SDPA with the
+                                         block-diagonal causal mask (document_mask)
     after a KV hook                      decode_attention (a dense cache's views, one new
                                          token) or SDPA
     SDPA with a mask on CUDA, GQA        keys/values repeated per query head (repeat_kv_heads)
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +101,10 @@ class PackedSeqs:
                                                    device=device)
         return self._on_device[device]
 
+    def bounds(self, device: torch.device | str) -> PackedBounds:
+        """The packing as traced code takes it (:class:`PackedBounds`)."""
+        return PackedBounds(self.boundaries(device), self.longest)
+
     def position_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[1, T]`` on ``device``: ``0..L_i-1`` inside every sequence (what the padded row's
         :func:`position_ids_from_mask` gives its real tokens), from :meth:`boundaries`."""
@@ -105,6 +112,27 @@ class PackedSeqs:
         lengths = c[1:] - c[:-1]
         starts = torch.repeat_interleave(c[:-1], lengths, output_size=self.total)
         return (torch.arange(self.total, device=device) - starts).unsqueeze(0)
+
+
+class PackedBounds(NamedTuple):
+    """:class:`PackedSeqs` as compiled code takes it: the boundaries on the device and the
+    longest length, no host tuple to guard on (a compiled layer serves every packing)."""
+
+    cu_seqlens: torch.Tensor
+    """``[n + 1]`` int32 (:meth:`PackedSeqs.boundaries`)."""
+    longest: int
+
+
+AttentionMask = torch.Tensor | PackedSeqs | PackedBounds | None
+"""What :func:`attention` takes as its mask."""
+
+
+def document_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Boolean ``[1, 1, T, T]`` (True = may attend): causal inside each packed sequence,
+    blind across them (``cu_seqlens``: ``[n + 1]`` boundaries, ``T = total``)."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens.long(), pos, right=True)  # sequence of each token
+    return ((seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :]))[None, None]
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -128,7 +156,7 @@ def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | PackedSeqs | None,
+              mask: AttentionMask,
               kv_hook: KVHook | None = None) -> torch.Tensor:
     """Grouped-query scaled dot-product attention.
 
@@ -138,8 +166,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask: boolean ``[B, 1, S, S_kv]`` (True = attend); None where no key is padding:
             causal (``S = S_kv``), or after a KV hook one new query seeing every key
             (``S = 1``); or :class:`PackedSeqs` for sequences packed on one row (``B = 1``, no
-            KV hook).  Without a mask SDPA runs ``is_causal`` (CUDA: its flash or efficient
-            kernels); a boolean mask is only for padding.
+            KV hook), in compiled code as :class:`PackedBounds`.  Without a mask SDPA runs
+            ``is_causal`` (CUDA: its flash or efficient kernels); a boolean mask is only for
+            padding.
         kv_hook: optional KV-cache hook, see :data:`KVHook`.
 
     Returns:
@@ -150,6 +179,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             raise ValueError(f"packed attention needs one row of {mask.total} tokens and no "
                              f"KV hook, got q {tuple(q.shape)}")
         return _packed_attention(q, k, v, mask)
+    if isinstance(mask, PackedBounds):
+        if varlen.applies(q):
+            return varlen.causal_attention(q, k, v, mask.cu_seqlens, mask.longest)
+        mask = document_mask(mask.cu_seqlens, q.shape[1])
     if kv_hook is not None:
         k, v = kv_hook(k, v)
         if q.shape[1] == 1 and getattr(kv_hook, "stacked_decode", False):

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.moe import MoeRouting, RouteRecord, RouterLossTerms, expert_ffn, route
+from engine.moe import ExpertRows, MoeRouting, RouteRecord, RouterLossTerms, expert_counts, \
+    expert_rows, expert_weights, route
 from engine.tp_ops import copy_to_tp, reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -85,36 +86,47 @@ def moe_block_ep(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRou
         ep_group: this rank's EP group (member ``k`` holds the ``k``-th block of experts).
         tp_group: this rank's TP group (None: no TP).
     """
-    ep, per = ep_group.size, num_experts // ep_group.size
-    first = ep_group.rank * per
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     weights, experts = route(tokens, w["router"], routing, router_loss, trace)
+    return dispatch_ep(tokens, weights, experts, w, num_experts, ep_group,
+                       tp_group).reshape(shape)
+
+
+def dispatch_ep(tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                w: Mapping[str, torch.Tensor], num_experts: int, ep_group: Group,
+                tp_group: Group | None, rows_fn: ExpertRows = expert_rows) -> torch.Tensor:
+    """:func:`moe_block_ep` after its routing: the routed ``tokens [N, H]`` (``weights``,
+    ``experts``: ``[N, k]``) to their experts' owners and back, weighted, summed per token and
+    all-reduced over TP; ``rows_fn`` runs this rank's experts."""
+    ep, per = ep_group.size, num_experts // ep_group.size
+    first = ep_group.rank * per
+    top_k = experts.shape[-1]
     tp_size, tp_rank = (tp_group.size, tp_group.rank) if tp_group is not None else (1, 0)
     mine = torch.arange(tp_rank, tokens.shape[0], tp_size, device=tokens.device)
     # 3. this rank's pairs by expert (so by owner), their rows to the owners.
     chosen = experts[mine].flatten()
     order = torch.argsort(chosen, stable=True)
-    token_of = order // routing.top_k  # [pairs], index into ``mine``
-    send = torch.bincount(chosen, minlength=num_experts).view(ep, per)
+    token_of = order // top_k  # [pairs], index into ``mine``
+    send = expert_counts(chosen, num_experts).view(ep, per)
     recv = exchange_counts(send, ep_group)  # [source, my expert]
     table = torch.cat([send, recv]).tolist()  # the layer's one wait for the host
     send_counts, recv_counts = [sum(r) for r in table[:ep]], [sum(r) for r in table[ep:]]
     rows = copy_to_tp(tokens, tp_group)[mine][token_of]
     arrived = all_to_all_rows(rows, send_counts, recv_counts, ep_group)
     # 4. group by expert, each expert once, back to arrival order.
-    expert_of = torch.arange(per, device=x.device).repeat(ep).repeat_interleave(recv.flatten())
+    expert_of = torch.arange(per, device=tokens.device).repeat(ep).repeat_interleave(
+        recv.flatten())
     by_expert = torch.argsort(expert_of, stable=True)
-    per_expert = [sum(col) for col in zip(*table[ep:])]
-    outs = [expert_ffn(r, w, first + i)
-            for i, r in enumerate(arrived[by_expert].split(per_expert))]
+    held = expert_weights(w, range(first, first + per))
+    outs = rows_fn(arrived[by_expert], recv.sum(0), held)
     done = torch.empty_like(by_expert)
-    done[by_expert] = torch.arange(by_expert.numel(), device=x.device)
+    done[by_expert] = torch.arange(by_expert.numel(), device=tokens.device)
     # 5. back to this rank, weighted, summed per token, joined over TP.
-    back = all_to_all_rows(torch.cat(outs)[done], recv_counts, send_counts, ep_group)
+    back = all_to_all_rows(outs[done], recv_counts, send_counts, ep_group)
     scale = copy_to_tp(weights, tp_group)[mine].flatten()[order]
     out = torch.zeros_like(tokens).index_add(0, mine[token_of], back * scale[:, None])
-    return reduce_from_tp(out, tp_group).reshape(shape)
+    return reduce_from_tp(out, tp_group)
 
 
 @dataclass(frozen=True)
@@ -130,4 +142,11 @@ class ExpertParallel:
                  trace: RouteRecord | None = None) -> torch.Tensor:
         return moe_block_ep(x, w, routing, self.num_experts, self.group, tp_group,
                             router_loss, trace)
+
+    def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 w: Mapping[str, torch.Tensor], tp_group: Group | None,
+                 rows_fn: ExpertRows = expert_rows) -> torch.Tensor:
+        """:func:`dispatch_ep` over this EP group (the block after its routing)."""
+        return dispatch_ep(tokens, weights, experts, w, self.num_experts, self.group,
+                           tp_group, rows_fn)
 

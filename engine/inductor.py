@@ -141,14 +141,21 @@ class Compiled:
     summation order.  ``dynamic``: ``torch.compile``'s (True: every size symbolic from the
     first compile; None: sizes that change between calls become symbolic at the second).
     ``backward_with_forward``: a function trained through compiles its backward with its
-    forward (:meth:`_lowering`).  A call past dynamo's recompile limit runs eagerly (with
+    forward (:meth:`_lowering`).  ``scalar_outputs``: a function that reads sizes from a
+    tensor (``tolist``) traces them as unbacked sizes (dynamo's ``capture_scalar_outputs``),
+    so it compiles whole rather than breaking its graph there.  ``recompile_limit``: the
+    variants this function may compile (dynamo's ``recompile_limit`` during its calls; None:
+    dynamo's, 8), for a function that serves every model of a process and each kind of call
+    to it.  A call past dynamo's recompile limit runs eagerly (with
     one warning; counted in :attr:`eager_calls`); a compile that fails leaves the function
     eager for the process, or is raised during a CUDA graph capture."""
 
     def __init__(self, fn: Callable, min_numel: int = MIN_NUMEL,
-                 dynamic: bool | None = True, backward_with_forward: bool = False) -> None:
+                 dynamic: bool | None = True, backward_with_forward: bool = False,
+                 scalar_outputs: bool = False, recompile_limit: int | None = None) -> None:
         self.fn, self.min_numel, self.dynamic = fn, min_numel, dynamic
-        self.backward_with_forward = backward_with_forward
+        self.backward_with_forward, self.scalar_outputs = backward_with_forward, scalar_outputs
+        self.recompile_limit = recompile_limit
         self._compiled: Callable | None = None
         self._broken = False
         self.eager_calls = 0
@@ -165,7 +172,7 @@ class Compiled:
             _key_the_cache()
             self._compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=True)
         try:
-            with self._lowering():
+            with self._lowering(), self._tracing():
                 return self._compiled(first, *args)
         except torch.OutOfMemoryError:
             raise  # not a compile failure: the eager formula would need more memory still
@@ -185,6 +192,19 @@ class Compiled:
                           f" {exc}); running it eagerly", RuntimeWarning, stacklevel=2)
             return self.fn(first, *args)
 
+    def _tracing(self) -> contextlib.ExitStack:
+        """Dynamo's settings of this function inside: ``capture_scalar_outputs`` with
+        ``scalar_outputs``, its ``recompile_limit`` (both read when a call compiles)."""
+        import torch._dynamo.config as dynamo_config  # not at import: it sets inductor's cache
+
+        stack = contextlib.ExitStack()
+        if self.scalar_outputs:
+            stack.enter_context(_attribute(dynamo_config, "capture_scalar_outputs", True))
+        if self.recompile_limit is not None:
+            stack.enter_context(_attribute(dynamo_config, "recompile_limit",
+                                           self.recompile_limit))
+        return stack
+
     def _lowering(self):
         """With ``backward_with_forward``, AOTAutograd lowers the backward when it compiles
         the forward (where the torch has the switch), so that a backward the backend cannot
@@ -196,12 +216,17 @@ class Compiled:
 
 
 @contextlib.contextmanager
-def _eager_backward_lowering():
-    """AOTAutograd's ``force_non_lazy_backward_lowering`` on inside (set and restored as an
-    attribute: a tenth of ``config.patch``'s cost, paid on every layer's call)."""
-    previous = functorch_config.force_non_lazy_backward_lowering
-    functorch_config.force_non_lazy_backward_lowering = True
+def _attribute(config, name: str, value):
+    """``config.name = value`` inside, restored after (a tenth of ``config.patch``'s cost,
+    paid on every layer's call)."""
+    previous = getattr(config, name)
+    setattr(config, name, value)
     try:
         yield
     finally:
-        functorch_config.force_non_lazy_backward_lowering = previous
+        setattr(config, name, previous)
+
+
+def _eager_backward_lowering():
+    """AOTAutograd's ``force_non_lazy_backward_lowering`` on inside."""
+    return _attribute(functorch_config, "force_non_lazy_backward_lowering", True)

@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 
 from engine import batched_attention
-from engine.attention import KVHook, PackedSeqs, attention
+from engine.attention import AttentionMask, KVHook, PackedBounds, PackedSeqs, attention
 from engine.mlp import swiglu
 from engine.moe import MoeFn, MoeRouting, RouteRecord, RouterLossTerms, moe_block
 from engine.norm import rms_norm
@@ -103,7 +103,7 @@ class LayerSpec:
 
 def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
                     rope: tuple[torch.Tensor, torch.Tensor],
-                    mask: torch.Tensor | PackedSeqs | None, spec: LayerSpec,
+                    mask: AttentionMask, spec: LayerSpec,
                     kv_hook: KVHook | None = None, lora: LoraDeltas | None = None
                     ) -> torch.Tensor:
     """``o_proj(attention(rope(qkv(x))))``: ``x [B, S, H]`` (replicated) -> ``[B, S, H]``,
@@ -115,7 +115,8 @@ def attention_block(x: torch.Tensor, w: Mapping[str, torch.Tensor],
     if delta is not None:
         qkv = qkv + delta
     cos, sin = rope
-    if ("q_norm" not in w and kv_hook is None and not isinstance(mask, PackedSeqs)
+    packed = isinstance(mask, (PackedSeqs, PackedBounds))
+    if ("q_norm" not in w and kv_hook is None and not packed
             and batched_attention.qkv_applies(qkv, w.get("qkv_bias"), cos, sin, mask,
                                               q_per_group, head_dim)):
         # bias, RoPE, scale and the attention layout in one C++ pass each way
@@ -172,7 +173,7 @@ def mlp_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
 
 
 def decoder_layer(x: torch.Tensor, w: Mapping[str, torch.Tensor],
-                  rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | PackedSeqs | None,
+                  rope: tuple[torch.Tensor, torch.Tensor], mask: AttentionMask,
                   spec: LayerSpec, kv_hook: KVHook | None = None, lora: LoraDeltas | None = None,
                   router_loss: RouterLossTerms | None = None, trace: RouteRecord | None = None
                   ) -> torch.Tensor:

@@ -278,8 +278,8 @@ class ParallelLlama(nn.Module):
         rope = rope_tables(position_ids, c.head_dim, c.rope_theta, c.dtype, c.rope_scaling)
         x = (vocab_embedding(inputs, self.params["embed_tokens"], self.tp_group)
              if self.is_first else inputs)
-        layer = (compiled_train.decoder_layer
-                 if self.compile_layers and not isinstance(mask, PackedSeqs) else decoder_layer)
+        compiled = self.compile_layers and (packed is None or compiled_train.takes_packed(x))
+        layer = compiled_train.decoder_layer if compiled else decoder_layer
         for i in self.layer_ids:
             x = layer(x, self.layer_weights(i), rope, mask, self.layer_spec,
                       lora=self.layer_lora(i), router_loss=router_loss, trace=routes)

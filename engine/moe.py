@@ -46,8 +46,34 @@ class RouteRecord(Protocol):
     """Where each routed layer records its experts, or takes them from for router replay
     (:class:`engine.route_trace.RouteTrace`)."""
 
-    def experts(self, own: torch.Tensor) -> torch.Tensor:
-        """This layer's ``[N, k]`` experts given the router's own ``own``."""
+    def replayed(self, device: torch.device) -> torch.Tensor | None:
+        """This layer's ``[N, k]`` experts to impose (a negative entry: the router's own), on
+        ``device``; None: the router's own."""
+
+    def record(self, experts: torch.Tensor) -> None:
+        """This layer's ``[N, k]`` experts, as routed."""
+
+
+def router_probs(tokens: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """The router's softmax ``[N, E]`` (float32) of ``tokens [N, H]``."""
+    return torch.softmax(F.linear(tokens, router).float(), dim=-1)
+
+
+def choose(probs: torch.Tensor, top_k: int, norm_topk: bool,
+           given: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights [N, k] float32, own [N, k], chosen [N, k])`` from the router's ``probs``:
+    ``own`` the router's top ``top_k`` experts, ``chosen`` those of ``given`` (router replay;
+    a negative entry: the router's own) or ``own``, ``weights`` their probabilities
+    (renormalised to sum to one where ``norm_topk``)."""
+    weights, own = torch.topk(probs, top_k, dim=-1)
+    chosen = own
+    if given is not None:
+        chosen = torch.where(given >= 0, given, own)
+        weights = probs.gather(-1, chosen)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, own, chosen
 
 
 def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting,
@@ -56,26 +82,92 @@ def route(x: torch.Tensor, router: torch.Tensor, routing: MoeRouting,
     """``(weights [N, k] in x's dtype, experts [N, k] int64)`` of the tokens ``x [N, H]``
     (and the layer's term of ``router_loss``, of the router's own choice; the experts
     recorded in, or replayed from, ``trace``)."""
-    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
-    weights, experts = torch.topk(probs, routing.top_k, dim=-1)
+    probs = router_probs(x, router)
+    given = trace.replayed(x.device) if trace is not None else None
+    weights, own, chosen = choose(probs, routing.top_k, routing.norm_topk, given)
     if router_loss is not None:
-        router_loss.add(probs, experts)
+        router_loss.add(probs, own)
     if trace is not None:
-        chosen = trace.experts(experts)
-        if chosen is not experts:
-            weights, experts = probs.gather(-1, chosen), chosen
-    if routing.norm_topk:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(x.dtype), experts
+        trace.record(chosen)
+    return weights.to(x.dtype), chosen
 
 
-def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> torch.Tensor:
-    """Expert ``e``'s SwiGLU of ``rows [n, H]`` (of its TP shard: a partial sum, unreduced)."""
-    gu = column_linear(rows, w[f"experts.{e}.gate_up"], None)
-    h, down = swiglu(gu.unflatten(-1, (-1, 2))), w[f"experts.{e}.down_proj"]
+ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+"""One expert's ``(gate_up, down_proj)``."""
+
+
+def expert_weights(w: Mapping[str, torch.Tensor], experts: Sequence[int]
+                   ) -> list[ExpertWeights]:
+    """The ``(gate_up, down_proj)`` of each of ``experts`` in ``w``, in that order."""
+    return [(w[f"experts.{e}.gate_up"], w[f"experts.{e}.down_proj"]) for e in experts]
+
+
+def swiglu_expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                  ) -> torch.Tensor:
+    """One expert's SwiGLU of ``rows [n, H]`` (of its TP shard: a partial sum, unreduced)."""
+    h = swiglu(column_linear(rows, gate_up, None).unflatten(-1, (-1, 2)))
     if down.dim() == 3:  # a trained expert stored as its generation pieces
         return row_linear_pieces(h, down)
     return row_linear(h, down, None)
+
+
+def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> torch.Tensor:
+    """Expert ``e``'s :func:`swiglu_expert` of ``rows [n, H]``."""
+    return swiglu_expert(rows, w[f"experts.{e}.gate_up"], w[f"experts.{e}.down_proj"])
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[num_experts]`` int64: how many entries of ``experts`` (any shape) name each expert
+    (a fixed size, so traced code knows it without reading the values)."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+
+
+def expert_rows(rows: torch.Tensor, counts: torch.Tensor,
+                experts: Sequence[ExpertWeights]) -> torch.Tensor:
+    """``rows [n, H]`` grouped by expert (the first ``counts[0]`` rows for ``experts[0]``,
+    and so on) -> each group's :func:`swiglu_expert`, ``[n, H]`` in the same order.
+    The one host read of the block is ``counts``; under ``torch.compile`` (with
+    ``capture_scalar_outputs``) they are unbacked sizes, so the function compiles whole."""
+    sizes = counts.tolist()
+    for size in sizes:
+        torch._check(size >= 0)
+        torch._check(size <= rows.shape[0])
+    parts = rows.split(sizes)
+    return torch.cat([swiglu_expert(r, *ew) for ew, r in zip(experts, parts)])
+
+
+class ExpertRows(Protocol):
+    """:func:`expert_rows` or a compiled form of it."""
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
+                 experts: Sequence[ExpertWeights]) -> torch.Tensor: ...
+
+
+def dispatch(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+             w: Mapping[str, torch.Tensor], tp_group: Group | None,
+             experts: Sequence[int] | None = None, held_mask: torch.Tensor | None = None,
+             rows_fn: ExpertRows = expert_rows) -> torch.Tensor:
+    """The routed tokens ``tokens [N, H]`` (``weights``, ``chosen``: ``[N, k]``) through their
+    experts, weighted and summed per token, all-reduced over ``tp_group`` (:func:`moe_block`
+    after its routing; ``rows_fn`` runs the experts)."""
+    num_experts, top_k = w["router"].shape[0], chosen.shape[-1]
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    held = range(num_experts) if experts is None else sorted(experts)
+    counts = expert_counts(flat, num_experts)
+    if experts is not None:  # this rank's experts' pairs only
+        mine = held_mask if held_mask is not None else experts_mask(experts, num_experts,
+                                                                    flat.device)
+        order = order[mine[flat[order]]]
+        counts = counts[mine]
+    token_of = order // top_k
+    inputs = copy_to_tp(tokens, tp_group)[token_of]  # [pairs, H], expert after expert
+    outs = rows_fn(inputs, counts, expert_weights(w, held))  # no tokens: 0 rows
+    scale = copy_to_tp(weights, tp_group).flatten()[order]
+    out = torch.zeros_like(tokens).index_add(0, token_of, outs * scale[:, None])
+    return reduce_from_tp(out, tp_group)
 
 
 def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
@@ -97,24 +189,10 @@ def moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRoutin
     (:class:`RouteRecord`).  ``held_mask``: ``experts`` as a bool ``[E]`` mask on ``x``'s
     device, made once by a caller that runs the block every step (default: made here).
     """
-    shape, num_experts = x.shape, w["router"].shape[0]
+    shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     weights, chosen = route(tokens, w["router"], routing, router_loss, trace)
-    flat = chosen.flatten()
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    held = range(num_experts) if experts is None else sorted(experts)  # the pairs' order
-    if experts is not None:  # this rank's experts' pairs only
-        mine = held_mask if held_mask is not None else experts_mask(experts, num_experts,
-                                                                    flat.device)
-        order = order[mine[flat[order]]]
-    counts = torch.bincount(flat[order], minlength=num_experts).tolist()
-    token_of = order // routing.top_k
-    inputs = copy_to_tp(tokens, tp_group)[token_of]  # [pairs, H], expert after expert
-    rows = dict(zip(range(num_experts), inputs.split(counts)))
-    outs = [expert_ffn(rows[e], w, e) for e in held]  # an expert without tokens: 0 rows
-    scale = copy_to_tp(weights, tp_group).flatten()[order]
-    out = torch.zeros_like(tokens).index_add(0, token_of, torch.cat(outs) * scale[:, None])
-    return reduce_from_tp(out, tp_group).reshape(shape)
+    return dispatch(tokens, weights, chosen, w, tp_group, experts, held_mask).reshape(shape)
 
 
 def experts_mask(experts: Sequence[int], num_experts: int,
@@ -132,3 +210,8 @@ class MoeFn(Protocol):
     def __call__(self, x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
                  tp_group: Group | None, router_loss: RouterLossTerms | None = None,
                  trace: RouteRecord | None = None) -> torch.Tensor: ...
+
+    def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 w: Mapping[str, torch.Tensor], tp_group: Group | None,
+                 rows_fn: ExpertRows = expert_rows) -> torch.Tensor:
+        """The block after its routing (as :func:`dispatch`)."""

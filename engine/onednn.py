@@ -130,11 +130,12 @@ class _Linear(torch.autograd.Function):
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` runs oneDNN for these operands."""
-    return (_enabled and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
-            and x.dim() >= 1 and x.numel() > 0 and x.numel() * weight.shape[0] >= MIN_MACS
-            and not torch.compiler.is_compiling())
+    """Whether :func:`linear` runs oneDNN for these operands (never in traced code, which
+    is asked first: a traced size may be unbacked, with no value to compare)."""
+    return (_enabled and not torch.compiler.is_compiling() and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2 and x.dim() >= 1
+            and x.numel() > 0 and x.numel() * weight.shape[0] >= MIN_MACS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

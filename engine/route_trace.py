@@ -23,14 +23,15 @@ class RouteTrace:
     replay: torch.Tensor | None = None
     chosen: list[torch.Tensor] = field(default_factory=list)
 
-    def experts(self, own: torch.Tensor) -> torch.Tensor:
-        """This layer's ``[N, k]`` experts given the router's own ``own``; records them."""
-        experts = own
-        if self.replay is not None:
-            given = self.replay[:, len(self.chosen)].to(own.device, torch.int64)
-            experts = torch.where(given >= 0, given, own)
+    def replayed(self, device: torch.device) -> torch.Tensor | None:
+        """The next layer's ``[N, k]`` imposed experts on ``device`` (None without replay)."""
+        if self.replay is None:
+            return None
+        return self.replay[:, len(self.chosen)].to(device, torch.int64)
+
+    def record(self, experts: torch.Tensor) -> None:
+        """The next layer's ``[N, k]`` experts, as routed."""
         self.chosen.append(experts)
-        return experts
 
     def recorded(self) -> torch.Tensor:
         """``[N, L, k]`` of every layer so far."""

@@ -3,7 +3,9 @@ engine/compiled_decode.py: the regions between the TP collectives) against the e
 single-process model, on 2 gloo ranks at tp=2 and tp_g=2.
 
 Training: a dense model with every optional weight (q/k/v and o_proj biases, q/k norms),
-LoRA adapters on every linear, and a mixture of experts with its router loss; forward
+LoRA adapters on every linear, and a mixture of experts with its router loss (and with its
+experts split over the two ranks, expert parallelism inside the TP group; LoRA and the
+mixture also with packed micro-batches); forward
 log-probs, the loss, the gradient norm and every trained tensor's gradient of one step, each
 rank's shard of the reference's.  Generation: the dense model and the mixture, greedy, the
 static decode steps of the dense KV cache through the compiled regions at tp_g=2, and on two
@@ -22,10 +24,10 @@ from engine.lora import LoraConfig, init_lora_state_dict
 from engine.model import ParallelLlama, load_adapter_state_dict, load_full_state_dict
 from engine.sampling import SamplingParams
 from engine.train import OptimConfig, TrainEngine
-from hybridflow_comm.groups import build_hybrid_groups
+from hybridflow_comm.expert_layout import ExpertLayout
+from hybridflow_comm.groups import build_expert_groups, build_hybrid_groups
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.reshard import Resharder
-from hybridflow_comm.shard_spec import train_shard
 from tests.near_ties import assert_clear_picks
 
 DENSE = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -69,13 +71,20 @@ def weights(kind: str) -> tuple[dict, dict]:
     return full, adapters
 
 
-def build(kind: str, tp: int, compiled: bool, pp: int = 1) -> ParallelLlama | None:
+def build(kind: str, tp: int, compiled: bool, pp: int = 1, ep: int = 1
+          ) -> ParallelLlama | None:
     config, lora = KINDS[kind]
     layout = HybridLayout(ParallelLayout(pp, tp, 1), pp, tp)
-    groups = build_hybrid_groups(layout, pool=list(range(pp * tp)))
+    pool = list(range(pp * tp))
+    groups = build_hybrid_groups(layout, pool=pool)
     if groups is None:
         return None
-    model = ParallelLlama(config, groups, lora=lora, compile_layers=compiled)
+    experts = None
+    if ep > 1:
+        experts = build_expert_groups(ExpertLayout(layout, config.num_experts, ep=ep),
+                                      pool=pool)
+    model = ParallelLlama(config, groups, lora=lora, compile_layers=compiled,
+                          experts=experts)
     full, adapters = weights(kind)
     load_full_state_dict(model, full)
     if lora is not None:
@@ -83,13 +92,17 @@ def build(kind: str, tp: int, compiled: bool, pp: int = 1) -> ParallelLlama | No
     return model
 
 
-def run(model: ParallelLlama) -> dict:
-    """Log-probs, one step's metrics and the trained tensors' gradients by spec name."""
+def run(model: ParallelLlama, packed: bool = False) -> dict:
+    """Log-probs (0 where a token or its predecessor is padding), one step's metrics and the
+    trained tensors' gradients by spec name; ``packed``: each micro-batch's real tokens
+    packed on one row (``remove_padding``)."""
     eng = TrainEngine(model, OptimConfig(lr=1e-3, max_grad_norm=None))
     mbs = micro_batches()
-    outputs = eng.forward(mbs, temperature=1.0)
-    out = {"log_probs": [o["log_probs"] for o in outputs] if model.is_last else []}
-    out["metrics"] = eng.train_step(mbs, loss, temperature=1.0)
+    outputs = eng.forward(mbs, temperature=1.0, remove_padding=packed)
+    real = [mb["attention_mask"][:, 1:] * mb["attention_mask"][:, :-1] for mb in mbs]
+    out = {"log_probs": [o["log_probs"] * r for o, r in zip(outputs, real)]
+           if model.is_last else []}
+    out["metrics"] = eng.train_step(mbs, loss, temperature=1.0, remove_padding=packed)
     out["grads"] = {n: p.grad.clone() for n, p in model.trainable_params().items()}
     return out
 
@@ -99,18 +112,25 @@ def references() -> dict:
 
 
 def check_kinds(rank: int, world_size: int, refs: dict) -> int:
-    """On every rank: each kind at tp=2, and the dense model on two pipeline stages,
-    compiled, against the single-process reference."""
+    """On every rank, compiled, against the single-process reference (padded micro-batches):
+    each kind at tp=2, the dense model on two pipeline stages, the mixture with its experts
+    over two EP ranks, and LoRA and the mixture at tp=2 with packed micro-batches."""
     from engine import compiled_train, inductor
 
     inductor.set_enabled(True)
     checks = 0
-    for kind, (pp, tp) in [(kind, (1, 2)) for kind in KINDS] + [("dense", (2, 1))]:
-        model = build(kind, tp, compiled=True, pp=pp)
+    runs = [(kind, (1, 2, 1), False) for kind in KINDS] + [
+        ("dense", (2, 1, 1), False), ("moe", (1, 2, 2), False), ("lora", (1, 2, 1), True),
+        ("moe", (1, 2, 1), True)]
+    for kind, (pp, tp, ep), packed in runs:
+        model = build(kind, tp, compiled=True, pp=pp, ep=ep)
         if model is None:
             continue
         assert model.compile_layers
-        got, ref = run(model), refs[kind]
+        before = _graphs(compiled_train.attention_part)
+        got, ref = run(model, packed), refs[kind]
+        if packed:  # the packed rows went through the compiled regions, a variant of their own
+            assert _graphs(compiled_train.attention_part) > before, kind
         for lp, want in zip(got["log_probs"], ref["log_probs"]):
             torch.testing.assert_close(lp, want, atol=ATOL, rtol=0,
                                        msg=lambda m: f"{kind} log-probs: {m}")
@@ -121,16 +141,23 @@ def check_kinds(rank: int, world_size: int, refs: dict) -> int:
         local = {s.name for s in model.local_specs + model.local_adapter_specs}
         assert got["grads"].keys() == local & ref["grads"].keys(), kind
         for name, grad in got["grads"].items():
-            want = train_shard(ref["grads"][name], specs[name], model.layout, model.groups.rank)
+            want = model.train_shard(ref["grads"][name], specs[name])
             torch.testing.assert_close(grad, want, atol=ATOL, rtol=0,
                                        msg=lambda m: f"{kind} grad {name}: {m}")
             checks += 1
-    counts = inductor.compile_counts()
     for fn in (compiled_train.train_layer, compiled_train.attention_part,
-               compiled_train.mlp_part):
-        assert counts.get(fn.__qualname__, {}).get("graphs", 0) >= 1, (fn, counts)
-    assert not any(c._broken or c.eager_calls for c in compiled_train.COMPILED), counts
+               compiled_train.mlp_part, compiled_train.route_part, compiled_train.expert_rows):
+        assert _graphs(fn) >= 1, (fn, inductor.compile_counts())
+    assert not any(c._broken or c.eager_calls for c in compiled_train.COMPILED), \
+        inductor.compile_counts()
     return checks
+
+
+def _graphs(fn) -> int:
+    """Dynamo's compiled variants of one of compiled_train's functions."""
+    from engine import inductor
+
+    return inductor.compile_counts().get(fn.__qualname__, {}).get("graphs", 0)
 
 
 def prompts() -> tuple[torch.Tensor, torch.Tensor]:

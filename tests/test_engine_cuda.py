@@ -332,8 +332,9 @@ MOE_CFG = replace(CFG, num_experts=4, num_experts_per_tok=2, router_aux_loss_coe
 @pytest.mark.parametrize("kind", ["lora", "moe"])
 def test_compiled_training_layers_of_lora_and_moe_match_eager(kind):
     """The compiled training layers on CUDA for LoRA adapters (inside the compiled layer) and
-    a mixture of experts (the compiled attention region, the routed MLP eager): bf16 log-probs
-    and gradients as the eager layers', nothing fallen back to eager."""
+    a mixture of experts (the attention region, the routing and the experts' products compiled,
+    the row counts unbacked sizes): bf16 log-probs and gradients as the eager layers', nothing
+    fallen back to eager."""
     from engine import compiled_train
     from engine.lora import LoraConfig, init_lora_state_dict
     from engine.model import load_adapter_state_dict
@@ -364,6 +365,42 @@ def test_compiled_training_layers_of_lora_and_moe_match_eager(kind):
         cos = torch.nn.functional.cosine_similarity(g_c[n].flatten(), g_e[n].flatten(), dim=0)
         assert float(cos) > 0.98, (n, float(cos))
 
+
+
+def test_compiled_training_layers_take_packed_sequences_through_varlen():
+    """A packed micro-batch (three sequences on one row) through the compiled layers, the
+    varlen flash kernel traced inside them, with LoRA adapters: bf16 log-probs and gradients
+    as the eager layers' (the same varlen kernel, eagerly), nothing fallen back to eager."""
+    from engine import compiled_train, inductor
+    from engine.attention import PackedSeqs
+    from engine.lora import LoraConfig, init_lora_state_dict
+    from engine.model import load_adapter_state_dict
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules="all-linear")
+    full = init_full_state_dict(CFG, seed=3, std=STD)
+    g = torch.Generator().manual_seed(5)
+    adapters = {k: torch.randn(v.shape, generator=g) * 0.1
+                for k, v in init_lora_state_dict(CFG, lora).items()}
+    packed = PackedSeqs((0, 7, 19, 30))
+    ids = torch.randint(1, CFG.vocab_size, (1, packed.total), generator=g).to(CUDA)
+    outs = {}
+    for compiled in (False, True):
+        model = ParallelLlama(CFG, groups(), device=CUDA, lora=lora, compile_layers=compiled)
+        load_full_state_dict(model, full)
+        load_adapter_state_dict(model, adapters)
+        head = model.head_outputs(model.stage_forward(ids, None, packed=packed), ids,
+                                  temperature=1.0)
+        head["log_probs"].float().mean().neg().backward()
+        outs[compiled] = (head["log_probs"].detach().float().cpu(),
+                          {n: p.grad.float().cpu() for n, p in model.trainable_params().items()})
+    assert not any(c._broken or c.eager_calls for c in compiled_train.COMPILED)
+    counts = inductor.compile_counts()
+    assert counts.get(compiled_train.train_layer.__qualname__, {}).get("graphs", 0) >= 1
+    (lp_e, g_e), (lp_c, g_c) = outs[False], outs[True]
+    assert float((lp_c - lp_e).abs().max()) < 0.1
+    for n in g_e:
+        cos = torch.nn.functional.cosine_similarity(g_c[n].flatten(), g_e[n].flatten(), dim=0)
+        assert float(cos) > 0.98, (n, float(cos))
 
 def test_captured_and_compiled_decode_of_a_mixture_match_eager():
     """A mixture's static decode steps on CUDA (the sync-free block): replayed as CUDA graphs
