@@ -430,6 +430,11 @@ class RolloutConfig:
     """In (0, 1].  vLLM: the fraction of the GPU's memory it may take (weights and KV cache).
     native on a GPU: the fraction of free device memory one wave's KV cache may take (waves
     shrink until theirs fits); unused on the CPU."""
+    free_cache_engine: bool = True
+    """The actor gives its generation memory back when training starts: native, the KV cache
+    and the decode graphs (made again at the next iteration's first call); vLLM, it sleeps.
+    False keeps them across iterations (memory to spare: no re-allocation, no re-capture).
+    A rollout pool, which never trains, always keeps them."""
 
     tools: str | None = None
     """Tools of multi-turn rollouts, comma-separated: files whose ``@rlhf.tools.tool``
@@ -475,3 +480,6 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization!r} "
                              f"must be in (0, 1]")
+        if not isinstance(self.free_cache_engine, bool):
+            raise ValueError(f"rollout.free_cache_engine={self.free_cache_engine!r} must be "
+                             f"true or false")

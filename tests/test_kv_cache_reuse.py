@@ -210,3 +210,34 @@ def test_static_steps_stay_over_weights_at_the_same_addresses():
     eng.set_weights({n: t.clone() for n, t in model.params.items()})
     eng.generate(ids, mask, greedy)
     assert eng.memory.cache is cache and eng.memory.static is not static
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_rollout_free_cache_engine_decides_what_the_actor_keeps(free):
+    """``rollout.free_cache_engine`` from the command line to the actor's engine: leaving
+    generation for training drops the KV cache (true, the default) or keeps it for the next
+    iteration (false); a rollout pool, which never trains, keeps it either way."""
+    from engine.hybrid_engine import HybridEngine
+    from engine.train import OptimConfig
+    from rlhf.config import load_config
+    from rlhf.workers.rollout_engine import build_rollout
+
+    settings = load_config([f"rollout.free_cache_engine={str(free).lower()}"]).rollout
+    assert load_config([]).rollout.free_cache_engine is True
+    model = _model(CFG)
+    ids, mask = _prompts(4, 5, padded=False, repeat=False)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    for actor in (True, False):
+        rollout = build_rollout(settings, CFG, model.groups, torch.device("cpu"), None, 0,
+                                sleep_between_phases=actor)
+        assert rollout.engine.keep_cache == (not free or not actor)
+        if not actor:
+            continue
+        hybrid = HybridEngine(model, OptimConfig(lr=1e-3), rollout=rollout)
+        with hybrid.generation_mode():
+            hybrid.rollout.generate(ids, mask, greedy)
+            cache = rollout.engine.memory.cache
+        assert cache is not None
+        assert (rollout.engine.memory.cache is None) == free
+    with pytest.raises(ValueError, match="rollout.free_cache_engine.*'maybe'"):
+        load_config(["rollout.free_cache_engine=maybe"])

@@ -152,17 +152,21 @@ def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGr
         device: the worker's device.
         init_from: the actor's HF folder (vLLM reads its config.json), or None.
         seed: vLLM's global seed.
-        sleep_between_phases: vLLM sleeps outside generation (the actor, which trains on the
-            same GPUs); the rollout pool keeps it awake.
+        sleep_between_phases: the backend gives its memory back outside generation where
+            ``settings.free_cache_engine`` (the actor, which trains on the same GPUs: vLLM
+            sleeps, the native engine drops its KV cache and graphs); the rollout pool keeps
+            it.
         lora: the actor's LoRA adapters (vLLM is built with LoRA enabled at their rank).
         record_routes: the native engine records a mixture of experts' routing
             (``actor.router_replay``).
         experts: the experts this rank computes in generation (generation expert
             parallelism, the native engine; None: every expert).
     """
+    free = sleep_between_phases and settings.free_cache_engine
     if settings.engine == "native":
         return WavedGeneration(GenerationEngine(config, groups, device=device,
-                                                record_routes=record_routes, experts=experts),
+                                                record_routes=record_routes, experts=experts,
+                                                keep_cache=not free),
                                settings.max_num_seqs, settings.gpu_memory_utilization)
     from engine.vllm_rollout import VLLMRollout, build_llm
 
@@ -173,4 +177,4 @@ def build_rollout(settings: RolloutConfig, config: LlamaConfig, groups: HybridGr
                     seed=seed, gpu_memory_utilization=settings.gpu_memory_utilization,
                     max_num_seqs=settings.max_num_seqs,
                     max_lora_rank=lora.rank if lora is not None else None)
-    return VLLMRollout(llm, groups.gen_tp, sleep_level=1 if sleep_between_phases else None)
+    return VLLMRollout(llm, groups.gen_tp, sleep_level=1 if free else None)
