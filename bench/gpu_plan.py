@@ -72,7 +72,11 @@ STEP_TIMES = {
                            "measured for 16 tests in 4 files; now 7 files: about 10 s of new "
                            "tests and 8-10 cold inductor/Triton compiles at about 8 s each, "
                            "and the fast-path cells' tests (LoRA and MoE compiled training, "
-                           "MoE compiled decode, LoRA decode graphs): about 6 more compiles"),
+                           "MoE compiled decode, LoRA decode graphs): about 6 more compiles; "
+                           "packed training through varlen (one compile) and the graphs of "
+                           "an NCCL group's all-reduces (eager steps, no compile): 12 s, less "
+                           "the printed decode throughput test (8 s then, now with its cold "
+                           "compiled decode at a third model shape: about 20 s)"),
     "main_job": StepTime(163.01, 70, 80, 50,
                          "measured: SFT warm start 129 s, then 30 RL iterations 27 s; now the "
                          "warm start is carried (make gpu-sft-cache) and 10 iterations show "

@@ -30,10 +30,14 @@ up to half the bytes of the weights per step).  Key buckets are cut from the cac
 ``positions`` (its buffers' length, which only grows), not from one call's ``max_len``, so
 calls of other prompt lengths reuse the same graphs.
 
-Graphs are used only where the whole step can be captured (:func:`graphs_apply`): a CUDA
-device and no tensor parallelism (``tp_g == 1``: capturing NCCL collectives needs the
-communicator on the capturing stream, which the generation TP group, possibly gloo, does not
-promise).  On pipeline stages each stage captures its own step; the hidden states sent and
+Graphs are used where the whole step can be captured (:func:`graphs_apply`): a CUDA device,
+and under tensor parallelism a generation TP group over NCCL from 2.9.6 (the first NCCL whose
+collectives a CUDA graph can record; torch's process group then leaves the captured work out
+of its watchdog).  The TP all-reduces are recorded with the step and replayed with it: every
+TP rank runs the same rows, so each captures and replays the same (bucket, key bucket) in the
+same order, and the communicator exists before any capture (the prefill's all-reduces made
+it).  Captures run in ``thread_local`` error mode: another thread's CUDA calls (NCCL's
+watchdog querying the events of eager collectives) do not invalidate them.  On pipeline stages each stage captures its own step; the hidden states sent and
 received between the stages and the tokens broadcast back stay outside the graphs.
 Everywhere else the same static step runs eagerly.  A :class:`StaticDecode` lives as long as
 its KV cache's buffers and the weights' addresses (:mod:`engine.decode_memory`: across calls
@@ -50,8 +54,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from engine.kv_cache import DenseKVCache
+from hybridflow_comm.groups import Group
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
@@ -88,10 +94,35 @@ def key_bucket(keys: int, max_len: int) -> int:
     return min(max_len, -(-keys // KEY_STEP) * KEY_STEP)
 
 
-def graphs_apply(device: torch.device, tensor_parallel: bool) -> bool:
+NCCL_CAPTURE = (2, 9, 6)
+"""The first NCCL whose collectives CUDA graphs can record."""
+
+
+def graphs_apply(device: torch.device, tp_backend: str | None,
+                 nccl_version: tuple[int, ...] | None = None) -> bool:
     """Whether a stage's decode step can be captured as a CUDA graph (pure; module
-    docstring)."""
-    return device.type == "cuda" and not tensor_parallel
+    docstring).  ``tp_backend``: the generation TP group's backend (None: no collectives in
+    the step); ``nccl_version``: torch's NCCL."""
+    if device.type != "cuda":
+        return False
+    if tp_backend is None:
+        return True
+    return (tp_backend == "nccl" and nccl_version is not None
+            and tuple(nccl_version) >= NCCL_CAPTURE)
+
+
+def tp_backend(group: Group | None) -> str | None:
+    """The backend of ``group``'s collectives (None: a group of one, none)."""
+    return None if group is None or group.pg is None else dist.get_backend(group.pg)
+
+
+def nccl_version() -> tuple[int, ...] | None:
+    """torch's NCCL version (None: a torch without NCCL)."""
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
 
 
 def resolve_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
@@ -247,7 +278,7 @@ class StaticDecode:
                     self._run(buf, keys)
                 torch.cuda.synchronize(self.device)  # what torch.cuda.graph waits for
                 graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(self.pool)
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
                 try:
                     out = self._run(buf, keys)
                 finally:

@@ -56,7 +56,8 @@ from typing import Any
 import torch
 
 from engine import inductor
-from engine.cuda_graphs import StaticDecode, graphs_apply, resolve_graphs
+from engine.cuda_graphs import StaticDecode, graphs_apply, nccl_version, resolve_graphs, \
+    tp_backend
 from engine.decode_backend import DecodeBackend, Head, Responses, StepTables
 from engine.decode_cpu import CpuDecode
 from engine.decode_cuda import CudaDecode
@@ -102,8 +103,9 @@ class GenerationEngine:
             its own), or None: dense on CUDA, tiled elsewhere.  The dense layout decodes on
             the Python layers (``fused_decode`` False).
         cuda_graphs: replay the decode steps as CUDA graphs per batch bucket
-            (:mod:`engine.cuda_graphs`, each pipeline stage its own); None: on for CUDA.  Only
-            without TP and with the dense layout; elsewhere the steps run eagerly (same
+            (:mod:`engine.cuda_graphs`, each pipeline stage its own); None: on for CUDA.  With
+            the dense layout, and under TP where the TP group runs NCCL
+            (:func:`engine.cuda_graphs.graphs_apply`); elsewhere the steps run eagerly (same
             tokens).
         compile_decode: run the static decode steps' layers ``torch.compile``d
             (:mod:`engine.compiled_decode`: the elementwise chains fused; with TP or experts
@@ -157,8 +159,9 @@ class GenerationEngine:
         # embedding and the stage's layers, a mixture's by the sync-free block), compiled
         # where asked, captured as CUDA graphs where graphs_apply
         self.static_decode = self.kv_layout == "dense"
-        self.cuda_graphs = graphs and self.static_decode and graphs_apply(self.device,
-                                                                          layout.tp_g > 1)
+        self.cuda_graphs = graphs and self.static_decode and graphs_apply(
+            self.device, tp_backend(self.tp_group),
+            nccl_version() if self.device.type == "cuda" else None)
         self.compile_decode = self.static_decode and inductor.compile_applies(compile_decode,
                                                                               self.device)
         self.backend: DecodeBackend = (

@@ -189,8 +189,9 @@ def generate(model: ParallelLlama, calls: int = 1, replay: bool = False, **engin
 
 def check_generation(rank: int, world_size: int, refs: dict) -> int:
     """On every rank: greedy generation at tp_g=2 through the compiled static decode steps,
-    and on two pipeline stages through static steps eager, compiled and replayed (faked
-    captures: each stage's own step), gives the single process's tokens and log-probs."""
+    eager and replayed with their all-reduces (faked captures), and on two pipeline stages
+    through static steps eager, compiled and replayed (each stage's own step), gives the
+    single process's tokens and log-probs."""
     from engine import compiled_decode, inductor
     from engine.cuda_graphs import StaticDecode
     from tests.test_kv_cache_reuse import _fake_capture
@@ -200,14 +201,15 @@ def check_generation(rank: int, world_size: int, refs: dict) -> int:
     checks = 0
     runs = [(kind, tp, pp, kw) for kind in ("dense", "moe") for tp, pp, kw in (
         (2, 1, dict(compile_decode=True)), (1, 2, dict(compile_decode=True)),
-        (1, 2, dict(compile_decode=False, calls=2, replay=True)))]
+        (1, 2, dict(compile_decode=False, calls=2, replay=True)),
+        (2, 1, dict(compile_decode=True, calls=2, replay=True)))]
     for kind, tp, pp, kw in runs:
         model = build(kind, tp, compiled=False, pp=pp)
         if model is None:
             continue
         out = generate(model, kv_layout="dense", **kw)
         assert out.stats["compile_decode"] == kw["compile_decode"], out.stats
-        assert out.stats["graphs_captured"] == 0 or kw.get("replay"), out.stats
+        assert (out.stats["graphs_captured"] >= 1) == bool(kw.get("replay")), out.stats
         assert torch.equal(out.input_ids, refs[kind].input_ids), (kind, tp, pp, kw)
         torch.testing.assert_close(out.log_probs, refs[kind].log_probs, atol=ATOL, rtol=0)
         checks += 1
@@ -216,6 +218,19 @@ def check_generation(rank: int, world_size: int, refs: dict) -> int:
         assert counts.get(name, {}).get("graphs", 0) >= 1, (name, counts)
     assert not any(c._broken or c.eager_calls for c in compiled_decode.COMPILED), counts
     return checks
+
+
+def test_graphs_apply_on_cuda_with_an_nccl_tp_group_only():
+    """Graphs where the step's collectives can be captured: none, or NCCL from 2.9.6."""
+    from engine.cuda_graphs import graphs_apply, tp_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_apply(cuda, None) and not graphs_apply(cpu, None)
+    assert graphs_apply(cuda, "nccl", (2, 21, 5)) and graphs_apply(cuda, "nccl", (2, 9, 6))
+    assert not graphs_apply(cuda, "nccl", (2, 9, 5)) and not graphs_apply(cuda, "nccl", None)
+    assert not graphs_apply(cuda, "gloo", (2, 21, 5)) and not graphs_apply(cpu, "nccl", (2, 21))
+    one = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
+    assert tp_backend(one.gen_tp) is None and tp_backend(None) is None
 
 
 def test_compiled_layers_under_tp_match_single_process(pool2):
@@ -227,4 +242,4 @@ def test_compiled_layers_under_tp_match_single_process(pool2):
         model = build(kind, 1, compiled=False)
         gen_refs[kind] = generate(model)
         assert_clear_picks(model, gen_refs[kind], GREEDY)
-    assert pool2.run(check_generation, gen_refs) == [6, 6]
+    assert pool2.run(check_generation, gen_refs) == [8, 8]
