@@ -170,8 +170,9 @@ def model_config(shape_name: str):
     if shape_name != "tiny":
         return get_shape(shape_name, rl=True).llama_config()
     from rlhf.config import load_config
+    from rlhf.model_arch import llama_config
 
-    return load_config(["algo=grpo"]).actor.model.llama()
+    return llama_config(load_config(["algo=grpo"]).actor.model)
 
 
 def contest(shape_name: str, work: str, device: str = "cpu", precision: str = "fp32",

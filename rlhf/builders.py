@@ -31,6 +31,7 @@ from rlhf.algos import KLLossTerm
 from rlhf.checkpoint import resolve_resume
 from rlhf.config import MAX_MODEL_PARAMS, Config
 from rlhf.controller import Controller, WorkerGroup
+from rlhf.model_arch import llama_config
 from rlhf.planner.models import ModelShape
 from rlhf.programs import Roles, algorithm
 from rlhf.programs.async_rl import RolloutPool
@@ -77,7 +78,7 @@ def check_run(cfg: Config, tokenizer) -> None:
             _check_model(cfg, role)
         except ValueError as e:
             raise ValueError(f"{role}: {e}") from None
-    actor = cfg.actor.model.llama()
+    actor = llama_config(cfg.actor.model)
     if cfg.actor.router_aux_loss_coef is not None and not actor.num_experts:
         raise ValueError(f"actor.router_aux_loss_coef={cfg.actor.router_aux_loss_coef} but the "
                          f"actor ({actor.model_type}) has no experts")
@@ -131,7 +132,7 @@ def check_rollout_engine(cfg: Config) -> None:
 
 def _check_model(cfg: Config, role: str) -> None:
     """The role's architecture is sane and its checkpoint (if any) holds weights."""
-    llama = cfg.model_of(role).llama()  # init_from readable, explicit sizes agree with it
+    llama = llama_config(cfg.model_of(role))  # init_from readable, explicit sizes agree with it
     params = ModelShape(role, llama).params
     if params > MAX_MODEL_PARAMS:
         raise ValueError(f"the model has about {params:.2e} parameters (hidden_size="
@@ -219,7 +220,7 @@ def model_spec(cfg: Config, role: str, head: str, seed_offset: int = 0,
     section = cfg.role(role)
     init = _init_from(cfg, role)
     lora = getattr(section, "lora", None) if adapters else None
-    config = cfg.model_of(role).llama(run_precision(cfg))
+    config = llama_config(cfg.model_of(role), run_precision(cfg))
     coef = getattr(section, "router_aux_loss_coef", None)
     if coef is not None and config.num_experts:
         config = dataclasses.replace(config, router_aux_loss_coef=float(coef))
@@ -295,7 +296,7 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
 
     def group(role: str, cls: type, *args) -> WorkerGroup:
         # the programs read every output: values come with the replies (no fetch round trip)
-        experts = p[role].experts(cfg.model_of(role).llama().num_experts)
+        experts = p[role].experts(llama_config(cfg.model_of(role)).num_experts)
         return ctl.group(cls, p[role].layout, pool=list(p[role].pool), name=role, args=args,
                          values_in_replies=True, experts=experts)
 
@@ -345,7 +346,7 @@ def build_roles(ctl: Controller, cfg: Config, plan: WorldPlan) -> Roles:
 
 def rollout_spec(cfg: Config, sync: SyncSpec) -> RolloutSpec:
     """The rollout pool's workers: the actor's architecture in the run's precision."""
-    return RolloutSpec(config=cfg.actor.model.llama(run_precision(cfg)), sync=sync,
+    return RolloutSpec(config=llama_config(cfg.actor.model, run_precision(cfg)), sync=sync,
                        rollout=cfg.rollout, init_from=cfg.actor.model.init_from, seed=cfg.seed,
                        lora=cfg.actor.lora.engine_config(),
                        record_routes=cfg.actor.router_replay)
@@ -358,7 +359,7 @@ def rollout_pool(ctl: Controller, cfg: Config, plan: WorldPlan, actor: WorkerGro
     a, g = plan.roles["actor"], plan.rollout
     sync = SyncSpec(train=(a.pp, a.tp, a.dp), gen=(g.pp, g.tp, g.dp), train_ranks=a.pool,
                     gen_ranks=g.pool, experts=None if a.ep == 1 else (
-                        cfg.actor.model.llama().num_experts, a.ep, a.gen_pp, a.gen_tp))
+                        llama_config(cfg.actor.model).num_experts, a.ep, a.gen_pp, a.gen_tp))
     group = ctl.group(RolloutWorker, g.layout, pool=list(g.pool), name="rollout",
                       args=(rollout_spec(cfg, sync),), values_in_replies=True)
     for call in [actor.connect_rollout(sync), group.connect_actor()]:  # one collective

@@ -4,17 +4,13 @@ of a frozen model that hold them."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.lora_config import LoraConfig
 from engine.optim_config import OptimConfig
 from rlhf.config_checks import (MAX_COUNT, check_at_most, check_one_of, check_path,
                                 check_positive, check_token_budget)
-
-if TYPE_CHECKING:  # an annotation only: importing this module loads no torch
-    from hybridflow_comm.devices import Precision
 
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "tie_word_embeddings", "num_experts", "num_experts_per_tok")
@@ -31,7 +27,8 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "
 class ModelConfig:
     """A model: an HF checkpoint folder (``init_from``; the architecture then comes from its
     ``config.json``), or the built-in task's tiny Llama (:data:`BUILTIN_ARCH`).  A size field
-    given together with ``init_from`` must agree with the checkpoint."""
+    given together with ``init_from`` must agree with the checkpoint.  The section is data:
+    :mod:`rlhf.model_arch` reads the checkpoint and resolves the engine's architecture."""
 
     init_from: str | None = None
     """HF checkpoint folder (config.json + safetensors, e.g. the SFT warm start); None = random
@@ -72,56 +69,6 @@ class ModelConfig:
             raise ValueError(f"model.num_experts={self.num_experts!r} must be an int >= 0 (0 = "
                              f"a dense MLP)")
         check_at_most(MAX_COUNT, num_experts=self.num_experts)
-
-    def llama(self, precision: Precision | None = None):
-        """The engine's :class:`LlamaConfig`: the checkpoint's (``init_from``) or the built-in
-        architecture, with this section's explicit fields; ValueError naming both values of
-        any field that disagrees with the checkpoint.
-
-        Args:
-            precision: the run's resolved precision (:func:`rlhf.builders.run_precision`): its
-                ``param_dtype`` is the parameters' dtype, whatever dtype the checkpoint
-                stores.  None: fp32, for a caller that reads the architecture only.
-        """
-        from engine.hf_interop import read_hf_config
-        from engine.llama_spec import LlamaConfig
-        from hybridflow_comm.devices import FP32
-
-        dtype = (FP32 if precision is None else precision).param_dtype
-        explicit = {k: getattr(self, k) for k in ARCH_FIELDS if getattr(self, k) is not None}
-        if self.init_from is None:
-            arch = {k: BUILTIN_ARCH[k] for k in ARCH_FIELDS} | explicit
-            if not arch["num_experts"] and "num_experts_per_tok" not in explicit:
-                del arch["num_experts_per_tok"]  # a dense model routes nothing
-            return LlamaConfig(**arch, max_position_embeddings=self.seq_len, dtype=dtype,
-                               model_type="mixtral" if arch["num_experts"] else "llama")
-        if not os.path.isfile(os.path.join(self.init_from, "config.json")):
-            raise ValueError(f"model init_from={self.init_from!r} is not an HF-format folder (no "
-                             f"config.json); create it with rlhf.sft / rlhf.train_rm or "
-                             f"save_pretrained")
-        try:
-            hf = read_hf_config(self.init_from, max_position_embeddings=self.max_seq_len,
-                                dtype=dtype)
-        except ValueError as e:  # an unsupported architecture, a bad value, not JSON
-            raise ValueError(f"model init_from={self.init_from!r}: {e}") from None
-        except (KeyError, TypeError, AttributeError, OSError) as e:
-            raise ValueError(f"model init_from={self.init_from!r}: its config.json is not a "
-                             f"usable HF config ({type(e).__name__}: {e})") from None
-        clash = {k: (v, getattr(hf, k)) for k, v in explicit.items() if getattr(hf, k) != v}
-        if clash:
-            raise ValueError(f"model init_from={self.init_from!r}: the config sets " + ", ".join(
-                f"{k}={mine} but its config.json has {k}={theirs}"
-                for k, (mine, theirs) in clash.items()) + "; drop them or make them agree")
-        return hf
-
-    @property
-    def seq_len(self) -> int:
-        """max_seq_len, resolved (the checkpoint's max_position_embeddings when None)."""
-        if self.max_seq_len is not None:
-            return self.max_seq_len
-        if self.init_from is None:
-            return BUILTIN_ARCH["max_seq_len"]
-        return self.llama().max_position_embeddings
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from hybridflow_comm.devices import Precision
 from hybridflow_comm.groups import Group
 from rlhf.builders import run_precision, task_of
 from rlhf.config import load_config, resolve_devices
+from rlhf.model_arch import llama_config
 from rlhf.sft_loop import META, train_steps
 from rlhf.task import AdditionTask, CharTokenizer
 from rlhf.workers.specs import ModelSpec
@@ -79,7 +80,7 @@ def main_builtin(a: argparse.Namespace) -> int:
     task = task_of(cfg)
     start = cfg.actor.model.init_from  # continue from a checkpoint (a second SFT phase)
     precision = run_precision(cfg)
-    config = cfg.actor.model.llama(precision)
+    config = llama_config(cfg.actor.model, precision)
     settings = {"model": config.to_dict(), "task": vars(task),  # the dtype included
                 "steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": cfg.seed,
                 "noise": a.noise, "carry_errors": a.carry_errors,

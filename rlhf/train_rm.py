@@ -27,6 +27,7 @@ from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.devices import Precision
 from rlhf.builders import run_precision, task_of
 from rlhf.config import load_config, resolve_devices
+from rlhf.model_arch import llama_config
 from rlhf.task import CharTokenizer, CostRule
 from rlhf.workers.common import build_model, last_token_index
 from rlhf.workers.specs import ModelSpec
@@ -108,8 +109,9 @@ def main(argv: list[str]) -> int:
         return 2
     role = "reward_model" if a.kind == "reward" else "cost_model"
     precision = run_precision(cfg)
-    args = ModelSpec(config=cfg.model_of(role).llama(precision), head="value", init_from=a.init,
-                     seed=cfg.seed + 3, fresh_head=False, lora=None, lora_init_from=None)
+    args = ModelSpec(config=llama_config(cfg.model_of(role), precision), head="value",
+                     init_from=a.init, seed=cfg.seed + 3, fresh_head=False, lora=None,
+                     lora_init_from=None)
     rule = CostRule(cfg.reward.forbidden_digit, cfg.reward.max_answer_len)
     width = cfg.data.max_prompt_len + cfg.data.max_response_len
     res = train_rm(args, a.kind, task_of(cfg), rule, CharTokenizer.build(), out=a.out,

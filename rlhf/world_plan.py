@@ -21,6 +21,7 @@ from hybridflow_comm.expert_layout import ExpertLayout
 from hybridflow_comm.layout import HybridLayout, ParallelLayout
 from hybridflow_comm.sizes import divisors
 from rlhf.config import Config
+from rlhf.model_arch import llama_config, seq_len
 from rlhf.programs import algorithm
 from rlhf.programs.registry import TRAINED_ROLES
 
@@ -141,7 +142,7 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
                              f"{mp * dp} ranks but its pool has {size}; set {role}.layout.dp="
                              f"{size // mp} (or 0 to fill the pool)")
         try:
-            config.model_of(role).llama().check_parallel(lay.pp, lay.tp)
+            llama_config(config.model_of(role)).check_parallel(lay.pp, lay.tp)
         except ValueError as e:
             raise ValueError(f"{role}: {e}") from None
         gen_pp, gen_tp = _generation_layout(config, role)
@@ -176,8 +177,8 @@ def validate_for_world(config: Config, world_size: int) -> WorldPlan:
         _check_generation_split(config, plans["actor"].dp_g)
     need = d.max_prompt_len + d.max_response_len
     for role in config.roles:
-        if config.model_of(role).seq_len < need:
-            raise ValueError(f"{role}: model max_seq_len={config.model_of(role).seq_len} < "
+        if seq_len(config.model_of(role)) < need:
+            raise ValueError(f"{role}: model max_seq_len={seq_len(config.model_of(role))} < "
                              f"max_prompt_len + max_response_len = {need}")
     return WorldPlan(world_size, pools, plans, rollout)
 
@@ -193,7 +194,7 @@ def _check_experts(config: Config, role: str, dp: int, gen_pp: int, gen_tp: int
                          f"leave it at 1")
     if lay.ep == 1 and lay.gen_ep == 1:
         return 1, 1
-    experts = config.model_of(role).llama().num_experts
+    experts = llama_config(config.model_of(role)).num_experts
     if not experts:
         raise ValueError(f"{role}.layout.ep={lay.ep}, gen_ep={lay.gen_ep} but the model has no "
                          f"experts (num_experts=0); leave them at 1")

@@ -42,6 +42,7 @@ from rlhf.config import AlgoConfig, PolicyLossConfig, load_config
 from rlhf.controller import Batch
 from rlhf.evaluation import Evaluator, evaluation_examples
 from rlhf.metrics import PhaseTimer, read_metrics
+from rlhf.model_arch import llama_config
 from rlhf.programs import Iteration, Roles, algorithm
 from rlhf.programs import algorithm_names
 from rlhf.programs.async_rl import RolloutPool
@@ -355,7 +356,7 @@ def test_disaggregated_actor_buffer_is_the_training_shard(layout):
     assert (a.gen_pp, a.gen_tp, a.dp_g) == (a.pp, a.tp, a.dp)
     r = validate_for_world(disagg, 6).rollout
     assert (r.pp, r.tp) == (c.gen_pp, c.gen_tp) and r.dp_g == 2 // (c.gen_pp * c.gen_tp)
-    specs = llama_shard_specs(disagg.actor.model.llama(), a.pp)
+    specs = llama_shard_specs(llama_config(disagg.actor.model), a.pp)
     saved = 0
     for rank in range(4):
         pp_rank = a.layout.train.coords(rank).pp
@@ -500,7 +501,7 @@ def test_disaggregated_actor_holds_its_training_shard_only(runs):
     overrides = RUNS["async1"]
     cfg = load_config(base_overrides(overrides) + overrides)
     a = validate_for_world(cfg, 4).roles["actor"]
-    specs = llama_shard_specs(cfg.actor.model.llama(), a.pp)
+    specs = llama_shard_specs(llama_config(cfg.actor.model), a.pp)
     assert a.tp == 2 and cfg.actor.layout.gen_tp == 1
     want = max(_train_shard_bytes(specs, a.layout.train.coords(r).pp, a.tp) for r in range(2))
     got = out["async1"]["records"][0]["memory/actor_weights_gb"]

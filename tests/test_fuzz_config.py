@@ -28,6 +28,7 @@ import torch.distributed
 from rlhf import train, train_launch
 from rlhf.config import MAX_COUNT, SEED_LIMIT, Config
 from rlhf.config_io import _dataclass_of
+from rlhf.model_arch import llama_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["actor.layout.tp=1"]  # ppo on a world of one: valid, so each case breaks one thing
@@ -306,7 +307,7 @@ def bad_files(tmp_path_factory) -> str:
     from engine.hf_interop import config_to_hf
     from rlhf.config import load_config
 
-    config_to_hf(load_config(BASE).actor.model.llama()).save_pretrained(
+    config_to_hf(llama_config(load_config(BASE).actor.model)).save_pretrained(
         os.path.join(t, "ckpt_no_weights"))  # config.json only
     return t
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlhf.checkpoint import load_checkpoint
+from rlhf.model_arch import llama_config
 from rlhf.programs import algorithm_names
 from tests.test_user_algorithm import readme_algorithm
 from rlhf.metrics import read_metrics
@@ -272,14 +273,14 @@ def test_init_from_checked_before_launch(tmp_path):
 
     with pytest.raises(ValueError, match="init_from='/nonexistent' is not an HF-format folder"):
         check_run(load_config(["actor.model.init_from=/nonexistent"]), CharTokenizer.build())
-    other = load_config(["actor.model.hidden_size=32"]).actor.model.llama()
+    other = llama_config(load_config(["actor.model.hidden_size=32"]).actor.model)
     config_to_hf(other).save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match=r"the config sets hidden_size=64 but its config.json "
                                          r"has hidden_size=32"):
         check_run(load_config([f"actor.model.init_from={tmp_path}", "actor.model.hidden_size=64"]),
                   CharTokenizer.build())
     # sizes left out come from the checkpoint
-    assert load_config([f"actor.model.init_from={tmp_path}"]).actor.model.llama() == other
+    assert llama_config(load_config([f"actor.model.init_from={tmp_path}"]).actor.model) == other
     with pytest.raises(ValueError, match=r"vocab_size=32 but the tokenizer \(built-in\) has 24"):
         check_run(load_config(["actor.model.vocab_size=32"]), CharTokenizer.build())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from engine.llama_spec import LlamaConfig
 from hybridflow_comm.model_shape import ModelShape
+from rlhf.model_arch import llama_config
 
 __all__ = ["PRESETS", "ModelShape", "model_shape", "shape_from_model_config"]
 
@@ -49,4 +50,4 @@ def model_shape(name: str) -> ModelShape:
 def shape_from_model_config(model, name: str = "model") -> ModelShape:
     """A :class:`ModelShape` from an :class:`rlhf.config.ModelConfig` (its resolved
     architecture: the checkpoint's or the built-in one)."""
-    return ModelShape(name, model.llama())
+    return ModelShape(name, llama_config(model))
