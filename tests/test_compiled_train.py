@@ -179,17 +179,15 @@ def test_bf16_train_step_with_compiled_layers():
     assert float((moves[True].sign() == moves[False].sign()).double().mean()) > 0.95
 
 
-@pytest.mark.parametrize("kind", ["lora", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_compiled_layers_take_packed_sequences(kind):
-    """Sequences packed on one row through the compiled layers (a dense layer with its LoRA
-    adapters, and a mixture's regions; the attention of each sequence
-    on its own as the block-diagonal mask on the CPU) against the eager layers' one attention
-    per sequence: log-probs and every gradient, for three packings (an empty sequence among
-    them); once sizes are symbolic a new packing compiles nothing: the boundaries are a
-    tensor, not guarded on."""
+    """Sequences packed on one row through the compiled layers (a dense layer, and a
+    mixture's regions; the attention of each sequence on its own as the block-diagonal mask
+    on the CPU) against the eager layers' one attention per sequence: log-probs and every
+    gradient, for three packings (an empty sequence among them); once sizes are symbolic a
+    new packing compiles nothing: the boundaries are a tensor, not guarded on."""
     cfg = MOE if kind == "moe" else CFG
-    lora = LoraConfig(rank=2, alpha=4.0, target_modules="all-linear") if kind == "lora" else None
-    eager, compiled = _model(cfg, False, lora), _model(cfg, True, lora)
+    eager, compiled = _model(cfg, False), _model(cfg, True)
     fn = compiled_train.attention_part if kind == "moe" else compiled_train.train_layer
     graphs = []
     for bounds in ((0, 5, 14), (0, 3, 3, 9, 17), (0, 2, 8, 20)):
@@ -203,11 +201,7 @@ def test_compiled_layers_take_packed_sequences(kind):
             assert _rel(g_c[n], g_e[n].double()) < 1e-5, (bounds, n)
         graphs.append(_graphs(fn))
     assert graphs[0] >= 1 and graphs[2] == graphs[1]
-    # one sequence seeing another would change the log-probs: the mask is doing the work
-    ids, _ = _batch(1, 14, padded=False)
-    lp_split, _ = _pass(compiled, ids, None, grad=False, packed=PackedSeqs((0, 5, 14)))
-    lp_whole, _ = _pass(compiled, ids, None, grad=False)
-    assert float((lp_split[:, 5:] - lp_whole[:, 5:]).abs().max()) > 1e-3
+
 
 
 @pytest.mark.parametrize("padded", [False, True])
