@@ -3,8 +3,11 @@
 The block is pure maths over its arguments.  What a training forward keeps besides (the
 router's load-balancing term, :class:`engine.router_loss.RouterLoss`) and the experts each
 token went to (recorded or replayed, :class:`engine.route_trace.RouteTrace`) reach it as
-objects with one method each (:class:`RouterLossTerms`, :class:`RouteRecord`); the block owns
-no training state.
+small protocols (:class:`RouterLossTerms`, :class:`RouteRecord`); the block owns no training
+state.  The block is its routing (:func:`route`: :func:`router_probs`, then :func:`choose`)
+and its dispatch (:func:`dispatch`: the pairs sorted by expert, :func:`expert_rows` over
+them, the weighted sum back per token), so compiled code can run each part
+(:mod:`engine.compiled_train`).
 """
 
 from __future__ import annotations
