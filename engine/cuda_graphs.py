@@ -1,8 +1,8 @@
 """Decode steps at static shapes per batch bucket, replayed as CUDA graphs.
 
 A CUDA graph records the kernels of one decode step of a generation stage (the first stage's
-embedding and every layer of the stage) with all addresses fixed; ``graph.replay()`` then launches them in one call, with no Python
-and no per-kernel launch cost.  As in vLLM and nano-vllm, one graph per batch bucket: the
+embedding and every layer of the stage) with all addresses fixed; ``graph.replay()`` then
+launches them in one call, with no Python and no per-kernel launch cost.  As in vLLM and nano-vllm, one graph per batch bucket: the
 running rows ``R`` are padded to the smallest bucket ``b >= R`` (:func:`bucket`)::
 
     buckets      1 2 4 8 16 32 48 64 ... (multiples of 16)
@@ -37,8 +37,9 @@ of its watchdog).  The TP all-reduces are recorded with the step and replayed wi
 TP rank runs the same rows, so each captures and replays the same (bucket, key bucket) in the
 same order, and the communicator exists before any capture (the prefill's all-reduces made
 it).  Captures run in ``thread_local`` error mode: another thread's CUDA calls (NCCL's
-watchdog querying the events of eager collectives) do not invalidate them.  On pipeline stages each stage captures its own step; the hidden states sent and
-received between the stages and the tokens broadcast back stay outside the graphs.
+watchdog querying the events of eager collectives) do not invalidate them.  On pipeline
+stages each stage captures its own step; the hidden states sent and received between the
+stages and the tokens broadcast back stay outside the graphs.
 Everywhere else the same static step runs eagerly.  A :class:`StaticDecode` lives as long as
 its KV cache's buffers and the weights' addresses (:mod:`engine.decode_memory`: across calls
 and, where kept, iterations): it captures a (bucket, key bucket) the first time one runs, all
