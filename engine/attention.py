@@ -180,7 +180,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              f"KV hook, got q {tuple(q.shape)}")
         return _packed_attention(q, k, v, mask)
     if isinstance(mask, PackedBounds):
-        if varlen.applies(q):
+        if q.shape[0] != 1 or kv_hook is not None:
+            raise ValueError(f"packed attention needs one row and no KV hook, got q "
+                             f"{tuple(q.shape)}")
+        if varlen.applies(q) and q.shape[1] > 0:
             return varlen.causal_attention(q, k, v, mask.cu_seqlens, mask.longest)
         mask = document_mask(mask.cu_seqlens, q.shape[1])
     if kv_hook is not None:

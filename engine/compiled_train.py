@@ -77,7 +77,8 @@ import torch
 from engine import inductor, varlen
 from engine.attention import PackedBounds, PackedSeqs
 from engine.layers import ATTENTION_KEYS, MLP_KEYS, REPLICATED_KEYS, LayerSpec, LoraDeltas, \
-    attention_block, decoder_layer as eager_layer, swiglu_block
+    attention_block, decoder_layer as eager_layer, mlp_block, swiglu_block
+from engine.expert_parallel import ExpertParallel
 from engine.lora import compiled_adapters, lora_from_values
 from engine.lora_config import ATTENTION, MLP
 from engine.moe import RouteRecord, RouterLossTerms, choose, dispatch, expert_rows, \
@@ -162,7 +163,11 @@ def routed_mlp(h: torch.Tensor, w: Mapping[str, torch.Tensor], spec: LayerSpec,
                router_loss: RouterLossTerms | None, trace: RouteRecord | None) -> torch.Tensor:
     """A mixture's MLP half (:func:`engine.moe.moe_block` of ``norm(h)``): the norm and the
     routing in one compiled function, the experts' products in another, the sorting of the
-    pairs and the EP exchange between them eager."""
+    pairs and the EP exchange between them eager.  Another block than these two (a
+    ``spec.moe`` of a caller's own) runs eagerly."""
+    if spec.moe is not None and not isinstance(spec.moe, ExpertParallel):
+        return mlp_block(rms_norm(h, w["post_norm"], spec.eps), w, spec, None, router_loss,
+                         trace)
     routing = spec.routing
     given = trace.replayed(h.device) if trace is not None else None
     tokens, probs, own, weights, chosen = compiled_route(

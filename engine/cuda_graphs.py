@@ -2,8 +2,9 @@
 
 A CUDA graph records the kernels of one decode step of a generation stage (the first stage's
 embedding and every layer of the stage) with all addresses fixed; ``graph.replay()`` then
-launches them in one call, with no Python and no per-kernel launch cost.  As in vLLM and nano-vllm, one graph per batch bucket: the
-running rows ``R`` are padded to the smallest bucket ``b >= R`` (:func:`bucket`)::
+launches them in one call, with no Python and no per-kernel launch cost.  As in vLLM and
+nano-vllm, one graph per batch bucket: the running rows ``R`` are padded to the smallest
+bucket ``b >= R`` (:func:`bucket`)::
 
     buckets      1 2 4 8 16 32 48 64 ... (multiples of 16)
     key buckets  L = 128 256 384 ... max_len: the step at position pos attends over the
@@ -112,9 +113,21 @@ def graphs_apply(device: torch.device, tp_backend: str | None,
             and tuple(nccl_version) >= NCCL_CAPTURE)
 
 
+def cuda_backend(backend: str) -> str | None:
+    """The backend a process group of ``backend`` runs CUDA tensors' collectives on (pure):
+    ``"nccl"`` of ``"nccl"`` and of a per-device map such as ``"cpu:gloo,cuda:nccl"``
+    (:func:`hybridflow_comm.devices.backend_for`); None where the map has no CUDA entry."""
+    if ":" not in backend:
+        return backend
+    devices = dict(part.split(":", 1) for part in backend.split(","))
+    return devices.get("cuda")
+
+
 def tp_backend(group: Group | None) -> str | None:
-    """The backend of ``group``'s collectives (None: a group of one, none)."""
-    return None if group is None or group.pg is None else dist.get_backend(group.pg)
+    """The backend of ``group``'s collectives on CUDA tensors (None: a group of one, none)."""
+    if group is None or group.pg is None:
+        return None
+    return cuda_backend(dist.get_backend(group.pg))
 
 
 def nccl_version() -> tuple[int, ...] | None:

@@ -116,10 +116,11 @@ def dispatch_ep(tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     arrived = all_to_all_rows(rows, send_counts, recv_counts, ep_group)
     # 4. group by expert, each expert once, back to arrival order.
     expert_of = torch.arange(per, device=tokens.device).repeat(ep).repeat_interleave(
-        recv.flatten())
+        recv.flatten(), output_size=sum(recv_counts))
     by_expert = torch.argsort(expert_of, stable=True)
+    per_expert = torch.tensor([sum(col) for col in zip(*table[ep:])])  # on the host: no wait
     held = expert_weights(w, range(first, first + per))
-    outs = rows_fn(arrived[by_expert], recv.sum(0), held)
+    outs = rows_fn(arrived[by_expert], per_expert, held)
     done = torch.empty_like(by_expert)
     done[by_expert] = torch.arange(by_expert.numel(), device=tokens.device)
     # 5. back to this rank, weighted, summed per token, joined over TP.

@@ -19,7 +19,8 @@ an unsupported torch) warns once and leaves that function eager for the process,
 during a CUDA graph capture, where it is raised (eager work would land in a capture the failure
 may have invalidated).  A call past dynamo's recompile limit (``recompile_limit``, 8 variants
 of one function's code; ``fullgraph=True`` makes dynamo raise it) runs eagerly, with one
-warning.  :func:`fallbacks` and :func:`compile_counts` report both, for the benches' records.
+warning (a function may set its own limit: :class:`Compiled` ``recompile_limit``).
+:func:`fallbacks` and :func:`compile_counts` report both, for the benches' records.
 """
 
 from __future__ import annotations

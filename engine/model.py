@@ -68,7 +68,8 @@ class ParallelLlama(nn.Module):
         compile_layers: run the decoder layers through one ``torch.compile``d function
             (:mod:`engine.compiled_train`: the elementwise chains fused, forward and
             backward; with TP or experts, the regions between the collectives); None: on
-            for CUDA.  Packed micro-batches run eagerly.  The same results up to float
+            for CUDA.  Packed micro-batches too where
+            :func:`engine.compiled_train.takes_packed`.  The same results up to float
             summation order.
     """
 

@@ -131,7 +131,8 @@ def expert_rows(rows: torch.Tensor, counts: torch.Tensor,
                 experts: Sequence[ExpertWeights]) -> torch.Tensor:
     """``rows [n, H]`` grouped by expert (the first ``counts[0]`` rows for ``experts[0]``,
     and so on) -> each group's :func:`swiglu_expert`, ``[n, H]`` in the same order.
-    The one host read of the block is ``counts``; under ``torch.compile`` (with
+    ``counts`` is read on the host (a device tensor: the block's one wait for the host; a
+    host tensor, as expert parallelism passes, none); under ``torch.compile`` (with
     ``capture_scalar_outputs``) they are unbacked sizes, so the function compiles whole."""
     sizes = counts.tolist()
     if torch.compiler.is_compiling():  # the unbacked sizes' bounds, for the tracer
@@ -214,8 +215,3 @@ class MoeFn(Protocol):
     def __call__(self, x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: MoeRouting,
                  tp_group: Group | None, router_loss: RouterLossTerms | None = None,
                  trace: RouteRecord | None = None) -> torch.Tensor: ...
-
-    def dispatch(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                 w: Mapping[str, torch.Tensor], tp_group: Group | None,
-                 rows_fn: ExpertRows = expert_rows) -> torch.Tensor:
-        """The block after its routing (as :func:`dispatch`)."""

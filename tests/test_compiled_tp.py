@@ -221,8 +221,9 @@ def check_generation(rank: int, world_size: int, refs: dict) -> int:
 
 
 def test_graphs_apply_on_cuda_with_an_nccl_tp_group_only():
-    """Graphs where the step's collectives can be captured: none, or NCCL from 2.9.6."""
-    from engine.cuda_graphs import graphs_apply, tp_backend
+    """Graphs where the step's collectives can be captured: none, or NCCL from 2.9.6 (also
+    where the run's groups name a backend per device)."""
+    from engine.cuda_graphs import cuda_backend, graphs_apply, tp_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert graphs_apply(cuda, None) and not graphs_apply(cpu, None)
@@ -231,6 +232,11 @@ def test_graphs_apply_on_cuda_with_an_nccl_tp_group_only():
     assert not graphs_apply(cuda, "gloo", (2, 21, 5)) and not graphs_apply(cpu, "nccl", (2, 21))
     one = build_hybrid_groups(HybridLayout(ParallelLayout(1, 1, 1), 1, 1))
     assert tp_backend(one.gen_tp) is None and tp_backend(None) is None
+    # a run's groups: one backend per device (hybridflow_comm.devices.backend_for)
+    from hybridflow_comm.devices import backend_for
+
+    assert cuda_backend(backend_for(cuda)) == "nccl" and cuda_backend("nccl") == "nccl"
+    assert cuda_backend("gloo") == "gloo" and cuda_backend("cpu:gloo") is None
 
 
 def test_compiled_layers_under_tp_match_single_process(pool2):

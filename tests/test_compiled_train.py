@@ -247,7 +247,8 @@ def test_compiled_layers_of_a_mixture_match_eager():
         grads = {n: p.grad.clone() for n, p in model.params.items() if p.grad is not None}
         with torch.no_grad():
             replayed = model.stage_forward(ids, mask, routes=RouteTrace(replay=trace.recorded()))
-        runs[compiled] = lp.detach(), grads, float(loss.total().detach()), trace.recorded(), replayed
+        runs[compiled] = (lp.detach(), grads, float(loss.total().detach()), trace.recorded(),
+                          replayed)
     (lp_e, g_e, l_e, r_e, h_e), (lp_c, g_c, l_c, r_c, h_c) = runs[False], runs[True]
     real = mask[:, 1:].bool()
     assert torch.allclose(lp_c[real], lp_e[real], atol=2e-5, rtol=0)
