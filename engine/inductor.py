@@ -193,9 +193,11 @@ class Compiled:
                           f" {exc}); running it eagerly", RuntimeWarning, stacklevel=2)
             return self.fn(first, *args)
 
-    def _tracing(self) -> contextlib.ExitStack:
+    def _tracing(self):
         """Dynamo's settings of this function inside: ``capture_scalar_outputs`` with
         ``scalar_outputs``, its ``recompile_limit`` (both read when a call compiles)."""
+        if not self.scalar_outputs and self.recompile_limit is None:
+            return contextlib.nullcontext()  # the common case, every call of a decode step
         import torch._dynamo.config as dynamo_config  # not at import: it sets inductor's cache
 
         stack = contextlib.ExitStack()

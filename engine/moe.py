@@ -114,11 +114,6 @@ def swiglu_expert(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     return row_linear(h, down, None)
 
 
-def expert_ffn(rows: torch.Tensor, w: Mapping[str, torch.Tensor], e: int) -> torch.Tensor:
-    """Expert ``e``'s :func:`swiglu_expert` of ``rows [n, H]``."""
-    return swiglu_expert(rows, w[f"experts.{e}.gate_up"], w[f"experts.{e}.down_proj"])
-
-
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[num_experts]`` int64: how many entries of ``experts`` (any shape) name each expert
     (a fixed size, so traced code knows it without reading the values)."""
@@ -166,7 +161,7 @@ def dispatch(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
         mine = held_mask if held_mask is not None else experts_mask(experts, num_experts,
                                                                     flat.device)
         order = order[mine[flat[order]]]
-        counts = counts[mine]
+        counts = counts.cpu()[held]  # on the host, where expert_rows reads them
     token_of = order // top_k
     inputs = copy_to_tp(tokens, tp_group)[token_of]  # [pairs, H], expert after expert
     outs = rows_fn(inputs, counts, expert_weights(w, held))  # no tokens: 0 rows

@@ -2,7 +2,7 @@
 can be compiled whole and captured as a CUDA graph.
 
 :func:`engine.moe.moe_block` runs each expert over the tokens routed to it, sized by a
-count read on the host (``bincount(...).tolist()``): the fewest products, but a sync per
+count read on the host (:func:`engine.moe.expert_rows`): the fewest products, but a sync per
 layer and shapes that change every step.  Here every held expert runs over every token of
 the step, and the routing weights, scattered to a dense ``[N, E]`` gate that is zero where an
 expert was not chosen, select what each token keeps::
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from engine.moe import MoeRouting, RouteRecord, expert_ffn, route
+from engine.moe import MoeRouting, RouteRecord, expert_weights, route, swiglu_expert
 from engine.tp_ops import reduce_from_tp
 from hybridflow_comm.groups import Group
 
@@ -55,6 +55,6 @@ def static_moe_block(x: torch.Tensor, w: Mapping[str, torch.Tensor], routing: Mo
     gate = routing_gate(weights, chosen, num_experts)
     held = range(num_experts) if experts is None else sorted(experts)
     out = torch.zeros_like(tokens)
-    for e in held:
-        out = out + gate[:, e:e + 1] * expert_ffn(tokens, w, e)
+    for e, weights_e in zip(held, expert_weights(w, held)):
+        out = out + gate[:, e:e + 1] * swiglu_expert(tokens, *weights_e)
     return reduce_from_tp(out, tp_group).reshape(shape)
